@@ -1,0 +1,30 @@
+# Two entry points: `make run` (set up + the CPU default job) and `make test` (set up + the test suite).
+# The venv is created on first use; torch is pinned through constraints.txt so pip never pulls a CUDA build.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+CONFIG  ?= configs/tiny_cpu.yaml
+ARGS    ?=
+
+.PHONY: setup run test bench clean
+
+$(BIN)/.installed: pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+run: setup
+	$(BIN)/jagg-train $(CONFIG) $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+bench: setup
+	$(BIN)/python tools/bench_window.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,314 @@
+"""Single-process, crash-safe checkpoints: safetensors for weights, ``torch.save`` for everything else.
+
+Why this layout: a GRPO run is long and preemptible, so a checkpoint must never *look* usable when it is
+not. A save writes into a hidden temp dir ``root/.tmp_step_...``, fsyncs every file, writes
+``manifest.json`` (step, byte size and sha256 of every file), writes the ``COMPLETE`` marker last (it holds
+the manifest's sha256, so the manifest is covered too) and only then renames the dir to
+``root/step_{step:08d}``. A rename within one filesystem is atomic, so a crash at any point leaves the old
+state or a whole new checkpoint, never a half-written ``step_*`` dir. Readers still verify (marker,
+manifest, sizes, hashes) because disks, copies and people break files after the fact, and
+``find_resume_checkpoint`` falls back to the newest checkpoint that passes.
+
+Weights go to safetensors (no pickle, mmap-able, readable by other tools); optimizer and RNG state are nested
+Python objects (tuples, numpy arrays) that only ``torch.save`` round-trips exactly. One process owns ``root``:
+stale ``.tmp_*`` dirs are deleted after every successful save. The multi-rank DCP variant is a separate module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+COMPLETE = "COMPLETE"
+STATE = "state.json"
+FORMAT_VERSION = 1
+_TMP_PREFIX = ".tmp_"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is incomplete or corrupt; the message names the path and the problem."""
+
+
+@dataclass
+class Checkpoint:
+    """Everything one ``save_checkpoint`` call wrote, loaded back."""
+
+    step: int
+    tensors: dict[str, dict[str, torch.Tensor]]
+    objects: dict[str, Any]
+    state: dict
+    path: Path
+
+
+def checkpoint_dir(root: str | os.PathLike, step: int) -> Path:
+    """Final directory of ``step`` (zero-padded so names sort like steps in ``ls``)."""
+    return Path(root) / f"step_{step:08d}"
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, *, tensors: Mapping[str, Mapping[str, torch.Tensor]],
+                    objects: Mapping[str, Any], state: dict, keep_last: int | None = None) -> Path:
+    """Atomically write ``root/step_{step:08d}/`` and return its path (see the module docstring for the protocol).
+
+    ``tensors`` maps a name to a state dict (``<name>.safetensors``), ``objects`` a name to any picklable
+    object (``<name>.pt``), ``state`` is JSON trainer state (``state.json``). An existing dir for the same step
+    (e.g. from a run that crashed after this step and is replaying it) is replaced only once the new one is
+    complete. ``keep_last`` then deletes the oldest complete checkpoints beyond that many, never this one.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
+    for name in [*tensors, *objects]:  # names become file names: keep them plain
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise ValueError(f"invalid checkpoint entry name {name!r}: use letters, digits, '_', '.', '-'")
+    state_bytes = json.dumps(state, indent=2, sort_keys=True).encode()  # fail on bad state before any I/O
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_dir(root, step)
+    tmp = root / f"{_TMP_PREFIX}{final.name}_{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        files = [_write_tensors(tmp / f"{name}.safetensors", sd) for name, sd in tensors.items()]
+        files += [_write_object(tmp / f"{name}.pt", obj) for name, obj in objects.items()]
+        files.append(_write_bytes(tmp / STATE, state_bytes))
+        manifest = {"format_version": FORMAT_VERSION, "step": step, "tensors": list(tensors),
+                    "objects": list(objects),
+                    "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
+        manifest_bytes = json.dumps(manifest, indent=2, sort_keys=True).encode()
+        _write_bytes(tmp / MANIFEST, manifest_bytes)
+        _write_complete(tmp, manifest_bytes)
+        _fsync_dir(tmp)
+        _publish(tmp, final)
+    except BaseException:
+        _remove_tree(tmp)  # best effort; a hard kill leaves it for the next save's cleanup
+        raise
+
+    _clean_stale_tmp(root)
+    if keep_last is not None:
+        _prune(root, keep_last, protect=final)
+    log.info("saved checkpoint %s", final)
+    return final
+
+
+def _write_tensors(path: Path, state_dict: Mapping[str, torch.Tensor]) -> Path:
+    # One contiguous CPU copy per entry: safetensors refuses tensors that share storage (tied weights)
+    # and non-contiguous views, and copying also decouples the file from training that continues after.
+    cpu = {}
+    for key, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{path.name}: entry {key!r} is {type(t).__name__}, not a tensor; put it in objects")
+        cpu[key] = t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+    save_file(cpu, str(path))
+    _fsync_path(path)
+    return path
+
+
+def _write_object(path: Path, obj: Any) -> Path:
+    return _write_fsynced(path, lambda f: torch.save(obj, f))
+
+
+def _write_bytes(path: Path, data: bytes) -> Path:
+    return _write_fsynced(path, lambda f: f.write(data))
+
+
+def _write_fsynced(path: Path, write) -> Path:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def _write_complete(tmp: Path, manifest_bytes: bytes) -> None:
+    """The marker is the commit record: written last, it vouches for the manifest by hash."""
+    _write_bytes(tmp / COMPLETE, (hashlib.sha256(manifest_bytes).hexdigest() + "\n").encode())
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``; an existing ``final`` is moved aside first (POSIX can't replace a non-empty dir)."""
+    if not final.exists():
+        os.replace(tmp, final)
+    else:
+        aside = final.parent / f"{_TMP_PREFIX}old_{final.name}_{uuid.uuid4().hex[:8]}"
+        os.replace(final, aside)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            os.replace(aside, final)  # put the previous one back rather than leave no step dir at all
+            raise
+        _fsync_dir(final.parent)
+        _remove_tree(aside)
+    _fsync_dir(final.parent)
+
+
+def _clean_stale_tmp(root: Path) -> None:
+    for p in root.iterdir():
+        if p.name.startswith(_TMP_PREFIX):
+            log.info("removing stale temp checkpoint %s", p)
+            _remove_tree(p)
+
+
+def _prune(root: Path, keep_last: int, protect: Path) -> None:
+    complete = [p for p in list_checkpoints(root) if (p / COMPLETE).is_file()]
+    keep = set(complete[-keep_last:]) | {protect}
+    for p in complete:
+        if p not in keep:
+            # Rename first so a crash mid-delete can't leave a step_* dir with a marker but missing files.
+            doomed = root / f"{_TMP_PREFIX}del_{p.name}_{uuid.uuid4().hex[:8]}"
+            os.replace(p, doomed)
+            _remove_tree(doomed)
+            log.info("deleted old checkpoint %s (keep_last=%d)", p, keep_last)
+
+
+def _remove_tree(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Persist renames/creations in ``path``; not possible on every OS (e.g. Windows), hence best effort."""
+    try:
+        _fsync_path(path)
+    except OSError:
+        pass
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """All ``step_*`` dirs under ``root`` sorted by step, complete or not (temp dirs never appear)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Raise ``CheckpointError`` unless ``path`` is a complete checkpoint whose files match its manifest."""
+    _verify(Path(path))
+
+
+def _verify(path: Path) -> dict:
+    def fail(problem: str):
+        raise CheckpointError(f"checkpoint {path}: {problem}")
+
+    if not path.is_dir():
+        fail("not a directory")
+    if not (path / COMPLETE).is_file():
+        fail(f"missing {COMPLETE} marker (the save did not finish)")
+    if not (path / MANIFEST).is_file():
+        fail(f"missing {MANIFEST}")
+    raw = (path / MANIFEST).read_bytes()
+    if (path / COMPLETE).read_text().strip() != hashlib.sha256(raw).hexdigest():
+        fail(f"{MANIFEST} sha256 does not match the {COMPLETE} marker")
+    try:
+        manifest = json.loads(raw)
+        step = int(manifest["step"])
+        files = {n: (int(e["bytes"]), str(e["sha256"])) for n, e in manifest["files"].items()}
+        listed = [f"{n}.safetensors" for n in manifest["tensors"]] + [f"{n}.pt" for n in manifest["objects"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        fail(f"unreadable {MANIFEST} ({e!r})")
+    if not set(listed + [STATE]) <= set(files):
+        fail(f"{MANIFEST} has no size/sha256 for {sorted(set(listed + [STATE]) - set(files))}")
+    m = _STEP_RE.match(path.name)
+    if m and int(m.group(1)) != step:
+        fail(f"{MANIFEST} says step {step} but the directory name says {int(m.group(1))}")
+    for name, (nbytes, sha) in sorted(files.items()):
+        f = path / name
+        if Path(name).name != name:
+            fail(f"{MANIFEST} lists a path outside the checkpoint: {name!r}")
+        if not f.is_file():
+            fail(f"missing file {name}")
+        if f.stat().st_size != nbytes:
+            fail(f"{name} is {f.stat().st_size} bytes but {MANIFEST} says {nbytes} (truncated or overwritten)")
+        if _sha256(f) != sha:
+            fail(f"{name} sha256 mismatch (corrupted)")
+    return manifest
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Checkpoint:
+    """Verify, then load everything ``save_checkpoint`` wrote.
+
+    ``torch.load(weights_only=False)`` is deliberate: the ``.pt`` files hold our own optimizer and RNG state
+    (numpy arrays, tuples) that the weights-only unpickler rejects, and the sha256 check above guarantees
+    they are the bytes this code wrote. Never point this at checkpoints from an untrusted source.
+    """
+    path = Path(path)
+    manifest = _verify(path)
+    # safetensors takes a device string; torch.load also accepts dict/callable map_locations.
+    device = str(map_location) if isinstance(map_location, (str, torch.device)) else "cpu"
+    tensors = {n: load_file(path / f"{n}.safetensors", device=device) for n in manifest["tensors"]}
+    objects = {n: torch.load(path / f"{n}.pt", map_location=map_location, weights_only=False)
+               for n in manifest["objects"]}
+    state = json.loads((path / STATE).read_text())
+    return Checkpoint(step=int(manifest["step"]), tensors=tensors, objects=objects, state=state, path=path)
+
+
+def find_resume_checkpoint(root: str | os.PathLike) -> Path | None:
+    """Newest checkpoint that verifies; newer broken ones are skipped with a warning saying why."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            _verify(path)
+        except CheckpointError as e:
+            log.warning("skipping checkpoint for resume: %s", e)
+            continue
+        return path
+    return None
+
+
+def capture_rng_state() -> dict:
+    """Global RNG states (python, numpy, torch CPU, every CUDA device) so a resumed run draws the same numbers."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of ``capture_rng_state``; tolerates tensors loaded onto a GPU and a different CUDA device count."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"].cpu())
+    cuda = state.get("cuda") or []
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if len(cuda) != n and cuda:
+        log.warning("CUDA RNG state saved for %d devices, %d visible: restoring %d", len(cuda), n, min(n, len(cuda)))
+    for i, s in enumerate(cuda[:n]):
+        torch.cuda.set_rng_state(s.cpu(), i)

@@ -1,0 +1,58 @@
+"""Group-relative advantages: A = (r - mean of the prompt's group) / (std + 1e-4), clipped.
+
+A group whose rewards are all equal (std == 0) carries no preference signal: its advantages are exactly zero and
+the group is masked out of the loss, so it neither dilutes the batch mean nor pulls through the KL term. Such
+groups are counted, because many of them mean the reward has saturated or the group size is too small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+STD_EPS = 1e-4
+
+
+@dataclass
+class Advantages:
+    values: torch.Tensor  # float32 [N]
+    mask: torch.Tensor  # bool [N]: False for samples of zero-std groups and failed rewards
+    zero_std_groups: int
+    num_groups: int
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_ids: list,
+    *,
+    global_std: bool = False,
+    adv_clip_max: float = 5.0,
+    valid: torch.Tensor | None = None,
+) -> Advantages:
+    """Per-prompt advantages. `group_ids[i]` names the prompt of sample i (equal ids share a group); `valid`
+    marks samples whose reward succeeded: invalid ones are left out of the statistics and masked."""
+    rewards = rewards.float()
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
+    adv = torch.zeros_like(rewards)
+    mask = valid.clone()
+    global_sd = rewards[valid].std(unbiased=False) if valid.sum() > 1 else torch.tensor(0.0)
+    groups: dict = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(i)
+    zero_std = 0
+    for members in groups.values():
+        idx = torch.tensor(members)
+        idx = idx[valid[idx]]
+        if len(idx) == 0:
+            continue
+        r = rewards[idx]
+        group_sd = r.std(unbiased=False) if len(idx) > 1 else torch.tensor(0.0)
+        if group_sd == 0:
+            zero_std += 1
+            mask[idx] = False
+            continue
+        sd = global_sd if global_std else group_sd
+        adv[idx] = (r - r.mean()) / (sd + STD_EPS)
+    adv = adv.clamp(-adv_clip_max, adv_clip_max)
+    return Advantages(values=adv, mask=mask, zero_std_groups=zero_std, num_groups=len(groups))

@@ -1,0 +1,92 @@
+"""The per-step GRPO loss of Flow-GRPO, evaluated at a given velocity.
+
+    ratio = exp(log p_k(theta) - log p_k(old))
+    L_k   = mean_batch max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps)) + beta KL_k
+
+`GRPOStepLoss` is the `step_loss(k, v_k)` closure the JAGG engine differentiates: it depends on theta only through
+v_k, which is what lets JAGG move the transformer backward out of the per-step loop. It also records the metrics
+of each evaluation (clipfrac, approx_kl, ratio, kl) so no extra pass is spent on logging.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from .sde import kl_to_reference, sde_step_with_logprob
+
+
+@dataclass
+class StepBatch:
+    """What the loss of one minibatch needs from the rollout, for every sampling step."""
+
+    latents: torch.Tensor  # [T + 1, B, ...] x_0 .. x_T
+    velocities: torch.Tensor  # [T, B, ...] the rollout's v_k
+    log_probs: torch.Tensor  # [T, B] the rollout's log p_k
+    sigmas: torch.Tensor  # [T + 1]
+    advantages: torch.Tensor  # [B]
+    mask: torch.Tensor  # bool [B]
+    ref_velocities: torch.Tensor | None = None  # [T, B, ...] when beta > 0
+
+
+@dataclass
+class GRPOStepLoss:
+    """step_loss(k, v_k) for the steps of one minibatch; `scale` divides each L_k (1 / number of trained steps,
+    so the update is the mean over trained steps as in Flow-GRPO's accumulation)."""
+
+    batch: StepBatch
+    noise_level: float
+    clip_range: float
+    beta: float = 0.0
+    scale: float = 1.0
+    metrics: dict = field(default_factory=lambda: defaultdict(list))
+
+    def __call__(self, k: int, v: torch.Tensor) -> torch.Tensor:
+        b = self.batch
+        s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], float(b.sigmas[1])
+        step = sde_step_with_logprob(
+            b.latents[k], v, s, s_next, noise_level=self.noise_level, sigma_max=sigma_max, prev_sample=b.latents[k + 1]
+        )
+        log_ratio = step.log_prob - b.log_probs[k].float()
+        ratio = torch.exp(log_ratio)
+        adv = b.advantages.float()
+        unclipped = -adv * ratio
+        clipped = -adv * torch.clamp(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
+        w = b.mask.float()
+        denom = w.sum().clamp_min(1.0)
+        policy = (torch.maximum(unclipped, clipped) * w).sum() / denom
+        loss = policy
+        kl = None
+        if self.beta > 0:
+            if b.ref_velocities is None:
+                raise ValueError("beta > 0 needs the rollout's reference velocities (ref_velocities)")
+            ref = sde_step_with_logprob(
+                b.latents[k], b.ref_velocities[k], s, s_next, noise_level=self.noise_level, sigma_max=sigma_max,
+                prev_sample=b.latents[k + 1],
+            )
+            kl = (kl_to_reference(step.mean, ref.mean, step.std) * w).sum() / denom
+            loss = loss + self.beta * kl
+        with torch.no_grad():
+            m = self.metrics
+            # detached tensors, converted once in summary(): no device sync per step
+            m["policy_loss"].append(policy.detach())
+            m["kl"].append(kl.detach() if kl is not None else torch.zeros((), device=policy.device))
+            m["approx_kl"].append(0.5 * ((log_ratio**2) * w).sum() / denom)
+            m["clipfrac"].append((((ratio - 1.0).abs() > self.clip_range).float() * w).sum() / denom)
+            m["ratio_mean"].append((ratio * w).sum() / denom)
+            m["ratio_max"].append(ratio.max())
+            m["ratio_min"].append(ratio.min())
+        return loss * self.scale
+
+    def summary(self) -> dict:
+        """Means over all evaluations (ratio_max/min: extremes), then cleared."""
+        out = {}
+        for key, vals in self.metrics.items():
+            if not vals:
+                continue
+            t = torch.stack([v.float() for v in vals])
+            out[key] = float(t.max() if key == "ratio_max" else t.min() if key == "ratio_min" else t.mean())
+        self.metrics.clear()
+        return out

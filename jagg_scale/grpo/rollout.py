@@ -1,0 +1,118 @@
+"""Rollout: sample trajectories with the Flow-GRPO SDE and keep what training needs.
+
+Per trajectory we store x_0 .. x_T, the velocities v_0 .. v_{T-1} the sampler used, the log-probs log p_k, and
+(when beta > 0) the reference model's velocities at the same x_k. The stored velocities are what makes JAGG's
+`cached` intermediate mode free: on-policy they equal what a training forward would compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..models.base import Cond, cat_cond
+from .loss import StepBatch
+from .sde import ode_step, sde_step_with_logprob
+
+VelocityFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
+
+
+def guided_velocity(model: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance: float) -> torch.Tensor:
+    """Classifier-free guidance. `cond` is the prompt conditioning, or a pair (cond, uncond) when guidance != 1:
+    one forward of 2N rows, v = v_u + g (v_c - v_u). The guided velocity is the policy's velocity, so training
+    uses this same function with grad."""
+    if guidance == 1.0:
+        return model(x, sigma, cond)
+    c, uc = cond
+    n = x.shape[0]
+    v = model(torch.cat([x, x]), torch.cat([sigma, sigma]), cat_cond([uc, c]))
+    v_uncond, v_cond = v[:n], v[n:]
+    return v_uncond + guidance * (v_cond - v_uncond)
+
+
+@dataclass
+class Trajectories:
+    """A batch of N sampled trajectories (all tensors on the rollout device, latents in float32)."""
+
+    latents: torch.Tensor  # [T + 1, N, ...]
+    velocities: torch.Tensor  # [T, N, ...]
+    log_probs: torch.Tensor  # [T, N]
+    sigmas: torch.Tensor  # [T + 1]
+    ref_velocities: torch.Tensor | None = None  # [T, N, ...]
+
+    @property
+    def final(self) -> torch.Tensor:
+        return self.latents[-1]
+
+    def step_batch(self, index: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> StepBatch:
+        """The rows `index` of every per-step tensor, as the loss's StepBatch."""
+        return StepBatch(
+            latents=self.latents[:, index],
+            velocities=self.velocities[:, index],
+            log_probs=self.log_probs[:, index],
+            sigmas=self.sigmas,
+            advantages=advantages[index],
+            mask=mask[index],
+            ref_velocities=None if self.ref_velocities is None else self.ref_velocities[:, index],
+        )
+
+    @staticmethod
+    def cat(parts: list["Trajectories"]) -> "Trajectories":
+        refs = [p.ref_velocities for p in parts]
+        return Trajectories(
+            latents=torch.cat([p.latents for p in parts], dim=1),
+            velocities=torch.cat([p.velocities for p in parts], dim=1),
+            log_probs=torch.cat([p.log_probs for p in parts], dim=1),
+            sigmas=parts[0].sigmas,
+            ref_velocities=None if refs[0] is None else torch.cat(refs, dim=1),
+        )
+
+
+@torch.no_grad()
+def sample_sde(
+    velocity_fn: VelocityFn,
+    cond: Cond,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    *,
+    noise_level: float,
+    generator: torch.Generator,
+    ref_velocity_fn: VelocityFn | None = None,
+) -> Trajectories:
+    """Run the SDE sampler from `noise` (= x_0 at s_0 = 1) through all T steps of `sigmas`."""
+    x = noise.float()
+    n = x.shape[0]
+    sigma_max = float(sigmas[1])
+    latents, velocities, log_probs, ref_vs = [x], [], [], []
+    for k in range(len(sigmas) - 1):
+        s = sigmas[k].to(x.device).expand(n)
+        v = velocity_fn(x, s, cond).float()
+        step = sde_step_with_logprob(
+            x, v, sigmas[k], sigmas[k + 1], noise_level=noise_level, sigma_max=sigma_max, generator=generator
+        )
+        if ref_velocity_fn is not None:
+            ref_vs.append(ref_velocity_fn(x, s, cond).float())
+        x = step.prev_sample
+        latents.append(x)
+        velocities.append(v)
+        log_probs.append(step.log_prob)
+    return Trajectories(
+        latents=torch.stack(latents),
+        velocities=torch.stack(velocities),
+        log_probs=torch.stack(log_probs),
+        sigmas=sigmas.clone(),
+        ref_velocities=torch.stack(ref_vs) if ref_vs else None,
+    )
+
+
+@torch.no_grad()
+def sample_ode(velocity_fn: VelocityFn, cond: Cond, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """Deterministic Euler sampling (evaluation): the final latents."""
+    x = noise.float()
+    for k in range(len(sigmas) - 1):
+        s = sigmas[k].to(x.device).expand(x.shape[0])
+        x = ode_step(x, velocity_fn(x, s, cond), sigmas[k], sigmas[k + 1])
+    return x
+

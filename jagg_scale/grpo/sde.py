@@ -1,0 +1,87 @@
+"""Flow-GRPO's SDE step with its Gaussian log-probability, the deterministic ODE step, and the KL term.
+
+Rectified flow x_s = (1 - s) x_0 + s e (s = 1 is noise). With dt = s_{k+1} - s_k < 0 and noise level a:
+
+    std_k   = a * sqrt(s_k / (1 - s_k))          (s_k == 1: s_1 replaces s_k in the denominator)
+    mean_k  = x_k (1 + std_k^2 / (2 s_k) dt) + v_k (1 + std_k^2 (1 - s_k) / (2 s_k)) dt
+    x_{k+1} = mean_k + std_k sqrt(-dt) eps
+    log p_k = mean over non-batch dims of log N(x_{k+1}; mean_k, (std_k sqrt(-dt))^2)
+
+Everything is computed in float32 whatever dtype the model ran in: the log-prob ratios of GRPO are
+exp(small differences) and bf16 rounding would swamp a clip range of 1e-4.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass
+class SDEStep:
+    """One SDE transition: the sample, its mean, std_k (without sqrt(-dt)) and the per-sample log-prob."""
+
+    prev_sample: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor  # std_k, broadcastable to x, WITHOUT the sqrt(-dt) factor (Flow-GRPO's KL uses this)
+    log_prob: torch.Tensor  # [B]
+
+
+def _as_batch(sigma, x: torch.Tensor) -> torch.Tensor:
+    """sigma as float32 of shape [B, 1, 1, ...] (broadcastable to x)."""
+    s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
+    if s.ndim == 0:
+        s = s.expand(x.shape[0])
+    return s.reshape(-1, *([1] * (x.ndim - 1)))
+
+
+def sde_std(sigma: torch.Tensor, noise_level: float, sigma_max: float) -> torch.Tensor:
+    """std_k = a sqrt(s_k / (1 - s_k)); at s_k == 1 the denominator uses sigma_max (= s_1 of the schedule)."""
+    denom = 1.0 - torch.where(sigma >= 1.0, torch.full_like(sigma, sigma_max), sigma)
+    return noise_level * torch.sqrt(sigma / denom)
+
+
+def sde_step_with_logprob(
+    x: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma,
+    sigma_next,
+    *,
+    noise_level: float,
+    sigma_max: float,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> SDEStep:
+    """Flow-GRPO's SDE step from sigma to sigma_next (< sigma). Samples x_{k+1} unless `prev_sample` is given,
+    in which case it only scores it (the training pass). All math in float32."""
+    x = x.float()
+    v = velocity.float()
+    s = _as_batch(sigma, x)
+    dt = _as_batch(sigma_next, x) - s
+    std = sde_std(s, noise_level, sigma_max)
+    mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
+    step_std = std * torch.sqrt(-dt)
+    if prev_sample is None:
+        noise = torch.randn(x.shape, generator=generator, dtype=torch.float32, device="cpu").to(x.device)
+        prev_sample = mean + step_std * noise
+    prev_sample = prev_sample.detach().float()
+    log_prob = -((prev_sample - mean) ** 2) / (2 * step_std**2) - torch.log(step_std) - _LOG_SQRT_2PI
+    log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+    return SDEStep(prev_sample=prev_sample, mean=mean, std=std, log_prob=log_prob)
+
+
+def ode_step(x: torch.Tensor, velocity: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
+    """Deterministic Euler step of the probability-flow ODE (evaluation sampling), in float32."""
+    x = x.float()
+    dt = _as_batch(sigma_next, x) - _as_batch(sigma, x)
+    return x + velocity.float() * dt
+
+
+def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL_k per sample: mean over dims of (mean_theta - mean_ref)^2 / (2 std_k^2), std_k without sqrt(-dt)."""
+    kl = (mean.float() - ref_mean.float()) ** 2 / (2 * std.float() ** 2)
+    return kl.mean(dim=tuple(range(1, kl.ndim)))

@@ -1,0 +1,45 @@
+"""Velocity models: the interface (base.py) and the built-in DiT (dit.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .base import Cond, VelocityModel, cat_cond, index_cond, map_cond, repeat_cond
+from .dit import DiT, DiTConfig
+from .tokenizer import HashTokenizer
+
+
+def build_model(cfg) -> VelocityModel:
+    """A velocity model from the `model` config section (train.config.ModelConfig)."""
+    if cfg.kind != "dit":
+        raise ValueError(f"model.kind {cfg.kind!r} is not supported")
+    model = DiT(DiTConfig(
+        image_size=cfg.image_size, in_channels=cfg.in_channels, patch_size=cfg.patch_size,
+        hidden_size=cfg.hidden_size, depth=cfg.depth, num_heads=cfg.num_heads, mlp_ratio=cfg.mlp_ratio,
+        vocab_size=cfg.vocab_size, max_prompt_length=cfg.max_prompt_length,
+    ))
+    if cfg.pretrained:
+        load_pretrained(model, cfg.pretrained)
+    else:
+        # GRPO needs a policy that already draws something; with no weights given we start from a random
+        # (not zero-output) DiT so velocities, and therefore rewards, vary between samples from step 0.
+        model.init_weights(zero_out=False)
+    return model
+
+
+def load_pretrained(model: VelocityModel, path: str) -> None:
+    """Load a safetensors state dict, naming the file and the mismatching keys on failure."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"model.pretrained: no such file {p}")
+    state = load_file(str(p))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"model.pretrained {p} does not fit the configured model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+
+
+__all__ = ["Cond", "VelocityModel", "cat_cond", "index_cond", "map_cond", "repeat_cond", "DiT", "DiTConfig",
+           "HashTokenizer", "build_model", "load_pretrained"]

@@ -1,0 +1,286 @@
+"""Typed run configuration: YAML -> dataclasses, with dotted command-line overrides.
+
+Everything is validated before any work starts: an unknown key, a value of the wrong type or out of range
+fails with a ConfigError naming the dotted key, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "dit"  # the built-in DiT; diffusers backbones plug in here
+    pretrained: Optional[str] = None  # safetensors state dict to start from
+    image_size: int = 32
+    in_channels: int = 3
+    patch_size: int = 4
+    hidden_size: int = 128
+    depth: int = 4
+    num_heads: int = 4
+    mlp_ratio: float = 4.0
+    vocab_size: int = 4096
+    max_prompt_length: int = 16
+    dtype: str = "float32"  # float32 | bfloat16 (autocast for the model; SDE math stays float32)
+
+
+@dataclass
+class SamplingConfig:
+    num_steps: int = 10
+    noise_level: float = 0.7
+    guidance: float = 1.0  # classifier-free guidance scale; 1.0 disables CFG
+    shift: float = 3.0
+    batch_size: int = 16  # rollout rows per forward
+    eval_num_steps: int = 20
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = 4
+    clip_range: float = 1e-4
+    adv_clip_max: float = 5.0
+    beta: float = 0.0  # KL weight; 0 skips the reference model entirely
+    timestep_fraction: float = 1.0
+    inner_epochs: int = 1
+    global_std: bool = False
+
+
+@dataclass
+class JAGGConfig:
+    mode: str = "jagg"  # jagg | exact (Flow-GRPO's per-step backward)
+    window: int = 4
+    jagg_frac: float = 1.0
+    min_cos: Optional[float] = None
+    route_by: str = "vcos"  # vcos | weighted
+    intermediate: str = "auto"  # auto | cached | interpolate | forward
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    prompts_per_step: int = 4
+    batch_size: int = 8  # samples per optimizer step
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    adam_betas: list = field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    prompt_file: Optional[str] = None  # .txt or .jsonl; when unset, `prompts` is used
+    prompts: list = field(default_factory=list)
+
+
+@dataclass
+class RewardConfig:
+    name: str = "jpeg_compressibility"
+    options: dict = field(default_factory=dict)
+    max_fail_frac: float = 0.25
+
+
+@dataclass
+class LogConfig:
+    progress: bool = True
+    wandb: bool = False
+    wandb_mode: str = "offline"
+    wandb_project: str = "jagg-scale"
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/default"
+    seed: int = 0
+    resume: str = "none"  # none | auto | path to a checkpoint directory
+    checkpoint_every: int = 10
+    keep_last: int = 2
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    jagg: JAGGConfig = field(default_factory=JAGGConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# building dataclasses from plain dicts, with type checks
+# --------------------------------------------------------------------------------------------------------------
+
+def _check_type(key: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(key, value, inner[0])
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp in (list, dict) or origin in (list, dict):
+        base = origin or tp
+        if isinstance(value, base):
+            return value
+    else:
+        return value
+    name = getattr(tp, "__name__", str(tp))
+    raise ConfigError(f"config key '{key}' must be of type {name}, got {type(value).__name__} ({value!r})")
+
+
+def _build(cls, data: dict, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown config key '{prefix}{key}' (valid keys: {', '.join(sorted(names))})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, data[f.name] or {}, f"{prefix}{f.name}.")
+        else:
+            kwargs[f.name] = _check_type(f"{prefix}{f.name}", data[f.name], tp)
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set '{dotted}': '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'a.b=value' -> ('a.b', YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (optional), apply dotted overrides, type-check and validate: the only way configs are made."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(data, key, value)
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def _require(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' {msg}")
+
+
+def validate(cfg: Config) -> None:
+    """Range and consistency checks, each naming the offending key."""
+    _require(cfg.model.kind in ("dit",), "model.kind", f"must be 'dit', got {cfg.model.kind!r}")
+    _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", f"must be float32 or bfloat16, got {cfg.model.dtype!r}")
+    for key in ("image_size", "in_channels", "patch_size", "hidden_size", "depth", "num_heads", "vocab_size",
+                "max_prompt_length"):
+        _require(getattr(cfg.model, key) >= 1, f"model.{key}", "must be >= 1")
+    _require(cfg.model.image_size % cfg.model.patch_size == 0, "model.patch_size", "must divide model.image_size")
+    _require(cfg.model.hidden_size % cfg.model.num_heads == 0, "model.num_heads", "must divide model.hidden_size")
+    s = cfg.sampling
+    _require(s.num_steps >= 1, "sampling.num_steps", f"must be >= 1, got {s.num_steps}")
+    _require(s.eval_num_steps >= 1, "sampling.eval_num_steps", "must be >= 1")
+    _require(s.noise_level > 0, "sampling.noise_level", f"must be > 0, got {s.noise_level}")
+    _require(s.guidance >= 1.0, "sampling.guidance", f"must be >= 1 (1 disables CFG), got {s.guidance}")
+    _require(s.shift > 0, "sampling.shift", f"must be > 0, got {s.shift}")
+    _require(s.batch_size >= 1, "sampling.batch_size", "must be >= 1")
+    g = cfg.grpo
+    _require(g.group_size >= 2, "grpo.group_size", f"must be >= 2 for group-relative advantages, got {g.group_size}")
+    _require(g.clip_range > 0, "grpo.clip_range", "must be > 0")
+    _require(g.adv_clip_max > 0, "grpo.adv_clip_max", "must be > 0")
+    _require(g.beta >= 0, "grpo.beta", "must be >= 0")
+    _require(0 < g.timestep_fraction <= 1, "grpo.timestep_fraction", f"must be in (0, 1], got {g.timestep_fraction}")
+    _require(g.inner_epochs >= 1, "grpo.inner_epochs", "must be >= 1")
+    j = cfg.jagg
+    _require(j.mode in ("jagg", "exact"), "jagg.mode", f"must be 'jagg' or 'exact', got {j.mode!r}")
+    _require(j.window >= 1, "jagg.window", f"must be >= 1, got {j.window}")
+    _require(0.0 <= j.jagg_frac <= 1.0, "jagg.jagg_frac", f"must be in [0, 1], got {j.jagg_frac}")
+    _require(j.min_cos is None or -1.0 <= j.min_cos <= 1.0, "jagg.min_cos", "must be in [-1, 1]")
+    _require(j.route_by in ("vcos", "weighted"), "jagg.route_by", f"must be 'vcos' or 'weighted', got {j.route_by!r}")
+    _require(j.intermediate in ("auto", "cached", "interpolate", "forward"), "jagg.intermediate",
+             f"must be auto, cached, interpolate or forward, got {j.intermediate!r}")
+    t = cfg.train
+    _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
+    _require(t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
+    _require(t.batch_size >= 1, "train.batch_size", "must be >= 1")
+    _require((t.prompts_per_step * g.group_size) % t.batch_size == 0, "train.batch_size",
+             f"must divide train.prompts_per_step * grpo.group_size = {t.prompts_per_step * g.group_size}")
+    _require(t.lr > 0, "train.lr", "must be > 0")
+    _require(len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas",
+             "must be two numbers in [0, 1)")
+    _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+    _require(bool(cfg.data.prompt_file) or len(cfg.data.prompts) > 0, "data.prompt_file",
+             "is required when data.prompts is empty")
+    _require(all(isinstance(p, str) for p in cfg.data.prompts), "data.prompts", "must be a list of strings")
+    _require(0.0 <= cfg.reward.max_fail_frac <= 1.0, "reward.max_fail_frac", "must be in [0, 1]")
+    _require(cfg.log.wandb_mode in ("offline", "online", "disabled"), "log.wandb_mode", "must be offline, online or disabled")
+    r = cfg.run
+    _require(r.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0 (0: only at the end)")
+    _require(r.keep_last >= 1, "run.keep_last", "must be >= 1")
+    _require(r.device in ("auto", "cpu", "cuda"), "run.device", f"must be auto, cpu or cuda, got {r.device!r}")
+    _require(r.threads >= 0, "run.threads", "must be >= 0")
