@@ -11,6 +11,7 @@ import torch
 from jagg_scale.cli import train_main
 from jagg_scale.grpo import GRPOStepLoss
 from jagg_scale.train import ConfigError, Trainer, load_config
+from jagg_scale.train.config import JAGGConfig
 from jagg_scale.train import update as update_mod
 from jagg_scale.train.logging import read_metrics
 
@@ -98,7 +99,9 @@ def _minibatch(trainer, step=0):
 
 def _grads(trainer, cond, loss, **kwargs):
     trainer.model.zero_grad(set_to_none=True)
-    stats = update_mod.backward_minibatch(trainer.velocity_fn(trainer.model), cond, loss, trainer.steps, **kwargs)
+    cfg = JAGGConfig(**kwargs)
+    stats = update_mod.backward_minibatch(trainer.velocity_fn(trainer.model), cond, loss, trainer.steps, cfg,
+                                          on_policy=True)
     return torch.cat([p.grad.flatten() for p in trainer.model.parameters()]), stats
 
 
@@ -169,3 +172,22 @@ def test_cfg_guidance_trains(tmp_path):
     cfg = small_cfg(tmp_path, "train.steps=1", "sampling.guidance=3.0")
     rows = Trainer(cfg).fit()
     assert rows[0]["windows_jagg"] > 0 and torch.isfinite(torch.tensor(rows[0]["grad_norm"]))
+
+
+def test_probe_is_one_for_w2_and_does_not_change_the_update(tmp_path):
+    base = ["train.steps=2", "jagg.window=2"]
+    plain = Trainer(small_cfg(tmp_path / "a", *base)).fit()
+    probed_trainer = Trainer(small_cfg(tmp_path / "b", *base, "jagg.probe_every=1"))
+    probed = probed_trainer.fit()
+    for r in probed:
+        assert r["probe_cos"] == pytest.approx(1.0, abs=1e-6)
+        assert r["probe_norm_ratio"] == pytest.approx(1.0, abs=1e-5)
+        assert r["probe_cos_w0"] == pytest.approx(1.0, abs=1e-6)
+    drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith("probe") and k not in TIMING} for r in rows]  # noqa: E731
+    assert drop(plain) == drop(probed)
+
+
+def test_probe_sees_the_approximation_at_larger_windows(tmp_path):
+    rows = Trainer(small_cfg(tmp_path, "train.steps=1", "jagg.window=6", "jagg.probe_every=1")).fit()
+    assert 0.0 < rows[0]["probe_cos"] < 1.0 - 1e-6
+    assert rows[0]["probe_cos"] == pytest.approx(rows[0]["probe_cos_w0"])

@@ -13,7 +13,10 @@ of the first W steps (forwards + backwards, gradients accumulated into the param
 
 How it is timed. Gradients are zeroed (outside the timed region) before every run; every method runs once
 untimed first (warm-up); then `--repeats` rounds, each timing every (W, method) once, with the method order
-rotated between rounds so that thermal or load drift hits all methods alike. We report the median.
+rotated between rounds so that load drift hits all methods alike. Times are medians over the rounds; a speedup
+is the median over rounds of the PAIRED ratio t(per-step) / t(JAGG) of the same round, which cancels slow
+drift of the machine (shared VMs can change speed several-fold within minutes). A 1024^3 matmul before each
+round records the machine's speed (GFLOP/s) so that a disturbed round can be seen in the JSON.
 
 How to read it. speedup = t(per-step) / t(JAGG). W/2 is the limit on hardware whose throughput does not
 depend on the batch size (2 joint rows of work replace W); `ratio` = speedup / (W/2). The target is
@@ -86,25 +89,36 @@ def timed(run, model, method: str, W: int) -> float:
     return time.perf_counter() - t0
 
 
+def matmul_gflops() -> float:
+    a = torch.randn(1024, 1024)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    return 10 * 2 * 1024**3 / (time.perf_counter() - t0) / 1e9
+
+
 def benchmark(run, model, widths, repeats: int) -> dict:
     for method in METHODS:  # warm-up: allocator, threads, the B, 2B and (W-2)B row shapes
         run(method, max(widths))
     times = {W: {m: [] for m in METHODS} for W in widths}
+    gflops = []
     for r in range(repeats):
+        gflops.append(round(matmul_gflops(), 1))
         order = METHODS[r % len(METHODS):] + METHODS[: r % len(METHODS)]
         for W in widths:
             for m in order:
                 times[W][m].append(timed(run, model, m, W))
         done = {W: {m: round(t[-1], 3) for m, t in d.items()} for W, d in times.items()}
-        print(f"  repeat {r + 1}/{repeats}: {done}", flush=True)
+        print(f"  repeat {r + 1}/{repeats} (matmul {gflops[-1]:.0f} GFLOP/s): {done}", flush=True)
     rows = []
     for W in widths:
         med = {m: statistics.median(times[W][m]) for m in METHODS}
         row = {"W": W, "limit": W / 2, "seconds": med, "all_seconds": times[W]}
-        row["speedup"] = {m: med["per-step"] / med[m] for m in MODES}
+        paired = {m: [a / b for a, b in zip(times[W]["per-step"], times[W][m])] for m in MODES}
+        row["speedup"] = {m: statistics.median(paired[m]) for m in MODES}
         row["ratio_to_limit"] = {m: row["speedup"][m] / (W / 2) for m in MODES}
         rows.append(row)
-    return {"rows": rows}
+    return {"rows": rows, "matmul_gflops_per_repeat": gflops}
 
 
 def markdown_table(rows) -> str:

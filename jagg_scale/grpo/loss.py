@@ -80,6 +80,10 @@ class GRPOStepLoss:
             m["ratio_min"].append(ratio.min())
         return loss * self.scale
 
+    def fresh(self) -> "GRPOStepLoss":
+        """The same loss with its own, empty metrics (for probes and planning that must not be logged)."""
+        return GRPOStepLoss(self.batch, self.noise_level, self.clip_range, self.beta, self.scale)
+
     def summary(self) -> dict:
         """Means over all evaluations (ratio_max/min: extremes), then cleared."""
         out = {}

@@ -65,6 +65,7 @@ class JAGGConfig:
     min_cos: Optional[float] = None
     route_by: str = "vcos"  # vcos | weighted
     intermediate: str = "auto"  # auto | cached | interpolate | forward
+    probe_every: int = 0  # every N steps log the exact-vs-JAGG gradient cosine (extra passes); 0 = off
 
 
 @dataclass
@@ -264,6 +265,7 @@ def validate(cfg: Config) -> None:
     _require(j.route_by in ("vcos", "weighted"), "jagg.route_by", f"must be 'vcos' or 'weighted', got {j.route_by!r}")
     _require(j.intermediate in ("auto", "cached", "interpolate", "forward"), "jagg.intermediate",
              f"must be auto, cached, interpolate or forward, got {j.intermediate!r}")
+    _require(j.probe_every >= 0, "jagg.probe_every", "must be >= 0 (0 disables the probe)")
     t = cfg.train
     _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
     _require(t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")

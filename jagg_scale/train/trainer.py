@@ -25,7 +25,7 @@ from ..models import build_model, index_cond
 from ..rewards import build_reward, score_safely
 from .config import Config
 from .logging import RunLogger
-from .update import BackwardStats, backward_minibatch
+from .update import BackwardStats, backward_minibatch, probe_minibatch
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ class Trainer:
         self.ref_model = None
         if cfg.grpo.beta > 0:  # beta = 0 skips the reference entirely: no copy, no forwards
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False).eval()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                            betas=tuple(cfg.train.adam_betas), eps=cfg.train.adam_eps)
         self.sampler = GroupSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.grpo.group_size, cfg.run.seed)
         self.sigmas = sigma_schedule(cfg.sampling.num_steps, cfg.sampling.shift).to(self.device)
@@ -121,16 +121,19 @@ class Trainer:
         gen = torch.Generator().manual_seed(step_seed(cfg.run.seed, step, 1))
         n = traj.latents.shape[1]
         optimizer_steps = 0
+        probe = j.probe_every > 0 and step % j.probe_every == 0
+        probe_metrics: dict = {}
         for _ in range(cfg.grpo.inner_epochs):
             for rows in torch.randperm(n, generator=gen).split(cfg.train.batch_size):
                 rows = rows.to(self.device)
                 loss = GRPOStepLoss(traj.step_batch(rows, advantages.values, advantages.mask),
                                     noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
                                     beta=cfg.grpo.beta, scale=1.0 / len(self.steps))
-                stats = backward_minibatch(policy, index_cond(cond, rows), loss, self.steps, mode=j.mode,
-                                           window=j.window, jagg_frac=j.jagg_frac, route_by=j.route_by,
-                                           min_cos=j.min_cos, intermediate=j.intermediate,
-                                           on_policy=optimizer_steps == 0)
+                mb_cond, on_policy = index_cond(cond, rows), optimizer_steps == 0
+                if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
+                    probe_metrics = probe_minibatch(policy, mb_cond, loss, self.steps, j, self.params,
+                                                    on_policy=on_policy)
+                stats = backward_minibatch(policy, mb_cond, loss, self.steps, j, on_policy=on_policy)
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     self.model.parameters(), cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
                 self.optimizer.step()
@@ -142,7 +145,7 @@ class Trainer:
         summary = {k: (max(v) if k == "ratio_max" else min(v) if k == "ratio_min" else sum(v) / len(v))
                    for k, v in metrics.items()}
         summary["optimizer_steps"] = optimizer_steps
-        return total, summary
+        return total, {**summary, **probe_metrics}
 
     def train_step(self, step: int) -> dict:
         cfg = self.cfg

@@ -16,6 +16,7 @@ from ..grpo.loss import GRPOStepLoss
 from ..jagg import exact_backward, jagg_backward, plan_windows, route_windows
 from ..jagg.backward import ModelFn
 from ..models.base import Cond
+from .config import JAGGConfig
 
 
 @dataclass
@@ -49,8 +50,8 @@ def resolve_intermediate(setting: str, on_policy: bool) -> str:
 
 
 def step_grad_norms(loss: GRPOStepLoss, velocities: torch.Tensor, steps: list[int]) -> list[float]:
-    """|g_k| = |dL_k/dv_k| at the given velocities, for steps k (no transformer pass). Metrics are not recorded."""
-    probe = GRPOStepLoss(loss.batch, loss.noise_level, loss.clip_range, loss.beta, loss.scale)
+    """|g_k| = |dL_k/dv_k| at the given velocities, for steps k (no transformer pass, no metrics recorded)."""
+    probe = loss.fresh()
     norms = [0.0] * velocities.shape[0]
     for k in steps:
         v = velocities[k].detach().float().requires_grad_(True)
@@ -59,52 +60,94 @@ def step_grad_norms(loss: GRPOStepLoss, velocities: torch.Tensor, steps: list[in
     return norms
 
 
-def backward_minibatch(
-    model_fn: ModelFn,
-    cond: Cond,
-    loss: GRPOStepLoss,
-    steps: list[int],
-    *,
-    mode: str,
-    window: int,
-    jagg_frac: float,
-    route_by: str = "vcos",
-    min_cos: float | None = None,
-    intermediate: str = "auto",
-    on_policy: bool = True,
-) -> BackwardStats:
-    """Accumulate the gradient of sum over `steps` of loss(k, v_k) into .grad; returns what it cost."""
+@dataclass
+class WindowPlan:
+    windows: list[list[int]]
+    use_jagg: list[bool]
+    cosines: list[float]
+
+
+def plan_minibatch(loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig) -> WindowPlan:
+    """Windows over the trained steps and which of them JAGG takes (mode exact: every step its own window)."""
+    if cfg.mode == "exact":
+        return WindowPlan([[k] for k in steps], [False] * len(steps), [])
+    velocities = loss.batch.velocities
+    windows = plan_windows(steps, cfg.window)
+    grad_norms = step_grad_norms(loss, velocities, steps) if cfg.route_by == "weighted" else None
+    routing = route_windows(windows, velocities, jagg_frac=cfg.jagg_frac, route_by=cfg.route_by,
+                            min_cos=cfg.min_cos, grad_norms=grad_norms)
+    return WindowPlan(windows, routing.use_jagg, routing.cosines)
+
+
+def backward_window(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, window: list[int], use_jagg: bool,
+                    intermediate: str) -> torch.Tensor:
+    """The gradient of one window into .grad: JAGG's joint backward, or Flow-GRPO's per-step one."""
     batch = loss.batch
-    stats = BackwardStats(per_step_equiv=len(steps))
-    if mode == "exact":
-        windows, use_jagg = [[k] for k in steps], [False] * len(steps)
-    else:
-        windows = plan_windows(steps, window)
-        grad_norms = step_grad_norms(loss, batch.velocities, steps) if route_by == "weighted" else None
-        routing = route_windows(windows, batch.velocities, jagg_frac=jagg_frac, route_by=route_by,
-                                min_cos=min_cos, grad_norms=grad_norms)
-        use_jagg = routing.use_jagg
-        stats.cosines = routing.cosines
-    value_mode = resolve_intermediate(intermediate, on_policy)
-    for win, jagg in zip(windows, use_jagg):
-        idx = torch.tensor(win, device=batch.latents.device)
-        latents, sigmas = batch.latents[idx], batch.sigmas[idx].to(batch.latents.device)
+    idx = torch.tensor(window, device=batch.latents.device)
+    latents, sigmas = batch.latents[idx], batch.sigmas[idx].to(batch.latents.device)
 
-        def step_loss(j: int, v: torch.Tensor, win=win) -> torch.Tensor:
-            return loss(win[j], v)
+    def step_loss(j: int, v: torch.Tensor) -> torch.Tensor:
+        return loss(window[j], v)
 
+    if use_jagg:
+        return jagg_backward(model_fn, latents, sigmas, cond, step_loss, cached_velocities=batch.velocities[idx],
+                             intermediate=intermediate)
+    return exact_backward(model_fn, latents, sigmas, cond, step_loss)
+
+
+def backward_minibatch(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig, *,
+                       on_policy: bool) -> BackwardStats:
+    """Accumulate the gradient of sum over `steps` of loss(k, v_k) into .grad; returns what it cost."""
+    plan = plan_minibatch(loss, steps, cfg)
+    value_mode = resolve_intermediate(cfg.intermediate, on_policy)
+    stats = BackwardStats(per_step_equiv=len(steps), cosines=plan.cosines)
+    for win, jagg in zip(plan.windows, plan.use_jagg):
+        stats.loss += float(backward_window(model_fn, cond, loss, win, jagg, value_mode))
         stats.windows += 1
         if jagg:
-            window_loss = jagg_backward(model_fn, latents, sigmas, cond, step_loss, cached_velocities=batch.velocities[idx],
-                          intermediate=value_mode)
             stats.windows_jagg += 1
             stats.backward_calls += 1
             stats.backward_passes += min(2, len(win))
             stats.nograd_forward_passes += max(0, len(win) - 2) if value_mode == "forward" else 0
             stats.intermediate.append(value_mode)
         else:
-            window_loss = exact_backward(model_fn, latents, sigmas, cond, step_loss)
             stats.backward_calls += len(win)
             stats.backward_passes += len(win)
-        stats.loss += float(window_loss)
     return stats
+
+
+def _flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
+                      for p in params])
+
+
+def probe_minibatch(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig,
+                    params: list[torch.nn.Parameter], *, on_policy: bool) -> dict:
+    """The fidelity probe: the exact per-step gradient beside the JAGG one on the same minibatch, per window and
+    overall (cosine and norm ratio |g_jagg| / |g_exact|). Leaves .grad cleared, so the update is unchanged."""
+    plan = plan_minibatch(loss, steps, cfg)
+    value_mode = resolve_intermediate(cfg.intermediate, on_policy)
+    probe_loss = loss.fresh()
+    total_exact = total_jagg = None
+    out: dict = {}
+    for i, (win, jagg) in enumerate(zip(plan.windows, plan.use_jagg)):
+        grads = []
+        for use in (False, jagg):
+            for p in params:
+                p.grad = None
+            backward_window(model_fn, cond, probe_loss, win, use, value_mode)
+            grads.append(_flat_grad(params))
+        exact, approx = grads
+        out[f"probe_cos_w{i}"] = _cos(approx, exact)
+        out[f"probe_norm_ratio_w{i}"] = float(approx.norm() / exact.norm().clamp_min(1e-30))
+        total_exact = exact if total_exact is None else total_exact + exact
+        total_jagg = approx if total_jagg is None else total_jagg + approx
+    for p in params:
+        p.grad = None
+    out["probe_cos"] = _cos(total_jagg, total_exact)
+    out["probe_norm_ratio"] = float(total_jagg.norm() / total_exact.norm().clamp_min(1e-30))
+    return out
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0, eps=1e-30))
