@@ -1,4 +1,8 @@
-"""Command-line entry points: `jagg-train CONFIG [section.key=value ...]`."""
+"""Command-line entry points:
+
+    jagg-train CONFIG [section.key=value ...]
+    jagg-eval  CONFIG [--checkpoint DIR] [--output DIR] [section.key=value ...]
+"""
 
 from __future__ import annotations
 
@@ -35,7 +39,52 @@ def train_main(argv: list[str] | None = None) -> int:
             f"per-step (Flow-GRPO), {100 * summary['backward_saved_frac']:.0f}% saved\n"
             f"  training-phase seconds: {summary['train_seconds']:.1f}"
         )
+        if trainer.evals:
+            first, last = min(trainer.evals), max(trainer.evals)
+            e0, e1 = trainer.evals[first], trainer.evals[last]
+            summary["eval_before"], summary["eval_after"] = e0["reward_mean"], e1["reward_mean"]
+            print(f"  held-out eval ({e1['reward']}, ODE, {e1['num_images']} images): "
+                  f"{e0['reward_mean']:.4f} after {first} steps -> {e1['reward_mean']:.4f} after {last} steps\n"
+                  f"  grids: {trainer.out / 'eval'}/step_*/grid.png")
         (trainer.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jagg-eval", description="deterministic ODE evaluation on held-out prompts")
+    parser.add_argument("config", help="YAML config file (its eval section names the prompts)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides")
+    parser.add_argument("--checkpoint", help="a checkpoint dir, or a run dir (its newest complete checkpoint); "
+                                             "default: the model the config builds")
+    parser.add_argument("--output", help="where eval.json and grid.png go (default: CHECKPOINT/eval or ./eval)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from pathlib import Path
+
+    from .checkpoint import find_resume_checkpoint, load_checkpoint
+    from .train import ConfigError, Trainer, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides + ["eval.enabled=true", "run.resume=none"])
+    except ConfigError as err:
+        print(f"jagg-eval: {err}", file=sys.stderr)
+        return 2
+    trainer = Trainer(cfg)
+    out = Path(args.output) if args.output else Path("eval")
+    if args.checkpoint:
+        path = Path(args.checkpoint)
+        if not (path / "COMPLETE").exists():
+            found = find_resume_checkpoint(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
+            if found is None:
+                print(f"jagg-eval: no complete checkpoint in {path}", file=sys.stderr)
+                return 2
+            path = found
+        trainer.model.load_state_dict(load_checkpoint(path).tensors["model"])
+        out = Path(args.output) if args.output else path / "eval"
+    result = trainer.evaluate_to(out)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=2))
+    print(f"wrote {out / 'eval.json'} and {out / 'grid.png'}")
     return 0
 
 

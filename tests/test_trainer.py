@@ -191,3 +191,24 @@ def test_probe_sees_the_approximation_at_larger_windows(tmp_path):
     rows = Trainer(small_cfg(tmp_path, "train.steps=1", "jagg.window=6", "jagg.probe_every=1")).fit()
     assert 0.0 < rows[0]["probe_cos"] < 1.0 - 1e-6
     assert rows[0]["probe_cos"] == pytest.approx(rows[0]["probe_cos_w0"])
+
+
+def test_eval_before_after_and_jagg_eval_on_checkpoint(tmp_path):
+    from jagg_scale.cli import eval_main
+
+    ev = ["eval.enabled=true", "eval.prompts=[a red apple, a blue sky]", "eval.num_per_prompt=2"]
+    trainer = Trainer(small_cfg(tmp_path / "run", "train.steps=2", *ev))
+    trainer.fit()
+    assert sorted(trainer.evals) == [0, 2]
+    for step in (0, 2):
+        d = tmp_path / "run" / "eval" / f"step_{step:08d}"
+        assert (d / "grid.png").stat().st_size > 0
+        assert json.loads((d / "eval.json").read_text())["num_images"] == 4
+    # jagg-eval on the run dir picks its newest checkpoint and reproduces the in-run evaluation exactly
+    out = tmp_path / "eval_out"
+    argv = [TINY, *SMALL, *ev, "--checkpoint", str(tmp_path / "run"), "--output", str(out)]
+    assert eval_main(argv) == 0
+    again = json.loads((out / "eval.json").read_text())
+    assert again["reward_mean"] == trainer.evals[2]["reward_mean"]
+    assert again["per_prompt"] == trainer.evals[2]["per_prompt"]
+    assert eval_main([TINY, *SMALL, *ev, "--checkpoint", str(tmp_path / "nothing")]) == 2

@@ -102,6 +102,17 @@ class LogConfig:
 
 
 @dataclass
+class EvalConfig:
+    enabled: bool = False
+    prompt_file: Optional[str] = None  # held-out prompts (.txt / .jsonl); when unset, `prompts`
+    prompts: list = field(default_factory=list)
+    num_per_prompt: int = 2
+    every: int = 0  # also evaluate every N steps; 0: only before and after training
+    seed: int = 1234  # eval noise is fixed by this seed, so every evaluation sees the same starting noise
+    batch_size: int = 32
+
+
+@dataclass
 class RunConfig:
     output_dir: str = "runs/default"
     seed: int = 0
@@ -122,6 +133,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict:
@@ -281,6 +293,12 @@ def validate(cfg: Config) -> None:
     _require(all(isinstance(p, str) for p in cfg.data.prompts), "data.prompts", "must be a list of strings")
     _require(0.0 <= cfg.reward.max_fail_frac <= 1.0, "reward.max_fail_frac", "must be in [0, 1]")
     _require(cfg.log.wandb_mode in ("offline", "online", "disabled"), "log.wandb_mode", "must be offline, online or disabled")
+    e = cfg.eval
+    _require(not e.enabled or bool(e.prompt_file) or len(e.prompts) > 0, "eval.prompt_file",
+             "is required when eval.enabled and eval.prompts is empty")
+    _require(e.num_per_prompt >= 1, "eval.num_per_prompt", "must be >= 1")
+    _require(e.every >= 0, "eval.every", "must be >= 0")
+    _require(e.batch_size >= 1, "eval.batch_size", "must be >= 1")
     r = cfg.run
     _require(r.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0 (0: only at the end)")
     _require(r.keep_last >= 1, "run.keep_last", "must be >= 1")

@@ -24,6 +24,7 @@ from ..jagg import trained_steps
 from ..models import build_model, index_cond
 from ..rewards import build_reward, score_safely
 from .config import Config
+from .evaluate import eval_prompts, evaluate
 from .logging import RunLogger
 from .update import BackwardStats, backward_minibatch, probe_minibatch
 
@@ -55,6 +56,8 @@ class Trainer:
         # Inputs first: a bad prompt file or reward name fails before a model is built.
         self.prompts = load_prompts(cfg.data.prompt_file) if cfg.data.prompt_file else PromptSet.from_list(cfg.data.prompts)
         self.reward = build_reward(cfg.reward.name, **cfg.reward.options)
+        self.eval_prompts = eval_prompts(cfg) if cfg.eval.enabled else None
+        self.evals: dict[int, dict] = {}
 
         torch.manual_seed(cfg.run.seed)
         self.model = build_model(cfg.model).to(self.device)
@@ -203,6 +206,8 @@ class Trainer:
                            progress=cfg.log.progress, wandb_cfg=wandb_cfg, config=cfg.to_dict())
         history = []
         try:
+            if self.eval_prompts is not None and self.start_step == 0:
+                self.evaluate(0)
             for step in range(self.start_step, cfg.train.steps):
                 metrics = self.train_step(step)
                 logger.log(metrics)
@@ -210,9 +215,23 @@ class Trainer:
                 last = step + 1 == cfg.train.steps
                 if last or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
                     self.save(step + 1)
+                if self.eval_prompts is not None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
+                    self.evaluate(step + 1)
         finally:
             logger.close()
         return history
+
+    def evaluate(self, step: int) -> dict:
+        """ODE samples on the held-out prompts after `step` updates -> out/eval/step_XXXXXXXX/{eval.json,grid.png}."""
+        result = self.evaluate_to(self.out / "eval" / f"step_{step:08d}")
+        self.evals[step] = result
+        log.info("eval after %d steps: %s %.4f +- %.4f over %d images", step, result["reward"],
+                 result["reward_mean"], result["reward_std"], result["num_images"])
+        return result
+
+    def evaluate_to(self, out_dir: Path) -> dict:
+        return evaluate(self.model, self.velocity_fn(self.model), self.encode, self.reward, self.cfg,
+                        self.eval_prompts, out_dir)
 
     def save(self, next_step: int) -> Path:
         tensors = {"model": self.model.state_dict()}
