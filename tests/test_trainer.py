@@ -24,7 +24,7 @@ SMALL = [
     "log.progress=false", "run.checkpoint_every=0",
 ]
 
-TIMING = ("time_rollout", "time_reward", "time_train")
+TIMING = ("time_rollout", "time_reward", "time_train", "time_probe")
 
 
 def small_cfg(tmp_path, *extra):
@@ -88,7 +88,7 @@ def test_bad_yaml_file_key(tmp_path):
 
 def _minibatch(trainer, step=0):
     prompts = [trainer.prompts[i].prompt for i in trainer.sampler.next_batch()]
-    traj = trainer.rollout(prompts, step)
+    traj = trainer.rollout(trainer.encode(prompts), len(prompts), step)
     n = traj.latents.shape[1]
     adv = torch.linspace(-1.5, 1.5, n)
     rows = torch.arange(n)
@@ -168,8 +168,9 @@ def test_resume_auto_without_checkpoint_starts_fresh(tmp_path):
     assert trainer.start_step == 0
 
 
-def test_cfg_guidance_trains(tmp_path):
-    cfg = small_cfg(tmp_path, "train.steps=1", "sampling.guidance=3.0")
+@pytest.mark.parametrize("extra", ["sampling.guidance=3.0", "model.dtype=bfloat16"])
+def test_cfg_guidance_and_bf16_train(tmp_path, extra):
+    cfg = small_cfg(tmp_path, "train.steps=1", extra)
     rows = Trainer(cfg).fit()
     assert rows[0]["windows_jagg"] > 0 and torch.isfinite(torch.tensor(rows[0]["grad_norm"]))
 
@@ -212,3 +213,9 @@ def test_eval_before_after_and_jagg_eval_on_checkpoint(tmp_path):
     assert again["reward_mean"] == trainer.evals[2]["reward_mean"]
     assert again["per_prompt"] == trainer.evals[2]["per_prompt"]
     assert eval_main([TINY, *SMALL, *ev, "--checkpoint", str(tmp_path / "nothing")]) == 2
+
+
+def test_wandb_offline_run_is_written(tmp_path):
+    Trainer(small_cfg(tmp_path, "train.steps=1", "log.wandb=true")).fit()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))

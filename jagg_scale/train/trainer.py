@@ -100,15 +100,14 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def rollout(self, prompts: list[str], step: int) -> Trajectories:
+    def rollout(self, cond, num: int, step: int) -> Trajectories:
         cfg = self.cfg
         gen = torch.Generator().manual_seed(step_seed(cfg.run.seed, step, 0))
-        noise = torch.randn(len(prompts), *self.model.latent_shape, generator=gen)
-        cond = self.encode(prompts)
+        noise = torch.randn(num, *self.model.latent_shape, generator=gen)
         policy = self.velocity_fn(self.model)
         ref = self.velocity_fn(self.ref_model) if self.ref_model is not None else None
         parts = []
-        for rows in torch.arange(len(prompts)).split(cfg.sampling.batch_size):
+        for rows in torch.arange(num).split(cfg.sampling.batch_size):
             parts.append(sample_sde(policy, index_cond(cond, rows.to(self.device)), noise[rows].to(self.device),
                                     self.sigmas, noise_level=cfg.sampling.noise_level, generator=gen,
                                     ref_velocity_fn=ref))
@@ -134,8 +133,10 @@ class Trainer:
                                     beta=cfg.grpo.beta, scale=1.0 / len(self.steps))
                 mb_cond, on_policy = index_cond(cond, rows), optimizer_steps == 0
                 if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
+                    t_probe = time.perf_counter()
                     probe_metrics = probe_minibatch(policy, mb_cond, loss, self.steps, j, self.params,
                                                     on_policy=on_policy)
+                    probe_metrics["time_probe"] = time.perf_counter() - t_probe
                 stats = backward_minibatch(policy, mb_cond, loss, self.steps, j, on_policy=on_policy)
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     self.model.parameters(), cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
@@ -157,8 +158,9 @@ class Trainer:
         prompt_ids = self.sampler.next_batch()
         records = [self.prompts[i] for i in prompt_ids]
         prompts = [r.prompt for r in records]
+        cond = self.encode(prompts)
         self.model.eval()
-        traj = self.rollout(prompts, step)
+        traj = self.rollout(cond, len(prompts), step)
         # 2. reward
         t1 = time.perf_counter()
         images = self.model.decode(traj.final)
@@ -170,7 +172,7 @@ class Trainer:
                                  adv_clip_max=cfg.grpo.adv_clip_max, valid=valid)
         # 4. update
         self.model.train()
-        stats, loss_metrics = self.update(traj, self.encode(prompts), adv, step)
+        stats, loss_metrics = self.update(traj, cond, adv, step)
         t3 = time.perf_counter()
         ok = scores[valid]
         return {
@@ -190,7 +192,7 @@ class Trainer:
             "nograd_forward_passes": stats.nograd_forward_passes,
             "time_rollout": t1 - t0,
             "time_reward": t2 - t1,
-            "time_train": t3 - t2,
+            "time_train": t3 - t2 - loss_metrics.get("time_probe", 0.0),  # the probe is diagnostics, not training
         }
 
     # ----------------------------------------------------------------------------------------------------------
