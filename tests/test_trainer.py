@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 
 SMALL = [
-    "model.image_size=8", "model.patch_size=2", "model.hidden_size=32", "model.depth=2", "model.num_heads=2",
+    "model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
+    "model.dit.num_heads=2",
     "sampling.num_steps=6", "train.prompts_per_step=2", "grpo.group_size=3", "train.batch_size=6",
     "log.progress=false", "run.checkpoint_every=0",
 ]

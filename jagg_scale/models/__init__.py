@@ -13,11 +13,7 @@ def build_model(cfg) -> VelocityModel:
     """A velocity model from the `model` config section (train.config.ModelConfig)."""
     if cfg.kind != "dit":
         raise ValueError(f"model.kind {cfg.kind!r} is not supported")
-    model = DiT(DiTConfig(
-        image_size=cfg.image_size, in_channels=cfg.in_channels, patch_size=cfg.patch_size,
-        hidden_size=cfg.hidden_size, depth=cfg.depth, num_heads=cfg.num_heads, mlp_ratio=cfg.mlp_ratio,
-        vocab_size=cfg.vocab_size, max_prompt_length=cfg.max_prompt_length,
-    ))
+    model = DiT(cfg.dit)
     if cfg.pretrained:
         load_pretrained(model, cfg.pretrained)
     else:

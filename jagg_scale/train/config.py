@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import yaml
 
+from ..models.dit import DiTConfig
+
 
 class ConfigError(ValueError):
     """A bad configuration; the message names the key."""
@@ -24,16 +26,8 @@ class ConfigError(ValueError):
 class ModelConfig:
     kind: str = "dit"  # the built-in DiT; diffusers backbones plug in here
     pretrained: Optional[str] = None  # safetensors state dict to start from
-    image_size: int = 32
-    in_channels: int = 3
-    patch_size: int = 4
-    hidden_size: int = 128
-    depth: int = 4
-    num_heads: int = 4
-    mlp_ratio: float = 4.0
-    vocab_size: int = 4096
-    max_prompt_length: int = 16
     dtype: str = "float32"  # float32 | bfloat16 (autocast for the model; SDE math stays float32)
+    dit: DiTConfig = field(default_factory=DiTConfig)  # shape of the built-in DiT
 
 
 @dataclass
@@ -250,11 +244,12 @@ def validate(cfg: Config) -> None:
     """Range and consistency checks, each naming the offending key."""
     _require(cfg.model.kind in ("dit",), "model.kind", f"must be 'dit', got {cfg.model.kind!r}")
     _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", f"must be float32 or bfloat16, got {cfg.model.dtype!r}")
+    d = cfg.model.dit
     for key in ("image_size", "in_channels", "patch_size", "hidden_size", "depth", "num_heads", "vocab_size",
                 "max_prompt_length"):
-        _require(getattr(cfg.model, key) >= 1, f"model.{key}", "must be >= 1")
-    _require(cfg.model.image_size % cfg.model.patch_size == 0, "model.patch_size", "must divide model.image_size")
-    _require(cfg.model.hidden_size % cfg.model.num_heads == 0, "model.num_heads", "must divide model.hidden_size")
+        _require(getattr(d, key) >= 1, f"model.dit.{key}", "must be >= 1")
+    _require(d.image_size % d.patch_size == 0, "model.dit.patch_size", "must divide model.dit.image_size")
+    _require(d.hidden_size % d.num_heads == 0, "model.dit.num_heads", "must divide model.dit.hidden_size")
     s = cfg.sampling
     _require(s.num_steps >= 1, "sampling.num_steps", f"must be >= 1, got {s.num_steps}")
     _require(s.eval_num_steps >= 1, "sampling.eval_num_steps", "must be >= 1")
