@@ -72,6 +72,8 @@ def test_cli_console_script_writes_metrics(tmp_path):
     ("grpo.clip_range=[1]", "grpo.clip_range"),
     ("jagg.intermediate=sometimes", "jagg.intermediate"),
     ("train.batch_size=5", "train.batch_size"),
+    ("data.prompt_file=/no/such/prompts.txt", "data.prompt_file"),
+    ("model.pretrained=assets:nothing.safetensors", "model.pretrained"),
 ])
 def test_bad_config_names_the_key(tmp_path, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

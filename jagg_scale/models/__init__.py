@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from ..paths import resolve_path
 from .base import Cond, VelocityModel, cat_cond, index_cond, map_cond, repeat_cond
 from .dit import DiT, DiTConfig
 from .tokenizer import HashTokenizer
@@ -27,7 +26,7 @@ def load_pretrained(model: VelocityModel, path: str) -> None:
     """Load a safetensors state dict, naming the file and the mismatching keys on failure."""
     from safetensors.torch import load_file
 
-    p = Path(path)
+    p = resolve_path(path)
     if not p.is_file():
         raise FileNotFoundError(f"model.pretrained: no such file {p}")
     state = load_file(str(p))

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import yaml
 
 from ..models.dit import DiTConfig
+from ..paths import resolve_path
 
 
 class ConfigError(ValueError):
@@ -294,6 +295,9 @@ def validate(cfg: Config) -> None:
     _require(e.num_per_prompt >= 1, "eval.num_per_prompt", "must be >= 1")
     _require(e.every >= 0, "eval.every", "must be >= 0")
     _require(e.batch_size >= 1, "eval.batch_size", "must be >= 1")
+    for key, value in (("model.pretrained", cfg.model.pretrained), ("data.prompt_file", cfg.data.prompt_file),
+                       ("eval.prompt_file", cfg.eval.prompt_file if e.enabled else None)):
+        _require(value is None or resolve_path(value).is_file(), key, f"names a file that does not exist: {value}")
     r = cfg.run
     _require(r.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0 (0: only at the end)")
     _require(r.keep_last >= 1, "run.keep_last", "must be >= 1")

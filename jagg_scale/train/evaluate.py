@@ -16,13 +16,14 @@ from PIL import Image
 from ..data import PromptSet, load_prompts
 from ..grpo import sample_ode, sigma_schedule
 from ..models import index_cond
+from ..paths import resolve_path
 from ..rewards import score_safely
 from .config import Config
 
 
 def eval_prompts(cfg: Config) -> PromptSet:
     e = cfg.eval
-    return load_prompts(e.prompt_file) if e.prompt_file else PromptSet.from_list(e.prompts)
+    return load_prompts(resolve_path(e.prompt_file)) if e.prompt_file else PromptSet.from_list(e.prompts)
 
 
 def image_grid(images: torch.Tensor, ncols: int, min_size: int = 64) -> Image.Image:

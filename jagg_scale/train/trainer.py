@@ -22,6 +22,7 @@ from ..data import GroupSampler, PromptSet, load_prompts
 from ..grpo import GRPOStepLoss, Trajectories, compute_advantages, guided_velocity, sample_sde, sigma_schedule
 from ..jagg import trained_steps
 from ..models import build_model, index_cond
+from ..paths import resolve_path
 from ..rewards import build_reward, score_safely
 from .config import Config
 from .evaluate import eval_prompts, evaluate
@@ -54,7 +55,8 @@ class Trainer:
         self.device = resolve_device(cfg.run.device)
 
         # Inputs first: a bad prompt file or reward name fails before a model is built.
-        self.prompts = load_prompts(cfg.data.prompt_file) if cfg.data.prompt_file else PromptSet.from_list(cfg.data.prompts)
+        self.prompts = (load_prompts(resolve_path(cfg.data.prompt_file)) if cfg.data.prompt_file
+                        else PromptSet.from_list(cfg.data.prompts))
         self.reward = build_reward(cfg.reward.name, **cfg.reward.options)
         self.eval_prompts = eval_prompts(cfg) if cfg.eval.enabled else None
         self.evals: dict[int, dict] = {}
