@@ -5,6 +5,7 @@ Importing this package registers the built-in rewards (JPEG compressibility/inco
 """
 
 from . import jpeg  # noqa: F401  (registers the JPEG rewards)
+from . import digits  # noqa: F401  (registers digit_match)
 from .base import Reward, RewardOutput, UnknownRewardError, available, build_reward, register, score_safely
 
 __all__ = [
