@@ -3,16 +3,16 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
-CONFIG  ?= configs/tiny_cpu.yaml
+CONFIG  ?= configs/digits_cpu.yaml
 ARGS    ?=
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench parity clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,tools]'
 	touch $@
 
 setup: $(BIN)/.installed
@@ -25,6 +25,9 @@ test: setup
 
 bench: setup
 	$(BIN)/python tools/bench_window.py
+
+parity: setup
+	$(BIN)/python tools/parity.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

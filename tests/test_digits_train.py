@@ -32,7 +32,7 @@ def test_jagg_eval_on_the_committed_generator_reproduces_its_card(tmp_path):
     """The card's held-out reward (ODE, 16 steps, seed 1234, 4 images per held-out prompt) is what jagg-eval
     measures with the digits config: same protocol, same number."""
     card = (ROOT / "jagg_scale" / "assets" / "digits" / "CARD.md").read_text()
-    assert eval_main([DIGITS, "--output", str(tmp_path)]) == 0
+    assert eval_main([DIGITS, "eval.num_per_prompt=4", "--output", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "eval.json").read_text())
     assert result["num_images"] == 80 and result["num_failed"] == 0
     card_value = float(re.search(r"held-out reward \(ODE, held-out prompts\): \*\*([0-9.]+)\*\*", card).group(1))

@@ -6,7 +6,7 @@ deterministic ODE evaluation (`eval` section) every `--eval-every` steps. JAGG a
 well the window approximation holds and where (per window, i.e. per sigma range). Probe time is not counted
 as training time.
 
-    python tools/parity.py --config configs/digits_cpu.yaml --seeds 0 1 2 --out docs/parity
+    python tools/parity.py --config configs/digits_cpu.yaml --seeds 0 1 2 --steps 80 --out docs/parity
 
 writes OUT.json, OUT.md (the table) and OUT_reward.png (reward vs step and vs training seconds).
 """
@@ -43,7 +43,7 @@ def run_arm(config: str, name: str, seed: int, out: Path, args) -> dict:
         f"run.seed={seed}", f"run.output_dir={out}", "run.checkpoint_every=0", "log.progress=false",
         "eval.enabled=true", f"eval.every={args.eval_every}",
         f"jagg.probe_every={0 if name == 'exact' else args.probe_every}",
-    ] + (["train.steps=" + str(args.steps)] if args.steps else [])
+    ] + (["train.steps=" + str(args.steps)] if args.steps else []) + args.set
     cfg = load_config(config, overrides)
     trainer = Trainer(cfg)
     t0 = time.perf_counter()
@@ -153,6 +153,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--steps", type=int, default=0, help="override train.steps (0: the config's)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra config overrides for every arm")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--probe-every", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
@@ -170,7 +171,7 @@ def main() -> None:
             r = runs[-1]
             print(f"   held-out {r['eval_reward'][0]:.3f} -> {r['eval_reward'][-1]:.3f}, train {r['train_seconds']:.1f}s, "
                   f"probe cos {statistics.mean(r['probe_cos']) if r['probe_cos'] else 1.0:.3f}", flush=True)
-    cfg = load_config(args.config, ["train.steps=1"] if args.steps else [])
+    cfg = load_config(args.config, args.set)
     rows, table = summarize(runs, cfg)
     machine = f"{platform.platform()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     out = Path(args.out)
