@@ -74,6 +74,8 @@ def test_cli_console_script_writes_metrics(tmp_path):
     ("train.batch_size=5", "train.batch_size"),
     ("data.prompt_file=/no/such/prompts.txt", "data.prompt_file"),
     ("model.pretrained=assets:nothing.safetensors", "model.pretrained"),
+    ("model.kind=sd3", "model.pretrained"),
+    ("model.kind=flux", "model.kind"),
 ])
 def test_bad_config_names_the_key(tmp_path, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -10,6 +10,10 @@ from .tokenizer import HashTokenizer
 
 def build_model(cfg) -> VelocityModel:
     """A velocity model from the `model` config section (train.config.ModelConfig)."""
+    if cfg.kind == "sd3":
+        from .sd3 import SD3Velocity  # diffusers is an optional extra: import it only when asked for
+
+        return SD3Velocity.from_pretrained(resolve_path(cfg.pretrained))
     if cfg.kind != "dit":
         raise ValueError(f"model.kind {cfg.kind!r} is not supported")
     model = DiT(cfg.dit)

@@ -25,8 +25,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    kind: str = "dit"  # the built-in DiT; diffusers backbones plug in here
-    pretrained: Optional[str] = None  # safetensors state dict to start from
+    kind: str = "dit"  # dit (built-in) | sd3 (a diffusers StableDiffusion3Pipeline directory)
+    pretrained: Optional[str] = None  # dit: a safetensors state dict; sd3: the pipeline directory (required)
     dtype: str = "float32"  # float32 | bfloat16 (autocast for the model; SDE math stays float32)
     dit: DiTConfig = field(default_factory=DiTConfig)  # shape of the built-in DiT
 
@@ -243,7 +243,9 @@ def _require(ok: bool, key: str, msg: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Range and consistency checks, each naming the offending key."""
-    _require(cfg.model.kind in ("dit",), "model.kind", f"must be 'dit', got {cfg.model.kind!r}")
+    _require(cfg.model.kind in ("dit", "sd3"), "model.kind", f"must be 'dit' or 'sd3', got {cfg.model.kind!r}")
+    _require(cfg.model.kind != "sd3" or bool(cfg.model.pretrained), "model.pretrained",
+             "must name the diffusers pipeline directory when model.kind is sd3")
     _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", f"must be float32 or bfloat16, got {cfg.model.dtype!r}")
     d = cfg.model.dit
     for key in ("image_size", "in_channels", "patch_size", "hidden_size", "depth", "num_heads", "vocab_size",
@@ -295,9 +297,13 @@ def validate(cfg: Config) -> None:
     _require(e.num_per_prompt >= 1, "eval.num_per_prompt", "must be >= 1")
     _require(e.every >= 0, "eval.every", "must be >= 0")
     _require(e.batch_size >= 1, "eval.batch_size", "must be >= 1")
-    for key, value in (("model.pretrained", cfg.model.pretrained), ("data.prompt_file", cfg.data.prompt_file),
-                       ("eval.prompt_file", cfg.eval.prompt_file if e.enabled else None)):
+    for key, value in (("data.prompt_file", cfg.data.prompt_file),
+                       ("eval.prompt_file", cfg.eval.prompt_file if e.enabled else None),
+                       ("model.pretrained", cfg.model.pretrained if cfg.model.kind == "dit" else None)):
         _require(value is None or resolve_path(value).is_file(), key, f"names a file that does not exist: {value}")
+    if cfg.model.kind == "sd3" and cfg.model.pretrained:
+        _require((resolve_path(cfg.model.pretrained) / "model_index.json").is_file(), "model.pretrained",
+                 f"is not a diffusers pipeline directory (no model_index.json): {cfg.model.pretrained}")
     r = cfg.run
     _require(r.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0 (0: only at the end)")
     _require(r.keep_last >= 1, "run.keep_last", "must be >= 1")

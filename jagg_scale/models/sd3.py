@@ -1,0 +1,126 @@
+"""Stable Diffusion 3 / 3.5 (diffusers) as a `VelocityModel`: the transformer is the policy, the rest is frozen.
+
+How diffusers' SD3 maps onto the interface of base.py (the design doc's rectified flow, x_s = (1 - s) x_0 + s e):
+
+    cond = encode_prompts(prompts)     StableDiffusion3Pipeline.encode_prompt (no CFG, no grad):
+                                       (prompt_embeds [B, L_clip + L_t5, joint_attention_dim],
+                                        pooled_projections [B, P])   -- "" gives the unconditional pair
+    v    = forward(x, sigma, cond)     transformer(hidden_states=x, timestep=1000 * sigma,
+                                                   encoder_hidden_states, pooled_projections)
+    img  = decode(x)                   vae.decode(x / scaling_factor + shift_factor) mapped [-1, 1] -> [0, 1]
+
+Timestep: FlowMatchEulerDiscreteScheduler sets timesteps = sigmas * num_train_timesteps (1000) and the pipeline
+feeds those to the transformer, so sigma in [0, 1] becomes timestep 1000 * sigma here.
+
+Sign: the SD3 transformer predicts v = e - x_0 (noise minus data), the scheduler's Euler step is
+x_next = x + (s_next - s) v, i.e. dx/ds = v for x_s = (1 - s) x_0 + s e: the same convention as the design doc,
+so the velocity is passed through unchanged (tests/test_sd3_adapter.py checks it against scheduler.step and
+the pipeline's own sampling loop).
+
+CFG is not done here: the trainer passes (cond, uncond) through `grpo.rollout.guided_velocity`, which calls
+this model once on 2N rows; the uncond half is `encode_prompts([""] * N)`.
+
+Trainable vs frozen: only the transformer is a registered submodule, so `.parameters()`, `.state_dict()` and
+the optimizer see the transformer alone. The VAE and the three text encoders live in a plain dict
+(`self.frozen`), have requires_grad False, and follow the adapter through `.to()` / `.double()` / `.cuda()`
+(`_apply` is overridden). The rest of the pipeline (tokenizers, scheduler) is kept as `self.pipe` for
+`encode_prompt` and the scheduler config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .base import VelocityModel
+
+FROZEN = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+class SD3Velocity(VelocityModel):
+    """v_theta(x, sigma, cond) of a diffusers StableDiffusion3Pipeline's transformer."""
+
+    def __init__(self, pipe, max_sequence_length: int = 256):
+        super().__init__()
+        self.pipe = pipe  # not an nn.Module: not registered
+        self.transformer = pipe.transformer
+        self.frozen = {}
+        for name in FROZEN:
+            module = getattr(pipe, name, None)
+            if module is not None:
+                module.requires_grad_(False).eval()
+                self.frozen[name] = module
+        self.max_sequence_length = max_sequence_length
+        cfg = self.transformer.config
+        vae_scale = pipe.vae_scale_factor
+        self.latent_shape = (cfg.in_channels, cfg.sample_size, cfg.sample_size)
+        self.image_size = cfg.sample_size * vae_scale
+        self.num_train_timesteps = pipe.scheduler.config.num_train_timesteps
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, *, max_sequence_length: int | None = None,
+                        local_files_only: bool = True) -> "SD3Velocity":
+        """Load a saved StableDiffusion3Pipeline directory (offline by default)."""
+        from diffusers import StableDiffusion3Pipeline
+
+        pipe = StableDiffusion3Pipeline.from_pretrained(str(Path(path)), dtype=dtype,
+                                                        local_files_only=local_files_only)
+        if max_sequence_length is None:
+            # the tokenizer's own limit for tiny test pipelines, diffusers' default 256 otherwise
+            t5_max = getattr(pipe.tokenizer_3, "model_max_length", 256) if pipe.tokenizer_3 is not None else 256
+            max_sequence_length = min(256, int(t5_max))
+        return cls(pipe, max_sequence_length=max_sequence_length)
+
+    # ------------------------------------------------------------------ device / dtype of the frozen parts
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for module in self.frozen.values():
+            module._apply(fn)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    # ------------------------------------------------------------------ the VelocityModel interface
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt_embeds [B, L, D], pooled [B, P]) in the transformer's dtype; "" is the unconditional prompt."""
+        prompts = list(prompts)
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
+            do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
+        )
+        return embeds.to(self.dtype).detach(), pooled.to(self.dtype).detach()
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        """Velocity v = e - x_0 at latents x [N, C, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
+        embeds, pooled = cond
+        dtype = self.dtype
+        sigma = torch.as_tensor(sigma, device=x.device)
+        if sigma.ndim == 0:
+            sigma = sigma.expand(x.shape[0])
+        timestep = sigma.to(torch.promote_types(sigma.dtype, torch.float32)) * self.num_train_timesteps
+        v = self.transformer(
+            hidden_states=x.to(dtype),
+            timestep=timestep,
+            encoder_hidden_states=embeds.to(dtype),
+            pooled_projections=pooled.to(dtype),
+            return_dict=False,
+        )[0]
+        return v.to(x.dtype)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Latents -> float32 images [N, 3, H, W] in [0, 1]."""
+        vae = self.frozen["vae"]
+        latents = x.to(vae.dtype) / vae.config.scaling_factor
+        if getattr(vae.config, "shift_factor", None) is not None:
+            latents = latents + vae.config.shift_factor
+        img = vae.decode(latents, return_dict=False)[0]
+        return ((img.float() + 1) / 2).clamp(0, 1)

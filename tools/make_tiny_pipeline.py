@@ -1,0 +1,131 @@
+"""Write a tiny, random, fully offline diffusers pipeline (for tests and smoke runs of the adapters).
+
+    python tools/make_tiny_pipeline.py OUT_DIR --kind sd3 [--seed 0]
+
+Nothing is downloaded: every component is built from a config with seeded random weights, and the tokenizers
+are built locally from a small vocabulary (no model hub). The result loads with
+
+    StableDiffusion3Pipeline.from_pretrained(OUT_DIR, local_files_only=True)
+
+SD3 layout (sizes chosen so that the pipeline's shape bookkeeping holds):
+
+    transformer   SD3Transformer2DModel: 8x8x4 latents, patch 2, 2 layers, 2 heads x 8 = inner dim 16,
+                  joint_attention_dim 32 (= T5 d_model), caption_projection_dim 16 (= inner dim),
+                  pooled_projection_dim 32 (= 16 + 16, the two CLIP projections concatenated)
+    vae           AutoencoderKL, 2 blocks of 8 channels (scale factor 2: 8x8 latents <-> 16x16 images),
+                  latent_channels 4, SD3-like scaling_factor / shift_factor
+    scheduler     FlowMatchEulerDiscreteScheduler(shift=3.0)
+    text_encoder, text_encoder_2   CLIPTextModelWithProjection, hidden 16, projection 16
+    text_encoder_3                 T5EncoderModel, d_model 32
+    tokenizer, tokenizer_2         CLIPTokenizer (byte-level BPE, no merges: one token per character), 32 tokens
+    tokenizer_3                    T5Tokenizer (unigram over letters, digits and a few words)
+
+`make_tiny_sd3(out_dir, seed=0) -> Path` is importable (tests put tools/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import string
+from pathlib import Path
+
+import torch
+
+CLIP_MAX_LENGTH = 32  # tokenizer.model_max_length: the pipeline pads CLIP prompts to this many tokens
+T5_MAX_LENGTH = 32  # tokenizer_3.model_max_length: the adapter uses it as max_sequence_length
+T5_WORDS = ["a", "the", "photo", "of", "cat", "dog", "red", "blue", "digit", "one", "two", "three", "on", "with"]
+
+
+def _clip_tokenizer():
+    """CLIP's byte-level BPE with an alphabet-only vocabulary (every byte, with and without the end-of-word
+    suffix) and no merges, so any text tokenizes; ids: <|startoftext|> 0, <|endoftext|> 1 (also pad)."""
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+        vocab[ch + "</w>"] = len(vocab)
+    tok = CLIPTokenizer(vocab=vocab, merges=[], pad_token="<|endoftext|>")
+    tok.model_max_length = CLIP_MAX_LENGTH
+    return tok
+
+
+def _t5_tokenizer():
+    """T5's unigram tokenizer over a hand-made vocabulary: <pad> 0, </s> 1, <unk> 2, then pieces."""
+    from transformers import T5Tokenizer
+
+    pieces = ["▁", *[f"▁{w}" for w in T5_WORDS]]
+    pieces += [c for c in string.ascii_lowercase + string.digits]
+    pieces += [f"▁{c}" for c in string.ascii_lowercase + string.digits]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [(p, -1.0 if len(p) > 2 else -5.0) for p in pieces]
+    tok = T5Tokenizer(vocab=vocab, extra_ids=0)
+    tok.model_max_length = T5_MAX_LENGTH
+    return tok
+
+
+def build_tiny_sd3(seed: int = 0):
+    """The tiny random StableDiffusion3Pipeline (in memory)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    tokenizer, tokenizer_2, tokenizer_3 = _clip_tokenizer(), _clip_tokenizer(), _t5_tokenizer()
+
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32, out_channels=4,
+        pos_embed_max_size=16,
+    )
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, sample_size=16,
+        block_out_channels=(8, 8), layers_per_block=1, norm_num_groups=4,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5035, shift_factor=0.0609,
+    )
+    clip_kwargs = dict(
+        bos_token_id=0, eos_token_id=1, pad_token_id=1, vocab_size=len(tokenizer), hidden_size=16,
+        intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH,
+        projection_dim=16, hidden_act="gelu",
+    )
+    torch.manual_seed(seed + 2)
+    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip_kwargs))
+    torch.manual_seed(seed + 3)
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_kwargs))
+    torch.manual_seed(seed + 4)
+    text_encoder_3 = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer_3), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    ))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae,
+        text_encoder=text_encoder.eval(), tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2.eval(), tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3.eval(), tokenizer_3=tokenizer_3,
+    )
+
+
+def make_tiny_sd3(out_dir, seed: int = 0) -> Path:
+    """Build the tiny SD3 pipeline and `save_pretrained` it to out_dir; returns the directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tiny_sd3(seed).save_pretrained(str(out))
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--kind", choices=["sd3"], default="sd3")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    out = make_tiny_sd3(args.out_dir, seed=args.seed)
+    print(f"wrote tiny {args.kind} pipeline to {out}")
+
+
+if __name__ == "__main__":
+    main()
