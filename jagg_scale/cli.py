@@ -80,7 +80,7 @@ def eval_main(argv: list[str] | None = None) -> int:
                 print(f"jagg-eval: no complete checkpoint in {path}", file=sys.stderr)
                 return 2
             path = found
-        trainer.model.load_state_dict(load_checkpoint(path).tensors["model"])
+        trainer.load_model_weights(load_checkpoint(path).tensors["model"], path)
         out = Path(args.output) if args.output else path / "eval"
     result = trainer.evaluate_to(out)
     print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=2))

@@ -191,3 +191,27 @@ def test_jagg_train_two_steps_on_the_tiny_sd3_pipeline(sd3_dir, tmp_path):
 
     saved = load_checkpoint(tmp_path / "checkpoints" / "step_00000002").tensors["model"]
     assert all(k.startswith("transformer.") for k in saved)
+
+
+def test_lora_run_with_kl_to_the_adapter_off_reference_and_checkpointing(sd3_dir, tmp_path):
+    """LoRA r4 with beta > 0 (the reference is the same transformer with its adapter off, no copy) and diffusers
+    gradient checkpointing; checkpoints hold the adapter alone, resume restores it, and a diffusers LoRA dir is
+    exported beside them."""
+    from jagg_scale.checkpoint import load_checkpoint
+    from jagg_scale.train import Trainer, load_config
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "sd3_tiny_cpu.yaml"
+    common = [f"model.pretrained={sd3_dir}", "model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8",
+              "model.gradient_checkpointing=true", "grpo.beta=0.04", "log.progress=false",
+              "sampling.num_steps=4", "jagg.window=4", f"run.output_dir={tmp_path}"]
+    trainer = Trainer(load_config(config, common + ["train.steps=2", "run.checkpoint_every=1"]))
+    assert trainer.ref_model is None
+    rows = trainer.fit()
+    assert rows[-1]["kl"] > 0  # the adapter moved the policy away from the adapter-off reference
+    saved = load_checkpoint(tmp_path / "checkpoints" / "step_00000002").tensors["model"]
+    assert saved and all("lora_" in k for k in saved)
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").exists()
+    resumed = Trainer(load_config(config, common + ["train.steps=3", "run.resume=auto"]))
+    assert resumed.start_step == 2
+    for k, v in resumed.trainable_state_dict().items():
+        assert torch.equal(v, saved[k])

@@ -1,11 +1,12 @@
 """Write a tiny, random, fully offline diffusers pipeline (for tests and smoke runs of the adapters).
 
-    python tools/make_tiny_pipeline.py OUT_DIR --kind sd3 [--seed 0]
+    python tools/make_tiny_pipeline.py OUT_DIR --kind sd3|flux [--seed 0]
 
 Nothing is downloaded: every component is built from a config with seeded random weights, and the tokenizers
 are built locally from a small vocabulary (no model hub). The result loads with
 
-    StableDiffusion3Pipeline.from_pretrained(OUT_DIR, local_files_only=True)
+    StableDiffusion3Pipeline.from_pretrained(OUT_DIR, local_files_only=True)     (--kind sd3)
+    FluxPipeline.from_pretrained(OUT_DIR, local_files_only=True)                 (--kind flux)
 
 SD3 layout (sizes chosen so that the pipeline's shape bookkeeping holds):
 
@@ -20,7 +21,20 @@ SD3 layout (sizes chosen so that the pipeline's shape bookkeeping holds):
     tokenizer, tokenizer_2         CLIPTokenizer (byte-level BPE, no merges: one token per character), 32 tokens
     tokenizer_3                    T5Tokenizer (unigram over letters, digits and a few words)
 
-`make_tiny_sd3(out_dir, seed=0) -> Path` is importable (tests put tools/ on sys.path).
+FLUX layout (FLUX.1-dev-like: guidance-distilled, dynamic shifting):
+
+    transformer   FluxTransformer2DModel: 8x8x4 latents packed into 2x2 tokens (in_channels 16 = 4 x 4,
+                  16 tokens), 2 double-stream + 2 single-stream layers, 2 heads x 8 = inner dim 16,
+                  rope axes (2, 2, 4) (sum = head dim), joint_attention_dim 32 (= T5 d_model),
+                  pooled_projection_dim 16 (= CLIP hidden size), guidance_embeds True
+    vae           AutoencoderKL as for SD3 (scale factor 2), FLUX's scaling_factor / shift_factor
+    scheduler     FlowMatchEulerDiscreteScheduler with FLUX's dynamic shifting (mu from the image sequence length)
+    text_encoder  CLIPTextModel, hidden 16 (its pooled output is the pooled projection)
+    text_encoder_2  T5EncoderModel, d_model 32
+    tokenizer, tokenizer_2   the CLIP and T5 tokenizers above
+
+`make_tiny_sd3(out_dir, seed=0) -> Path` and `make_tiny_flux(out_dir, seed=0) -> Path` are importable
+(tests put tools/ on sys.path).
 """
 
 from __future__ import annotations
@@ -117,13 +131,67 @@ def make_tiny_sd3(out_dir, seed: int = 0) -> Path:
     return out
 
 
+def build_tiny_flux(seed: int = 0):
+    """The tiny random FluxPipeline (in memory)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer, tokenizer_2 = _clip_tokenizer(), _t5_tokenizer()
+
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, out_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
+        axes_dims_rope=(2, 2, 4),
+    )
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, sample_size=16,
+        block_out_channels=(8, 8), layers_per_block=1, norm_num_groups=4,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159,
+    )
+    torch.manual_seed(seed + 2)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        bos_token_id=0, eos_token_id=1, pad_token_id=1, vocab_size=len(tokenizer), hidden_size=16,
+        intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH,
+        projection_dim=16, hidden_act="gelu",
+    ))
+    torch.manual_seed(seed + 3)
+    text_encoder_2 = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    ))
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae,
+        text_encoder=text_encoder.eval(), tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2.eval(), tokenizer_2=tokenizer_2,
+    )
+
+
+def make_tiny_flux(out_dir, seed: int = 0) -> Path:
+    """Build the tiny FLUX pipeline and `save_pretrained` it to out_dir; returns the directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tiny_flux(seed).save_pretrained(str(out))
+    return out
+
+
+MAKERS = {"sd3": make_tiny_sd3, "flux": make_tiny_flux}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--kind", choices=["sd3"], default="sd3")
+    ap.add_argument("--kind", choices=sorted(MAKERS), default="sd3")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    out = make_tiny_sd3(args.out_dir, seed=args.seed)
+    out = MAKERS[args.kind](args.out_dir, seed=args.seed)
     print(f"wrote tiny {args.kind} pipeline to {out}")
 
 

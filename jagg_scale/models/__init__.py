@@ -13,7 +13,21 @@ def build_model(cfg) -> VelocityModel:
     if cfg.kind == "sd3":
         from .sd3 import SD3Velocity  # diffusers is an optional extra: import it only when asked for
 
-        return SD3Velocity.from_pretrained(resolve_path(cfg.pretrained))
+        model = SD3Velocity.from_pretrained(resolve_path(cfg.pretrained))
+        model.set_attention_backend(cfg.attention)  # raises early when xformers is asked for without CUDA/xformers
+        if cfg.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        if cfg.lora.enabled:
+            kwargs = {"targets": tuple(cfg.lora.targets)} if cfg.lora.targets else {}
+            model.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, **kwargs)
+        return model
+    if cfg.kind == "flux":
+        from .flux import FluxVelocity
+
+        model = FluxVelocity.from_pretrained(resolve_path(cfg.pretrained))
+        if cfg.gradient_checkpointing:
+            model.transformer.enable_gradient_checkpointing()
+        return model
     if cfg.kind != "dit":
         raise ValueError(f"model.kind {cfg.kind!r} is not supported")
     model = DiT(cfg.dit)

@@ -58,6 +58,7 @@ class SD3Velocity(VelocityModel):
         self.latent_shape = (cfg.in_channels, cfg.sample_size, cfg.sample_size)
         self.image_size = cfg.sample_size * vae_scale
         self.num_train_timesteps = pipe.scheduler.config.num_train_timesteps
+        self.attention_backend = "sdpa"
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, *, max_sequence_length: int | None = None,
@@ -87,6 +88,80 @@ class SD3Velocity(VelocityModel):
     @property
     def dtype(self) -> torch.dtype:
         return next(self.transformer.parameters()).dtype
+
+    # ------------------------------------------------------------------ training options
+    def enable_gradient_checkpointing(self) -> "SD3Velocity":
+        """Recompute each transformer block in backward (diffusers' non-reentrant checkpointing): same
+        gradients, activation memory of one block. Active only in train mode with grad enabled."""
+        self.transformer.enable_gradient_checkpointing()
+        return self
+
+    def disable_gradient_checkpointing(self) -> "SD3Velocity":
+        self.transformer.disable_gradient_checkpointing()
+        return self
+
+    def set_attention_backend(self, name: str = "sdpa") -> "SD3Velocity":
+        """"sdpa" (default): diffusers' torch scaled_dot_product_attention processors (JointAttnProcessor2_0 /
+        AttnProcessor2_0). "xformers": xformers' memory-efficient attention, which needs CUDA and an importable
+        xformers; otherwise a RuntimeError says which is missing."""
+        from diffusers.models.attention_processor import (
+            AttnProcessor2_0, JointAttnProcessor2_0, XFormersAttnProcessor, XFormersJointAttnProcessor,
+        )
+
+        name = str(name).lower()
+        if name == "sdpa":
+            for module in self.transformer.modules():
+                proc = getattr(module, "processor", None)
+                if isinstance(proc, XFormersJointAttnProcessor):
+                    module.set_processor(JointAttnProcessor2_0())
+                elif isinstance(proc, XFormersAttnProcessor):
+                    module.set_processor(AttnProcessor2_0())
+        elif name == "xformers":
+            missing = []
+            if not torch.cuda.is_available():
+                missing.append("CUDA is not available (torch.cuda.is_available() is False)")
+            try:
+                import xformers  # noqa: F401
+                import xformers.ops  # noqa: F401
+            except Exception as exc:  # ImportError, or a broken build
+                missing.append(f"`import xformers` failed ({type(exc).__name__}: {exc})")
+            if missing:
+                raise RuntimeError("attention backend 'xformers' unavailable: " + "; ".join(missing)
+                                   + ". Use set_attention_backend('sdpa').")
+            self.transformer.enable_xformers_memory_efficient_attention()
+        else:
+            raise ValueError(f"unknown attention backend {name!r}: expected 'sdpa' or 'xformers'")
+        self.attention_backend = name
+        return self
+
+    # ------------------------------------------------------------------ LoRA (models/lora.py)
+    def add_lora(self, **kwargs):
+        """Inject LoRA into the transformer (see lora.add_lora); only the LoRA params stay trainable."""
+        from .lora import add_lora
+
+        return add_lora(self.transformer, **kwargs)
+
+    def reference_disabled(self):
+        """Context manager: this model with the LoRA adapter off (the KL reference)."""
+        from .lora import reference_disabled
+
+        return reference_disabled(self)
+
+    def save_lora(self, out_dir) -> Path:
+        from .lora import save_lora
+
+        return save_lora(self.transformer, out_dir)
+
+    def save_full(self, out_dir) -> Path:
+        """transformer.save_pretrained(out_dir): a full SD3Transformer2DModel directory. With a LoRA adapter
+        attached this refuses (the peft-wrapped state dict is not a plain transformer); use save_lora."""
+        from .lora import has_lora
+
+        if has_lora(self.transformer):
+            raise ValueError("save_full: the transformer carries a LoRA adapter; save it with save_lora(out_dir)")
+        out = Path(out_dir)
+        self.transformer.save_pretrained(str(out))
+        return out
 
     # ------------------------------------------------------------------ the VelocityModel interface
     @torch.no_grad()

@@ -24,11 +24,22 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class LoRAConfig:
+    enabled: bool = False
+    rank: int = 32  # Flow-GRPO: r 32, alpha 64
+    alpha: float = 64.0
+    targets: list = field(default_factory=list)  # empty: the backbone's defaults (attention q/k/v/out + add_*)
+
+
+@dataclass
 class ModelConfig:
-    kind: str = "dit"  # dit (built-in) | sd3 (a diffusers StableDiffusion3Pipeline directory)
-    pretrained: Optional[str] = None  # dit: a safetensors state dict; sd3: the pipeline directory (required)
+    kind: str = "dit"  # dit (built-in) | sd3 | flux (a diffusers StableDiffusion3Pipeline / FluxPipeline directory)
+    pretrained: Optional[str] = None  # dit: a safetensors state dict; sd3/flux: the pipeline directory (required)
     dtype: str = "float32"  # float32 | bfloat16 (autocast for the model; SDE math stays float32)
     dit: DiTConfig = field(default_factory=DiTConfig)  # shape of the built-in DiT
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # sd3: train a LoRA adapter instead of all weights
+    gradient_checkpointing: bool = False  # sd3: diffusers' per-block activation checkpointing
+    attention: str = "sdpa"  # sdpa | xformers (CUDA with xformers installed only)
 
 
 @dataclass
@@ -243,10 +254,18 @@ def _require(ok: bool, key: str, msg: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Range and consistency checks, each naming the offending key."""
-    _require(cfg.model.kind in ("dit", "sd3"), "model.kind", f"must be 'dit' or 'sd3', got {cfg.model.kind!r}")
-    _require(cfg.model.kind != "sd3" or bool(cfg.model.pretrained), "model.pretrained",
-             "must name the diffusers pipeline directory when model.kind is sd3")
+    _require(cfg.model.kind in ("dit", "sd3", "flux"), "model.kind", f"must be dit, sd3 or flux, got {cfg.model.kind!r}")
+    _require(cfg.model.kind == "dit" or bool(cfg.model.pretrained), "model.pretrained",
+             f"must name the diffusers pipeline directory when model.kind is {cfg.model.kind}")
     _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", f"must be float32 or bfloat16, got {cfg.model.dtype!r}")
+    m = cfg.model
+    _require(not m.lora.enabled or m.kind == "sd3", "model.lora.enabled", f"is supported for model.kind sd3, not {m.kind!r}")
+    _require(not m.gradient_checkpointing or m.kind != "dit", "model.gradient_checkpointing",
+             "is supported for the diffusers backbones (sd3, flux), not the built-in dit")
+    _require(m.attention == "sdpa" or m.kind == "sd3", "model.attention", "xformers is wired for sd3 only")
+    _require(m.attention in ("sdpa", "xformers"), "model.attention", f"must be sdpa or xformers, got {m.attention!r}")
+    _require(m.lora.rank >= 1, "model.lora.rank", "must be >= 1")
+    _require(m.lora.alpha > 0, "model.lora.alpha", "must be > 0")
     d = cfg.model.dit
     for key in ("image_size", "in_channels", "patch_size", "hidden_size", "depth", "num_heads", "vocab_size",
                 "max_prompt_length"):
@@ -301,7 +320,7 @@ def validate(cfg: Config) -> None:
                        ("eval.prompt_file", cfg.eval.prompt_file if e.enabled else None),
                        ("model.pretrained", cfg.model.pretrained if cfg.model.kind == "dit" else None)):
         _require(value is None or resolve_path(value).is_file(), key, f"names a file that does not exist: {value}")
-    if cfg.model.kind == "sd3" and cfg.model.pretrained:
+    if cfg.model.kind != "dit" and cfg.model.pretrained:
         _require((resolve_path(cfg.model.pretrained) / "model_index.json").is_file(), "model.pretrained",
                  f"is not a diffusers pipeline directory (no model_index.json): {cfg.model.pretrained}")
     r = cfg.run

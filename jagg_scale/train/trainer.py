@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -63,8 +65,11 @@ class Trainer:
 
         torch.manual_seed(cfg.run.seed)
         self.model = build_model(cfg.model).to(self.device)
+        # The KL reference: with LoRA the same transformer with its adapter off (no copy); otherwise a frozen copy
+        # of the starting weights. beta = 0 skips the reference entirely: no copy, no forwards.
+        self.lora = cfg.model.lora.enabled
         self.ref_model = None
-        if cfg.grpo.beta > 0:  # beta = 0 skips the reference entirely: no copy, no forwards
+        if cfg.grpo.beta > 0 and not self.lora:
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False).eval()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
@@ -91,6 +96,28 @@ class Trainer:
 
         return fn
 
+    def reference_fn(self):
+        """The reference velocity for the KL term, or None when beta = 0."""
+        if self.cfg.grpo.beta == 0:
+            return None
+        if self.ref_model is not None:
+            return self.velocity_fn(self.ref_model)
+        policy = self.velocity_fn(self.model)
+
+        def adapter_off(x, sigma, cond):
+            with self.model.reference_disabled():
+                return policy(x, sigma, cond)
+
+        return adapter_off
+
+    def trainable_state_dict(self) -> dict:
+        """What a checkpoint holds of the model: every weight, or with LoRA the adapter weights alone."""
+        state = self.model.state_dict()
+        if not self.lora:
+            return state
+        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in state.items() if k in trainable}
+
     def encode(self, prompts: list[str]):
         cond = self.model.encode_prompts(prompts)
         if self.cfg.sampling.guidance != 1.0:
@@ -107,8 +134,8 @@ class Trainer:
         gen = torch.Generator().manual_seed(step_seed(cfg.run.seed, step, 0))
         noise = torch.randn(num, *self.model.latent_shape, generator=gen)
         policy = self.velocity_fn(self.model)
-        ref = self.velocity_fn(self.ref_model) if self.ref_model is not None else None
         parts = []
+        ref = self.reference_fn()
         for rows in torch.arange(num).split(cfg.sampling.batch_size):
             parts.append(sample_sde(policy, index_cond(cond, rows.to(self.device)), noise[rows].to(self.device),
                                     self.sigmas, noise_level=cfg.sampling.noise_level, generator=gen,
@@ -219,6 +246,7 @@ class Trainer:
                 last = step + 1 == cfg.train.steps
                 if last or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
                     self.save(step + 1)
+                    self.export()
                 if self.eval_prompts is not None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
                     self.evaluate(step + 1)
         finally:
@@ -238,13 +266,32 @@ class Trainer:
                         self.eval_prompts, out_dir)
 
     def save(self, next_step: int) -> Path:
-        tensors = {"model": self.model.state_dict()}
+        tensors = {"model": self.trainable_state_dict()}
         if self.ref_model is not None:
             tensors["ref_model"] = self.ref_model.state_dict()
         state = {"step": next_step, "sampler": self.sampler.state_dict(), "config": self.cfg.to_dict()}
         return save_checkpoint(self.ckpt_root, next_step, tensors=tensors,
                                objects={"optimizer": self.optimizer.state_dict(), "rng": capture_rng_state()},
                                state=state, keep_last=self.cfg.run.keep_last)
+
+    def load_model_weights(self, state: dict, path) -> None:
+        missing, unexpected = self.model.load_state_dict(state, strict=not self.lora)
+        if unexpected or (self.lora and set(state) != set(self.trainable_state_dict())):
+            raise CheckpointError(f"checkpoint {path} does not fit the model: unexpected {unexpected[:5]}")
+
+    def export(self) -> Path | None:
+        """Weights in the backbone's own format beside the checkpoints: a diffusers LoRA directory
+        (`pipe.load_lora_weights(dir)`) or a full `save_pretrained` transformer. Written to a temp dir, then
+        renamed over the previous export."""
+        if not hasattr(self.model, "save_full"):
+            return None
+        final = self.out / ("lora" if self.lora else "transformer")
+        tmp = self.out / (final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        (self.model.save_lora if self.lora else self.model.save_full)(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        return final
 
     def _resume(self) -> None:
         setting = self.cfg.run.resume
@@ -258,7 +305,7 @@ class Trainer:
         saved_model = ckpt.state.get("config", {}).get("model")
         if saved_model is not None and saved_model != self.cfg.to_dict()["model"]:
             raise CheckpointError(f"checkpoint {path} was written for a different `model` section: {saved_model}")
-        self.model.load_state_dict(ckpt.tensors["model"])
+        self.load_model_weights(ckpt.tensors["model"], path)
         if self.ref_model is not None:
             if "ref_model" not in ckpt.tensors:
                 raise CheckpointError(f"checkpoint {path} has no reference model but grpo.beta > 0")

@@ -1,0 +1,194 @@
+"""FLUX.1 (diffusers) as a `VelocityModel`: the transformer is the policy, the rest is frozen.
+
+How diffusers' FLUX maps onto the interface of base.py (the design doc's rectified flow, x_s = (1 - s) x_0 + s e):
+
+    cond = encode_prompts(prompts)     FluxPipeline.encode_prompt (no grad):
+                                       (prompt_embeds [B, L_t5, joint_attention_dim]  -- T5,
+                                        pooled_projections [B, P]                     -- CLIP pooled output)
+                                       "" gives the unconditional pair
+    v    = forward(x, sigma, cond)     x [N, C, H, W] UNPACKED latents (C = in_channels / 4) are packed into
+                                       FLUX's 2x2 token sequence [N, H/2 * W/2, 4 C] (FluxPipeline._pack_latents),
+                                       transformer(hidden_states, timestep=sigma, guidance, pooled_projections,
+                                                   encoder_hidden_states, txt_ids, img_ids)
+                                       and the output is unpacked back to [N, C, H, W] (_unpack_latents)
+    img  = decode(x)                   vae.decode(x / scaling_factor + shift_factor) mapped [-1, 1] -> [0, 1]
+
+Latents: the interface keeps the unpacked [C, H, W] layout (the same as SD3 and the built-in DiT), so the SDE,
+the rollout storage and JAGG never see FLUX's packing. Packing is a pure permutation, so every elementwise
+quantity (Euler step, SDE mean / log-prob per element) is the same in either layout.
+
+Timestep: FlowMatchEulerDiscreteScheduler sets timesteps = sigmas * 1000 and FluxPipeline passes
+`timestep / 1000` to the transformer (which multiplies by 1000 internally), so the transformer receives sigma
+itself. Guidance: FLUX-dev is guidance-distilled; when `transformer.config.guidance_embeds` the distilled
+guidance value (`guidance_scale`, default 3.5, the pipeline's default) is fed as `guidance` on every row, as
+the pipeline does. It is not CFG: the trainer normally runs FLUX with sampling.guidance 1.0, and a real CFG
+pair (cond, uncond) through `grpo.rollout.guided_velocity` still works (uncond = `encode_prompts([""] * N)`).
+
+Sign: the FLUX transformer predicts v = e - x_0, the scheduler's Euler step is x_next = x + (s_next - s) v on the
+packed latents, i.e. dx/ds = v: the design doc's convention, so the velocity is passed through unchanged
+(tests/test_flux_adapter.py checks it against scheduler.step and the pipeline's own sampling loop).
+
+Schedule: FLUX shifts sigmas dynamically (mu from the image sequence length); `pipeline_sigmas(num_steps)`
+returns the schedule FluxPipeline would use for this latent size, with the trailing 0.
+
+Trainable vs frozen: only the transformer is a registered submodule, so `.parameters()`, `.state_dict()` and
+the optimizer see the transformer alone. The VAE and the two text encoders live in a plain dict
+(`self.frozen`), have requires_grad False, and follow the adapter through `.to()` / `.double()` / `.cuda()`
+(`_apply` is overridden). The rest of the pipeline (tokenizers, scheduler) is kept as `self.pipe` for
+`encode_prompt` and the scheduler config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .base import VelocityModel
+
+FROZEN = ("vae", "text_encoder", "text_encoder_2")
+
+
+class FluxVelocity(VelocityModel):
+    """v_theta(x, sigma, cond) of a diffusers FluxPipeline's transformer, on unpacked latents [N, C, H, W]."""
+
+    def __init__(self, pipe, max_sequence_length: int = 512, guidance_scale: float = 3.5,
+                 latent_size: int | None = None):
+        super().__init__()
+        self.pipe = pipe  # not an nn.Module: not registered
+        self.transformer = pipe.transformer
+        self.frozen = {}
+        for name in FROZEN:
+            module = getattr(pipe, name, None)
+            if module is not None:
+                module.requires_grad_(False).eval()
+                self.frozen[name] = module
+        self.max_sequence_length = max_sequence_length
+        self.guidance_scale = float(guidance_scale)
+        cfg = self.transformer.config
+        if cfg.in_channels % 4:
+            raise ValueError(f"FLUX transformer in_channels {cfg.in_channels} is not 4 x latent channels")
+        self.vae_scale_factor = pipe.vae_scale_factor
+        if latent_size is None:
+            # the VAE's sample size (1024 px for FLUX.1, 16 px for the tiny test pipeline); 1024 px if unknown
+            vae_sample = getattr(pipe.vae.config, "sample_size", None) if pipe.vae is not None else None
+            image = int(vae_sample) if isinstance(vae_sample, int) else 1024
+            latent_size = image // self.vae_scale_factor
+        if latent_size % 2:
+            raise ValueError(f"FLUX latent size must be even (2x2 packing), got {latent_size}")
+        self.latent_shape = (cfg.in_channels // 4, latent_size, latent_size)
+        self.image_size = latent_size * self.vae_scale_factor
+        self.num_train_timesteps = pipe.scheduler.config.num_train_timesteps
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, *, max_sequence_length: int | None = None,
+                        guidance_scale: float = 3.5, latent_size: int | None = None,
+                        local_files_only: bool = True) -> "FluxVelocity":
+        """Load a saved FluxPipeline directory (offline by default)."""
+        from diffusers import FluxPipeline
+
+        pipe = FluxPipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
+        if max_sequence_length is None:
+            # the tokenizer's own limit for tiny test pipelines, FLUX-dev's 512 otherwise
+            t5_max = getattr(pipe.tokenizer_2, "model_max_length", 512) if pipe.tokenizer_2 is not None else 512
+            max_sequence_length = min(512, int(t5_max))
+        return cls(pipe, max_sequence_length=max_sequence_length, guidance_scale=guidance_scale,
+                   latent_size=latent_size)
+
+    # ------------------------------------------------------------------ device / dtype of the frozen parts
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for module in self.frozen.values():
+            module._apply(fn)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    # ------------------------------------------------------------------ packing and schedule
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> FLUX's token sequence [N, H/2 * W/2, 4 C]."""
+        n, c, h, w = x.shape
+        return self.pipe._pack_latents(x, n, c, h, w)
+
+    def unpack(self, tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """[N, H/2 * W/2, 4 C] -> [N, C, H, W] (H, W: latent size)."""
+        f = self.vae_scale_factor
+        return self.pipe._unpack_latents(tokens, height * f, width * f, f)
+
+    def image_ids(self, height: int, width: int, device, dtype) -> torch.Tensor:
+        """Rope position ids [H/2 * W/2, 3] of the packed image tokens."""
+        return self.pipe._prepare_latent_image_ids(1, height // 2, width // 2, device, dtype)
+
+    def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
+        """FluxPipeline's sigma schedule [num_steps + 1] (dynamic shift for this latent size, trailing 0)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        sched = FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config)
+        c = sched.config
+        seq_len = (self.latent_shape[1] // 2) * (self.latent_shape[2] // 2)
+        mu = calculate_shift(seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        sigmas = None if c.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
+        kwargs = {"mu": mu} if c.get("use_dynamic_shifting", False) else {}
+        if sigmas is None:
+            sched.set_timesteps(num_steps, **kwargs)
+        else:
+            sched.set_timesteps(sigmas=sigmas, **kwargs)
+        return sched.sigmas.float().cpu()
+
+    # ------------------------------------------------------------------ the VelocityModel interface
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt_embeds [B, L, D] from T5, pooled [B, P] from CLIP) in the transformer's dtype; "" is the
+        unconditional prompt."""
+        prompts = list(prompts)
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, device=self.device, num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return embeds.to(self.dtype).detach(), pooled.to(self.dtype).detach()
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        """Velocity v = e - x_0 at unpacked latents x [N, C, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
+        embeds, pooled = cond
+        dtype = self.dtype
+        n, _, h, w = x.shape
+        sigma = torch.as_tensor(sigma, device=x.device)
+        if sigma.ndim == 0:
+            sigma = sigma.expand(n)
+        # FluxPipeline passes timesteps / 1000 = sigma; the transformer scales by 1000 itself
+        timestep = sigma.to(dtype)
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((n,), self.guidance_scale, device=x.device, dtype=torch.float32)
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=x.device, dtype=dtype)
+        img_ids = self.image_ids(h, w, x.device, dtype)
+        out = self.transformer(
+            hidden_states=self.pack(x.to(dtype)),
+            timestep=timestep,
+            guidance=guidance,
+            pooled_projections=pooled.to(dtype),
+            encoder_hidden_states=embeds.to(dtype),
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+        return self.unpack(out, h, w).to(x.dtype)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Unpacked latents -> float32 images [N, 3, H, W] in [0, 1]."""
+        vae = self.frozen["vae"]
+        latents = x.to(vae.dtype) / vae.config.scaling_factor
+        if getattr(vae.config, "shift_factor", None) is not None:
+            latents = latents + vae.config.shift_factor
+        img = vae.decode(latents, return_dict=False)[0]
+        return ((img.float() + 1) / 2).clamp(0, 1)
