@@ -26,7 +26,7 @@ def build_model(cfg) -> VelocityModel:
 
         model = FluxVelocity.from_pretrained(resolve_path(cfg.pretrained))
         if cfg.gradient_checkpointing:
-            model.transformer.enable_gradient_checkpointing()
+            model.enable_gradient_checkpointing()
         return model
     if cfg.kind != "dit":
         raise ValueError(f"model.kind {cfg.kind!r} is not supported")

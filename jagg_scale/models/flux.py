@@ -46,26 +46,17 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .base import VelocityModel
-
-FROZEN = ("vae", "text_encoder", "text_encoder_2")
+from .diffusers_common import DiffusersVelocity
 
 
-class FluxVelocity(VelocityModel):
+class FluxVelocity(DiffusersVelocity):
     """v_theta(x, sigma, cond) of a diffusers FluxPipeline's transformer, on unpacked latents [N, C, H, W]."""
+
+    frozen_names = ("vae", "text_encoder", "text_encoder_2")
 
     def __init__(self, pipe, max_sequence_length: int = 512, guidance_scale: float = 3.5,
                  latent_size: int | None = None):
-        super().__init__()
-        self.pipe = pipe  # not an nn.Module: not registered
-        self.transformer = pipe.transformer
-        self.frozen = {}
-        for name in FROZEN:
-            module = getattr(pipe, name, None)
-            if module is not None:
-                module.requires_grad_(False).eval()
-                self.frozen[name] = module
-        self.max_sequence_length = max_sequence_length
+        super().__init__(pipe, max_sequence_length)
         self.guidance_scale = float(guidance_scale)
         cfg = self.transformer.config
         if cfg.in_channels % 4:
@@ -80,7 +71,6 @@ class FluxVelocity(VelocityModel):
             raise ValueError(f"FLUX latent size must be even (2x2 packing), got {latent_size}")
         self.latent_shape = (cfg.in_channels // 4, latent_size, latent_size)
         self.image_size = latent_size * self.vae_scale_factor
-        self.num_train_timesteps = pipe.scheduler.config.num_train_timesteps
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, *, max_sequence_length: int | None = None,
@@ -96,21 +86,6 @@ class FluxVelocity(VelocityModel):
             max_sequence_length = min(512, int(t5_max))
         return cls(pipe, max_sequence_length=max_sequence_length, guidance_scale=guidance_scale,
                    latent_size=latent_size)
-
-    # ------------------------------------------------------------------ device / dtype of the frozen parts
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for module in self.frozen.values():
-            module._apply(fn)
-        return self
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
 
     # ------------------------------------------------------------------ packing and schedule
     def pack(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,12 +158,3 @@ class FluxVelocity(VelocityModel):
             return_dict=False,
         )[0]
         return self.unpack(out, h, w).to(x.dtype)
-
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Unpacked latents -> float32 images [N, 3, H, W] in [0, 1]."""
-        vae = self.frozen["vae"]
-        latents = x.to(vae.dtype) / vae.config.scaling_factor
-        if getattr(vae.config, "shift_factor", None) is not None:
-            latents = latents + vae.config.shift_factor
-        img = vae.decode(latents, return_dict=False)[0]
-        return ((img.float() + 1) / 2).clamp(0, 1)

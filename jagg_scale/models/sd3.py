@@ -34,30 +34,20 @@ from typing import Sequence
 
 import torch
 
-from .base import VelocityModel
-
-FROZEN = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+from .diffusers_common import DiffusersVelocity
 
 
-class SD3Velocity(VelocityModel):
+class SD3Velocity(DiffusersVelocity):
     """v_theta(x, sigma, cond) of a diffusers StableDiffusion3Pipeline's transformer."""
 
+    frozen_names = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+
     def __init__(self, pipe, max_sequence_length: int = 256):
-        super().__init__()
-        self.pipe = pipe  # not an nn.Module: not registered
-        self.transformer = pipe.transformer
-        self.frozen = {}
-        for name in FROZEN:
-            module = getattr(pipe, name, None)
-            if module is not None:
-                module.requires_grad_(False).eval()
-                self.frozen[name] = module
-        self.max_sequence_length = max_sequence_length
+        super().__init__(pipe, max_sequence_length)
         cfg = self.transformer.config
         vae_scale = pipe.vae_scale_factor
         self.latent_shape = (cfg.in_channels, cfg.sample_size, cfg.sample_size)
         self.image_size = cfg.sample_size * vae_scale
-        self.num_train_timesteps = pipe.scheduler.config.num_train_timesteps
         self.attention_backend = "sdpa"
 
     @classmethod
@@ -74,32 +64,7 @@ class SD3Velocity(VelocityModel):
             max_sequence_length = min(256, int(t5_max))
         return cls(pipe, max_sequence_length=max_sequence_length)
 
-    # ------------------------------------------------------------------ device / dtype of the frozen parts
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for module in self.frozen.values():
-            module._apply(fn)
-        return self
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
-
     # ------------------------------------------------------------------ training options
-    def enable_gradient_checkpointing(self) -> "SD3Velocity":
-        """Recompute each transformer block in backward (diffusers' non-reentrant checkpointing): same
-        gradients, activation memory of one block. Active only in train mode with grad enabled."""
-        self.transformer.enable_gradient_checkpointing()
-        return self
-
-    def disable_gradient_checkpointing(self) -> "SD3Velocity":
-        self.transformer.disable_gradient_checkpointing()
-        return self
-
     def set_attention_backend(self, name: str = "sdpa") -> "SD3Velocity":
         """"sdpa" (default): diffusers' torch scaled_dot_product_attention processors (JointAttnProcessor2_0 /
         AttnProcessor2_0). "xformers": xformers' memory-efficient attention, which needs CUDA and an importable
@@ -190,12 +155,3 @@ class SD3Velocity(VelocityModel):
             return_dict=False,
         )[0]
         return v.to(x.dtype)
-
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Latents -> float32 images [N, 3, H, W] in [0, 1]."""
-        vae = self.frozen["vae"]
-        latents = x.to(vae.dtype) / vae.config.scaling_factor
-        if getattr(vae.config, "shift_factor", None) is not None:
-            latents = latents + vae.config.shift_factor
-        img = vae.decode(latents, return_dict=False)[0]
-        return ((img.float() + 1) / 2).clamp(0, 1)
