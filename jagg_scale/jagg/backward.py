@@ -102,16 +102,12 @@ def jagg_backward(
     values = [v_first, *_intermediate_values(model_fn, latents, sigmas, cond, cached_velocities, intermediate,
                                               a_vals, v_first, v_last), v_last]
 
-    total = torch.zeros((), dtype=torch.float64, device=v.device)
-    g_first = g_last = None
-    for k, value in enumerate(values):
-        loss_k, g_k = _upstream(step_loss, k, value)
-        total = total + loss_k.double()
-        w_last = a[k].to(g_k.dtype)
-        g_first = (1 - w_last) * g_k if g_first is None else g_first + (1 - w_last) * g_k
-        g_last = w_last * g_k if g_last is None else g_last + w_last * g_k
-    v.backward(torch.cat([g_first, g_last]).to(v.dtype))
-    return total.to(loss_k.dtype)
+    losses, grads = zip(*(_upstream(step_loss, k, value) for k, value in enumerate(values)))
+    g = torch.stack(grads)  # g_k = dL_k/dv_k, [W, B, ...]
+    w = a.to(g.dtype).reshape(-1, *([1] * (g.ndim - 1)))
+    g_first, g_last = ((1 - w) * g).sum(0), (w * g).sum(0)  # G_0 and G_{W-1}
+    v.backward(torch.cat([g_first, g_last]).to(v.dtype))  # the one backward: G_0^T J_0 + G_{W-1}^T J_{W-1}
+    return torch.stack(losses).sum()
 
 
 def exact_backward(model_fn: ModelFn, latents: torch.Tensor, sigmas: torch.Tensor, cond: Cond,
