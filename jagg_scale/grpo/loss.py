@@ -85,12 +85,13 @@ class GRPOStepLoss:
         return GRPOStepLoss(self.batch, self.noise_level, self.clip_range, self.beta, self.scale)
 
     def summary(self) -> dict:
-        """Means over all evaluations (ratio_max/min: extremes), then cleared."""
-        out = {}
-        for key, vals in self.metrics.items():
-            if not vals:
-                continue
-            t = torch.stack([v.float() for v in vals])
-            out[key] = float(t.max() if key == "ratio_max" else t.min() if key == "ratio_min" else t.mean())
+        """The recorded metrics reduced over all evaluations (see reduce_metrics), then cleared."""
+        out = reduce_metrics({k: [float(v) for v in vals] for k, vals in self.metrics.items() if vals})
         self.metrics.clear()
         return out
+
+
+def reduce_metrics(metrics: dict[str, list[float]]) -> dict[str, float]:
+    """Means, except ratio_max / ratio_min, which keep their extremes."""
+    reduce = {"ratio_max": max, "ratio_min": min}
+    return {k: float(reduce.get(k, lambda xs: sum(xs) / len(xs))(v)) for k, v in metrics.items() if v}

@@ -21,7 +21,8 @@ import yaml
 from ..checkpoint import (CheckpointError, capture_rng_state, find_resume_checkpoint, load_checkpoint,
                           restore_rng_state, save_checkpoint)
 from ..data import GroupSampler, PromptSet, load_prompts
-from ..grpo import GRPOStepLoss, Trajectories, compute_advantages, guided_velocity, sample_sde, sigma_schedule
+from ..grpo import (GRPOStepLoss, Trajectories, compute_advantages, guided_velocity, reduce_metrics, sample_sde,
+                    sigma_schedule)
 from ..jagg import trained_steps
 from ..models import build_model, index_cond
 from ..paths import resolve_path
@@ -175,8 +176,7 @@ class Trainer:
                 total.add(stats)
                 for key, value in {**loss.summary(), "grad_norm": float(grad_norm)}.items():
                     metrics.setdefault(key, []).append(value)
-        summary = {k: (max(v) if k == "ratio_max" else min(v) if k == "ratio_min" else sum(v) / len(v))
-                   for k, v in metrics.items()}
+        summary = reduce_metrics(metrics)
         summary["optimizer_steps"] = optimizer_steps
         return total, {**summary, **probe_metrics}
 
