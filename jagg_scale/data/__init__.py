@@ -4,3 +4,23 @@ from .prompts import PromptRecord, PromptSet, load_prompts
 from .sampler import GroupSampler
 
 __all__ = ["PromptRecord", "PromptSet", "load_prompts", "GroupSampler"]
+
+from .prompt_sets import (
+    FilteredPromptSet,
+    read_drawbench,
+    read_geneval,
+    read_ocr,
+    read_parti,
+    read_pickapic,
+    shared_prompts_dir,
+)
+
+__all__ += [
+    "FilteredPromptSet",
+    "read_pickapic",
+    "read_geneval",
+    "read_ocr",
+    "read_parti",
+    "read_drawbench",
+    "shared_prompts_dir",
+]
