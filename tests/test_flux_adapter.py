@@ -5,7 +5,6 @@ against diffusers' own scheduler and sampling loop, the GRPO log-prob round trip
 JAGG W = 2 == per-step.
 """
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,15 +20,8 @@ from jagg_scale.grpo.sde import ode_step, sde_step_with_logprob  # noqa: E402
 from jagg_scale.jagg import exact_backward, jagg_backward  # noqa: E402
 from jagg_scale.models.flux import FluxVelocity  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from make_tiny_pipeline import make_tiny_flux  # noqa: E402
 
 PROMPTS = ["a red cat", "two dogs on a photo"]
-
-
-@pytest.fixture(scope="session")
-def flux_dir(tmp_path_factory):
-    return make_tiny_flux(tmp_path_factory.mktemp("tiny_flux") / "pipe", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -187,12 +179,11 @@ def test_jagg_w2_equals_per_step_on_the_transformer(model64, guidance):
     assert float((g_j - g_e).norm() / g_e.norm()) <= 1e-5
 
 
-def test_jagg_train_two_steps_on_the_tiny_flux_pipeline(tmp_path):
+def test_jagg_train_two_steps_on_the_tiny_flux_pipeline(flux_dir, tmp_path):
     from jagg_scale.train import Trainer, load_config
 
-    pipe_dir = make_tiny_flux(tmp_path / "pipe", seed=0)
     config = Path(__file__).resolve().parents[1] / "configs" / "flux_tiny_cpu.yaml"
-    cfg = load_config(config, [f"model.pretrained={pipe_dir}", "train.steps=2", f"run.output_dir={tmp_path / 'run'}",
+    cfg = load_config(config, [f"model.pretrained={flux_dir}", "train.steps=2", f"run.output_dir={tmp_path / 'run'}",
                                "log.progress=false"])
     rows = Trainer(cfg).fit()
     assert len(rows) == 2

@@ -4,7 +4,6 @@ Checks the interface (shapes, frozen parts), the sigma/timestep and sign convent
 scheduler and sampling loop, the GRPO log-prob round trip (rollout vs training pass) and JAGG W = 2 == per-step.
 """
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,8 @@ from jagg_scale.grpo.sde import ode_step, sde_step_with_logprob  # noqa: E402
 from jagg_scale.jagg import exact_backward, jagg_backward  # noqa: E402
 from jagg_scale.models.sd3 import SD3Velocity  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from make_tiny_pipeline import make_tiny_sd3  # noqa: E402
 
 PROMPTS = ["a red cat", "two dogs on a photo"]
-
-
-@pytest.fixture(scope="session")
-def sd3_dir(tmp_path_factory):
-    return make_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3") / "pipe", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,6 @@
 """LoRA on the SD3 adapter (models/lora.py) and the SD3 training options (gradient checkpointing, attention
 backend, full save), on the tiny random offline pipeline of tools/make_tiny_pipeline.py."""
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,15 +14,8 @@ from jagg_scale.models.lora import (  # noqa: E402
 )
 from jagg_scale.models.sd3 import SD3Velocity  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from make_tiny_pipeline import make_tiny_sd3  # noqa: E402
 
 PROMPTS = ["a red cat", "two dogs on a photo"]
-
-
-@pytest.fixture(scope="module")
-def sd3_dir(tmp_path_factory):
-    return make_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3_lora") / "pipe", seed=0)
 
 
 def _load(sd3_dir):

@@ -79,10 +79,49 @@ def _t5_tokenizer():
     return tok
 
 
+def _tiny_vae(scaling_factor: float, shift_factor: float):
+    """AutoencoderKL with 2 blocks of 8 channels: 8x8x4 latents <-> 16x16 RGB."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, sample_size=16,
+        block_out_channels=(8, 8), layers_per_block=1, norm_num_groups=4,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=scaling_factor, shift_factor=shift_factor,
+    )
+
+
+def _tiny_clip_config(tokenizer):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        bos_token_id=0, eos_token_id=1, pad_token_id=1, vocab_size=len(tokenizer), hidden_size=16,
+        intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH,
+        projection_dim=16, hidden_act="gelu",
+    )
+
+
+def _tiny_t5(tokenizer):
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    ))
+
+
+def _save(pipe, out_dir) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(str(out))
+    return out
+
+
 def build_tiny_sd3(seed: int = 0):
     """The tiny random StableDiffusion3Pipeline (in memory)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
 
     tokenizer, tokenizer_2, tokenizer_3 = _clip_tokenizer(), _clip_tokenizer(), _t5_tokenizer()
 
@@ -93,27 +132,13 @@ def build_tiny_sd3(seed: int = 0):
         pos_embed_max_size=16,
     )
     torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, sample_size=16,
-        block_out_channels=(8, 8), layers_per_block=1, norm_num_groups=4,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5035, shift_factor=0.0609,
-    )
-    clip_kwargs = dict(
-        bos_token_id=0, eos_token_id=1, pad_token_id=1, vocab_size=len(tokenizer), hidden_size=16,
-        intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH,
-        projection_dim=16, hidden_act="gelu",
-    )
+    vae = _tiny_vae(scaling_factor=1.5035, shift_factor=0.0609)  # SD3's latent statistics
     torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip_kwargs))
+    text_encoder = CLIPTextModelWithProjection(_tiny_clip_config(tokenizer))
     torch.manual_seed(seed + 3)
-    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_kwargs))
+    text_encoder_2 = CLIPTextModelWithProjection(_tiny_clip_config(tokenizer))
     torch.manual_seed(seed + 4)
-    text_encoder_3 = T5EncoderModel(T5Config(
-        vocab_size=len(tokenizer_3), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-    ))
+    text_encoder_3 = _tiny_t5(tokenizer_3)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     return StableDiffusion3Pipeline(
         transformer=transformer, scheduler=scheduler, vae=vae,
@@ -125,16 +150,13 @@ def build_tiny_sd3(seed: int = 0):
 
 def make_tiny_sd3(out_dir, seed: int = 0) -> Path:
     """Build the tiny SD3 pipeline and `save_pretrained` it to out_dir; returns the directory."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    build_tiny_sd3(seed).save_pretrained(str(out))
-    return out
+    return _save(build_tiny_sd3(seed), out_dir)
 
 
 def build_tiny_flux(seed: int = 0):
     """The tiny random FluxPipeline (in memory)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
 
     tokenizer, tokenizer_2 = _clip_tokenizer(), _t5_tokenizer()
 
@@ -145,24 +167,11 @@ def build_tiny_flux(seed: int = 0):
         axes_dims_rope=(2, 2, 4),
     )
     torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, sample_size=16,
-        block_out_channels=(8, 8), layers_per_block=1, norm_num_groups=4,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159,
-    )
+    vae = _tiny_vae(scaling_factor=0.3611, shift_factor=0.1159)  # FLUX's latent statistics
     torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        bos_token_id=0, eos_token_id=1, pad_token_id=1, vocab_size=len(tokenizer), hidden_size=16,
-        intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH,
-        projection_dim=16, hidden_act="gelu",
-    ))
+    text_encoder = CLIPTextModel(_tiny_clip_config(tokenizer))
     torch.manual_seed(seed + 3)
-    text_encoder_2 = T5EncoderModel(T5Config(
-        vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-    ))
+    text_encoder_2 = _tiny_t5(tokenizer_2)
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
         max_image_seq_len=4096,
@@ -176,10 +185,7 @@ def build_tiny_flux(seed: int = 0):
 
 def make_tiny_flux(out_dir, seed: int = 0) -> Path:
     """Build the tiny FLUX pipeline and `save_pretrained` it to out_dir; returns the directory."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    build_tiny_flux(seed).save_pretrained(str(out))
-    return out
+    return _save(build_tiny_flux(seed), out_dir)
 
 
 MAKERS = {"sd3": make_tiny_sd3, "flux": make_tiny_flux}

@@ -19,7 +19,6 @@ usable prompt is a `ValueError`. Every column/field other than the prompt is kep
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import os
 import re
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from .prompts import PromptRecord, PromptSet
+from .prompts import LineReader, PromptRecord, PromptSet, parse_jsonl_record
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,6 @@ __all__ = [
     "shared_prompts_dir",
 ]
 
-_MAX_LINE_WARNINGS = 20
 _OCR_QUOTED = re.compile(r'"([^"]*)"')
 
 
@@ -60,57 +58,11 @@ def shared_prompts_dir() -> Path:
     return Path(__file__).resolve().parents[2].parent / "shared" / "prompts"
 
 
-class _Reader:
-    """Counts and logs bad rows for one file; builds the final set."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"prompt file not found: {self.path}")
-        self.records: list[PromptRecord] = []
-        self.skipped = 0
-        self.lineno = 0  # last physical line read by lines()
-
-    def bad(self, lineno: int, why: object) -> None:
-        self.skipped += 1
-        if self.skipped <= _MAX_LINE_WARNINGS:
-            logger.warning("%s:%d: skipping bad prompt record: %s", self.path, lineno, why)
-
-    def lines(self) -> Iterator[tuple[int, str]]:
-        """(lineno, decoded line with its line ending); undecodable lines are counted as bad."""
-        with self.path.open("rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                self.lineno = lineno
-                try:
-                    yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-                except UnicodeDecodeError as e:
-                    self.bad(lineno, e)
-
-    def read_lines(self, parse: Callable[[str], PromptRecord]) -> None:
-        for lineno, line in self.lines():
-            text = line.strip()
-            if not text:
-                continue
-            try:
-                self.records.append(parse(text))
-            except ValueError as e:
-                self.bad(lineno, e)
-
-    def finish(self, cls: type[PromptSet] = PromptSet, **extra) -> PromptSet:
-        if self.skipped > _MAX_LINE_WARNINGS:
-            logger.warning("%s: %d more bad records skipped (not shown)", self.path, self.skipped - _MAX_LINE_WARNINGS)
-        if not self.records:
-            raise ValueError(f"no valid prompts in {self.path} ({self.skipped} bad records skipped)")
-        if self.skipped:
-            logger.warning("%s: loaded %d prompts, skipped %d bad records", self.path, len(self.records), self.skipped)
-        return cls(records=self.records, skipped=self.skipped, source=self.path, **extra)
-
-
 def read_pickapic(path: str | Path, blocklist: Iterable[str] | None = None) -> FilteredPromptSet:
     """One caption per line. Blocked (whole-word, case-insensitive) captions are counted in `.filtered`."""
     words = sorted({w.strip().lower() for w in (blocklist or ()) if w and w.strip()})
     pattern = re.compile(r"(?<!\w)(?:" + "|".join(map(re.escape, words)) + r")(?!\w)") if words else None
-    r = _Reader(path)
+    r = LineReader(path)
     filtered = 0
     for lineno, line in r.lines():
         text = line.strip()
@@ -125,23 +77,10 @@ def read_pickapic(path: str | Path, blocklist: Iterable[str] | None = None) -> F
     return r.finish(FilteredPromptSet, filtered=filtered)  # type: ignore[return-value]
 
 
-def _parse_geneval(text: str) -> PromptRecord:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-    prompt = obj.pop("prompt", None)
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError("missing or empty 'prompt' field")
-    return PromptRecord(prompt.strip(), obj)
-
-
 def read_geneval(path: str | Path) -> PromptSet:
     """GenEval jsonl; metadata keeps tag/include/exclude and any other field."""
-    r = _Reader(path)
-    r.read_lines(_parse_geneval)
+    r = LineReader(path)
+    r.read_lines(parse_jsonl_record)
     return r.finish()
 
 
@@ -154,14 +93,14 @@ def _parse_ocr(text: str) -> PromptRecord:
 
 def read_ocr(path: str | Path) -> PromptSet:
     """OCR prompts; metadata {"text": first double-quoted span} (the text the image must render)."""
-    r = _Reader(path)
+    r = LineReader(path)
     r.read_lines(_parse_ocr)
     return r.finish()
 
 
 def _read_table(path: str | Path, prompt_cols: tuple[str, ...], rows: Callable[[Iterator[str]], Iterator[list[str]]]) -> PromptSet:
     """Header row + data rows; the prompt column is the first header in `prompt_cols` (case-insensitive)."""
-    r = _Reader(path)
+    r = LineReader(path)
     decoded = (line for _, line in r.lines())
     reader = rows(decoded)
     header = next(reader, None)

@@ -16,7 +16,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ def _parse_txt(text: str) -> PromptRecord:
     return PromptRecord(text, {})
 
 
-def _parse_jsonl(text: str) -> PromptRecord:
+def parse_jsonl_record(text: str) -> PromptRecord:
+    """One JSON object with a non-empty string `prompt`; every other field becomes metadata."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -89,37 +90,64 @@ def _parse_jsonl(text: str) -> PromptRecord:
     return PromptRecord(prompt.strip(), obj)
 
 
-_PARSERS = {".txt": _parse_txt, ".jsonl": _parse_jsonl}
+_PARSERS = {".txt": _parse_txt, ".jsonl": parse_jsonl_record}
+
+
+class LineReader:
+    """Reads a prompt file line by line: one bad line (undecodable, or rejected by the parser) costs one
+    record, counted and logged with file:line; `finish` builds the set and fails when nothing is left."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"prompt file not found: {self.path}")
+        self.records: list[PromptRecord] = []
+        self.skipped = 0
+        self.lineno = 0  # last physical line read by lines()
+
+    def bad(self, lineno: int, why: object) -> None:
+        self.skipped += 1
+        if self.skipped <= _MAX_LINE_WARNINGS:
+            logger.warning("%s:%d: skipping bad prompt record: %s", self.path, lineno, why)
+
+    def lines(self) -> Iterator[tuple[int, str]]:
+        """(lineno, decoded line with its line ending); undecodable lines are counted as bad."""
+        with self.path.open("rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                self.lineno = lineno
+                try:
+                    yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    self.bad(lineno, e)
+
+    def read_lines(self, parse: Callable[[str], PromptRecord]) -> None:
+        for lineno, line in self.lines():
+            text = line.strip()
+            if not text:
+                continue
+            try:
+                self.records.append(parse(text))
+            except ValueError as e:
+                self.bad(lineno, e)
+
+    def finish(self, cls: type[PromptSet] = PromptSet, **extra) -> PromptSet:
+        if self.skipped > _MAX_LINE_WARNINGS:
+            logger.warning("%s: %d more bad records skipped (not shown)", self.path, self.skipped - _MAX_LINE_WARNINGS)
+        if not self.records:
+            raise ValueError(f"no valid prompts in {self.path} ({self.skipped} bad records skipped)")
+        if self.skipped:
+            logger.warning("%s: loaded %d prompts, skipped %d bad records", self.path, len(self.records), self.skipped)
+        return cls(records=self.records, skipped=self.skipped, source=self.path, **extra)
+
+
 
 
 def load_prompts(path: str | Path) -> PromptSet:
     """Load a `.txt` or `.jsonl` prompt file; see the module docstring for the rules."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
-    parser = _PARSERS.get(path.suffix.lower())
+    reader = LineReader(path)
+    parser = _PARSERS.get(reader.path.suffix.lower())
     if parser is None:
-        raise ValueError(f"unsupported prompt file extension {path.suffix!r} for {path}; expected one of {sorted(_PARSERS)}")
-
-    records: list[PromptRecord] = []
-    skipped = 0
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                # decode per line so one bad byte costs one record, not the file; utf-8-sig drops a BOM
-                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").strip()
-                if not text:
-                    continue
-                records.append(parser(text))
-            except (UnicodeDecodeError, ValueError) as e:
-                skipped += 1
-                if skipped <= _MAX_LINE_WARNINGS:
-                    logger.warning("%s:%d: skipping bad prompt record: %s", path, lineno, e)
-
-    if skipped > _MAX_LINE_WARNINGS:
-        logger.warning("%s: %d more bad records skipped (not shown)", path, skipped - _MAX_LINE_WARNINGS)
-    if not records:
-        raise ValueError(f"no valid prompts in {path} ({skipped} bad records skipped)")
-    if skipped:
-        logger.warning("%s: loaded %d prompts, skipped %d bad records", path, len(records), skipped)
-    return PromptSet(records=records, skipped=skipped, source=path)
+        raise ValueError(f"unsupported prompt file extension {reader.path.suffix!r} for {reader.path}; "
+                         f"expected one of {sorted(_PARSERS)}")
+    reader.read_lines(parser)
+    return reader.finish()
