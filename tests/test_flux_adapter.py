@@ -190,3 +190,56 @@ def test_jagg_train_two_steps_on_the_tiny_flux_pipeline(flux_dir, tmp_path):
     for r in rows:
         assert r["windows_jagg"] == 2 and r["backward_passes"] == 4 and r["per_step_equiv"] == 8
         assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    # the config trains a LoRA (KL to the adapter-off model): the export is a diffusers LoRA file
+    assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_flux_lora_saved_loads_into_a_plain_flux_pipeline(flux_dir, tmp_path):
+    """LoRA on FLUX (same peft path as SD3): only adapter weights train, adapter-off is the base model, and the
+    saved file is read by a plain FluxPipeline.load_lora_weights to the same transformer outputs."""
+    from diffusers import FluxPipeline
+
+    m = FluxVelocity.from_pretrained(flux_dir, dtype=torch.float32)
+    x = torch.randn(2, *m.latent_shape, generator=torch.Generator().manual_seed(3))
+    sigma = torch.tensor([0.8, 0.3])
+    cond = m.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        base = m(x, sigma, cond)
+    m.add_lora(rank=4, alpha=8)
+    trainable = [n for n, p in m.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for n, p in m.transformer.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+        ours = m(x, sigma, cond)
+        with m.reference_disabled():
+            off = m(x, sigma, cond)
+    assert (ours - base).abs().max() > 1e-3
+    assert torch.equal(off, base)
+
+    out = m.save_lora(tmp_path / "lora")
+    fresh = FluxPipeline.from_pretrained(flux_dir, local_files_only=True)
+    fresh.load_lora_weights(str(out))
+    plain = FluxVelocity(fresh, max_sequence_length=m.max_sequence_length)
+    with torch.no_grad():
+        assert torch.allclose(plain(x, sigma, cond), ours, atol=1e-5)
+
+
+def test_resolution_and_pipeline_schedule_from_the_config(flux_dir, tmp_path):
+    """model.resolution sets the latent size; sampling.shift null samples with the pipeline's dynamic shift
+    (which depends on that size), and the trainer uses exactly those sigmas."""
+    from jagg_scale.train import Trainer, load_config
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "flux_tiny_cpu.yaml"
+    over = [f"model.pretrained={flux_dir}", f"run.output_dir={tmp_path / 'run'}", "log.progress=false"]
+    small = Trainer(load_config(config, over))
+    big = Trainer(load_config(config, over + ["model.resolution=32"]))
+    assert small.model.latent_shape == (4, 8, 8) and big.model.latent_shape == (4, 16, 16)
+    assert torch.allclose(small.sigmas.cpu(), small.model.pipeline_sigmas(8))
+    assert torch.allclose(big.sigmas.cpu(), big.model.pipeline_sigmas(8))
+    assert not torch.allclose(small.sigmas, big.sigmas)  # more tokens -> a larger mu -> a different schedule
+    assert small.sigmas[0] == 1.0 and small.sigmas[-1] == 0.0
+    with pytest.raises(ValueError, match="model.resolution 22 must be a multiple of 4"):
+        Trainer(load_config(config, over + ["model.resolution=22"]))  # tiny VAE factor 2 x FLUX's 2x2 packing

@@ -76,6 +76,9 @@ def test_cli_console_script_writes_metrics(tmp_path):
     ("model.pretrained=assets:nothing.safetensors", "model.pretrained"),
     ("model.kind=sd3", "model.pretrained"),
     ("model.kind=flux", "model.kind"),
+    ("sampling.shift=null", "sampling.shift"),
+    ("model.lora.enabled=true", "model.lora.enabled"),
+    ("model.resolution=512", "model.resolution"),
 ])
 def test_bad_config_names_the_key(tmp_path, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -22,3 +22,13 @@ def sigma_schedule(num_steps: int, shift: float = 1.0) -> torch.Tensor:
         raise ValueError(f"shift must be > 0, got {shift}")
     sigmas = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     return shift_sigmas(sigmas, shift).float()
+
+
+def model_schedule(model, num_steps: int, shift: float | None) -> torch.Tensor:
+    """The schedule a run samples with: `sigma_schedule(num_steps, shift)`, or with shift None the loaded
+    pipeline's own (`model.pipeline_sigmas`, e.g. FLUX's resolution-dependent dynamic shift)."""
+    if shift is not None:
+        return sigma_schedule(num_steps, shift)
+    if not hasattr(model, "pipeline_sigmas"):
+        raise ValueError(f"sampling.shift is null but {type(model).__name__} has no pipeline schedule")
+    return model.pipeline_sigmas(num_steps).float()

@@ -10,24 +10,8 @@ from .tokenizer import HashTokenizer
 
 def build_model(cfg) -> VelocityModel:
     """A velocity model from the `model` config section (train.config.ModelConfig)."""
-    if cfg.kind == "sd3":
-        from .sd3 import SD3Velocity  # diffusers is an optional extra: import it only when asked for
-
-        model = SD3Velocity.from_pretrained(resolve_path(cfg.pretrained))
-        model.set_attention_backend(cfg.attention)  # raises early when xformers is asked for without CUDA/xformers
-        if cfg.gradient_checkpointing:
-            model.enable_gradient_checkpointing()
-        if cfg.lora.enabled:
-            kwargs = {"targets": tuple(cfg.lora.targets)} if cfg.lora.targets else {}
-            model.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, **kwargs)
-        return model
-    if cfg.kind == "flux":
-        from .flux import FluxVelocity
-
-        model = FluxVelocity.from_pretrained(resolve_path(cfg.pretrained))
-        if cfg.gradient_checkpointing:
-            model.enable_gradient_checkpointing()
-        return model
+    if cfg.kind in ("sd3", "flux"):
+        return _build_diffusers(cfg)
     if cfg.kind != "dit":
         raise ValueError(f"model.kind {cfg.kind!r} is not supported")
     model = DiT(cfg.dit)
@@ -37,6 +21,33 @@ def build_model(cfg) -> VelocityModel:
         # GRPO needs a policy that already draws something; with no weights given we start from a random
         # (not zero-output) DiT so velocities, and therefore rewards, vary between samples from step 0.
         model.init_weights(zero_out=False)
+    return model
+
+
+def _build_diffusers(cfg) -> VelocityModel:
+    """SD3 / FLUX from a local pipeline directory, with the config's LoRA, checkpointing and attention options.
+    The transformer stays float32 (master weights; bf16 is autocast); with model.dtype bfloat16 the frozen VAE
+    and text encoders are stored in bf16, which halves their memory and never feeds a gradient."""
+    import torch
+
+    path = resolve_path(cfg.pretrained)
+    if cfg.kind == "sd3":
+        from .sd3 import SD3Velocity  # diffusers is an optional extra: import it only when asked for
+
+        model = SD3Velocity.from_pretrained(path, resolution=cfg.resolution)
+        model.set_attention_backend(cfg.attention)  # raises early when xformers is asked for without CUDA/xformers
+    else:
+        from .flux import FluxVelocity
+
+        model = FluxVelocity.from_pretrained(path, resolution=cfg.resolution, guidance_scale=cfg.distilled_guidance)
+    if cfg.dtype == "bfloat16":
+        for module in model.frozen.values():
+            module.to(torch.bfloat16)
+    if cfg.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    if cfg.lora.enabled:
+        kwargs = {"targets": tuple(cfg.lora.targets)} if cfg.lora.targets else {}
+        model.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, **kwargs)
     return model
 
 

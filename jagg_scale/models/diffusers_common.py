@@ -8,6 +8,8 @@ adapter through `.to()` / `.double()` / `.cuda()` (`_apply` is overridden). The 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .base import VelocityModel
@@ -29,6 +31,17 @@ class DiffusersVelocity(VelocityModel):
                 self.frozen[name] = module
         self.max_sequence_length = max_sequence_length
         self.num_train_timesteps = pipe.scheduler.config.num_train_timesteps
+
+    @staticmethod
+    def latent_size_for(pipe, resolution: int | None, multiple: int) -> int | None:
+        """Pixels -> latent size (resolution / vae_scale_factor), checked against the patching multiple."""
+        if resolution is None:
+            return None
+        f = pipe.vae_scale_factor
+        if resolution % (f * multiple):
+            raise ValueError(f"model.resolution {resolution} must be a multiple of {f * multiple} "
+                             f"(VAE factor {f} x patch {multiple})")
+        return resolution // f
 
     # ------------------------------------------------------------------ device / dtype of the frozen parts
     def _apply(self, fn, recurse=True):
@@ -55,6 +68,62 @@ class DiffusersVelocity(VelocityModel):
     def disable_gradient_checkpointing(self):
         self.transformer.disable_gradient_checkpointing()
         return self
+
+    # ------------------------------------------------------------------ LoRA (models/lora.py)
+    def add_lora(self, **kwargs):
+        """Inject LoRA into the transformer (see lora.add_lora); only the LoRA params stay trainable."""
+        from .lora import add_lora
+
+        return add_lora(self.transformer, **kwargs)
+
+    def reference_disabled(self):
+        """Context manager: this model with the LoRA adapter off (the KL reference)."""
+        from .lora import reference_disabled
+
+        return reference_disabled(self)
+
+    def save_lora(self, out_dir) -> Path:
+        from .lora import save_lora
+
+        return save_lora(self.transformer, out_dir, pipeline_cls=type(self.pipe))
+
+    def save_full(self, out_dir) -> Path:
+        """transformer.save_pretrained(out_dir): a full transformer directory (SD3Transformer2DModel / FluxTransformer2DModel). With a LoRA adapter
+        attached this refuses (the peft-wrapped state dict is not a plain transformer); use save_lora."""
+        from .lora import has_lora
+
+        if has_lora(self.transformer):
+            raise ValueError("save_full: the transformer carries a LoRA adapter; save it with save_lora(out_dir)")
+        out = Path(out_dir)
+        self.transformer.save_pretrained(str(out))
+        return out
+
+    # ------------------------------------------------------------------ the pipeline's own sigma schedule
+    def _pipeline_sigma_grid(self, num_steps: int):
+        """The unshifted sigma grid the pipeline passes to `set_timesteps`, or None to let the scheduler make it
+        (StableDiffusion3Pipeline); FLUX overrides this."""
+        return None
+
+    def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
+        """float32 [num_steps + 1]: the sigmas the diffusers pipeline would sample with at this latent size
+        (static shift from the scheduler config, or dynamic shift mu from the image sequence length), trailing 0.
+        Used when `sampling.shift` is null, so a run samples exactly like the pipeline it was loaded from."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        sched = FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config)
+        c = sched.config
+        kwargs = {}
+        if c.get("use_dynamic_shifting", False):
+            seq_len = (self.latent_shape[1] // self.patch_size) * (self.latent_shape[2] // self.patch_size)
+            kwargs["mu"] = calculate_shift(seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                                           c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        grid = self._pipeline_sigma_grid(num_steps)
+        if grid is None:
+            sched.set_timesteps(num_steps, **kwargs)
+        else:
+            sched.set_timesteps(sigmas=grid, **kwargs)
+        return sched.sigmas.float().cpu()
 
     # ------------------------------------------------------------------ decoding for the rewards
     def decode(self, x: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ packed latents, i.e. dx/ds = v: the design doc's convention, so the velocity is 
 (tests/test_flux_adapter.py checks it against scheduler.step and the pipeline's own sampling loop).
 
 Schedule: FLUX shifts sigmas dynamically (mu from the image sequence length); `pipeline_sigmas(num_steps)`
-returns the schedule FluxPipeline would use for this latent size, with the trailing 0.
+(diffusers_common.py) returns the schedule FluxPipeline would use for this latent size, with the trailing 0.
 
 Trainable vs frozen: only the transformer is a registered submodule, so `.parameters()`, `.state_dict()` and
 the optimizer see the transformer alone. The VAE and the two text encoders live in a plain dict
@@ -71,11 +71,12 @@ class FluxVelocity(DiffusersVelocity):
             raise ValueError(f"FLUX latent size must be even (2x2 packing), got {latent_size}")
         self.latent_shape = (cfg.in_channels // 4, latent_size, latent_size)
         self.image_size = latent_size * self.vae_scale_factor
+        self.patch_size = 2  # FLUX's 2x2 packing: the image sequence length is (H/2)(W/2) tokens
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, *, max_sequence_length: int | None = None,
                         guidance_scale: float = 3.5, latent_size: int | None = None,
-                        local_files_only: bool = True) -> "FluxVelocity":
+                        resolution: int | None = None, local_files_only: bool = True) -> "FluxVelocity":
         """Load a saved FluxPipeline directory (offline by default)."""
         from diffusers import FluxPipeline
 
@@ -84,6 +85,8 @@ class FluxVelocity(DiffusersVelocity):
             # the tokenizer's own limit for tiny test pipelines, FLUX-dev's 512 otherwise
             t5_max = getattr(pipe.tokenizer_2, "model_max_length", 512) if pipe.tokenizer_2 is not None else 512
             max_sequence_length = min(512, int(t5_max))
+        if resolution is not None:
+            latent_size = cls.latent_size_for(pipe, resolution, 2)
         return cls(pipe, max_sequence_length=max_sequence_length, guidance_scale=guidance_scale,
                    latent_size=latent_size)
 
@@ -102,23 +105,11 @@ class FluxVelocity(DiffusersVelocity):
         """Rope position ids [H/2 * W/2, 3] of the packed image tokens."""
         return self.pipe._prepare_latent_image_ids(1, height // 2, width // 2, device, dtype)
 
-    def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
-        """FluxPipeline's sigma schedule [num_steps + 1] (dynamic shift for this latent size, trailing 0)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        sched = FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config)
-        c = sched.config
-        seq_len = (self.latent_shape[1] // 2) * (self.latent_shape[2] // 2)
-        mu = calculate_shift(seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        sigmas = None if c.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
-        kwargs = {"mu": mu} if c.get("use_dynamic_shifting", False) else {}
-        if sigmas is None:
-            sched.set_timesteps(num_steps, **kwargs)
-        else:
-            sched.set_timesteps(sigmas=sigmas, **kwargs)
-        return sched.sigmas.float().cpu()
+    def _pipeline_sigma_grid(self, num_steps: int):
+        """FluxPipeline passes its own unshifted grid linspace(1, 1/N, N) (unless the scheduler uses flow sigmas)."""
+        if self.pipe.scheduler.config.get("use_flow_sigmas", False):
+            return None
+        return np.linspace(1.0, 1 / num_steps, num_steps)
 
     # ------------------------------------------------------------------ the VelocityModel interface
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""LoRA on a diffusers transformer (SD3): Flow-GRPO's adapter, the adapter-off KL reference, diffusers-format saving.
+"""LoRA on a diffusers transformer (SD3, FLUX): Flow-GRPO's adapter, the adapter-off KL reference, diffusers-format saving.
 
     add_lora(transformer, rank=32, alpha=64)    peft LoraConfig + diffusers' `add_adapter`; only LoRA params train
     with reference_disabled(model): ...         the same transformer with the adapter off = the frozen base
@@ -100,11 +100,14 @@ def reference_disabled(model):
             p.requires_grad_(flag)
 
 
-def save_lora(transformer, out_dir, adapter_name: str = ADAPTER_NAME) -> Path:
+def save_lora(transformer, out_dir, adapter_name: str = ADAPTER_NAME, pipeline_cls=None) -> Path:
     """Write the LoRA weights in diffusers' format (out_dir/pytorch_lora_weights.safetensors, keys
-    `transformer.<module>.lora_A/B.weight`, LoraConfig metadata) for `StableDiffusion3Pipeline.load_lora_weights`."""
-    from diffusers import StableDiffusion3Pipeline
+    `transformer.<module>.lora_A/B.weight`, LoraConfig metadata) for `<pipeline_cls>.load_lora_weights`
+    (StableDiffusion3Pipeline by default; FluxPipeline for FLUX: both use the same transformer-prefixed layout)."""
     from peft.utils import get_peft_model_state_dict
+
+    if pipeline_cls is None:
+        from diffusers import StableDiffusion3Pipeline as pipeline_cls
 
     tr = _transformer(transformer)
     if not has_lora(tr):
@@ -114,6 +117,6 @@ def save_lora(transformer, out_dir, adapter_name: str = ADAPTER_NAME) -> Path:
     metadata = tr.peft_config[adapter_name].to_dict()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    StableDiffusion3Pipeline.save_lora_weights(str(out), transformer_lora_layers=layers,
+    pipeline_cls.save_lora_weights(str(out), transformer_lora_layers=layers,
                                                transformer_lora_adapter_metadata=metadata)
     return out

@@ -42,17 +42,21 @@ class SD3Velocity(DiffusersVelocity):
 
     frozen_names = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 
-    def __init__(self, pipe, max_sequence_length: int = 256):
+    def __init__(self, pipe, max_sequence_length: int = 256, latent_size: int | None = None):
         super().__init__(pipe, max_sequence_length)
         cfg = self.transformer.config
         vae_scale = pipe.vae_scale_factor
-        self.latent_shape = (cfg.in_channels, cfg.sample_size, cfg.sample_size)
-        self.image_size = cfg.sample_size * vae_scale
+        latent_size = int(latent_size or cfg.sample_size)  # default: the transformer's native size (1024 px)
+        if latent_size % cfg.patch_size:
+            raise ValueError(f"SD3 latent size {latent_size} is not a multiple of the patch size {cfg.patch_size}")
+        self.latent_shape = (cfg.in_channels, latent_size, latent_size)
+        self.image_size = latent_size * vae_scale
+        self.patch_size = cfg.patch_size
         self.attention_backend = "sdpa"
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, *, max_sequence_length: int | None = None,
-                        local_files_only: bool = True) -> "SD3Velocity":
+                        resolution: int | None = None, local_files_only: bool = True) -> "SD3Velocity":
         """Load a saved StableDiffusion3Pipeline directory (offline by default)."""
         from diffusers import StableDiffusion3Pipeline
 
@@ -62,7 +66,8 @@ class SD3Velocity(DiffusersVelocity):
             # the tokenizer's own limit for tiny test pipelines, diffusers' default 256 otherwise
             t5_max = getattr(pipe.tokenizer_3, "model_max_length", 256) if pipe.tokenizer_3 is not None else 256
             max_sequence_length = min(256, int(t5_max))
-        return cls(pipe, max_sequence_length=max_sequence_length)
+        latent_size = cls.latent_size_for(pipe, resolution, pipe.transformer.config.patch_size)
+        return cls(pipe, max_sequence_length=max_sequence_length, latent_size=latent_size)
 
     # ------------------------------------------------------------------ training options
     def set_attention_backend(self, name: str = "sdpa") -> "SD3Velocity":
@@ -98,35 +103,6 @@ class SD3Velocity(DiffusersVelocity):
             raise ValueError(f"unknown attention backend {name!r}: expected 'sdpa' or 'xformers'")
         self.attention_backend = name
         return self
-
-    # ------------------------------------------------------------------ LoRA (models/lora.py)
-    def add_lora(self, **kwargs):
-        """Inject LoRA into the transformer (see lora.add_lora); only the LoRA params stay trainable."""
-        from .lora import add_lora
-
-        return add_lora(self.transformer, **kwargs)
-
-    def reference_disabled(self):
-        """Context manager: this model with the LoRA adapter off (the KL reference)."""
-        from .lora import reference_disabled
-
-        return reference_disabled(self)
-
-    def save_lora(self, out_dir) -> Path:
-        from .lora import save_lora
-
-        return save_lora(self.transformer, out_dir)
-
-    def save_full(self, out_dir) -> Path:
-        """transformer.save_pretrained(out_dir): a full SD3Transformer2DModel directory. With a LoRA adapter
-        attached this refuses (the peft-wrapped state dict is not a plain transformer); use save_lora."""
-        from .lora import has_lora
-
-        if has_lora(self.transformer):
-            raise ValueError("save_full: the transformer carries a LoRA adapter; save it with save_lora(out_dir)")
-        out = Path(out_dir)
-        self.transformer.save_pretrained(str(out))
-        return out
 
     # ------------------------------------------------------------------ the VelocityModel interface
     @torch.no_grad()

@@ -6,6 +6,8 @@ Importing this package registers the built-in rewards (JPEG compressibility/inco
 
 from . import jpeg  # noqa: F401  (registers the JPEG rewards)
 from . import digits  # noqa: F401  (registers digit_match)
+from . import remote  # noqa: F401  (registers remote: rewards served by jagg-reward-server)
+from . import server  # noqa: F401  (jagg-reward-server)
 from .base import Reward, RewardOutput, UnknownRewardError, available, build_reward, register, score_safely
 
 __all__ = [

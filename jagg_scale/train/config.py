@@ -37,9 +37,11 @@ class ModelConfig:
     pretrained: Optional[str] = None  # dit: a safetensors state dict; sd3/flux: the pipeline directory (required)
     dtype: str = "float32"  # float32 | bfloat16 (autocast for the model; SDE math stays float32)
     dit: DiTConfig = field(default_factory=DiTConfig)  # shape of the built-in DiT
-    lora: LoRAConfig = field(default_factory=LoRAConfig)  # sd3: train a LoRA adapter instead of all weights
-    gradient_checkpointing: bool = False  # sd3: diffusers' per-block activation checkpointing
-    attention: str = "sdpa"  # sdpa | xformers (CUDA with xformers installed only)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # sd3/flux: train a LoRA adapter instead of all weights
+    gradient_checkpointing: bool = False  # sd3/flux: diffusers' per-block activation checkpointing
+    attention: str = "sdpa"  # sdpa | xformers (sd3; CUDA with xformers installed only)
+    resolution: Optional[int] = None  # sd3/flux: image size in pixels; None = the checkpoint's native size
+    distilled_guidance: float = 3.5  # flux: the guidance-embedding value FLUX.1-dev was distilled with (not CFG)
 
 
 @dataclass
@@ -47,7 +49,7 @@ class SamplingConfig:
     num_steps: int = 10
     noise_level: float = 0.7
     guidance: float = 1.0  # classifier-free guidance scale; 1.0 disables CFG
-    shift: float = 3.0
+    shift: Optional[float] = 3.0  # SD3's time shift; null = the loaded pipeline's own schedule (sd3/flux)
     batch_size: int = 16  # rollout rows per forward
     eval_num_steps: int = 20
 
@@ -259,7 +261,10 @@ def validate(cfg: Config) -> None:
              f"must name the diffusers pipeline directory when model.kind is {cfg.model.kind}")
     _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", f"must be float32 or bfloat16, got {cfg.model.dtype!r}")
     m = cfg.model
-    _require(not m.lora.enabled or m.kind == "sd3", "model.lora.enabled", f"is supported for model.kind sd3, not {m.kind!r}")
+    _require(not m.lora.enabled or m.kind != "dit", "model.lora.enabled", "is supported for model.kind sd3 and flux, not dit")
+    _require(m.resolution is None or m.kind != "dit", "model.resolution", "is for sd3/flux; the dit's size is model.dit.image_size")
+    _require(m.resolution is None or m.resolution >= 16, "model.resolution", f"must be >= 16 pixels, got {m.resolution}")
+    _require(m.distilled_guidance > 0, "model.distilled_guidance", "must be > 0")
     _require(not m.gradient_checkpointing or m.kind != "dit", "model.gradient_checkpointing",
              "is supported for the diffusers backbones (sd3, flux), not the built-in dit")
     _require(m.attention == "sdpa" or m.kind == "sd3", "model.attention", "xformers is wired for sd3 only")
@@ -277,7 +282,9 @@ def validate(cfg: Config) -> None:
     _require(s.eval_num_steps >= 1, "sampling.eval_num_steps", "must be >= 1")
     _require(s.noise_level > 0, "sampling.noise_level", f"must be > 0, got {s.noise_level}")
     _require(s.guidance >= 1.0, "sampling.guidance", f"must be >= 1 (1 disables CFG), got {s.guidance}")
-    _require(s.shift > 0, "sampling.shift", f"must be > 0, got {s.shift}")
+    _require(s.shift is None or s.shift > 0, "sampling.shift", f"must be > 0, got {s.shift}")
+    _require(s.shift is not None or cfg.model.kind != "dit", "sampling.shift",
+             "null (the pipeline's own schedule) needs model.kind sd3 or flux")
     _require(s.batch_size >= 1, "sampling.batch_size", "must be >= 1")
     g = cfg.grpo
     _require(g.group_size >= 2, "grpo.group_size", f"must be >= 2 for group-relative advantages, got {g.group_size}")

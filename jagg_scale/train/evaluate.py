@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from ..data import PromptSet, load_prompts
-from ..grpo import sample_ode, sigma_schedule
+from ..grpo import model_schedule, sample_ode
 from ..models import index_cond
 from ..paths import resolve_path
 from ..rewards import score_safely
@@ -50,7 +50,7 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(e.seed)
     noise = torch.randn(len(records), *model.latent_shape, generator=gen)
-    sigmas = sigma_schedule(cfg.sampling.eval_num_steps, cfg.sampling.shift).to(device)
+    sigmas = model_schedule(model, cfg.sampling.eval_num_steps, cfg.sampling.shift).to(device)
     cond = encode(texts)
     was_training = model.training
     model.eval()

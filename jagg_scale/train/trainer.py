@@ -21,8 +21,8 @@ import yaml
 from ..checkpoint import (CheckpointError, capture_rng_state, find_resume_checkpoint, load_checkpoint,
                           restore_rng_state, save_checkpoint)
 from ..data import GroupSampler, PromptSet, load_prompts
-from ..grpo import (GRPOStepLoss, Trajectories, compute_advantages, guided_velocity, reduce_metrics, sample_sde,
-                    sigma_schedule)
+from ..grpo import (GRPOStepLoss, Trajectories, compute_advantages, guided_velocity, model_schedule, reduce_metrics,
+                    sample_sde)
 from ..jagg import trained_steps
 from ..models import build_model, index_cond
 from ..paths import resolve_path
@@ -76,7 +76,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                            betas=tuple(cfg.train.adam_betas), eps=cfg.train.adam_eps)
         self.sampler = GroupSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.grpo.group_size, cfg.run.seed)
-        self.sigmas = sigma_schedule(cfg.sampling.num_steps, cfg.sampling.shift).to(self.device)
+        self.sigmas = model_schedule(self.model, cfg.sampling.num_steps, cfg.sampling.shift).to(self.device)
         self.steps = trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction)
         self.start_step = 0
         self._resume()

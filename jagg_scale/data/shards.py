@@ -1,0 +1,351 @@
+"""Prompt shards (webdataset tars) and `ShardPromptStream`, the endless per-rank prompt stream read from them.
+
+Why shards: an in-memory `PromptSet` + `GroupSampler` is fine for the shared benchmark sets, but a large prompt
+corpus should not be loaded by every rank. Shards let each rank (and each DataLoader worker) read only its own
+files, and keep a prompt's metadata (e.g. OCR's `text`) next to it for the rewards.
+
+Layout (`write_prompt_shards`): `{prefix}-000000.tar`, `{prefix}-000001.tar`, ..., each sample `<key>.txt` (the
+prompt, utf-8) and `<key>.json` (its metadata object); the key is the record's 9-digit index in the input, so a
+record can be traced back to its source. Shards are written under a temporary name and renamed when complete,
+so a crashed write never leaves a plausible-looking truncated shard.
+
+Stream (`ShardPromptStream`): the expanded shard list is split by striding, `urls[slot::num_slots]`, where
+global reader `slot = rank * num_workers + worker_id` of `num_slots = world_size * num_workers` (a worker count
+of 0 means one in-process reader per rank). Slots therefore never share a shard. Each slot draws its own shards
+with replacement (`wds.ResampledShards`, seed `seed + slot`, independent of environment variables) and reads
+every record of a drawn shard in order: endless, no epochs, no rank ever runs dry. Records of unequal shards are
+drawn with unequal probability (the last shard of a set is usually short); that skew is accepted.
+
+Order and resume: a DataLoader with in-order output hands out items round-robin (item i from worker
+i % num_workers), so the merged sequence is a pure function of (urls, seed, rank, world_size, num_workers).
+`state_dict()` records how many items were consumed; `load_state_dict()` rebuilds the stream, has each worker
+skip exactly the items it had produced (reading text records is cheap, and it happens in the workers) and
+rotates worker roles so that the next item comes from the worker that was next. The state is only valid for
+the settings it was saved with; a mismatch is an error naming the setting.
+
+Bad records (missing or empty `.txt`, undecodable utf-8, `.json` invalid or not an object) are skipped and
+counted per reason in `stream.skipped`; the first `max_warnings` distinct ones are logged with shard and key,
+then one line says the rest are only counted, and `close()` logs a summary. Shards are resampled, so a bad
+record is counted each time it is read. A missing `.json` means empty metadata.
+
+Bad shards: a local shard missing at construction is a `FileNotFoundError` naming it. A shard that cannot be
+opened or read later (deleted, truncated, not a tar) raises `ShardReadError` naming it, also from inside a
+worker. We raise rather than skip: shards are written atomically by our own tool, so a broken one is a broken
+copy to fix, and skipping it would silently change the prompt distribution for the rest of the run. Likewise a
+slot whose shards hold no valid record at all raises instead of spinning forever.
+
+webdataset is an optional dependency (`pip install jagg-scale[data]`); it is imported only when used.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+from collections import Counter
+from itertools import islice
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .prompts import PromptRecord
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ShardPromptStream", "ShardReadError", "write_prompt_shards", "shard_pattern", "expand_shard_urls"]
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # pipe:, http://, s3://, ... (not checked for existence)
+_STATE_KEYS = ("urls", "seed", "rank", "world_size", "num_workers")
+
+
+class ShardReadError(RuntimeError):
+    """A prompt shard could not be opened or read; the message names the shard."""
+
+
+def _wds():
+    try:
+        import webdataset
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("prompt shards need webdataset: pip install 'jagg-scale[data]'") from e
+    return webdataset
+
+
+# ------------------------------------------------------------------------------------------------- writing
+
+
+def shard_pattern(out_dir: str | Path, prefix: str, num_shards: int) -> str:
+    """The brace pattern naming shards 0..num_shards-1 (a plain path for a single shard)."""
+    if num_shards == 1:
+        return str(Path(out_dir) / f"{prefix}-000000.tar")
+    return str(Path(out_dir) / f"{prefix}-{{000000..{num_shards - 1:06d}}}.tar")
+
+
+def write_prompt_shards(
+    records: Iterable[PromptRecord], out_dir: str | Path, shard_size: int = 1000, prefix: str = "prompts",
+    *, overwrite: bool = False,
+) -> list[Path]:
+    """Write records into `out_dir/{prefix}-NNNNNN.tar`, `shard_size` per shard; returns the shard paths.
+
+    Existing `{prefix}-NNNNNN.tar` files in `out_dir` are an error unless `overwrite` (then they are removed
+    first): a stale extra shard from an earlier, longer write would otherwise be picked up by a glob.
+    A record without a non-empty prompt or with metadata that is not a JSON object is an error (the readers
+    already dropped bad input rows; anything left is a bug worth stopping for)."""
+    wds = _wds()
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"shard_size must be a positive int, got {shard_size!r}")
+    if not prefix or "/" in prefix or os.sep in prefix:
+        raise ValueError(f"prefix must be a plain file name prefix, got {prefix!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stale = sorted(out.glob(glob.escape(prefix) + "-" + "[0-9]" * 6 + ".tar"))
+    if stale and not overwrite:
+        raise FileExistsError(f"{out} already holds {len(stale)} shards named {prefix}-*.tar (e.g. {stale[0].name}); "
+                              "pass overwrite=True (--overwrite) or use another directory or prefix")
+    for p in stale:
+        p.unlink()
+    paths: list[Path] = []
+    f = writer = None
+
+    def finish() -> None:
+        writer.close()
+        f.close()
+        os.replace(f.name, paths[-1])
+
+    try:
+        for i, rec in enumerate(records):
+            prompt, meta = getattr(rec, "prompt", None), getattr(rec, "metadata", None)
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"record #{i} has no non-empty prompt: {rec!r}")
+            if not isinstance(meta, dict):
+                raise ValueError(f"record #{i}: metadata must be a dict, got {type(meta).__name__}")
+            try:
+                meta_bytes = json.dumps(meta, ensure_ascii=False).encode("utf-8")
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"record #{i}: metadata is not JSON-serializable: {e}") from None
+            if i % shard_size == 0:
+                if writer is not None:
+                    finish()
+                paths.append(out / f"{prefix}-{len(paths):06d}.tar")
+                f = open(paths[-1].with_name(paths[-1].name + ".part"), "wb")
+                writer = wds.TarWriter(f, encoder=False, mtime=0)  # mtime 0: identical input, identical bytes
+            writer.write({"__key__": f"{i:09d}", "txt": prompt.strip().encode("utf-8"), "json": meta_bytes})
+        if writer is not None:
+            finish()
+    except BaseException:
+        if f is not None and not f.closed:
+            f.close()
+            Path(f.name).unlink(missing_ok=True)
+        raise
+    if not paths:
+        raise ValueError("no records to write")
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------- reading
+
+
+def expand_shard_urls(urls: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """A brace pattern (`dir/prompts-{000000..000009}.tar`) or an explicit list -> the list of shard URLs.
+    Local paths must exist (FileNotFoundError naming the first missing one); duplicates are an error, since
+    they would break the disjoint split."""
+    if isinstance(urls, (str, os.PathLike)):
+        out = list(_wds().shardlists.expand_urls(os.fspath(urls)))
+    else:
+        out = [os.fspath(u) for u in urls]
+    if not out:
+        raise ValueError("no prompt shards given")
+    dup = [u for u, c in Counter(out).items() if c > 1]
+    if dup:
+        raise ValueError(f"prompt shard listed more than once: {dup[0]}")
+    for u in out:
+        if not _SCHEME.match(u) and not Path(u).is_file():
+            raise FileNotFoundError(f"prompt shard not found: {u}")
+    return out
+
+
+def _zero_worker_seed() -> int:
+    """ResampledShards mixes a 'worker seed' into its RNG; ours is 0 because the slot is already in `seed`
+    (its default reads RANK/WORLD_SIZE and the worker id, which would tie the order to the environment)."""
+    return 0
+
+
+def _decode(sample: dict) -> tuple:
+    """One tar sample -> ("r", prompt, metadata) or ("s", reason, shard, key, detail)."""
+    url, key = sample.get("__url__"), sample.get("__key__")
+    raw = sample.get("txt")
+    if raw is None:
+        return ("s", "missing_txt", url, key, f"no .txt member (has {sorted(k for k in sample if k[0] != '_')})")
+    try:
+        prompt = raw.decode("utf-8").strip()
+        meta = json.loads(sample["json"].decode("utf-8")) if "json" in sample else {}
+    except UnicodeDecodeError as e:
+        return ("s", "bad_utf8", url, key, str(e))
+    except json.JSONDecodeError as e:
+        return ("s", "bad_json", url, key, f"invalid .json ({e.msg} at column {e.colno})")
+    if not prompt:
+        return ("s", "empty_txt", url, key, "empty prompt")
+    if not isinstance(meta, dict):
+        return ("s", "json_not_object", url, key, f".json is a {type(meta).__name__}, expected an object")
+    return ("r", prompt, meta)
+
+
+def _slot_items(urls: list[str], seed: int) -> Iterator[tuple]:
+    """Endless items of one slot: resampled shards, every sample of a drawn shard in order."""
+    wds = _wds()
+    barren: set[str] = set()  # shards read completely without one valid record
+    for src in wds.ResampledShards(urls, seed=seed, deterministic=True, worker_seed=_zero_worker_seed):
+        url, good = src["url"], 0
+        try:
+            for sample in wds.tarfile_samples([dict(url=url)]):
+                item = _decode(sample)
+                good += item[0] == "r"
+                yield item
+        except Exception as e:
+            raise ShardReadError(f"cannot read prompt shard {url}: {type(e).__name__}: {e}") from e
+        if not good:
+            barren.add(url)
+            if len(barren) == len(urls):
+                raise ValueError(f"no valid prompt record in any shard of this reader: {urls}")
+
+
+def _identity(x):
+    return x
+
+
+class _SlotDataset(IterableDataset):
+    """The DataLoader side: worker w reads slot `slots[(w + rotate) % n]`, skipping that role's first items."""
+
+    def __init__(self, subsets: list[list[str]], seeds: list[int], skips: list[int], rotate: int):
+        self.subsets, self.seeds, self.skips, self.rotate = subsets, seeds, skips, rotate
+
+    def __iter__(self):
+        info = get_worker_info()
+        role = ((info.id if info is not None else 0) + self.rotate) % len(self.subsets)
+        return islice(_slot_items(self.subsets[role], self.seeds[role]), self.skips[role], None)
+
+
+class ShardPromptStream:
+    """Endless, deterministic, resumable PromptRecords for one rank; see the module docstring.
+
+    `next_records(n)` draws the next n records; `state_dict()` / `load_state_dict()` resume exactly;
+    `skipped` counts bad records per reason; `slot_shards(w)` lists the shards worker w of this rank reads.
+    Call `close()` (or use `with`) to stop the DataLoader workers."""
+
+    def __init__(self, urls, *, seed: int = 0, rank: int = 0, world_size: int = 1, num_workers: int = 0,
+                 max_warnings: int = 20, multiprocessing_context=None):
+        for name, v, lo in (("seed", seed, 0), ("rank", rank, 0), ("world_size", world_size, 1),
+                            ("num_workers", num_workers, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"ShardPromptStream: {name} must be an int >= {lo}, got {v!r}")
+        if rank >= world_size:
+            raise ValueError(f"ShardPromptStream: rank {rank} is not below world_size {world_size}")
+        self.urls = expand_shard_urls(urls)
+        self.seed, self.rank, self.world_size, self.num_workers = seed, rank, world_size, num_workers
+        self.max_warnings = max_warnings
+        self.multiprocessing_context = multiprocessing_context
+        self.num_slots = world_size * max(num_workers, 1)
+        if len(self.urls) < self.num_slots:
+            raise ValueError(
+                f"{len(self.urls)} prompt shards are too few for {self.num_slots} readers (world_size={world_size} "
+                f"x num_workers={max(num_workers, 1)}): each rank/worker needs a shard of its own; "
+                "write smaller shards or use fewer workers")
+        self.records = 0  # records handed out so far
+        self.skipped: Counter = Counter()
+        self._items = 0  # loader items consumed (records + skip events): what a resume replays
+        self._logged: set = set()
+        self._capped = False
+        self._it = None
+
+    @property
+    def _readers(self) -> int:
+        return max(self.num_workers, 1)
+
+    def slot_shards(self, worker_id: int = 0) -> list[str]:
+        """The shards read by worker `worker_id` of this rank (disjoint from every other rank/worker)."""
+        if not 0 <= worker_id < self._readers:
+            raise ValueError(f"worker_id {worker_id} out of range for {self._readers} readers")
+        slot = self.rank * self._readers + worker_id
+        return self.urls[slot::self.num_slots]
+
+    def _start(self):
+        w, t = self._readers, self._items
+        rotate = t % w  # the next item is due from role t % w; the DataLoader starts at worker 0
+        ds = _SlotDataset([self.slot_shards(r) for r in range(w)],
+                          [self.seed + self.rank * w + r for r in range(w)],
+                          [len(range(r, t, w)) for r in range(w)], rotate)
+        return iter(DataLoader(ds, batch_size=None, num_workers=self.num_workers, collate_fn=_identity,
+                               multiprocessing_context=self.multiprocessing_context if self.num_workers else None))
+
+    def next_records(self, n: int) -> list[PromptRecord]:
+        """The next n valid records (bad ones in between are counted in `skipped` and logged)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"next_records: n must be an int >= 0, got {n!r}")
+        out: list[PromptRecord] = []
+        while len(out) < n:
+            if self._it is None:
+                self._it = self._start()
+            item = next(self._it)
+            self._items += 1
+            if item[0] == "r":
+                out.append(PromptRecord(item[1], item[2]))
+            else:
+                self._skip(*item[1:])
+        self.records += n
+        return out
+
+    def __iter__(self) -> Iterator[PromptRecord]:
+        while True:
+            yield self.next_records(1)[0]
+
+    def _skip(self, reason: str, url: str, key: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        if (url, key) in self._logged:
+            return
+        if len(self._logged) < self.max_warnings:
+            self._logged.add((url, key))
+            logger.warning("%s: sample %s: skipping bad prompt record (%s): %s", url, key, reason, detail)
+        elif not self._capped:
+            self._capped = True
+            logger.warning("more bad prompt records: only counted in stream.skipped from now on (%d so far: %s)",
+                           sum(self.skipped.values()), dict(self.skipped))
+
+    # ---------------------------------------------------------------------------------------------- resume
+
+    def state_dict(self) -> dict:
+        """Position (records/items consumed, skip counts) plus the settings it is valid for."""
+        return {"records": self.records, "items": self._items, "skipped": dict(self.skipped),
+                "urls": list(self.urls), "seed": self.seed, "rank": self.rank,
+                "world_size": self.world_size, "num_workers": self.num_workers}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where the saved stream stopped; ValueError if saved with other settings."""
+        for key in _STATE_KEYS:
+            if key not in state:
+                raise ValueError(f"ShardPromptStream state lacks {key!r}")
+            mine, theirs = getattr(self, key), state[key]
+            if key == "urls" and list(theirs) != mine:
+                raise ValueError(f"ShardPromptStream state was saved with other shards ({len(theirs)} urls, "
+                                 f"first {theirs[:1]}) than this stream has ({len(mine)}, first {mine[:1]})")
+            if key != "urls" and theirs != mine:
+                raise ValueError(f"ShardPromptStream state was saved with {key}={theirs}, this stream has {mine}")
+        records, items = int(state["records"]), int(state["items"])
+        if not 0 <= records <= items:
+            raise ValueError(f"invalid ShardPromptStream state: records={records}, items={items}")
+        self._it = None  # drops (and so stops) the current workers
+        self.records, self._items = records, items
+        self.skipped = Counter({str(k): int(v) for k, v in state.get("skipped", {}).items()})
+
+    def close(self) -> None:
+        """Stop the workers; log a summary of skipped bad records."""
+        self._it = None
+        if self.skipped:
+            logger.warning("prompt stream skipped %d bad records: %s", sum(self.skipped.values()), dict(self.skipped))
+
+    def __enter__(self) -> "ShardPromptStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,328 @@
+"""Remote rewards over loopback: `jagg-reward-server` + the `remote` client agree with local scoring, and every
+failure mode (auth, size limit, bad input, unknown reward, crashing reward, NaN, dead server) surfaces as the
+documented status/message, retried only when retrying can help."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from jagg_scale.rewards import Reward, RewardOutput, build_reward, register, score_safely
+from jagg_scale.rewards.remote import RemoteRewardError
+from jagg_scale.rewards.server import encode_images, serve
+
+
+# ----------------------------------------------------------------------------- test-only rewards
+
+
+class _Counting(Reward):
+    calls = 0
+
+    def __call__(self, images, prompts, metadata):
+        type(self).calls += 1
+        return self.score(images, prompts, metadata)
+
+
+@register("_test_server_mean")
+class _Mean(_Counting):
+    """Mean pixel value plus metadata["bias"]: checks images, prompts and metadata all arrive intact."""
+
+    def score(self, images, prompts, metadata):
+        s = images.mean(dim=(1, 2, 3)) + torch.tensor([float(m.get("bias", 0.0)) for m in metadata])
+        return RewardOutput(scores=s, info={"n_prompts": len(prompts), "per_sample": s.tolist()})
+
+
+@register("_test_server_raises")
+class _Raises(_Counting):
+    def score(self, images, prompts, metadata):
+        raise RuntimeError("detector exploded")
+
+
+@register("_test_server_nan")
+class _Nan(_Counting):
+    def score(self, images, prompts, metadata):
+        return RewardOutput(scores=torch.tensor([1.0, float("nan"), 3.0, float("inf")]), info={"x": float("nan")})
+
+
+@register("_test_server_slow")
+class _Slow(_Counting):
+    def score(self, images, prompts, metadata):
+        time.sleep(0.4)
+        return RewardOutput(scores=torch.zeros(images.shape[0]))
+
+
+# -------------------------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(autouse=True)
+def _no_proxy(monkeypatch):
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def start():
+    """start(rewards, **serve_kwargs) -> running server (shut down after the test)."""
+    servers = []
+
+    def _start(rewards, **kw):
+        srv = serve(rewards, **kw)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return srv
+
+    yield _start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _photos(size: int = 48) -> torch.Tensor:
+    """[4, 3, size, size]: scikit-image's astronaut and coffee photos, resized, plus their flips."""
+    skdata = pytest.importorskip("skimage.data")
+    arrs = [np.asarray(Image.fromarray(a).resize((size, size), Image.BILINEAR)) for a in (skdata.astronaut(), skdata.coffee())]
+    x = torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2).float() / 255.0
+    return torch.cat([x, x.flip(-1)])
+
+
+def _meta(n: int) -> tuple[list[str], list[dict]]:
+    return [f"prompt {i}" for i in range(n)], [{"bias": i} for i in range(n)]
+
+
+def _remote(srv, reward: str, **kw):
+    kw = {"retries": 2, "backoff_s": 0.001, "timeout_s": 10.0, **kw}
+    r = build_reward("remote", url=srv.url if hasattr(srv, "url") else srv, reward=reward, **kw)
+    r.sleeps = []
+    r._sleep = r.sleeps.append  # record the backoff, do not wait
+    return r
+
+
+def _raw(url: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, headers=headers or {}, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+
+def test_remote_jpeg_matches_local_on_photos(start):
+    images = _photos()
+    prompts, meta = _meta(4)
+    srv = start({"jpeg_compressibility": build_reward("jpeg_compressibility", quality=90)})
+    local = build_reward("jpeg_compressibility", quality=90)(images, prompts, meta)
+    remote = _remote(srv, "jpeg_compressibility")(images, prompts, meta)
+    assert remote.scores.dtype == torch.float32
+    torch.testing.assert_close(remote.scores, local.scores, rtol=0, atol=0)
+    assert remote.scores.min() < -1.0  # real photos, real kB
+    assert remote.info["jpeg_kb_mean"] == pytest.approx(local.info["jpeg_kb_mean"])
+    assert remote.info["remote_retries"] == 0
+
+
+def test_max_batch_splits_requests_and_merges(start):
+    images = _photos(16).repeat(2, 1, 1, 1)[:7]
+    prompts, meta = _meta(7)
+    srv = start({"mean": _Mean()})
+    expected = images.mean(dim=(1, 2, 3)) + torch.arange(7.0)
+    one = _remote(srv, "mean")(images, prompts, meta)
+    n0 = srv.request_count
+    split = _remote(srv, "mean", max_batch=3)(images, prompts, meta)
+    assert srv.request_count - n0 == 3  # 3 + 3 + 1
+    torch.testing.assert_close(split.scores, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(split.scores, one.scores)
+    assert split.info["per_sample"] == pytest.approx(expected.tolist(), abs=1e-6)  # lists concatenated
+    assert split.info["n_prompts"] == pytest.approx((3 * 3 + 3 * 3 + 1 * 1) / 7)  # size-weighted mean
+
+
+def test_bearer_token(start, monkeypatch):
+    srv = start({"mean": _Mean()}, token="s3cret")
+    images, (prompts, meta) = _photos(8)[:2], _meta(2)
+    with pytest.raises(RemoteRewardError, match="HTTP 401.*bearer token") as e:
+        _remote(srv, "mean")(images, prompts, meta)
+    assert e.value.status == 401
+    monkeypatch.setenv("JAGG_TEST_TOKEN", "wrong")
+    n0 = srv.request_count
+    with pytest.raises(RemoteRewardError, match="HTTP 401"):
+        _remote(srv, "mean", token_env="JAGG_TEST_TOKEN")(images, prompts, meta)
+    assert srv.request_count - n0 == 1  # 4xx is not retried
+    monkeypatch.setenv("JAGG_TEST_TOKEN", "s3cret")
+    assert _remote(srv, "mean", token_env="JAGG_TEST_TOKEN")(images, prompts, meta).scores.shape == (2,)
+    assert _raw(srv.url + "/health")[0] == 401
+    assert _raw(srv.url + "/health", headers={"Authorization": "Bearer s3cret"}) == (200, {"rewards": ["mean"]})
+    monkeypatch.delenv("JAGG_TEST_TOKEN")
+    with pytest.raises(ValueError, match="JAGG_TEST_TOKEN"):  # a missing token fails at build time
+        build_reward("remote", url=srv.url, reward="mean", token_env="JAGG_TEST_TOKEN")
+
+
+def test_oversized_request_413_not_retried(start):
+    _Mean.calls = 0
+    srv = start({"mean": _Mean()}, max_request_bytes=4000)
+    r = _remote(srv, "mean", retries=3)
+    with pytest.raises(RemoteRewardError, match="HTTP 413.*exceeds the server limit of 4000 bytes") as e:
+        r(_photos(64), *_meta(4))
+    assert e.value.status == 413 and srv.request_count == 1 and r.sleeps == [] and _Mean.calls == 0
+    small = _photos(16)  # one 16x16 photo per request stays under the limit
+    assert _remote(srv, "mean", max_batch=1)(small, *_meta(4)).scores.shape == (4,)
+
+
+def test_bad_requests_400_name_the_field(start):
+    srv = start({"mean": _Mean()})
+    url = srv.url + "/score/mean"
+    good = encode_images(_photos(8)[:1])[0]
+    cases = {
+        b"{not json": "not valid JSON",
+        b"[1, 2]": "JSON object",
+        json.dumps({"prompts": "p", "images": [good]}).encode(): "'prompts'",
+        json.dumps({"prompts": ["p"], "images": [good], "metadata": [1]}).encode(): "'metadata'",
+        json.dumps({"prompts": ["p", "q"], "images": [good]}).encode(): "length mismatch",
+        json.dumps({"prompts": ["p", "q"], "images": [good, "@@not base64@@"]}).encode(): r"images\[1\]: not valid base64",
+        json.dumps({"prompts": ["p"], "images": ["aGVsbG8="]}).encode(): r"images\[0\]: not a decodable PNG",
+        json.dumps({"prompts": ["p", "q"], "images": [good, encode_images(_photos(4)[:1])[0]]}).encode(): r"images\[1\]: size",
+    }
+    for body, pattern in cases.items():
+        status, reply = _raw(url, body, {"Content-Type": "application/json"})
+        assert status == 400, (body[:40], reply)
+        assert re.search(pattern, reply["error"]), (pattern, reply)
+
+
+def test_unknown_reward_404_lists_served(start):
+    srv = start({"mean": _Mean(), "jpeg": build_reward("jpeg_compressibility")})
+    with pytest.raises(RemoteRewardError, match=r"HTTP 404: unknown reward 'nope'; served: \['jpeg', 'mean'\]"):
+        _remote(srv, "nope")(_photos(8)[:1], *_meta(1))
+    assert srv.request_count == 1
+    assert _raw(srv.url + "/elsewhere")[0] == 404
+    assert _raw(srv.url + "/health") == (200, {"rewards": ["jpeg", "mean"]})
+
+
+def test_raising_reward_500_retried_then_masked(start):
+    _Raises.calls = 0
+    srv = start({"boom": _Raises(), "mean": _Mean()})
+    r = _remote(srv, "boom", retries=2, backoff_s=0.5)
+    with pytest.raises(RemoteRewardError, match=r"failed after 3 attempt.*HTTP 500.*RuntimeError: detector exploded") as e:
+        r(_photos(8), *_meta(4))
+    assert srv.url in str(e.value) and e.value.status == 500
+    assert _Raises.calls == 3 and len(r.sleeps) == 2
+    assert 0.25 <= r.sleeps[0] < 0.5 and 0.5 <= r.sleeps[1] < 1.0  # exponential with jitter in [0.5, 1)
+    r2 = _remote(srv, "boom", retries=2, backoff_s=0.5)
+    with pytest.raises(RemoteRewardError):
+        r2(_photos(8), *_meta(4))
+    assert r2.sleeps == r.sleeps  # jitter is seeded deterministically
+    scores, valid, n_failed = score_safely(_remote(srv, "boom", retries=1), _photos(8), *_meta(4), max_fail_frac=1.0)
+    assert n_failed == 4 and not valid.any() and (scores == 0).all()
+    assert _remote(srv, "mean")(_photos(8)[:1], *_meta(1)).scores.shape == (1,)  # server still alive
+
+
+def test_nan_scores_travel_as_null_and_are_masked(start):
+    srv = start({"nan": _Nan()})
+    body = json.dumps({"prompts": ["p"] * 4, "images": encode_images(_photos(8))}).encode()
+    status, reply = _raw(srv.url + "/score/nan", body)
+    assert status == 200 and reply["scores"] == [1.0, None, 3.0, None] and reply["info"] == {"x": None}
+    out = _remote(srv, "nan")(_photos(8), *_meta(4))
+    assert out.scores[0] == 1.0 and out.scores[1].isnan() and out.scores[3].isnan()
+    scores, valid, n_failed = score_safely(_remote(srv, "nan"), _photos(8), *_meta(4), max_fail_frac=0.5)
+    assert valid.tolist() == [True, False, True, False] and n_failed == 2 and scores.tolist() == [1.0, 0.0, 3.0, 0.0]
+
+
+def test_server_down_connection_error_retried(start):
+    url = f"http://127.0.0.1:{_free_port()}"
+    r = _remote(url, "mean", retries=3)
+    with pytest.raises(RemoteRewardError, match=rf"'mean' at {url}/score/mean failed after 4 attempt.*connection error"):
+        r(_photos(8)[:2], *_meta(2))
+    assert len(r.sleeps) == 3
+    _, valid, n_failed = score_safely(r, _photos(8)[:2], *_meta(2), max_fail_frac=1.0)
+    assert n_failed == 2
+    with pytest.raises(RuntimeError, match="failed on 2/2"):
+        score_safely(r, _photos(8)[:2], *_meta(2), max_fail_frac=0.5)
+
+
+def test_timeout_is_retried(start):
+    _Slow.calls = 0
+    srv = start({"slow": _Slow()})
+    r = _remote(srv, "slow", retries=1, timeout_s=0.1)
+    with pytest.raises(RemoteRewardError, match="failed after 2 attempt.*timed out"):
+        r(_photos(8)[:1], *_meta(1))
+    assert len(r.sleeps) == 1
+
+
+def test_cli_main_subprocess(tmp_path, monkeypatch):
+    (tmp_path / "jagg_test_plugin.py").write_text(
+        "import torch\n"
+        "from jagg_scale.rewards import Reward, RewardOutput, register\n"
+        "@register('_test_cli_plugin')\n"
+        "class P(Reward):\n"
+        "    def __call__(self, images, prompts, metadata):\n"
+        "        return RewardOutput(scores=torch.full((images.shape[0],), 7.0))\n"
+    )
+    script = Path(sys.executable).parent / "jagg-reward-server"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-c",
+                                                  "from jagg_scale.rewards.server import main; raise SystemExit(main())"]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "JAGG_CLI_TOKEN": "tok"}
+    for var in ("http_proxy", "HTTP_PROXY"):
+        env.pop(var, None)
+    proc = subprocess.Popen(
+        cmd + ["--reward", 'jpeg_compressibility:{"quality": 80}', "--reward", "_test_cli_plugin",
+               "--plugin", "jagg_test_plugin", "--port", "0", "--token-env", "JAGG_CLI_TOKEN"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
+        try:
+            first = lines.get(timeout=30)
+        except queue.Empty:
+            pytest.fail("server printed nothing within 30 s")
+        assert first.startswith("listening on http://127.0.0.1:"), (first, proc.poll())
+        url = first.split()[-1]
+        monkeypatch.setenv("JAGG_CLI_TOKEN", "tok")
+        images, (prompts, meta) = _photos(32), _meta(4)
+        remote = _remote(url, "jpeg_compressibility", token_env="JAGG_CLI_TOKEN")(images, prompts, meta)
+        plugin = _remote(url, "_test_cli_plugin", token_env="JAGG_CLI_TOKEN")(images, prompts, meta)
+        torch.testing.assert_close(remote.scores, build_reward("jpeg_compressibility", quality=80)(images, prompts, meta).scores)
+        assert plugin.scores.tolist() == [7.0] * 4
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+    assert proc.returncode == 0, err
+    assert "reward=jpeg_compressibility batch=4 status=200" in err
+
+
+def test_cli_rejects_bad_specs(monkeypatch):
+    from jagg_scale.rewards.server import main
+
+    monkeypatch.delenv("JAGG_NO_SUCH_TOKEN", raising=False)
+    for argv in (["--reward", "no_such_reward"], ["--reward", "jpeg_compressibility:{bad"],
+                 ["--reward", 'jpeg_compressibility:{"qualty": 3}'],
+                 ["--reward", "jpeg_compressibility", "--token-env", "JAGG_NO_SUCH_TOKEN"],
+                 ["--reward", "jpeg_compressibility", "--plugin", "no_such_module_xyz"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv + ["--port", "0"])
+        assert e.value.code == 2, argv
