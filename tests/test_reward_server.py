@@ -96,7 +96,8 @@ def start():
 def _photos(size: int = 48) -> torch.Tensor:
     """[4, 3, size, size]: scikit-image's astronaut and coffee photos, resized, plus their flips."""
     skdata = pytest.importorskip("skimage.data")
-    arrs = [np.asarray(Image.fromarray(a).resize((size, size), Image.BILINEAR)) for a in (skdata.astronaut(), skdata.coffee())]
+    photos = (skdata.astronaut(), skdata.coffee())
+    arrs = [np.asarray(Image.fromarray(a).resize((size, size), Image.BILINEAR)) for a in photos]
     x = torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2).float() / 255.0
     return torch.cat([x, x.flip(-1)])
 
@@ -193,16 +194,16 @@ def test_oversized_request_413_not_retried(start):
 def test_bad_requests_400_name_the_field(start):
     srv = start({"mean": _Mean()})
     url = srv.url + "/score/mean"
-    good = encode_images(_photos(8)[:1])[0]
+    good, other_size = encode_images(_photos(8)[:1])[0], encode_images(_photos(4)[:1])[0]
     cases = {
         b"{not json": "not valid JSON",
         b"[1, 2]": "JSON object",
         json.dumps({"prompts": "p", "images": [good]}).encode(): "'prompts'",
         json.dumps({"prompts": ["p"], "images": [good], "metadata": [1]}).encode(): "'metadata'",
         json.dumps({"prompts": ["p", "q"], "images": [good]}).encode(): "length mismatch",
-        json.dumps({"prompts": ["p", "q"], "images": [good, "@@not base64@@"]}).encode(): r"images\[1\]: not valid base64",
+        json.dumps({"prompts": ["p", "q"], "images": [good, "@@not b64@@"]}).encode(): r"images\[1\]: not valid base64",
         json.dumps({"prompts": ["p"], "images": ["aGVsbG8="]}).encode(): r"images\[0\]: not a decodable PNG",
-        json.dumps({"prompts": ["p", "q"], "images": [good, encode_images(_photos(4)[:1])[0]]}).encode(): r"images\[1\]: size",
+        json.dumps({"prompts": ["p", "q"], "images": [good, other_size]}).encode(): r"images\[1\]: size",
     }
     for body, pattern in cases.items():
         status, reply = _raw(url, body, {"Content-Type": "application/json"})
@@ -223,7 +224,8 @@ def test_raising_reward_500_retried_then_masked(start):
     _Raises.calls = 0
     srv = start({"boom": _Raises(), "mean": _Mean()})
     r = _remote(srv, "boom", retries=2, backoff_s=0.5)
-    with pytest.raises(RemoteRewardError, match=r"failed after 3 attempt.*HTTP 500.*RuntimeError: detector exploded") as e:
+    msg = r"failed after 3 attempt.*HTTP 500.*RuntimeError: detector exploded"
+    with pytest.raises(RemoteRewardError, match=msg) as e:
         r(_photos(8), *_meta(4))
     assert srv.url in str(e.value) and e.value.status == 500
     assert _Raises.calls == 3 and len(r.sleeps) == 2
@@ -251,7 +253,8 @@ def test_nan_scores_travel_as_null_and_are_masked(start):
 def test_server_down_connection_error_retried(start):
     url = f"http://127.0.0.1:{_free_port()}"
     r = _remote(url, "mean", retries=3)
-    with pytest.raises(RemoteRewardError, match=rf"'mean' at {url}/score/mean failed after 4 attempt.*connection error"):
+    msg = rf"'mean' at {url}/score/mean failed after 4 attempt.*connection error"
+    with pytest.raises(RemoteRewardError, match=msg):
         r(_photos(8)[:2], *_meta(2))
     assert len(r.sleeps) == 3
     _, valid, n_failed = score_safely(r, _photos(8)[:2], *_meta(2), max_fail_frac=1.0)
@@ -279,8 +282,8 @@ def test_cli_main_subprocess(tmp_path, monkeypatch):
         "        return RewardOutput(scores=torch.full((images.shape[0],), 7.0))\n"
     )
     script = Path(sys.executable).parent / "jagg-reward-server"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-c",
-                                                  "from jagg_scale.rewards.server import main; raise SystemExit(main())"]
+    fallback = [sys.executable, "-c", "from jagg_scale.rewards.server import main; raise SystemExit(main())"]
+    cmd = [str(script)] if script.exists() else fallback
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "JAGG_CLI_TOKEN": "tok"}
     for var in ("http_proxy", "HTTP_PROXY"):
@@ -302,7 +305,8 @@ def test_cli_main_subprocess(tmp_path, monkeypatch):
         images, (prompts, meta) = _photos(32), _meta(4)
         remote = _remote(url, "jpeg_compressibility", token_env="JAGG_CLI_TOKEN")(images, prompts, meta)
         plugin = _remote(url, "_test_cli_plugin", token_env="JAGG_CLI_TOKEN")(images, prompts, meta)
-        torch.testing.assert_close(remote.scores, build_reward("jpeg_compressibility", quality=80)(images, prompts, meta).scores)
+        local = build_reward("jpeg_compressibility", quality=80)(images, prompts, meta)
+        torch.testing.assert_close(remote.scores, local.scores)
         assert plugin.scores.tolist() == [7.0] * 4
     finally:
         proc.send_signal(signal.SIGINT)

@@ -154,7 +154,8 @@ class RemoteReward(Reward):
             kind = "timed out" if isinstance(e.reason, (TimeoutError, socket.timeout)) else "connection error"
             raise RemoteRewardError(f"{self.endpoint}: {kind}: {e.reason}", retryable=True) from None
         except (TimeoutError, socket.timeout) as e:
-            raise RemoteRewardError(f"{self.endpoint}: timed out after {self.timeout_s} s ({e})", retryable=True) from None
+            msg = f"{self.endpoint}: timed out after {self.timeout_s} s ({e})"
+            raise RemoteRewardError(msg, retryable=True) from None
         except (ConnectionError, HTTPException, OSError) as e:  # reset / dropped mid-response
             raise RemoteRewardError(f"{self.endpoint}: connection error: {type(e).__name__}: {e}",
                                     retryable=True) from None

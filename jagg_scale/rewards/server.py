@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .base import Reward, build_reward
+from .base import Reward, RewardOutput, build_reward
 
 __all__ = ["RewardServer", "serve", "main", "encode_images", "decode_image", "to_jsonable"]
 
@@ -158,6 +158,7 @@ class RewardServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: RewardServer
     server_version = "jagg-reward-server/1"
+    timeout = 60  # socket timeout: a client that stalls mid-request must not hold a thread forever
 
     def log_message(self, format, *args):  # noqa: A002 - our own one-line log replaces http.server's
         logger.debug("%s - " + format, self.address_string(), *args)
@@ -223,15 +224,17 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._error(405, f"use POST /score/{reward_name}", unread)
             reward = self.server.rewards.get(reward_name)
             if reward is None:
-                return self._error(404, f"unknown reward {reward_name!r}; served: {sorted(self.server.rewards)}", unread)
+                served = sorted(self.server.rewards)
+                return self._error(404, f"unknown reward {reward_name!r}; served: {served}", unread)
             if length_hdr is None:
                 self.close_connection = True
                 return self._error(411, "Content-Length is required")
             if not length_hdr.isdigit():
                 return self._error(400, f"bad Content-Length {length_hdr!r}")
             if unread > self.server.max_request_bytes:
-                return self._error(413, f"request body of {unread} bytes exceeds the server limit of "
-                                        f"{self.server.max_request_bytes} bytes; send smaller batches (max_batch)", unread)
+                limit = self.server.max_request_bytes
+                return self._error(413, f"request body of {unread} bytes exceeds the server limit of {limit} bytes; "
+                                        "send smaller batches (max_batch)", unread)
             try:
                 images, prompts, metadata = _parse_request(self.rfile.read(unread))
             except ValueError as e:
@@ -242,10 +245,11 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 with self.server.locks[reward_name]:
                     out = reward(images, prompts, metadata)
-                scores = torch.as_tensor(out.scores).detach().float().cpu().reshape(-1)
+                scores, info = (out.scores, out.info) if isinstance(out, RewardOutput) else (out, {})
+                scores = torch.as_tensor(scores).detach().float().cpu().reshape(-1)
                 if scores.numel() != batch:
                     raise ValueError(f"reward returned {scores.numel()} scores for a batch of {batch}")
-                payload = {"scores": to_jsonable(scores.tolist()), "info": to_jsonable(out.info or {})}
+                payload = {"scores": to_jsonable(scores.tolist()), "info": to_jsonable(info or {})}
             except Exception as e:
                 logger.exception("reward %r raised on a batch of %d", reward_name, batch)
                 return self._error(500, f"reward {reward_name!r} raised {type(e).__name__}: {e}")
