@@ -33,7 +33,6 @@ velocities |v_k - ((1 - a_k) v_a + a_k v_b)| / |v_k|, as an `error_fn`.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Callable, Sequence
 
@@ -44,7 +43,7 @@ from .backward import INTERMEDIATE_MODES, ModelFn, StepLoss, _intermediate_value
 from .windows import plan_windows, window_weights
 
 Plan = list[tuple[int, int]]
-ErrorFn = Callable[[int, int, int], float]  # e(a, b, k) for a < k < b
+ErrorFn = Callable[[int, int], torch.Tensor]  # (a, b) -> e(a, b, k) for k = a+1 .. b-1 (float64)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -161,7 +160,7 @@ def knot_backward(
     Conventions of jagg_backward: latents[T, B, ...], sigmas[T], cond of B rows, step_loss(k, v_k) with k the
     position in latents, cached_velocities[T, B, ...], intermediate in INTERMEDIATE_MODES (values of the
     interpolated steps; knots use their fresh forward). Knots go in sorted chunks of rows_per_pass: per chunk one
-    forward with grad (len(chunk) * B rows) and one backward with the chunks' composite G, so peak memory is one
+    forward with grad (len(chunk) * B rows) and one backward with the chunk's composite G, so peak memory is one
     joint pass. "forward" adds one no-grad forward per segment over its interior; "interpolate" needs both knots'
     fresh values, so a segment that straddles two chunks costs one no-grad forward of its right knot (B rows).
     Returns the detached summed loss.
@@ -230,55 +229,59 @@ def velocity_cosines(velocities: torch.Tensor) -> torch.Tensor:
     return torch.einsum("abd,cbd->acb", v, v).mean(2)
 
 
+def cosine_error(vcos, sigmas: torch.Tensor) -> ErrorFn:
+    """The default error model as an error_fn: e(a, b, k) = (1 - vcos(a, b)) a_k (1 - a_k) for a < k < b."""
+    cos = vcos
+    if not callable(vcos):
+        table = torch.as_tensor(vcos, dtype=torch.float64).tolist()  # python floats: O(T^2) lookups stay cheap
+        cos = lambda a, b: table[a][b]  # noqa: E731
+
+    def e(a: int, b: int) -> torch.Tensor:
+        w = _interior_weights(sigmas, a, b)
+        return (1.0 - float(cos(a, b))) * w * (1 - w)
+
+    return e
+
+
 def residual_error(velocities: torch.Tensor, sigmas: torch.Tensor) -> ErrorFn:
-    """The doc's measured error model as an error_fn: mean over samples of the relative interpolation residual
+    """The doc's measured alternative as an error_fn: mean over samples of the relative interpolation residual
     |v_k - ((1 - a_k) v_a + a_k v_b)| / |v_k| of the rollout's velocities [T, B, ...]."""
-    v = velocities.detach().flatten(2).double()
+    v = velocities.detach().flatten(2).double()  # [T, B, D]
     norms = v.norm(dim=2).clamp_min(1e-12)
 
-    def e(a: int, b: int, k: int) -> float:
-        ak = float(_interior_weights(sigmas, a, b)[k - a - 1])
-        return float(((v[k] - (1 - ak) * v[a] - ak * v[b]).norm(dim=1) / norms[k]).mean())
+    def e(a: int, b: int) -> torch.Tensor:
+        w = _interior_weights(sigmas, a, b)[:, None, None]
+        residual = v[a + 1 : b] - (1 - w) * v[a] - w * v[b]
+        return (residual.norm(dim=2) / norms[a + 1 : b]).mean(1)
 
     return e
 
 
-def _error_fn(vcos, sigmas: torch.Tensor) -> ErrorFn:
-    cos = vcos if callable(vcos) else (lambda a, b: float(vcos[a, b]))
-
-    def e(a: int, b: int, k: int) -> float:
-        ak = float(_interior_weights(sigmas, a, b)[k - a - 1])
-        return (1.0 - cos(a, b)) * ak * (1.0 - ak)
-
-    return e
-
-
-def segment_costs(g_norms, vcos, sigmas: torch.Tensor, error_fn: ErrorFn | None = None) -> torch.Tensor:
-    """C[a, b] = sum_{a<k<b} |g_k| e(a, b, k) for a < b (float64 [T, T]; 0 without interior, inf for b < a)."""
-    g = [float(x) for x in g_norms]
-    T = len(g)
-    e = error_fn or _error_fn(vcos, sigmas)
+def segment_costs(g_norms, error_fn: ErrorFn) -> torch.Tensor:
+    """C[a, b] = sum_{a<k<b} |g_k| e(a, b, k) for a < b (float64 [T, T]; 0 for b = a + 1, inf for b <= a)."""
+    g = torch.as_tensor(g_norms, dtype=torch.float64)
+    T = g.shape[0]
     C = torch.full((T, T), math.inf, dtype=torch.float64)
-    for a in range(T):
-        for b in range(a, T):
-            C[a, b] = sum(g[k] * e(a, b, k) for k in range(a + 1, b))
+    for a in range(T - 1):
+        C[a, a + 1 :] = torch.stack([(g[a + 1 : b] * error_fn(a, b)).sum() for b in range(a + 1, T)])
     return C
 
 
-def plan_cost(plan, g_norms, vcos, sigmas: torch.Tensor, error_fn: ErrorFn | None = None) -> float:
-    """The error model summed over a plan's segments (for logging what the planner chose, and for tests)."""
-    e = error_fn or _error_fn(vcos, sigmas)
-    return sum(float(g_norms[k]) * e(a, b, k) for a, b in plan for k in range(a + 1, b))
+def plan_cost(plan, g_norms, error_fn: ErrorFn) -> float:
+    """The error model summed over a plan's segments (to log what the planner chose; tests check the DP with it)."""
+    g = torch.as_tensor(g_norms, dtype=torch.float64)
+    return sum(float((g[a + 1 : b] * error_fn(a, b)).sum()) for a, b in plan if b > a + 1)
 
 
 def plan_budget(g_norms, vcos, sigmas: torch.Tensor, max_knots: int, *, error_fn: ErrorFn | None = None) -> Plan:
     """The plan of at most max_knots knots (first and last step included) that minimises the error model.
 
-    g_norms[T]: |g_k| per trained step; vcos: [T, T] endpoint cosines (velocity_cosines) or a callable (a, b);
-    error_fn(a, b, k) replaces (1 - vcos) a_k (1 - a_k) when given. DP over knot sets (the gradient depends on the
-    knots only, see the module docstring): best[j, q] = min_p best[j-1, p] + C[p, q], the least cost of steps
-    0 .. q with j knots, the last at q. O(T^3) cost table plus O(K T^2) DP. At equal cost the plan with more knots
-    wins: a zero modelled error is not a zero real error, and the budget is paid for. Returns the all-shared plan.
+    g_norms[T]: |g_k| per trained step; vcos: [T, T] endpoint cosines (velocity_cosines) or a callable (a, b),
+    giving the default e = (1 - vcos) a_k (1 - a_k); error_fn(a, b) -> e of the interior steps replaces it
+    (vcos may then be None). DP over knot sets (the gradient depends on the knots only, see the module docstring):
+    best[j, q] = min_p best[j-1, p] + C[p, q], the least cost of steps 0 .. q with j knots, the last at q;
+    O(T^2) error evaluations plus O(K T^2) DP. At equal cost the plan with more knots wins: a zero modelled error
+    is not a zero real error, and the budget is paid for anyway. Returns the all-shared plan of the chosen knots.
     """
     T = len(g_norms)
     if sigmas.shape != (T,):
@@ -286,17 +289,16 @@ def plan_budget(g_norms, vcos, sigmas: torch.Tensor, max_knots: int, *, error_fn
     if T == 1:
         return [(0, 0)]
     if max_knots < 2:
-        raise ValueError(f"max_knots must be >= 2 (first and last step), got {max_knots}")
-    C = segment_costs(g_norms, vcos, sigmas, error_fn)
+        raise ValueError(f"max_knots must be >= 2 (the first and last step), got {max_knots}")
+    C = segment_costs(g_norms, error_fn or cosine_error(vcos, sigmas))
     K = min(max_knots, T)
     best = torch.full((K + 1, T), math.inf, dtype=torch.float64)
     back = torch.zeros((K + 1, T), dtype=torch.long)
     best[1, 0] = 0.0
     for j in range(2, K + 1):
-        best[j], back[j] = (best[j - 1][:, None] + C).min(0)  # over the previous knot p
-    j = max(range(2, K + 1), key=lambda j: (-float(best[j, T - 1]), j))  # least cost, then most knots
+        best[j], back[j] = (best[j - 1][:, None] + C).min(0)  # over the previous knot p < q
+    j = min(range(2, K + 1), key=lambda j: (float(best[j, T - 1]), -j))  # least cost, then most knots
     knots = [T - 1]
-    while j > 1:
+    for j in range(j, 1, -1):
         knots.append(int(back[j, knots[-1]]))
-        j -= 1
     return plan_from_knots(knots)
