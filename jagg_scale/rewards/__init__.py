@@ -1,13 +1,18 @@
 """Rewards: a name registry of scorers over decoded images, and a wrapper that masks failed samples.
 
-Importing this package registers the built-in rewards (JPEG compressibility/incompressibility), so
-`build_reward("jpeg_compressibility")` works without further imports.
+Importing this package registers the built-in rewards (JPEG compressibility/incompressibility, digit_match,
+remote, the CLIP family clip_score/pickscore/hps/aesthetic, ocr, imagenet_class), so
+`build_reward("jpeg_compressibility")` works without further imports. Model-based rewards import their heavy
+libraries (transformers, rapidocr) only when built.
 """
 
 from . import jpeg  # noqa: F401  (registers the JPEG rewards)
 from . import digits  # noqa: F401  (registers digit_match)
 from . import remote  # noqa: F401  (registers remote: rewards served by jagg-reward-server)
 from . import server  # noqa: F401  (jagg-reward-server)
+from . import clip  # noqa: F401  (registers clip_score, pickscore, hps, aesthetic; transformers imported on build)
+from . import ocr  # noqa: F401  (registers ocr; rapidocr imported on build)
+from . import imagenet  # noqa: F401  (registers imagenet_class)
 from .base import Reward, RewardOutput, UnknownRewardError, available, build_reward, register, score_safely
 
 __all__ = [
