@@ -24,3 +24,8 @@ __all__ += [
     "read_drawbench",
     "shared_prompts_dir",
 ]
+
+# webdataset prompt shards: importing is free, webdataset itself is loaded only when shards are used
+from .shards import ShardPromptStream, shard_pattern, write_prompt_shards
+
+__all__ += ["ShardPromptStream", "write_prompt_shards", "shard_pattern"]

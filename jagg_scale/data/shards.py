@@ -1,40 +1,33 @@
 """Prompt shards (webdataset tars) and `ShardPromptStream`, the endless per-rank prompt stream read from them.
 
-Why shards: an in-memory `PromptSet` + `GroupSampler` is fine for the shared benchmark sets, but a large prompt
-corpus should not be loaded by every rank. Shards let each rank (and each DataLoader worker) read only its own
-files, and keep a prompt's metadata (e.g. OCR's `text`) next to it for the rewards.
+Why: a large prompt corpus should not be loaded by every rank (the in-memory PromptSet + GroupSampler path).
+With shards each rank and DataLoader worker reads only its own files, and a prompt's metadata (e.g. OCR's
+`text`) travels with it to the rewards.
 
-Layout (`write_prompt_shards`): `{prefix}-000000.tar`, `{prefix}-000001.tar`, ..., each sample `<key>.txt` (the
-prompt, utf-8) and `<key>.json` (its metadata object); the key is the record's 9-digit index in the input, so a
-record can be traced back to its source. Shards are written under a temporary name and renamed when complete,
-so a crashed write never leaves a plausible-looking truncated shard.
+Layout: `{prefix}-000000.tar`, ...; sample `<key>.txt` = prompt (utf-8), `<key>.json` = metadata object, key =
+the record's 9-digit input index. Shards are written under a temporary name and renamed when complete, so a
+crashed write never leaves a plausible truncated shard.
 
-Stream (`ShardPromptStream`): the expanded shard list is split by striding, `urls[slot::num_slots]`, where
-global reader `slot = rank * num_workers + worker_id` of `num_slots = world_size * num_workers` (a worker count
-of 0 means one in-process reader per rank). Slots therefore never share a shard. Each slot draws its own shards
-with replacement (`wds.ResampledShards`, seed `seed + slot`, independent of environment variables) and reads
-every record of a drawn shard in order: endless, no epochs, no rank ever runs dry. Records of unequal shards are
-drawn with unequal probability (the last shard of a set is usually short); that skew is accepted.
+Split: reader `slot = rank * num_workers + worker_id` of `world_size * num_workers` (0 workers = one in-process
+reader) reads `urls[slot::num_slots]`: no two readers share a shard. A slot draws its shards with replacement
+(`wds.ResampledShards`, seed `seed + slot`, independent of RANK/worker env) and reads each drawn shard in order:
+endless, no epochs, no rank runs dry (records of a short shard are drawn a bit more often).
 
-Order and resume: a DataLoader with in-order output hands out items round-robin (item i from worker
-i % num_workers), so the merged sequence is a pure function of (urls, seed, rank, world_size, num_workers).
-`state_dict()` records how many items were consumed; `load_state_dict()` rebuilds the stream, has each worker
-skip exactly the items it had produced (reading text records is cheap, and it happens in the workers) and
-rotates worker roles so that the next item comes from the worker that was next. The state is only valid for
-the settings it was saved with; a mismatch is an error naming the setting.
+Order and resume: in-order DataLoader output takes item i from worker i % num_workers, so the sequence is a pure
+function of (urls, seed, rank, world_size, num_workers). `load_state_dict()` rebuilds the readers; each skips in
+its worker the items it had produced (whole shards by their once-counted size, so resuming is cheap), with
+worker roles rotated so the next item comes from the worker that was due. A state saved with other settings is
+an error naming the setting.
 
-Bad records (missing or empty `.txt`, undecodable utf-8, `.json` invalid or not an object) are skipped and
-counted per reason in `stream.skipped`; the first `max_warnings` distinct ones are logged with shard and key,
-then one line says the rest are only counted, and `close()` logs a summary. Shards are resampled, so a bad
-record is counted each time it is read. A missing `.json` means empty metadata.
+Bad records (missing/empty `.txt`, undecodable utf-8, `.json` invalid or not an object) are skipped and counted
+per reason in `stream.skipped`, each time they are read; the first `max_warnings` distinct ones are logged with
+shard and key, then one line says the rest are only counted; `close()` logs a summary. No `.json` = `{}`.
 
-Bad shards: a local shard missing at construction is a `FileNotFoundError` naming it. A shard that cannot be
-opened or read later (deleted, truncated, not a tar) raises `ShardReadError` naming it, also from inside a
-worker. We raise rather than skip: shards are written atomically by our own tool, so a broken one is a broken
-copy to fix, and skipping it would silently change the prompt distribution for the rest of the run. Likewise a
-slot whose shards hold no valid record at all raises instead of spinning forever.
-
-webdataset is an optional dependency (`pip install jagg-scale[data]`); it is imported only when used.
+Bad shards: a local shard missing at construction is a FileNotFoundError naming it; one that cannot be read
+later (deleted, truncated, not a tar) raises `ShardReadError` naming it, also out of a worker. We raise rather
+than skip: our shards are written atomically, so a broken one is a broken copy to fix, and skipping it would
+silently shift the prompt distribution. A slot with no valid record at all raises too, instead of spinning.
+webdataset is optional (`pip install jagg-scale[data]`) and imported only when used.
 """
 
 from __future__ import annotations
@@ -57,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ShardPromptStream", "ShardReadError", "write_prompt_shards", "shard_pattern", "expand_shard_urls"]
 
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # pipe:, http://, s3://, ... (not checked for existence)
+_REMOTE = re.compile(r"^(pipe:|[A-Za-z][A-Za-z0-9+.-]*://)")  # pipe:, http://, s3://...: not checked to exist
 _STATE_KEYS = ("urls", "seed", "rank", "world_size", "num_workers")
 
 
@@ -135,9 +128,12 @@ def write_prompt_shards(
         if writer is not None:
             finish()
     except BaseException:
-        if f is not None and not f.closed:
-            f.close()
-            Path(f.name).unlink(missing_ok=True)
+        if f is not None and not f.closed:  # drop the partial shard
+            try:
+                writer.close()
+            finally:
+                f.close()
+                Path(f.name).unlink(missing_ok=True)
         raise
     if not paths:
         raise ValueError("no records to write")
@@ -161,7 +157,7 @@ def expand_shard_urls(urls: str | os.PathLike | Sequence[str | os.PathLike]) -> 
     if dup:
         raise ValueError(f"prompt shard listed more than once: {dup[0]}")
     for u in out:
-        if not _SCHEME.match(u) and not Path(u).is_file():
+        if not _REMOTE.match(u) and not Path(u).is_file():
             raise FileNotFoundError(f"prompt shard not found: {u}")
     return out
 
@@ -192,20 +188,34 @@ def _decode(sample: dict) -> tuple:
     return ("r", prompt, meta)
 
 
-def _slot_items(urls: list[str], seed: int) -> Iterator[tuple]:
-    """Endless items of one slot: resampled shards, every sample of a drawn shard in order."""
-    wds = _wds()
+def _samples(url: str) -> Iterator[dict]:
+    """The raw samples of one shard; any failure to read it is a ShardReadError naming it."""
+    try:
+        yield from _wds().tarfile_samples([dict(url=url)])
+    except Exception as e:
+        raise ShardReadError(f"cannot read prompt shard {url}: {type(e).__name__}: {e.args[0] if e.args else e}") from e
+
+
+def _slot_items(urls: list[str], seed: int, skip: int = 0) -> Iterator[tuple]:
+    """Endless items of one slot: resampled shards, every sample of a drawn shard in order, one item per
+    sample. The first `skip` items are passed over, whole shards by their (once counted) size: a resume
+    costs one read per distinct shard, not one decode per consumed record."""
     barren: set[str] = set()  # shards read completely without one valid record
-    for src in wds.ResampledShards(urls, seed=seed, deterministic=True, worker_seed=_zero_worker_seed):
-        url, good = src["url"], 0
-        try:
-            for sample in wds.tarfile_samples([dict(url=url)]):
-                item = _decode(sample)
-                good += item[0] == "r"
-                yield item
-        except Exception as e:
-            raise ShardReadError(f"cannot read prompt shard {url}: {type(e).__name__}: {e}") from e
-        if not good:
+    sizes: dict[str, int] = {}
+    for src in _wds().ResampledShards(urls, seed=seed, deterministic=True, worker_seed=_zero_worker_seed):
+        url, good, whole = src["url"], 0, skip == 0
+        if skip:
+            if url not in sizes:
+                sizes[url] = sum(1 for _ in _samples(url))
+            if skip >= sizes[url]:
+                skip -= sizes[url]
+                continue
+        for sample in islice(_samples(url), skip, None):
+            item = _decode(sample)
+            good += item[0] == "r"
+            yield item
+        skip = 0
+        if whole and not good:
             barren.add(url)
             if len(barren) == len(urls):
                 raise ValueError(f"no valid prompt record in any shard of this reader: {urls}")
@@ -224,7 +234,7 @@ class _SlotDataset(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         role = ((info.id if info is not None else 0) + self.rotate) % len(self.subsets)
-        return islice(_slot_items(self.subsets[role], self.seeds[role]), self.skips[role], None)
+        return _slot_items(self.subsets[role], self.seeds[role], self.skips[role])
 
 
 class ShardPromptStream:
@@ -287,7 +297,11 @@ class ShardPromptStream:
         while len(out) < n:
             if self._it is None:
                 self._it = self._start()
-            item = next(self._it)
+            try:
+                item = next(self._it)
+            except BaseException:
+                self._it = None  # a retry restarts from the last consumed item (and meets the same error)
+                raise
             self._items += 1
             if item[0] == "r":
                 out.append(PromptRecord(item[1], item[2]))
