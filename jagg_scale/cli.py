@@ -27,9 +27,12 @@ def train_main(argv: list[str] | None = None) -> int:
         print(f"jagg-train: {err}", file=sys.stderr)
         return 2
     trainer = Trainer(cfg)
-    history = trainer.fit()
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.dist.close()
     summary = summarize(history)
-    if summary:
+    if summary and trainer.dist.is_main:
         print(
             f"\n== jagg-train summary ({cfg.run.output_dir}) ==\n"
             f"  mode {cfg.jagg.mode}, window {cfg.jagg.window}, jagg_frac {cfg.jagg.jagg_frac}\n"
@@ -62,7 +65,7 @@ def eval_main(argv: list[str] | None = None) -> int:
 
     from pathlib import Path
 
-    from .checkpoint import find_resume_checkpoint, load_checkpoint
+    from .checkpoint import find_resume_checkpoint
     from .train import ConfigError, Trainer, load_config
 
     try:
@@ -80,7 +83,7 @@ def eval_main(argv: list[str] | None = None) -> int:
                 print(f"jagg-eval: no complete checkpoint in {path}", file=sys.stderr)
                 return 2
             path = found
-        trainer.load_model_weights(load_checkpoint(path).tensors["model"], path)
+        trainer.load_weights(path)
         out = Path(args.output) if args.output else path / "eval"
     result = trainer.evaluate_to(out)
     print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=2))

@@ -179,9 +179,9 @@ def test_jagg_train_two_steps_on_the_tiny_sd3_pipeline(sd3_dir, tmp_path):
         assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy: the training pass rescores the rollout
     assert (tmp_path / "checkpoints" / "step_00000002" / "COMPLETE").exists()
     # the checkpoint holds the transformer alone (frozen encoders and VAE are not trained, not saved)
-    from jagg_scale.checkpoint import load_checkpoint
+    from safetensors.torch import load_file
 
-    saved = load_checkpoint(tmp_path / "checkpoints" / "step_00000002").tensors["model"]
+    saved = load_file(str(tmp_path / "checkpoints" / "step_00000002" / "model.safetensors"))
     assert all(k.startswith("transformer.") for k in saved)
 
 
@@ -189,7 +189,7 @@ def test_lora_run_with_kl_to_the_adapter_off_reference_and_checkpointing(sd3_dir
     """LoRA r4 with beta > 0 (the reference is the same transformer with its adapter off, no copy) and diffusers
     gradient checkpointing; checkpoints hold the adapter alone, resume restores it, and a diffusers LoRA dir is
     exported beside them."""
-    from jagg_scale.checkpoint import load_checkpoint
+    from safetensors.torch import load_file
     from jagg_scale.train import Trainer, load_config
 
     config = Path(__file__).resolve().parents[1] / "configs" / "sd3_tiny_cpu.yaml"
@@ -200,12 +200,12 @@ def test_lora_run_with_kl_to_the_adapter_off_reference_and_checkpointing(sd3_dir
     assert trainer.ref_model is None
     rows = trainer.fit()
     assert rows[-1]["kl"] > 0  # the adapter moved the policy away from the adapter-off reference
-    saved = load_checkpoint(tmp_path / "checkpoints" / "step_00000002").tensors["model"]
+    saved = load_file(str(tmp_path / "checkpoints" / "step_00000002" / "model.safetensors"))
     assert saved and all("lora_" in k for k in saved)
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").exists()
     resumed = Trainer(load_config(config, common + ["train.steps=3", "run.resume=auto"]))
     assert resumed.start_step == 2
-    for k, v in resumed.trainable_state_dict().items():
+    for k, v in resumed.engine.trainable_state_dict().items():
         assert torch.equal(v, saved[k])
 
 
@@ -218,7 +218,7 @@ def test_bf16_autocast_keeps_the_sde_math_in_float32(sd3_dir, tmp_path):
                                "sampling.num_steps=4", f"run.output_dir={tmp_path}", "log.progress=false"])
     trainer = Trainer(cfg)
     prompts = ["a red apple", "a cat"]
-    traj = trainer.rollout(trainer.encode(prompts), 2, step=0)
+    traj = trainer.rollout(trainer.encode(prompts), torch.arange(2), step=0)
     assert traj.log_probs.dtype == torch.float32 and traj.latents.dtype == torch.float32
     assert torch.isfinite(traj.log_probs).all()
     row = trainer.fit()[0]

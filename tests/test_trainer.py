@@ -95,8 +95,9 @@ def test_bad_yaml_file_key(tmp_path):
 
 
 def _minibatch(trainer, step=0):
-    prompts = [trainer.prompts[i].prompt for i in trainer.sampler.next_batch()]
-    traj = trainer.rollout(trainer.encode(prompts), len(prompts), step)
+    g = trainer.cfg.grpo.group_size
+    prompts = [r.prompt for r in trainer.source.next_prompts() for _ in range(g)]
+    traj = trainer.rollout(trainer.encode(prompts), torch.arange(len(prompts)), step)
     n = traj.latents.shape[1]
     adv = torch.linspace(-1.5, 1.5, n)
     rows = torch.arange(n)

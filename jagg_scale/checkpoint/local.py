@@ -26,7 +26,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -79,33 +79,71 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, tensors: Mapping[str,
     for name in [*tensors, *objects]:  # names become file names: keep them plain
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise ValueError(f"invalid checkpoint entry name {name!r}: use letters, digits, '_', '.', '-'")
+    json.dumps(state)  # fail on bad state before any I/O
+
+    def write(tmp: Path) -> None:
+        for name, sd in tensors.items():
+            _write_tensors(tmp / f"{name}.safetensors", sd)
+        for name, obj in objects.items():
+            _write_object(tmp / f"{name}.pt", obj)
+
+    return save_checkpoint_dir(root, step, write=write, state=state, keep_last=keep_last,
+                               tensors=list(tensors), objects=list(objects))
+
+
+def save_checkpoint_dir(root: str | os.PathLike, step: int, *, write: Callable[[Path], None], state: dict,
+                        keep_last: int | None = None, tensors: Sequence[str] = (), objects: Sequence[str] = (),
+                        dist=None) -> Path:
+    """The atomic protocol around any writer: `write(tmp_dir)` fills a temp dir (files and sub-directories,
+    e.g. DCP shards or a DeepSpeed checkpoint), then the manifest covers every file in it, the COMPLETE marker
+    seals it and a rename publishes it.
+
+    With a `dist` context (parallel.dist.DistContext) `write` is collective: every rank writes its part into the
+    same temp dir (a shared filesystem), rank 0 alone creates, seals, publishes and prunes, and barriers order
+    the phases, so no rank can see a half-written checkpoint as complete.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
     state_bytes = json.dumps(state, indent=2, sort_keys=True).encode()  # fail on bad state before any I/O
+    main = dist is None or dist.is_main
+    barrier = dist.barrier if dist is not None else (lambda: None)
 
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(root, step)
-    tmp = root / f"{_TMP_PREFIX}{final.name}_{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    # one name all ranks can compute; a single process adds a random suffix so concurrent savers never collide
+    tmp = root / (f"{_TMP_PREFIX}{final.name}" + ("" if dist is not None else f"_{uuid.uuid4().hex[:8]}"))
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_tree(tmp)
+        tmp.mkdir()
+    barrier()
     try:
-        files = [_write_tensors(tmp / f"{name}.safetensors", sd) for name, sd in tensors.items()]
-        files += [_write_object(tmp / f"{name}.pt", obj) for name, obj in objects.items()]
-        files.append(_write_bytes(tmp / STATE, state_bytes))
-        manifest = {"format_version": FORMAT_VERSION, "step": step, "tensors": list(tensors),
-                    "objects": list(objects),
-                    "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
-        manifest_bytes = json.dumps(manifest, indent=2, sort_keys=True).encode()
-        _write_bytes(tmp / MANIFEST, manifest_bytes)
-        _write_complete(tmp, manifest_bytes)
-        _fsync_dir(tmp)
-        _publish(tmp, final)
+        write(tmp)
+        barrier()
+        if main:
+            _write_bytes(tmp / STATE, state_bytes)
+            files = sorted(p for p in tmp.rglob("*") if p.is_file())
+            manifest = {"format_version": FORMAT_VERSION, "step": step, "tensors": list(tensors),
+                        "objects": list(objects),
+                        "files": {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                                  for p in files}}
+            manifest_bytes = json.dumps(manifest, indent=2, sort_keys=True).encode()
+            _write_bytes(tmp / MANIFEST, manifest_bytes)
+            _write_complete(tmp, manifest_bytes)
+            _fsync_dir(tmp)
+            _publish(tmp, final)
     except BaseException:
-        _remove_tree(tmp)  # best effort; a hard kill leaves it for the next save's cleanup
+        if main:
+            _remove_tree(tmp)  # best effort; a hard kill leaves it for the next save's cleanup
         raise
-
-    _clean_stale_tmp(root)
-    if keep_last is not None:
-        _prune(root, keep_last, protect=final)
-    log.info("saved checkpoint %s", final)
+    if main:
+        _clean_stale_tmp(root)
+        if keep_last is not None:
+            _prune(root, keep_last, protect=final)
+        log.info("saved checkpoint %s", final)
+    barrier()
     return final
 
 
@@ -251,7 +289,7 @@ def _verify(path: Path) -> dict:
         fail(f"{MANIFEST} says step {step} but the directory name says {int(m.group(1))}")
     for name, (nbytes, sha) in sorted(files.items()):
         f = path / name
-        if Path(name).name != name:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
             fail(f"{MANIFEST} lists a path outside the checkpoint: {name!r}")
         if not f.is_file():
             fail(f"missing file {name}")

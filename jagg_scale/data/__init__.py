@@ -29,3 +29,7 @@ __all__ += [
 from .shards import ShardPromptStream, shard_pattern, write_prompt_shards
 
 __all__ += ["ShardPromptStream", "write_prompt_shards", "shard_pattern"]
+
+from .source import ListPromptSource, StreamPromptSource
+
+__all__ += ["ListPromptSource", "StreamPromptSource"]

@@ -41,6 +41,10 @@ class GRPOStepLoss:
     clip_range: float
     beta: float = 0.0
     scale: float = 1.0
+    # The loss is a mean over the minibatch's valid rows. Under data parallelism a rank holds a slice and the
+    # engine averages gradients over ranks, so a rank divides by (global valid rows / world size) instead of
+    # its own count: the averaged gradient is then the full minibatch's. None: this batch's own count.
+    denominator: float | None = None
     metrics: dict = field(default_factory=lambda: defaultdict(list))
 
     def __call__(self, k: int, v: torch.Tensor) -> torch.Tensor:
@@ -55,8 +59,9 @@ class GRPOStepLoss:
         unclipped = -adv * ratio
         clipped = -adv * torch.clamp(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
         w = b.mask.float()
-        denom = w.sum().clamp_min(1.0)
-        policy = (torch.maximum(unclipped, clipped) * w).sum() / denom
+        denom = w.sum().clamp_min(1.0)  # for the metrics: means over this batch's valid rows
+        loss_denom = denom if self.denominator is None else max(float(self.denominator), 1e-12)
+        policy = (torch.maximum(unclipped, clipped) * w).sum() / loss_denom
         loss = policy
         kl = None
         if self.beta > 0:
@@ -66,7 +71,7 @@ class GRPOStepLoss:
                 b.latents[k], b.ref_velocities[k], s, s_next, noise_level=self.noise_level, sigma_max=sigma_max,
                 prev_sample=b.latents[k + 1],
             )
-            kl = (kl_to_reference(step.mean, ref.mean, step.std) * w).sum() / denom
+            kl = (kl_to_reference(step.mean, ref.mean, step.std) * w).sum() / loss_denom
             loss = loss + self.beta * kl
         with torch.no_grad():
             m = self.metrics
@@ -82,7 +87,7 @@ class GRPOStepLoss:
 
     def fresh(self) -> "GRPOStepLoss":
         """The same loss with its own, empty metrics (for probes and planning that must not be logged)."""
-        return GRPOStepLoss(self.batch, self.noise_level, self.clip_range, self.beta, self.scale)
+        return GRPOStepLoss(self.batch, self.noise_level, self.clip_range, self.beta, self.scale, self.denominator)
 
     def summary(self) -> dict:
         """The recorded metrics reduced over all evaluations (see reduce_metrics), then cleared."""

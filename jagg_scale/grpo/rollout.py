@@ -78,7 +78,7 @@ def sample_sde(
     sigmas: torch.Tensor,
     *,
     noise_level: float,
-    generator: torch.Generator,
+    generator: torch.Generator | list[torch.Generator],
     ref_velocity_fn: VelocityFn | None = None,
 ) -> Trajectories:
     """Run the SDE sampler from `noise` (= x_0 at s_0 = 1) through all T steps of `sigmas`."""

@@ -45,6 +45,17 @@ def sde_std(sigma: torch.Tensor, noise_level: float, sigma_max: float) -> torch.
     return noise_level * torch.sqrt(sigma / denom)
 
 
+def standard_normal(shape, generator=None) -> torch.Tensor:
+    """float32 N(0, 1) noise on the CPU. `generator` may be one generator for the whole batch or a list with one
+    per row: per-row streams make a sample's noise depend on its own seed alone, not on how many rows share a
+    batch or a rank, so a run draws the same noise on 1 process or N."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != shape[0]:
+            raise ValueError(f"{len(generator)} generators for a batch of {shape[0]} rows")
+        return torch.stack([torch.randn(tuple(shape[1:]), generator=g, dtype=torch.float32) for g in generator])
+    return torch.randn(tuple(shape), generator=generator, dtype=torch.float32, device="cpu")
+
+
 def sde_step_with_logprob(
     x: torch.Tensor,
     velocity: torch.Tensor,
@@ -54,7 +65,7 @@ def sde_step_with_logprob(
     noise_level: float,
     sigma_max: float,
     prev_sample: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> SDEStep:
     """Flow-GRPO's SDE step from sigma to sigma_next (< sigma). Samples x_{k+1} unless `prev_sample` is given,
     in which case it only scores it (the training pass). All math in float32."""
@@ -66,7 +77,7 @@ def sde_step_with_logprob(
     mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
     step_std = std * torch.sqrt(-dt)
     if prev_sample is None:
-        noise = torch.randn(x.shape, generator=generator, dtype=torch.float32, device="cpu").to(x.device)
+        noise = standard_normal(x.shape, generator).to(x.device)
         prev_sample = mean + step_std * noise
     prev_sample = prev_sample.detach().float()
     log_prob = -((prev_sample - mean) ** 2) / (2 * step_std**2) - torch.log(step_std) - _LOG_SQRT_2PI

@@ -25,6 +25,8 @@ we form G_0 and G_{W-1} explicitly, which makes the single backward visible and 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Callable
 
 import torch
@@ -36,6 +38,31 @@ ModelFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
 StepLoss = Callable[[int, torch.Tensor], torch.Tensor]
 
 INTERMEDIATE_MODES = ("cached", "interpolate", "forward")
+
+# How a backward is run. Plain autograd by default; an engine that must see every backward (DeepSpeed's
+# `engine.backward(loss)`: loss scaling, ZeRO bucket flushes, accumulation boundaries) installs its own with
+# `backward_through`. It receives a scalar whose gradient is the one wanted: for `v.backward(G)` that is the
+# surrogate sum(v * G), which has the same gradient.
+_BACKWARD_FN: ContextVar[Callable[[torch.Tensor], None] | None] = ContextVar("jagg_backward_fn", default=None)
+
+
+@contextmanager
+def backward_through(fn: Callable[[torch.Tensor], None]):
+    """Route every backward of jagg_backward / exact_backward (and the knot engine) through `fn(scalar)`."""
+    token = _BACKWARD_FN.set(fn)
+    try:
+        yield
+    finally:
+        _BACKWARD_FN.reset(token)
+
+
+def run_backward(out: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+    """out.backward(grad), or the installed engine's backward of the equivalent scalar."""
+    fn = _BACKWARD_FN.get()
+    if fn is None:
+        out.backward(grad)
+    else:
+        fn(out if grad is None else (out * grad.detach()).sum())
 
 
 def _upstream(step_loss: StepLoss, k: int, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +117,7 @@ def jagg_backward(
     if W == 1:
         v = model_fn(latents[0], sigmas[0].expand(B), cond)
         loss = step_loss(0, v)
-        loss.backward()
+        run_backward(loss)
         return loss.detach()
 
     a = window_weights(sigmas)
@@ -106,7 +133,7 @@ def jagg_backward(
     g = torch.stack(grads)  # g_k = dL_k/dv_k, [W, B, ...]
     w = a.to(g.dtype).reshape(-1, *([1] * (g.ndim - 1)))
     g_first, g_last = ((1 - w) * g).sum(0), (w * g).sum(0)  # G_0 and G_{W-1}
-    v.backward(torch.cat([g_first, g_last]).to(v.dtype))  # the one backward: G_0^T J_0 + G_{W-1}^T J_{W-1}
+    run_backward(v, torch.cat([g_first, g_last]).to(v.dtype))  # the one backward: G_0^T J_0 + G_{W-1}^T J_{W-1}
     return torch.stack(losses).sum()
 
 
@@ -118,6 +145,6 @@ def exact_backward(model_fn: ModelFn, latents: torch.Tensor, sigmas: torch.Tenso
     for k in range(W):
         v = model_fn(latents[k], sigmas[k].expand(B), cond)
         loss = step_loss(k, v)
-        loss.backward()
+        run_backward(loss)
         total = loss.detach() if total is None else total + loss.detach()
     return total

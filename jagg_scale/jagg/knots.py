@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..models.base import Cond, repeat_cond
-from .backward import INTERMEDIATE_MODES, ModelFn, StepLoss, _intermediate_values, _upstream
+from .backward import INTERMEDIATE_MODES, ModelFn, StepLoss, _intermediate_values, _upstream, run_backward
 from .windows import plan_windows, window_weights
 
 Plan = list[tuple[int, int]]
@@ -214,7 +214,7 @@ def knot_backward(
             for a, b in by_knot[q]:
                 G_q = G_q + segment_parts(a, b, v.dtype)[0 if q == a else 1]
             G.append(G_q)
-        v.backward(torch.cat(G).to(v.dtype))  # one backward per chunk: sum_q G_q^T J_q
+        run_backward(v, torch.cat(G).to(v.dtype))  # one backward per chunk: sum_q G_q^T J_q
     return torch.stack(losses).sum()
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -56,12 +56,21 @@ def route_windows(
     route_by: str = "vcos",
     min_cos: float | None = None,
     grad_norms: Sequence[float] | None = None,
+    reduce: Callable[[list[float], str], list[float]] | None = None,
 ) -> Routing:
     """Choose which windows train with JAGG. `velocities` [T, B, ...] are the rollout's; `grad_norms[k]` = |g_k|
-    for every sampling step k (needed for route_by="weighted")."""
+    for every sampling step k (needed for route_by="weighted").
+
+    With data parallelism each rank holds a slice of the batch but all ranks must run the same plan (the sharded
+    model's collectives must match). `reduce(values, how)` combines per-rank statistics before deciding:
+    how="mean" for the cosines (equal slices: the global mean), how="norm" for |g_k| (root of summed squares)."""
     if route_by not in ROUTE_BY:
         raise ValueError(f"route_by must be one of {ROUTE_BY}, got {route_by!r}")
     cosines = [endpoint_cosine(velocities, w) for w in windows]
+    if reduce is not None:
+        cosines = reduce(cosines, "mean")
+        if grad_norms is not None:
+            grad_norms = reduce(list(grad_norms), "norm")
     if route_by == "vcos":
         scores = list(cosines)
     else:

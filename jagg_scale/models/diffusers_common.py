@@ -82,12 +82,13 @@ class DiffusersVelocity(VelocityModel):
 
         return reference_disabled(self)
 
-    def save_lora(self, out_dir) -> Path:
+    def save_lora(self, out_dir, state: dict | None = None) -> Path:
+        """Diffusers LoRA file; `state` = this adapter's full state dict when the live weights are sharded."""
         from .lora import save_lora
 
-        return save_lora(self.transformer, out_dir, pipeline_cls=type(self.pipe))
+        return save_lora(self.transformer, out_dir, pipeline_cls=type(self.pipe), state=state)
 
-    def save_full(self, out_dir) -> Path:
+    def save_full(self, out_dir, state: dict | None = None) -> Path:
         """transformer.save_pretrained(out_dir): a full transformer directory (SD3Transformer2DModel / FluxTransformer2DModel). With a LoRA adapter
         attached this refuses (the peft-wrapped state dict is not a plain transformer); use save_lora."""
         from .lora import has_lora
@@ -95,7 +96,17 @@ class DiffusersVelocity(VelocityModel):
         if has_lora(self.transformer):
             raise ValueError("save_full: the transformer carries a LoRA adapter; save it with save_lora(out_dir)")
         out = Path(out_dir)
-        self.transformer.save_pretrained(str(out))
+        if state is None:
+            self.transformer.save_pretrained(str(out))
+            return out
+        # gathered weights of a sharded run: the same files save_pretrained writes (config + one safetensors)
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        self.transformer.save_config(str(out))
+        prefix = "transformer."
+        weights = {k[len(prefix):]: v.detach().cpu().contiguous() for k, v in state.items() if k.startswith(prefix)}
+        save_file(weights, str(out / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
         return out
 
     # ------------------------------------------------------------------ the pipeline's own sigma schedule

@@ -100,7 +100,20 @@ def reference_disabled(model):
             p.requires_grad_(flag)
 
 
-def save_lora(transformer, out_dir, adapter_name: str = ADAPTER_NAME, pipeline_cls=None) -> Path:
+def lora_layers_from_state(state: dict, adapter_name: str = ADAPTER_NAME, prefix: str = "transformer.") -> dict:
+    """peft's saved-adapter layout from a full (e.g. gathered from shards) state dict of the adapter model:
+    "transformer.<module>.lora_A.default.weight" -> "<module>.lora_A.weight" (what get_peft_model_state_dict gives)."""
+    out = {}
+    for key, value in state.items():
+        if "lora_" not in key:
+            continue
+        key = key[len(prefix):] if key.startswith(prefix) else key
+        out[key.replace(f".{adapter_name}.", ".")] = value
+    return out
+
+
+def save_lora(transformer, out_dir, adapter_name: str = ADAPTER_NAME, pipeline_cls=None, state: dict | None = None
+              ) -> Path:
     """Write the LoRA weights in diffusers' format (out_dir/pytorch_lora_weights.safetensors, keys
     `transformer.<module>.lora_A/B.weight`, LoraConfig metadata) for `<pipeline_cls>.load_lora_weights`
     (StableDiffusion3Pipeline by default; FluxPipeline for FLUX: both use the same transformer-prefixed layout)."""
@@ -112,7 +125,10 @@ def save_lora(transformer, out_dir, adapter_name: str = ADAPTER_NAME, pipeline_c
     tr = _transformer(transformer)
     if not has_lora(tr):
         raise ValueError("save_lora: the transformer has no LoRA adapter")
-    layers = get_peft_model_state_dict(tr, adapter_name=adapter_name)
+    if state is None:
+        layers = get_peft_model_state_dict(tr, adapter_name=adapter_name)
+    else:  # weights gathered elsewhere (FSDP2 / ZeRO-3 shards): the module's own tensors are only shards
+        layers = lora_layers_from_state(state, adapter_name)
     layers = {k: v.detach().to("cpu").contiguous() for k, v in layers.items()}
     metadata = tr.peft_config[adapter_name].to_dict()
     out = Path(out_dir)

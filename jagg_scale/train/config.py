@@ -90,8 +90,11 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
+    source: str = "list"  # list: prompt_file / prompts in memory | wds: webdataset shards streamed per rank
     prompt_file: Optional[str] = None  # .txt or .jsonl; when unset, `prompts` is used
     prompts: list = field(default_factory=list)
+    shards: Optional[str] = None  # wds: brace pattern of tar shards (tools/make_prompt_shards.py)
+    num_workers: int = 0  # wds: DataLoader workers per rank
 
 
 @dataclass
@@ -121,6 +124,16 @@ class EvalConfig:
 
 
 @dataclass
+class ParallelConfig:
+    backend: str = "none"  # none (one process) | fsdp2 | deepspeed
+    reshard_after_forward: bool = True  # fsdp2: free gathered params after forward (gather again in backward)
+    activation_checkpointing: bool = False  # fsdp2/deepspeed: recompute each transformer block in backward
+    prefetch: bool = True  # fsdp2: gather block i+1 (forward) / i-1 (backward) while block i computes
+    replicate: int = 1  # fsdp2 HSDP: replica groups x shards (e.g. nodes x GPUs per node); 1 = plain FSDP
+    deepspeed: dict = field(default_factory=dict)  # deepspeed: merged over the built-in ZeRO-3 config
+
+
+@dataclass
 class RunConfig:
     output_dir: str = "runs/default"
     seed: int = 0
@@ -142,6 +155,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict:
@@ -312,8 +326,11 @@ def validate(cfg: Config) -> None:
     _require(len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas",
              "must be two numbers in [0, 1)")
     _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
-    _require(bool(cfg.data.prompt_file) or len(cfg.data.prompts) > 0, "data.prompt_file",
-             "is required when data.prompts is empty")
+    _require(cfg.data.source in ("list", "wds"), "data.source", f"must be list or wds, got {cfg.data.source!r}")
+    _require(cfg.data.source != "list" or bool(cfg.data.prompt_file) or len(cfg.data.prompts) > 0,
+             "data.prompt_file", "is required when data.prompts is empty")
+    _require(cfg.data.source != "wds" or bool(cfg.data.shards), "data.shards", "is required when data.source is wds")
+    _require(cfg.data.num_workers >= 0, "data.num_workers", "must be >= 0")
     _require(all(isinstance(p, str) for p in cfg.data.prompts), "data.prompts", "must be a list of strings")
     _require(0.0 <= cfg.reward.max_fail_frac <= 1.0, "reward.max_fail_frac", "must be in [0, 1]")
     _require(cfg.log.wandb_mode in ("offline", "online", "disabled"), "log.wandb_mode", "must be offline, online or disabled")
@@ -330,6 +347,10 @@ def validate(cfg: Config) -> None:
     if cfg.model.kind != "dit" and cfg.model.pretrained:
         _require((resolve_path(cfg.model.pretrained) / "model_index.json").is_file(), "model.pretrained",
                  f"is not a diffusers pipeline directory (no model_index.json): {cfg.model.pretrained}")
+    p = cfg.parallel
+    _require(p.backend in ("none", "fsdp2", "deepspeed"), "parallel.backend",
+             f"must be none, fsdp2 or deepspeed, got {p.backend!r}")
+    _require(p.replicate >= 1, "parallel.replicate", "must be >= 1")
     r = cfg.run
     _require(r.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0 (0: only at the end)")
     _require(r.keep_last >= 1, "run.keep_last", "must be >= 1")

@@ -2,50 +2,52 @@
 
     prompts -> rollout (SDE, log-probs, velocities) -> reward -> advantages -> JAGG updates -> log -> checkpoint
 
-Determinism: every random draw of step t comes from a generator seeded by (run.seed, t), never from global
-state, so a run resumed from a checkpoint at step t draws exactly what the uninterrupted run drew.
+Distribution: the same code runs on one process or N (parallel.backend fsdp2 | deepspeed). Every rank agrees on
+the step's prompts, samples its slice of the rows (rows.py), scores its own images, and the rewards are gathered
+so every rank computes the same group advantages; each rank then trains on its slice of every minibatch and the
+engine (parallel/) reduces the gradients. Metrics are averaged over ranks; rank 0 writes logs and exports.
+
+Determinism: every random draw of step t comes from a generator seeded by (run.seed, t[, row]), never from global
+state, so a run resumed from a checkpoint at step t draws exactly what the uninterrupted run drew, and N ranks
+draw what one process would.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import yaml
 
-from ..checkpoint import (CheckpointError, capture_rng_state, find_resume_checkpoint, load_checkpoint,
-                          restore_rng_state, save_checkpoint)
-from ..data import GroupSampler, PromptSet, load_prompts
+from ..checkpoint import CheckpointError, capture_rng_state, find_resume_checkpoint, restore_rng_state
+from ..checkpoint.local import STATE, save_checkpoint_dir, verify_checkpoint
+from ..data import ListPromptSource, PromptSet, StreamPromptSource, load_prompts
 from ..grpo import (GRPOStepLoss, Trajectories, compute_advantages, guided_velocity, model_schedule, reduce_metrics,
                     sample_sde)
 from ..jagg import trained_steps
 from ..models import build_model, index_cond
+from ..parallel.comm import CommCounter
+from ..parallel.dist import init_distributed
+from ..parallel.engine import build_engine
 from ..paths import resolve_path
 from ..rewards import build_reward, score_safely
 from .config import Config
 from .evaluate import eval_prompts, evaluate
 from .logging import RunLogger
+from .preemption import Preemption
+from .rows import StepRows, row_generators, step_seed
 from .update import BackwardStats, backward_minibatch, probe_minibatch
 
 log = logging.getLogger(__name__)
 
-
-def step_seed(seed: int, step: int, stream: int) -> int:
-    """A distinct, reproducible seed per (run seed, step, stream); streams: 0 rollout noise, 1 minibatch order."""
-    return ((seed * 1_000_003 + step) * 16 + stream) % (2**63 - 1)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("run.device=cuda but no CUDA device is available")
-    return torch.device(name)
+__all__ = ["Trainer", "summarize", "step_seed"]
 
 
 class Trainer:
@@ -55,31 +57,42 @@ class Trainer:
         self.ckpt_root = self.out / "checkpoints"
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.device = resolve_device(cfg.run.device)
+        self.dist = init_distributed(cfg.run.device)
+        self.device = self.dist.device
+        if self.dist.world_size > 1 and cfg.jagg.probe_every:
+            raise ValueError("jagg.probe_every (the exact-gradient probe) runs on one process; set it to 0")
 
         # Inputs first: a bad prompt file or reward name fails before a model is built.
-        self.prompts = (load_prompts(resolve_path(cfg.data.prompt_file)) if cfg.data.prompt_file
-                        else PromptSet.from_list(cfg.data.prompts))
+        self.source = self._prompt_source()
         self.reward = build_reward(cfg.reward.name, **cfg.reward.options)
         self.eval_prompts = eval_prompts(cfg) if cfg.eval.enabled else None
         self.evals: dict[int, dict] = {}
 
         torch.manual_seed(cfg.run.seed)
-        self.model = build_model(cfg.model).to(self.device)
+        model = build_model(cfg.model).to(self.device)
         # The KL reference: with LoRA the same transformer with its adapter off (no copy); otherwise a frozen copy
-        # of the starting weights. beta = 0 skips the reference entirely: no copy, no forwards.
+        # of the starting weights (rebuilt identically on resume, so checkpoints need not hold it). beta = 0 skips
+        # the reference entirely: no copy, no forwards.
         self.lora = cfg.model.lora.enabled
-        self.ref_model = None
-        if cfg.grpo.beta > 0 and not self.lora:
-            self.ref_model = copy.deepcopy(self.model).requires_grad_(False).eval()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                                           betas=tuple(cfg.train.adam_betas), eps=cfg.train.adam_eps)
-        self.sampler = GroupSampler(len(self.prompts), cfg.train.prompts_per_step, cfg.grpo.group_size, cfg.run.seed)
+        ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.grpo.beta > 0 and not self.lora else None
+        self.engine = build_engine(model, cfg, self.dist)
+        self.model = self.engine.model
+        self.ref_model = self.engine.shard_frozen(ref) if ref is not None else None
+        self.comm = CommCounter().install() if self.dist.world_size > 1 or cfg.parallel.backend != "none" else None
         self.sigmas = model_schedule(self.model, cfg.sampling.num_steps, cfg.sampling.shift).to(self.device)
         self.steps = trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction)
         self.start_step = 0
+        self.preemption = Preemption()
         self._resume()
+
+    def _prompt_source(self):
+        cfg = self.cfg
+        if cfg.data.source == "wds":
+            return StreamPromptSource(cfg.data.shards, cfg.train.prompts_per_step, cfg.run.seed, self.dist,
+                                      num_workers=cfg.data.num_workers)
+        prompts = (load_prompts(resolve_path(cfg.data.prompt_file)) if cfg.data.prompt_file
+                   else PromptSet.from_list(cfg.data.prompts))
+        return ListPromptSource(prompts, cfg.train.prompts_per_step, cfg.run.seed)
 
     # ----------------------------------------------------------------------------------------------------------
     # the policy
@@ -111,14 +124,6 @@ class Trainer:
 
         return adapter_off
 
-    def trainable_state_dict(self) -> dict:
-        """What a checkpoint holds of the model: every weight, or with LoRA the adapter weights alone."""
-        state = self.model.state_dict()
-        if not self.lora:
-            return state
-        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
-        return {k: v for k, v in state.items() if k in trainable}
-
     def encode(self, prompts: list[str]):
         cond = self.model.encode_prompts(prompts)
         if self.cfg.sampling.guidance != 1.0:
@@ -130,85 +135,104 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def rollout(self, cond, num: int, step: int) -> Trajectories:
+    def rollout(self, cond, rows: torch.Tensor, step: int) -> Trajectories:
+        """SDE trajectories of the given global rows (cond holds their conditioning, in that order)."""
         cfg = self.cfg
-        gen = torch.Generator().manual_seed(step_seed(cfg.run.seed, step, 0))
-        noise = torch.randn(num, *self.model.latent_shape, generator=gen)
-        policy = self.velocity_fn(self.model)
+        gens = row_generators(cfg.run.seed, step, rows)
+        noise = torch.stack([torch.randn(self.model.latent_shape, generator=g) for g in gens])
+        policy, ref = self.velocity_fn(self.model), self.reference_fn()
         parts = []
-        ref = self.reference_fn()
-        for rows in torch.arange(num).split(cfg.sampling.batch_size):
-            parts.append(sample_sde(policy, index_cond(cond, rows.to(self.device)), noise[rows].to(self.device),
-                                    self.sigmas, noise_level=cfg.sampling.noise_level, generator=gen,
-                                    ref_velocity_fn=ref))
+        for idx in torch.arange(len(rows)).split(cfg.sampling.batch_size):
+            parts.append(sample_sde(policy, index_cond(cond, idx.to(self.device)), noise[idx].to(self.device),
+                                    self.sigmas, noise_level=cfg.sampling.noise_level,
+                                    generator=[gens[i] for i in idx.tolist()], ref_velocity_fn=ref))
         return Trajectories.cat(parts)
 
-    def update(self, traj: Trajectories, cond, advantages, step: int) -> tuple[BackwardStats, dict]:
+    def _route_reduce(self, values: list[float], how: str) -> list[float]:
+        """Routing statistics combined over ranks so that every rank runs the same window plan."""
+        if not self.dist.active:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        parts = self.dist.all_gather_tensor(t.unsqueeze(0).to(self.device)).cpu()
+        return (parts.mean(0) if how == "mean" else parts.pow(2).sum(0).sqrt()).tolist()
+
+    def update(self, traj: Trajectories, cond, adv_values, adv_mask, mask_global, plan: StepRows,
+               step: int) -> tuple[BackwardStats, dict]:
         """Inner epochs x minibatches; one optimizer step per minibatch. `auto` intermediate values are the
         cached ones until the first optimizer step on this rollout, fresh forwards after it."""
         cfg, j = self.cfg, self.cfg.jagg
         total = BackwardStats()
         metrics: dict[str, list] = {}
         policy = self.velocity_fn(self.model)
-        gen = torch.Generator().manual_seed(step_seed(cfg.run.seed, step, 1))
-        n = traj.latents.shape[1]
         optimizer_steps = 0
         probe = j.probe_every > 0 and step % j.probe_every == 0
         probe_metrics: dict = {}
-        for _ in range(cfg.grpo.inner_epochs):
-            for rows in torch.randperm(n, generator=gen).split(cfg.train.batch_size):
-                rows = rows.to(self.device)
-                loss = GRPOStepLoss(traj.step_batch(rows, advantages.values, advantages.mask),
-                                    noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
-                                    beta=cfg.grpo.beta, scale=1.0 / len(self.steps))
-                mb_cond, on_policy = index_cond(cond, rows), optimizer_steps == 0
-                if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
-                    t_probe = time.perf_counter()
-                    probe_metrics = probe_minibatch(policy, mb_cond, loss, self.steps, j, self.params,
-                                                    on_policy=on_policy)
-                    probe_metrics["time_probe"] = time.perf_counter() - t_probe
-                stats = backward_minibatch(policy, mb_cond, loss, self.steps, j, on_policy=on_policy)
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                optimizer_steps += 1
-                total.add(stats)
-                for key, value in {**loss.summary(), "grad_norm": float(grad_norm)}.items():
-                    metrics.setdefault(key, []).append(value)
+        with self.engine.backward_context():
+            for epoch in range(cfg.grpo.inner_epochs):
+                for local, global_rows in plan.minibatches(epoch, cfg.run.seed, step):
+                    local = local.to(self.device)
+                    # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
+                    denom = float(mask_global[global_rows].sum()) / plan.world_size
+                    loss = GRPOStepLoss(traj.step_batch(local, adv_values, adv_mask),
+                                        noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
+                                        beta=cfg.grpo.beta, scale=1.0 / len(self.steps), denominator=denom)
+                    mb_cond, on_policy = index_cond(cond, local), optimizer_steps == 0
+                    if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
+                        t_probe = time.perf_counter()
+                        probe_metrics = probe_minibatch(policy, mb_cond, loss, self.steps, j, self.engine.params,
+                                                        on_policy=on_policy)
+                        probe_metrics["time_probe"] = time.perf_counter() - t_probe
+                    stats = backward_minibatch(policy, mb_cond, loss, self.steps, j, on_policy=on_policy,
+                                               accumulate=self.engine.accumulate, reduce=self._route_reduce)
+                    grad_norm = self.engine.step()
+                    optimizer_steps += 1
+                    total.add(stats)
+                    for key, value in {**loss.summary(), "grad_norm": grad_norm}.items():
+                        metrics.setdefault(key, []).append(value)
         summary = reduce_metrics(metrics)
         summary["optimizer_steps"] = optimizer_steps
         return total, {**summary, **probe_metrics}
 
     def train_step(self, step: int) -> dict:
         cfg = self.cfg
-        # 1. prompts and rollout
+        g = cfg.grpo.group_size
+        # 1. prompts (the same on every rank) and this rank's rows of the rollout
         t0 = time.perf_counter()
-        prompt_ids = self.sampler.next_batch()
-        records = [self.prompts[i] for i in prompt_ids]
-        prompts = [r.prompt for r in records]
+        records = [r for r in self.source.next_prompts() for _ in range(g)]
+        plan = StepRows.plan(len(records), cfg.train.batch_size, cfg.run.seed, step, self.dist.rank,
+                             self.dist.world_size)
+        mine = plan.mine
+        prompts = [records[i].prompt for i in mine.tolist()]
         cond = self.encode(prompts)
         self.model.eval()
-        traj = self.rollout(cond, len(prompts), step)
-        # 2. reward
+        with self._comm("rollout"):
+            traj = self.rollout(cond, mine, step)
+        # 2. reward on this rank's images, gathered so that every rank sees the whole batch
         t1 = time.perf_counter()
         images = self.model.decode(traj.final)
-        scores, valid, n_failed = score_safely(self.reward, images, prompts, [r.metadata for r in records],
-                                               max_fail_frac=cfg.reward.max_fail_frac)
-        # 3. advantages
+        scores, valid, _ = score_safely(self.reward, images, prompts, [records[i].metadata for i in mine.tolist()],
+                                        max_fail_frac=cfg.reward.max_fail_frac)
+        scores_all = torch.zeros(len(records))
+        valid_all = torch.zeros(len(records), dtype=torch.bool)
+        with self._comm("reward"):
+            scores_all[plan.all_rows] = self.dist.all_gather_tensor(scores.float().to(self.device)).cpu()
+            valid_all[plan.all_rows] = self.dist.all_gather_tensor(valid.to(self.device)).cpu()
+        # 3. advantages over the prompt groups (row i is in group i // G)
         t2 = time.perf_counter()
-        adv = compute_advantages(scores, prompt_ids, global_std=cfg.grpo.global_std,
-                                 adv_clip_max=cfg.grpo.adv_clip_max, valid=valid)
-        # 4. update
+        adv = compute_advantages(scores_all, [i // g for i in range(len(records))], global_std=cfg.grpo.global_std,
+                                 adv_clip_max=cfg.grpo.adv_clip_max, valid=valid_all)
+        # 4. update on this rank's slice of every minibatch
         self.model.train()
-        stats, loss_metrics = self.update(traj, cond, adv, step)
+        with self._comm("train"):
+            stats, loss_metrics = self.update(traj, cond, adv.values[mine].to(self.device),
+                                              adv.mask[mine].to(self.device), adv.mask, plan, step)
         t3 = time.perf_counter()
-        ok = scores[valid]
-        return {
+        ok = scores_all[valid_all]
+        metrics = {
             "step": step,
             "reward_mean": float(ok.mean()) if len(ok) else float("nan"),
             "reward_std": float(ok.std(unbiased=False)) if len(ok) else float("nan"),
-            "reward_failed": n_failed,
+            "reward_failed": int((~valid_all).sum()),
             "zero_std_groups": adv.zero_std_groups,
             "loss": stats.loss / max(1, loss_metrics["optimizer_steps"]),
             **loss_metrics,
@@ -223,6 +247,12 @@ class Trainer:
             "time_reward": t2 - t1,
             "time_train": t3 - t2 - loss_metrics.get("time_probe", 0.0),  # the probe is diagnostics, not training
         }
+        if self.comm is not None:
+            metrics.update(self.comm.take())
+        return self.dist.mean_over_ranks(metrics, {"ratio_max": "max", "ratio_min": "min"})
+
+    def _comm(self, phase: str):
+        return self.comm.phase(phase) if self.comm is not None else nullcontext()
 
     # ----------------------------------------------------------------------------------------------------------
     # the loop, checkpoints, resume
@@ -230,28 +260,54 @@ class Trainer:
 
     def fit(self) -> list[dict]:
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        main = self.dist.is_main
+        if main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            (self.out / "PREEMPTED").unlink(missing_ok=True)
         wandb_cfg = {"project": cfg.log.wandb_project, "mode": cfg.log.wandb_mode} if cfg.log.wandb else None
         logger = RunLogger(self.out, total_steps=cfg.train.steps, start_step=self.start_step,
-                           progress=cfg.log.progress, wandb_cfg=wandb_cfg, config=cfg.to_dict())
+                           progress=cfg.log.progress, wandb_cfg=wandb_cfg, config=cfg.to_dict()) if main else None
         history = []
         try:
-            if self.eval_prompts is not None and self.start_step == 0:
-                self.evaluate(0)
-            for step in range(self.start_step, cfg.train.steps):
-                metrics = self.train_step(step)
-                logger.log(metrics)
-                history.append(metrics)
-                last = step + 1 == cfg.train.steps
-                if last or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
-                    self.save(step + 1)
-                    self.export()
-                if self.eval_prompts is not None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
-                    self.evaluate(step + 1)
+            with self.preemption.armed():
+                if self.eval_prompts is not None and self.start_step == 0:
+                    self.evaluate(0)
+                for step in range(self.start_step, cfg.train.steps):
+                    metrics = self.train_step(step)
+                    if logger is not None:
+                        logger.log(metrics)
+                    history.append(metrics)
+                    last = step + 1 == cfg.train.steps
+                    preempted = self._agree(self.preemption.requested)
+                    if last or preempted or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
+                        self.save(step + 1)
+                        self.export()
+                    if preempted:
+                        self._exit_preempted(step + 1)
+                    if self.eval_prompts is not None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
+                        self.evaluate(step + 1)
         finally:
-            logger.close()
+            if logger is not None:
+                logger.close()
+            if hasattr(self.source, "close"):
+                self.source.close()
         return history
+
+    def _agree(self, flag: bool) -> bool:
+        """True on every rank if any rank got a preemption signal (one tiny all-gather when distributed)."""
+        if not self.dist.active:
+            return flag
+        return bool(self.dist.all_gather_tensor(torch.tensor([int(flag)], device=self.device)).max())
+
+    def _exit_preempted(self, next_step: int) -> None:
+        """Checkpoint written: mark the run as preempted (the sbatch template requeues on this marker) and exit
+        with 128 + the signal number, as a process killed by it would."""
+        sig = self.preemption.signal_number
+        if self.dist.is_main:
+            (self.out / "PREEMPTED").write_text(f"signal {sig}; checkpoint at step {next_step}\n")
+        log.warning("preempted by signal %s: checkpoint at step %d written, exiting", sig, next_step)
+        raise SystemExit(128 + int(sig))
 
     def evaluate(self, step: int) -> dict:
         """ODE samples on the held-out prompts after `step` updates -> out/eval/step_XXXXXXXX/{eval.json,grid.png}."""
@@ -262,58 +318,73 @@ class Trainer:
         return result
 
     def evaluate_to(self, out_dir: Path) -> dict:
+        """Every rank runs the same evaluation (a sharded model needs all ranks in its forward); rank 0 writes."""
         return evaluate(self.model, self.velocity_fn(self.model), self.encode, self.reward, self.cfg,
-                        self.eval_prompts, out_dir)
+                        self.eval_prompts, out_dir if self.dist.is_main else None)
 
     def save(self, next_step: int) -> Path:
-        tensors = {"model": self.trainable_state_dict()}
-        if self.ref_model is not None:
-            tensors["ref_model"] = self.ref_model.state_dict()
-        state = {"step": next_step, "sampler": self.sampler.state_dict(), "config": self.cfg.to_dict()}
-        return save_checkpoint(self.ckpt_root, next_step, tensors=tensors,
-                               objects={"optimizer": self.optimizer.state_dict(), "rng": capture_rng_state()},
-                               state=state, keep_last=self.cfg.run.keep_last)
+        state = {"step": next_step, "prompts": self.source.state_dict(), "config": self.cfg.to_dict(),
+                 "world_size": self.dist.world_size, "backend": self.engine.name}
 
-    def load_model_weights(self, state: dict, path) -> None:
-        missing, unexpected = self.model.load_state_dict(state, strict=not self.lora)
-        if unexpected or (self.lora and set(state) != set(self.trainable_state_dict())):
-            raise CheckpointError(f"checkpoint {path} does not fit the model: unexpected {unexpected[:5]}")
+        def write(tmp: Path) -> None:
+            self.engine.save(tmp)
+            torch.save(capture_rng_state(), tmp / f"rng_rank{self.dist.rank:05d}.pt")
+
+        return save_checkpoint_dir(self.ckpt_root, next_step, write=write, state=state,
+                                   keep_last=self.cfg.run.keep_last, dist=self.dist)
 
     def export(self) -> Path | None:
         """Weights in the backbone's own format beside the checkpoints: a diffusers LoRA directory
-        (`pipe.load_lora_weights(dir)`) or a full `save_pretrained` transformer. Written to a temp dir, then
-        renamed over the previous export."""
+        (`pipe.load_lora_weights(dir)`) or a full `save_pretrained` transformer. Gathered from the shards when
+        sharded (collective); written by rank 0 to a temp dir, then renamed over the previous export."""
         if not hasattr(self.model, "save_full"):
+            return None
+        state = self.engine.full_state_dict() if self.engine.name != "none" else None
+        if not self.dist.is_main:
             return None
         final = self.out / ("lora" if self.lora else "transformer")
         tmp = self.out / (final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        (self.model.save_lora if self.lora else self.model.save_full)(tmp)
+        (self.model.save_lora if self.lora else self.model.save_full)(tmp, state=state)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         return final
+
+    def load_weights(self, path: Path) -> None:
+        """Model (and optimizer) state from a verified checkpoint directory."""
+        if self.dist.is_main:
+            verify_checkpoint(path)
+        self.dist.barrier()
+        self.engine.load(Path(path))
 
     def _resume(self) -> None:
         setting = self.cfg.run.resume
         if setting == "none":
             return
-        path = find_resume_checkpoint(self.ckpt_root) if setting == "auto" else Path(setting)
+        path = None
+        if self.dist.is_main:  # one rank reads and hashes; the others follow its choice
+            path = find_resume_checkpoint(self.ckpt_root) if setting == "auto" else Path(setting)
+        path = self.dist.broadcast_object(str(path) if path is not None else None)
         if path is None:
             log.info("run.resume=auto: no complete checkpoint under %s, starting fresh", self.ckpt_root)
             return
-        ckpt = load_checkpoint(path)  # verifies the manifest first
-        saved_model = ckpt.state.get("config", {}).get("model")
+        path = Path(path)
+        state = json.loads((path / STATE).read_text())
+        saved_model = state.get("config", {}).get("model")
         if saved_model is not None and saved_model != self.cfg.to_dict()["model"]:
             raise CheckpointError(f"checkpoint {path} was written for a different `model` section: {saved_model}")
-        self.load_model_weights(ckpt.tensors["model"], path)
-        if self.ref_model is not None:
-            if "ref_model" not in ckpt.tensors:
-                raise CheckpointError(f"checkpoint {path} has no reference model but grpo.beta > 0")
-            self.ref_model.load_state_dict(ckpt.tensors["ref_model"])
-        self.optimizer.load_state_dict(ckpt.objects["optimizer"])
-        restore_rng_state(ckpt.objects["rng"])
-        self.sampler.load_state_dict(ckpt.state["sampler"])
-        self.start_step = int(ckpt.state["step"])
+        if state.get("backend", self.engine.name) != self.engine.name:
+            raise CheckpointError(f"checkpoint {path} was written by parallel.backend {state['backend']}, "
+                                  f"this run uses {self.engine.name}")
+        self.load_weights(path)
+        rng = path / f"rng_rank{self.dist.rank:05d}.pt"
+        if state.get("world_size", 1) == self.dist.world_size and rng.is_file():
+            restore_rng_state(torch.load(rng, weights_only=False))
+        else:  # every draw is seeded per step/row, so only unseeded global draws (none in training) differ
+            log.warning("checkpoint %s: written by %s ranks, resuming on %d: global RNG state not restored",
+                        path, state.get("world_size"), self.dist.world_size)
+        self.source.load_state_dict(state["prompts"])
+        self.start_step = int(state["step"])
         log.info("resumed from %s at step %d", path, self.start_step)
 
 

@@ -8,7 +8,9 @@ jagg_frac = 0 reproduces Flow-GRPO's gradients bit for bit.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -67,15 +69,16 @@ class WindowPlan:
     cosines: list[float]
 
 
-def plan_minibatch(loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig) -> WindowPlan:
-    """Windows over the trained steps and which of them JAGG takes (mode exact: every step its own window)."""
+def plan_minibatch(loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig, reduce=None) -> WindowPlan:
+    """Windows over the trained steps and which of them JAGG takes (mode exact: every step its own window).
+    `reduce` combines routing statistics over ranks (see route_windows) so every rank runs the same plan."""
     if cfg.mode == "exact":
         return WindowPlan([[k] for k in steps], [False] * len(steps), [])
     velocities = loss.batch.velocities
     windows = plan_windows(steps, cfg.window)
     grad_norms = step_grad_norms(loss, velocities, steps) if cfg.route_by == "weighted" else None
     routing = route_windows(windows, velocities, jagg_frac=cfg.jagg_frac, route_by=cfg.route_by,
-                            min_cos=cfg.min_cos, grad_norms=grad_norms)
+                            min_cos=cfg.min_cos, grad_norms=grad_norms, reduce=reduce)
     return WindowPlan(windows, routing.use_jagg, routing.cosines)
 
 
@@ -96,13 +99,23 @@ def backward_window(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, window: l
 
 
 def backward_minibatch(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig, *,
-                       on_policy: bool) -> BackwardStats:
-    """Accumulate the gradient of sum over `steps` of loss(k, v_k) into .grad; returns what it cost."""
-    plan = plan_minibatch(loss, steps, cfg)
+                       on_policy: bool, accumulate: Callable[[bool], object] | None = None,
+                       reduce=None) -> BackwardStats:
+    """Accumulate the gradient of sum over `steps` of loss(k, v_k) into .grad; returns what it cost.
+
+    Every backward runs inside `accumulate(last)` (a sharded engine synchronises gradients only when last is
+    True, the accumulation boundary). An exact window is split into its single steps for that, so the boundary
+    is the last backward of the minibatch whatever the plan; the gradient is the same per-step code."""
+    plan = plan_minibatch(loss, steps, cfg, reduce)
     value_mode = resolve_intermediate(cfg.intermediate, on_policy)
     stats = BackwardStats(per_step_equiv=len(steps), cosines=plan.cosines)
+    units = [(win, True) if jagg else ([k], False) for win, jagg in zip(plan.windows, plan.use_jagg)
+             for k in (win[:1] if jagg else win)]
+    accumulate = accumulate or (lambda last: nullcontext())
+    for i, (unit, jagg) in enumerate(units):
+        with accumulate(i == len(units) - 1):
+            stats.loss += float(backward_window(model_fn, cond, loss, unit, jagg, value_mode))
     for win, jagg in zip(plan.windows, plan.use_jagg):
-        stats.loss += float(backward_window(model_fn, cond, loss, win, jagg, value_mode))
         stats.windows += 1
         if jagg:
             stats.windows_jagg += 1

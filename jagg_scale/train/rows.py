@@ -1,0 +1,87 @@
+"""Which rows of a step's global batch each rank samples and trains, and with which noise.
+
+A step's batch is N = prompts_per_step x group_size rows (row i belongs to group i // group_size). The rows are
+shuffled once per step with a seeded permutation (Flow-GRPO shuffles its samples too) and cut into minibatches
+of train.batch_size; each rank takes an equal, contiguous slice of every minibatch. So every rank trains on a
+slice of the same global minibatches, whatever the world size, and an optimizer step on N ranks sees the rows
+one process would have seen.
+
+Noise is drawn per row from a generator seeded by (run seed, step, row), never from a shared stream, so a row's
+trajectory does not depend on which rank samples it or on what else is in its batch: 1 process and N processes
+sample the same images.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["step_seed", "row_generators", "StepRows"]
+
+
+def step_seed(seed: int, step: int, stream: int) -> int:
+    """A distinct, reproducible seed per (run seed, step, stream); streams: 0 rollout noise, 1 row order,
+    2 later inner epochs' order."""
+    return ((seed * 1_000_003 + step) * 16 + stream) % (2**63 - 1)
+
+
+def row_generators(seed: int, step: int, rows: torch.Tensor) -> list[torch.Generator]:
+    """One CPU generator per global row index: the row's initial noise and every SDE step's noise."""
+    base = step_seed(seed, step, 0)
+    return [torch.Generator().manual_seed((base * 1_000_033 + int(r)) % (2**63 - 1)) for r in rows.tolist()]
+
+
+@dataclass
+class StepRows:
+    """The row plan of one step. `order` is the global permutation; minibatch m is order[m*bs:(m+1)*bs] and
+    rank r holds its slice [r*lbs:(r+1)*lbs] (lbs = bs / world)."""
+
+    order: torch.Tensor  # [N] global row permutation
+    batch_size: int  # global minibatch size
+    world_size: int
+    rank: int
+
+    @classmethod
+    def plan(cls, n: int, batch_size: int, seed: int, step: int, rank: int, world_size: int) -> "StepRows":
+        if batch_size % world_size or n % batch_size:
+            raise ValueError(f"train.batch_size={batch_size} must be divisible by the world size {world_size} "
+                             f"and divide the step's {n} rows")
+        gen = torch.Generator().manual_seed(step_seed(seed, step, 1))
+        return cls(torch.randperm(n, generator=gen), batch_size, world_size, rank)
+
+    @property
+    def local_batch(self) -> int:
+        return self.batch_size // self.world_size
+
+    @property
+    def num_minibatches(self) -> int:
+        return len(self.order) // self.batch_size
+
+    def rows_of(self, rank: int) -> torch.Tensor:
+        """Global row indices rank `rank` samples, in its local order (minibatch by minibatch)."""
+        lbs = self.local_batch
+        return torch.cat([self.order[m * self.batch_size + rank * lbs: m * self.batch_size + (rank + 1) * lbs]
+                          for m in range(self.num_minibatches)])
+
+    @property
+    def mine(self) -> torch.Tensor:
+        return self.rows_of(self.rank)
+
+    @property
+    def all_rows(self) -> torch.Tensor:
+        """Every rank's rows concatenated in rank order: the layout of an all-gather of per-rank results."""
+        return torch.cat([self.rows_of(r) for r in range(self.world_size)])
+
+    def minibatches(self, epoch: int, seed: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(local positions, global rows of the whole minibatch) per minibatch. Epoch 0 follows the global
+        order; later inner epochs permute the local positions with one seeded permutation shared by all
+        ranks (rows stay on the rank that sampled them)."""
+        lbs, nl = self.local_batch, len(self.order) // self.world_size
+        pos = torch.arange(nl)
+        if epoch > 0:
+            gen = torch.Generator().manual_seed(step_seed(seed, step, 2) + epoch)
+            pos = torch.randperm(nl, generator=gen)
+        every = torch.stack([self.rows_of(r) for r in range(self.world_size)])  # [world, nl]
+        return [(pos[m * lbs:(m + 1) * lbs], every[:, pos[m * lbs:(m + 1) * lbs]].flatten())
+                for m in range(nl // lbs)]
