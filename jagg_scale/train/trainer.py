@@ -153,7 +153,8 @@ class Trainer:
         if not self.dist.active:
             return values
         t = torch.tensor(values, dtype=torch.float64)
-        parts = self.dist.all_gather_tensor(t.unsqueeze(0).to(self.device)).cpu()
+        with self._comm("control"):  # bookkeeping, not the model's traffic: counted apart from "train"
+            parts = self.dist.all_gather_tensor(t.unsqueeze(0).to(self.device)).cpu()
         return (parts.mean(0) if how == "mean" else parts.pow(2).sum(0).sqrt()).tolist()
 
     def update(self, traj: Trajectories, cond, adv_values, adv_mask, mask_global, plan: StepRows,
