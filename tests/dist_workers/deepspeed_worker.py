@@ -1,0 +1,200 @@
+"""Run by tests/test_deepspeed_engine.py under `torchrun --nproc_per_node 2` (gloo on CPU): the DeepSpeed ZeRO-3
+engine against the single-process reference `TrainEngine`, in one launch.
+
+  accumulate  a JAGG window backward (W=3, cached intermediates) + an exact window backward (W=2), each rank on
+              half the rows, accumulated into ONE optimizer step: the weights equal the reference's on the full
+              batch (allclose, fp32), and differ from a step on the last backward alone (the check is sensitive)
+  resume      save after step 1 -> a fresh engine (other init weights) loads it -> steps 2 and 3 equal an
+              uninterrupted run bit for bit
+  export      full_state_dict() on rank 0: the plain model's keys, the reference's weights; {} on rank 1
+  bf16        (smoke) a bf16 engine steps under autocast and exports bfloat16 weights
+  offload     `offload_optimizer: cpu` (ZeRO-Offload, torch AdamW on the CPU partitions) gives the reference step
+  module      forward through the bare module (`engine.module`) instead of the DeepSpeed engine still accumulates
+
+`python deepspeed_worker.py <out> --single` (no launcher): one process, the engine's own trivial process group.
+
+Writes <out>/result.json on rank 0: {check: true/false, ...details}.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from jagg_scale.jagg import exact_backward, jagg_backward
+from jagg_scale.models.dit import DiT, DiTConfig
+from jagg_scale.parallel.deepspeed_engine import DeepSpeedEngine
+from jagg_scale.parallel.dist import DistContext, init_distributed
+from jagg_scale.parallel.engine import TrainEngine
+from jagg_scale.train.config import Config
+
+B, W1, W2 = 4, 3, 2  # rows of the full batch, the JAGG window, the exact window
+DIT = DiTConfig(image_size=8, in_channels=3, patch_size=4, hidden_size=32, depth=2, num_heads=2, vocab_size=64,
+                max_prompt_length=4)
+
+
+def make_cfg(dtype: str = "float32") -> Config:
+    cfg = Config()
+    cfg.model.dtype = dtype
+    cfg.train.lr, cfg.train.grad_clip, cfg.train.weight_decay = 1e-3, 1.0, 0.01
+    cfg.parallel.backend = "deepspeed"
+    # partition every parameter (the tiny model is below the default persistence threshold)
+    cfg.parallel.deepspeed = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    return cfg
+
+
+def make_model(seed: int) -> DiT:
+    torch.manual_seed(seed)
+    return DiT(DIT).init_weights(zero_out=False)
+
+
+def make_batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    shape = (B, 3, 8, 8)
+    return dict(lat1=torch.randn(W1, *shape, generator=g), sig1=torch.tensor([0.9, 0.8, 0.7]),
+                cached=torch.randn(W1, *shape, generator=g), lat2=torch.randn(W2, *shape, generator=g),
+                sig2=torch.tensor([0.6, 0.5]), target=torch.randn(W1 + W2, *shape, generator=g),
+                cond=torch.randint(1, 64, (B, 4), generator=g))
+
+
+def minibatch(engine: TrainEngine, batch: dict, rows: slice, scale: float, last_only: bool = False) -> float:
+    """Two backward calls (JAGG window, exact window) into one optimizer step; returns the grad norm.
+    The loss of a row is mean((v - target)^2); the minibatch loss is their mean over the B rows of the full batch,
+    times `scale` (the world size under DeepSpeed, which averages gradients over ranks)."""
+    fn = engine.model
+    cond = batch["cond"][rows]
+
+    def loss_fn(offset):
+        def step_loss(k, v):
+            return scale * ((v.float() - batch["target"][offset + k][rows]) ** 2).mean(dim=(1, 2, 3)).sum() / B
+        return step_loss
+
+    with engine.backward_context():
+        if not last_only:
+            with engine.accumulate(last=False):
+                jagg_backward(fn, batch["lat1"][:, rows], batch["sig1"], cond, loss_fn(0),
+                              cached_velocities=batch["cached"][:, rows], intermediate="cached")
+        with engine.accumulate(last=True):
+            exact_backward(fn, batch["lat2"][:, rows], batch["sig2"], cond, loss_fn(W1))
+    return engine.step()
+
+
+def reference(init: dict, steps: int, last_only: bool = False) -> tuple[dict, list]:
+    model = make_model(0)
+    model.load_state_dict(init)
+    ref = TrainEngine(model, make_cfg(), DistContext())
+    norms = [minibatch(ref, make_batch(s), slice(0, B), 1.0, last_only) for s in range(steps)]
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def close(a: dict, b: dict, exact: bool = False, atol: float = 1e-6) -> bool:
+    if set(a) != set(b):
+        return False
+    return all(torch.equal(a[k], b[k]) if exact else torch.allclose(a[k], b[k], rtol=1e-4, atol=atol) for k in a)
+
+
+def main(out: Path) -> None:
+    torch.set_num_threads(1)
+    ctx = init_distributed("cpu")
+    assert ctx.world_size == 2, ctx
+    rank, world = ctx.rank, ctx.world_size
+    half = B // world
+    rows = slice(rank * half, (rank + 1) * half)
+    result: dict = {}
+
+    model = make_model(0)
+    init = copy.deepcopy(model.state_dict())
+    plain_keys = set(init)
+    engine = DeepSpeedEngine(model, make_cfg(), ctx)
+    result["attributes"] = (engine.model.latent_shape == (3, 8, 8)
+                            and engine.model.encode_prompts(["a b", ""]).shape == (2, 4))
+
+    # step 1: one JAGG + one exact backward accumulated into one step
+    norm1 = minibatch(engine, make_batch(0), rows, float(world))
+    sd1 = engine.full_state_dict()
+    engine.save(out / "ckpt")
+    norm2 = minibatch(engine, make_batch(1), rows, float(world))
+    norm3 = minibatch(engine, make_batch(2), rows, float(world))
+    sd3 = engine.full_state_dict()
+
+    # resume: a fresh engine over a differently initialised model loads the step-1 checkpoint
+    fresh = DeepSpeedEngine(make_model(1), make_cfg(), ctx)
+    fresh.load(out / "ckpt")
+    sd1_loaded = fresh.full_state_dict()
+    minibatch(fresh, make_batch(1), rows, float(world))
+    minibatch(fresh, make_batch(2), rows, float(world))
+    sd3_resumed = fresh.full_state_dict()
+
+    # bf16 smoke: bf16 weights, autocast forward, one step, bf16 export
+    bf = DeepSpeedEngine(make_model(0), make_cfg("bfloat16"), ctx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        norm_bf = minibatch(bf, make_batch(0), rows, float(world))
+    sd_bf = bf.full_state_dict()
+
+    # ZeRO-Offload of the optimizer (torch AdamW on CPU partitions): the boundary decides what reaches it
+    cfg = make_cfg()
+    cfg.parallel.deepspeed["offload_optimizer"] = "cpu"
+    off = DeepSpeedEngine(make_model(0), cfg, ctx)
+    minibatch(off, make_batch(0), rows, float(world))
+    sd_off = off.full_state_dict()
+
+    # forward through the bare module (bypassing DeepSpeedEngine.forward) still accumulates every backward
+    mod = DeepSpeedEngine(make_model(0), make_cfg(), ctx)
+    mod.model = mod.engine.module
+    minibatch(mod, make_batch(0), rows, float(world))
+    sd_mod = mod.full_state_dict()
+
+    empty = ctx.all_gather_object(all(sd == {} for sd in (sd1, sd3, sd_bf, sd_off, sd_mod)))
+    if rank != 0:
+        ctx.barrier()
+        ctx.close()
+        return
+    result["rank1_empty"] = empty[1] and not empty[0]
+    ref1, ref_norms = reference(init, 1)
+    ref3, ref_norms3 = reference(init, 3)
+    last_only, _ = reference(init, 1, last_only=True)
+    maxdiff = max((sd1[k] - ref1[k]).abs().max().item() for k in ref1)
+    result.update(
+        accumulate=close(sd1, ref1),
+        accumulate_maxdiff=maxdiff,
+        sensitive=not close(sd1, last_only) and not close(sd1, init),
+        grad_norm=abs(norm1 - ref_norms[0]) < 1e-4 * ref_norms[0],
+        norms=[norm1, norm2, norm3, ref_norms3],
+        # 3 steps: Adam turns the ~1e-9 numerical noise of the attention key bias (whose true gradient is 0) into
+        # ~1e-6 differences, hence the looser atol
+        three_steps=close(sd3, ref3, atol=1e-5),
+        offload=close(sd_off, ref1),
+        module_forward=close(sd_mod, ref1),
+        export_keys=set(sd1) == plain_keys and all(v.dtype == torch.float32 for v in sd1.values()),
+        resume_load=close(sd1_loaded, sd1, exact=True),
+        resume=close(sd3_resumed, sd3, exact=True),
+        checkpoint_files=sorted(str(p.relative_to(out / "ckpt")) for p in (out / "ckpt").rglob("*") if p.is_file()),
+        bf16=(set(sd_bf) == plain_keys and all(v.dtype == torch.bfloat16 for v in sd_bf.values())
+              and norm_bf == norm_bf
+              and all(torch.allclose(sd_bf[k].float(), ref1[k], atol=2e-2, rtol=2e-2) for k in ref1)),
+    )
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    ctx.barrier()
+    ctx.close()
+
+
+def single(out: Path) -> None:
+    """One process, no launcher: the engine sets up its own trivial process group and matches the reference."""
+    torch.set_num_threads(1)
+    model = make_model(0)
+    init = copy.deepcopy(model.state_dict())
+    engine = DeepSpeedEngine(model, make_cfg(), DistContext())
+    minibatch(engine, make_batch(0), slice(0, B), 1.0)
+    ref1, _ = reference(init, 1)
+    result = {"single": close(engine.full_state_dict(), ref1)}
+    (out / "result.json").write_text(json.dumps(result))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    (single if "--single" in sys.argv[2:] else main)(Path(sys.argv[1]))

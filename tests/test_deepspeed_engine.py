@@ -1,0 +1,74 @@
+"""The DeepSpeed ZeRO-3 engine (jagg_scale/parallel/deepspeed_engine.py) on CPU: 2 processes with gloo launched by
+torchrun, one launch shared by every check (tests/dist_workers/deepspeed_worker.py says what each one does),
+against the single-process reference TrainEngine."""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="deepspeed is not importable (pip install deepspeed)")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "dist_workers" / "deepspeed_worker.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(args: list[str], out: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    for _ in range(3):  # the free port can be taken between probing and binding
+        proc = subprocess.run(args(_free_port()), cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+        if "EADDRINUSE" not in proc.stderr + proc.stdout:
+            break
+    assert proc.returncode == 0, f"worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepspeed")
+    return _run(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              "--master_port", str(port), str(WORKER), str(out)], out)
+
+
+def test_jagg_and_exact_backward_accumulate_into_one_step(result):
+    assert result["accumulate"], f"max |w_ds - w_ref| = {result['accumulate_maxdiff']}"
+    assert result["sensitive"]  # the step differs from one on the last backward alone
+    assert result["grad_norm"], result["norms"]
+    assert result["three_steps"]
+
+
+def test_resume_is_bit_identical(result):
+    assert result["resume_load"]
+    assert result["resume"]
+    assert any(f.startswith("ds/") and f.endswith("optim_states.pt") for f in result["checkpoint_files"])
+
+
+def test_full_state_dict_on_rank0(result):
+    assert result["export_keys"]
+    assert result["rank1_empty"]  # rank 1 gets {} from every full_state_dict(), rank 0 does not
+    assert result["accumulate"]  # the exported weights are the reference's
+
+
+def test_engine_attributes_bf16_offload_and_bare_module(result):
+    assert result["attributes"]
+    assert result["bf16"]
+    assert result["offload"]
+    assert result["module_forward"]
+
+
+def test_single_process(tmp_path):
+    res = _run(lambda port: [sys.executable, str(WORKER), str(tmp_path), "--single"], tmp_path)
+    assert res["single"]
