@@ -178,3 +178,13 @@ def test_sigterm_checkpoints_marks_preempted_and_exits_143(tmp_path):
     resumed = run(1, out, "train.steps=" + str(done + 1), "run.checkpoint_every=0", "run.resume=auto")
     assert [r["step"] for r in resumed] == list(range(done + 1))
     assert not (out / "PREEMPTED").exists()
+
+
+def test_deepspeed_zero3_two_processes_match_one_process(fsdp2_run, tmp_path):
+    pytest.importorskip("deepspeed")
+    _, fsdp2 = fsdp2_run
+    ds = run(2, tmp_path / "ds", "parallel.backend=deepspeed", "train.steps=3", "run.checkpoint_every=3",
+             timeout=400)
+    close(ds, fsdp2)  # the same rows and gradients as fsdp2 (and so as one process)
+    ckpt = tmp_path / "ds" / "checkpoints" / "step_00000003"
+    assert (ckpt / "COMPLETE").is_file() and any((ckpt / "ds").iterdir())  # DeepSpeed's own checkpoint inside

@@ -6,6 +6,9 @@ after the backward. A per-step window of W steps pays W of these cycles; JAGG's 
 `CommCounter` makes that visible: while active it wraps the torch.distributed collectives that FSDP2 and
 DeepSpeed call (looked up as `torch.distributed.<name>` at call time) and tallies calls and bytes moved per kind.
 It changes nothing about the calls themselves.
+
+One counter per process (`CommCounter.for_process()`), installed before the engine is built: DeepSpeed binds
+the torch.distributed functions when it initialises, so wrapping them later would miss ZeRO-3's traffic.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ _WRAPPED = {
     "all_reduce": ("all_reduce", 0),
     "broadcast": ("broadcast", 0),
 }
+
+
+_PROCESS_COUNTER = None
 
 
 def _nbytes(x) -> int:
@@ -61,6 +67,15 @@ class CommCounter:
             return original(*args, **kwargs)
 
         return original, counted
+
+    @classmethod
+    def for_process(cls) -> "CommCounter":
+        """The process-wide installed counter (created on first use; later trainers in the process share it)."""
+        global _PROCESS_COUNTER
+        if _PROCESS_COUNTER is None:
+            _PROCESS_COUNTER = cls().install()
+        _PROCESS_COUNTER.take()  # start clean
+        return _PROCESS_COUNTER
 
     def install(self) -> "CommCounter":
         if self._originals:

@@ -75,10 +75,11 @@ class Trainer:
         # the reference entirely: no copy, no forwards.
         self.lora = cfg.model.lora.enabled
         ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.grpo.beta > 0 and not self.lora else None
+        sharded = self.dist.world_size > 1 or cfg.parallel.backend != "none"
+        self.comm = CommCounter.for_process() if sharded else None  # before the engine binds the collectives
         self.engine = build_engine(model, cfg, self.dist)
         self.model = self.engine.model
         self.ref_model = self.engine.shard_frozen(ref) if ref is not None else None
-        self.comm = CommCounter().install() if self.dist.world_size > 1 or cfg.parallel.backend != "none" else None
         self.sigmas = model_schedule(self.model, cfg.sampling.num_steps, cfg.sampling.shift).to(self.device)
         self.steps = trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction)
         self.start_step = 0
