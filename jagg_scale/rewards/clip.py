@@ -218,6 +218,10 @@ class _ClipTextImage(Reward):
     def transform(self, cos: torch.Tensor) -> torch.Tensor:  # pragma: no cover - overridden
         return cos
 
+    def torch_modules(self) -> list[nn.Module]:
+        """The modules this reward scores with (what `rewards.sharded.shard_reward` shards)."""
+        return [self.backbone.model]
+
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> RewardOutput:
         cos = self.backbone.cosine(images, prompts)
         scores = self.transform(cos).float()
@@ -365,6 +369,10 @@ class Aesthetic(Reward):
         except RuntimeError as e:
             raise ValueError(f"aesthetic: {head_path} is not an improved-aesthetic-predictor head state dict: {e}") from e
         self.head = head.eval().requires_grad_(False).to(self.backbone.device)  # float32: tiny, keeps scores exact
+
+    def torch_modules(self) -> list[nn.Module]:
+        """The CLIP model, for `rewards.sharded.shard_reward`; the ~1M-parameter head stays replicated."""
+        return [self.backbone.model]
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> RewardOutput:

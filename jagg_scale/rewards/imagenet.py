@@ -240,6 +240,10 @@ class ImagenetClass(Reward):
         self.model = load_model(weights_path).to(self.device)
         self._warned: set[str] = set()
 
+    def torch_modules(self) -> list[nn.Module]:
+        """The classifier, for `rewards.sharded.shard_reward`."""
+        return [self.model]
+
     @torch.no_grad()
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         """Softmax over the 1000 classes, float32 [B, 1000] on the CPU."""
