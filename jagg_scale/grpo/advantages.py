@@ -56,3 +56,18 @@ def compute_advantages(
         adv[idx] = (r - r.mean()) / (sd + STD_EPS)
     adv = adv.clamp(-adv_clip_max, adv_clip_max)
     return Advantages(values=adv, mask=mask, zero_std_groups=zero_std, num_groups=len(groups))
+
+
+def combine_advantages(parts: list[tuple[float, Advantages]], group_ids: list, valid: torch.Tensor) -> Advantages:
+    """MixGRPO's aggregation: A = sum_c w_c A_c of per-reward group-normalised advantages. A sample trains when
+    all its rewards succeeded (`valid`) and at least one reward separates its group; groups where none does are
+    the zero-std groups of the mix."""
+    values = sum(w * a.values for w, a in parts)
+    signal = torch.stack([a.mask for _, a in parts]).any(0)
+    mask = valid.bool() & signal
+    groups: dict = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(i)
+    zero = sum(1 for members in groups.values() if not signal[torch.tensor(members)].any())
+    return Advantages(values=torch.where(mask, values, torch.zeros_like(values)), mask=mask, zero_std_groups=zero,
+                      num_groups=len(groups))

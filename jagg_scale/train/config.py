@@ -99,9 +99,13 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "jpeg_compressibility"
+    name: str = "jpeg_compressibility"  # one reward (jagg_scale.rewards.available())
     options: dict = field(default_factory=dict)
-    max_fail_frac: float = 0.25
+    components: dict = field(default_factory=dict)  # several: {name: {weight: w, option: value, ...}}; replaces name
+    aggregate: str = "sum"  # sum: GRPO on sum_c w_c r_c | advantage: sum_c w_c A_c (MixGRPO)
+    max_fail_frac: float = 0.25  # per reward: a larger failed fraction of a batch stops the run
+    background: bool = True  # decode + score rollout chunks in a worker thread while the next chunk samples
+    shard: bool = False  # split reward-model weights across ranks (FSDP2, inference); each rank scores its images
 
 
 @dataclass
@@ -333,6 +337,14 @@ def validate(cfg: Config) -> None:
     _require(cfg.data.num_workers >= 0, "data.num_workers", "must be >= 0")
     _require(all(isinstance(p, str) for p in cfg.data.prompts), "data.prompts", "must be a list of strings")
     _require(0.0 <= cfg.reward.max_fail_frac <= 1.0, "reward.max_fail_frac", "must be in [0, 1]")
+    _require(cfg.reward.aggregate in ("sum", "advantage"), "reward.aggregate",
+             f"must be sum or advantage, got {cfg.reward.aggregate!r}")
+    for name, spec in cfg.reward.components.items():
+        _require(isinstance(spec, dict) or spec is None, f"reward.components.{name}",
+                 "must be a mapping of options (with an optional weight)")
+        weight = (spec or {}).get("weight", 1.0)
+        _require(isinstance(weight, (int, float)) and not isinstance(weight, bool), f"reward.components.{name}.weight",
+                 f"must be a number, got {weight!r}")
     _require(cfg.log.wandb_mode in ("offline", "online", "disabled"), "log.wandb_mode", "must be offline, online or disabled")
     e = cfg.eval
     _require(not e.enabled or bool(e.prompt_file) or len(e.prompts) > 0, "eval.prompt_file",

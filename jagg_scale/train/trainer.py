@@ -29,15 +29,15 @@ import yaml
 from ..checkpoint import CheckpointError, capture_rng_state, find_resume_checkpoint, restore_rng_state
 from ..checkpoint.local import STATE, save_checkpoint_dir, verify_checkpoint
 from ..data import ListPromptSource, PromptSet, StreamPromptSource, load_prompts
-from ..grpo import (GRPOStepLoss, Trajectories, compute_advantages, guided_velocity, model_schedule, reduce_metrics,
-                    sample_sde)
+from ..grpo import (GRPOStepLoss, Trajectories, combine_advantages, compute_advantages, guided_velocity, model_schedule,
+                    reduce_metrics, sample_sde)
 from ..jagg import trained_steps
 from ..models import build_model, index_cond
 from ..parallel.comm import CommCounter
 from ..parallel.dist import init_distributed
 from ..parallel.engine import build_engine
 from ..paths import resolve_path
-from ..rewards import build_reward, score_safely
+from ..rewards.multi import ChunkScorer, ComponentScores, build_reward_mix, check_failures
 from .config import Config
 from .evaluate import eval_prompts, evaluate
 from .logging import RunLogger
@@ -64,7 +64,7 @@ class Trainer:
 
         # Inputs first: a bad prompt file or reward name fails before a model is built.
         self.source = self._prompt_source()
-        self.reward = build_reward(cfg.reward.name, **cfg.reward.options)
+        self.reward = build_reward_mix(cfg.reward)
         self.eval_prompts = eval_prompts(cfg) if cfg.eval.enabled else None
         self.evals: dict[int, dict] = {}
 
@@ -80,6 +80,11 @@ class Trainer:
         self.engine = build_engine(model, cfg, self.dist)
         self.model = self.engine.model
         self.ref_model = self.engine.shard_frozen(ref) if ref is not None else None
+        if cfg.reward.shard and self.dist.world_size > 1:
+            from ..rewards.sharded import shard_reward
+
+            for _, _, component in self.reward.components:
+                shard_reward(component)
         self.sigmas = model_schedule(self.model, cfg.sampling.num_steps, cfg.sampling.shift).to(self.device)
         self.steps = trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction)
         self.start_step = 0
@@ -136,8 +141,9 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def rollout(self, cond, rows: torch.Tensor, step: int) -> Trajectories:
-        """SDE trajectories of the given global rows (cond holds their conditioning, in that order)."""
+    def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None) -> Trajectories:
+        """SDE trajectories of the given global rows (cond holds their conditioning, in that order).
+        `on_chunk(index, final_latents)` is called after each chunk of sampling.batch_size rows (reward scoring)."""
         cfg = self.cfg
         gens = row_generators(cfg.run.seed, step, rows)
         noise = torch.stack([torch.randn(self.model.latent_shape, generator=g) for g in gens])
@@ -147,6 +153,8 @@ class Trainer:
             parts.append(sample_sde(policy, index_cond(cond, idx.to(self.device)), noise[idx].to(self.device),
                                     self.sigmas, noise_level=cfg.sampling.noise_level,
                                     generator=[gens[i] for i in idx.tolist()], ref_velocity_fn=ref))
+            if on_chunk is not None:
+                on_chunk(idx, parts[-1].final)
         return Trajectories.cat(parts)
 
     def _route_reduce(self, values: list[float], how: str) -> list[float]:
@@ -205,36 +213,57 @@ class Trainer:
                              self.dist.world_size)
         mine = plan.mine
         prompts = [records[i].prompt for i in mine.tolist()]
+        metadata = [records[i].metadata for i in mine.tolist()]
         cond = self.encode(prompts)
         self.model.eval()
+        # 2. rewards: each chunk is decoded and scored (in a worker thread) while the next one samples
+        background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
+        scorer = ChunkScorer(self.reward, self.model.decode, background=background)
+        on_chunk = lambda idx, final: scorer.add(final, [prompts[i] for i in idx.tolist()],  # noqa: E731
+                                                 [metadata[i] for i in idx.tolist()])
         with self._comm("rollout"):
-            traj = self.rollout(cond, mine, step)
-        # 2. reward on this rank's images, gathered so that every rank sees the whole batch
+            traj = self.rollout(cond, mine, step, on_chunk=on_chunk)
         t1 = time.perf_counter()
-        images = self.model.decode(traj.final)
-        scores, valid, _ = score_safely(self.reward, images, prompts, [records[i].metadata for i in mine.tolist()],
-                                        max_fail_frac=cfg.reward.max_fail_frac)
-        scores_all = torch.zeros(len(records))
-        valid_all = torch.zeros(len(records), dtype=torch.bool)
+        local = scorer.finish()
+        # gathered so that every rank sees the whole batch (and takes the same decisions)
+        parts = {}
         with self._comm("reward"):
-            scores_all[plan.all_rows] = self.dist.all_gather_tensor(scores.float().to(self.device)).cpu()
-            valid_all[plan.all_rows] = self.dist.all_gather_tensor(valid.to(self.device)).cpu()
+            for name, p in local.items():
+                scores = torch.zeros(len(records))
+                valid = torch.zeros(len(records), dtype=torch.bool)
+                scores[plan.all_rows] = self.dist.all_gather_tensor(p.scores.float().to(self.device)).cpu()
+                valid[plan.all_rows] = self.dist.all_gather_tensor(p.valid.to(self.device)).cpu()
+                parts[name] = ComponentScores(scores, valid)
+        failed = check_failures(parts, cfg.reward.max_fail_frac)
         # 3. advantages over the prompt groups (row i is in group i // G)
         t2 = time.perf_counter()
-        adv = compute_advantages(scores_all, [i // g for i in range(len(records))], global_std=cfg.grpo.global_std,
-                                 adv_clip_max=cfg.grpo.adv_clip_max, valid=valid_all)
+        groups = [i // g for i in range(len(records))]
+        total, valid_all = self.reward.weighted_sum(parts)
+        adv_kw = dict(global_std=cfg.grpo.global_std, adv_clip_max=cfg.grpo.adv_clip_max)
+        if cfg.reward.aggregate == "advantage" and len(parts) > 1:
+            adv = combine_advantages([(self.reward.weights[n], compute_advantages(p.scores, groups, valid=p.valid,
+                                                                                  **adv_kw))
+                                      for n, p in parts.items()], groups, valid_all)
+        else:
+            adv = compute_advantages(total, groups, valid=valid_all, **adv_kw)
         # 4. update on this rank's slice of every minibatch
         self.model.train()
         with self._comm("train"):
             stats, loss_metrics = self.update(traj, cond, adv.values[mine].to(self.device),
                                               adv.mask[mine].to(self.device), adv.mask, plan, step)
         t3 = time.perf_counter()
-        ok = scores_all[valid_all]
+        ok = total[valid_all]
+        per_reward = {}
+        if len(parts) > 1:
+            for name, p in parts.items():
+                per_reward[f"reward_{name}_mean"] = float(p.scores[p.valid].mean()) if p.valid.any() else float("nan")
+                per_reward[f"reward_{name}_failed"] = failed[name]
         metrics = {
             "step": step,
             "reward_mean": float(ok.mean()) if len(ok) else float("nan"),
             "reward_std": float(ok.std(unbiased=False)) if len(ok) else float("nan"),
             "reward_failed": int((~valid_all).sum()),
+            **per_reward,
             "zero_std_groups": adv.zero_std_groups,
             "loss": stats.loss / max(1, loss_metrics["optimizer_steps"]),
             **loss_metrics,
@@ -245,8 +274,8 @@ class Trainer:
             "backward_passes": stats.backward_passes,
             "per_step_equiv": stats.per_step_equiv,
             "nograd_forward_passes": stats.nograd_forward_passes,
-            "time_rollout": t1 - t0,
-            "time_reward": t2 - t1,
+            "time_rollout": t1 - t0,  # includes the reward scoring that overlapped it
+            "time_reward": t2 - t1,  # reward time not hidden behind the rollout
             "time_train": t3 - t2 - loss_metrics.get("time_probe", 0.0),  # the probe is diagnostics, not training
         }
         if self.comm is not None:

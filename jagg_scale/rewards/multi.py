@@ -1,0 +1,130 @@
+"""Several rewards at once, and scoring that overlaps the rollout.
+
+`RewardMix` holds (name, weight, reward) components built from the config (`reward.components`, or the single
+`reward.name`). It is itself a `Reward` (the weighted sum, what evaluation reports), and it scores every
+component separately for training, where two aggregations are offered:
+
+    sum        A = group-normalise( sum_c w_c r_c )                   one reward, weighted before GRPO
+    advantage  A = sum_c w_c group-normalise( r_c )                   MixGRPO's aggregation: each reward is
+                                                                      normalised in its group first, so a
+                                                                      reward with a large scale cannot drown
+                                                                      the others
+
+A sample whose reward failed in any component is masked out of the loss (and counted per component).
+
+`ChunkScorer` decodes and scores rollout chunks in a worker thread while the main thread samples the next chunk
+(reward.background): rewards are per image, so chunking changes nothing but the wall time. A sharded reward model
+runs collectives, which must stay in step across ranks and off the training thread's collectives, so it is
+scored in the main thread.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .base import Reward, RewardOutput, build_reward, score_safely
+
+__all__ = ["RewardMix", "ChunkScorer", "ComponentScores", "build_reward_mix"]
+
+
+@dataclass
+class ComponentScores:
+    scores: torch.Tensor  # float32 [N], 0 where failed
+    valid: torch.Tensor  # bool [N]
+
+
+class RewardMix(Reward):
+    name = "mix"
+
+    def __init__(self, components: Sequence[tuple[str, float, Reward]]):
+        if not components:
+            raise ValueError("RewardMix needs at least one reward")
+        self.components = list(components)
+        self.name = (self.components[0][0] if len(self.components) == 1
+                     else "+".join(f"{w:g}*{n}" for n, w, _ in self.components))
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _, _ in self.components]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {n: w for n, w, _ in self.components}
+
+    def score_components(self, images: torch.Tensor, prompts: Sequence[str],
+                         metadata: Sequence[dict]) -> dict[str, ComponentScores]:
+        """Each component through score_safely with no limit: the limit is checked once per batch, by the caller,
+        over all ranks' samples (see check_failures)."""
+        out = {}
+        for name, _, reward in self.components:
+            scores, valid, _ = score_safely(reward, images, prompts, metadata, max_fail_frac=1.0)
+            out[name] = ComponentScores(scores, valid)
+        return out
+
+    def __call__(self, images, prompts, metadata) -> RewardOutput:
+        parts = self.score_components(images, prompts, metadata)
+        total, valid = self.weighted_sum(parts)
+        info = {f"{n}_mean": float(p.scores[p.valid].mean()) if p.valid.any() else float("nan")
+                for n, p in parts.items()}
+        return RewardOutput(scores=torch.where(valid, total, torch.full_like(total, float("nan"))), info=info)
+
+    def weighted_sum(self, parts: dict[str, ComponentScores]) -> tuple[torch.Tensor, torch.Tensor]:
+        total = sum(self.weights[n] * p.scores for n, p in parts.items())
+        valid = torch.stack([p.valid for p in parts.values()]).all(0)
+        return total, valid
+
+
+def check_failures(parts: dict[str, ComponentScores], max_fail_frac: float) -> dict[str, int]:
+    """Failed-sample counts per component; RuntimeError naming the reward when one exceeds max_fail_frac."""
+    failed = {}
+    for name, p in parts.items():
+        n, bad = p.valid.numel(), int((~p.valid).sum())
+        failed[name] = bad
+        if n and bad / n > max_fail_frac:
+            raise RuntimeError(f"reward {name!r} failed on {bad}/{n} samples ({bad / n:.1%} > "
+                               f"reward.max_fail_frac={max_fail_frac:.1%}); see the log for the reward's errors")
+    return failed
+
+
+def build_reward_mix(reward_cfg) -> RewardMix:
+    """From the `reward` config section: `components` {name: {weight, **options}} or the single name/options."""
+    if reward_cfg.components:
+        comps = []
+        for name, spec in reward_cfg.components.items():
+            spec = dict(spec or {})
+            weight = float(spec.pop("weight", 1.0))
+            comps.append((name, weight, build_reward(name, **spec)))
+        return RewardMix(comps)
+    return RewardMix([(reward_cfg.name, 1.0, build_reward(reward_cfg.name, **reward_cfg.options))])
+
+
+class ChunkScorer:
+    """Decode + score chunks as they come, in one worker thread (or inline); `finish()` concatenates them."""
+
+    def __init__(self, mix: RewardMix, decode: Callable[[torch.Tensor], torch.Tensor], background: bool):
+        self.mix, self.decode = mix, decode
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="reward") if background else None
+        self.pending: list[Future | dict] = []
+
+    def _score(self, latents, prompts, metadata) -> dict[str, ComponentScores]:
+        with torch.no_grad():
+            return self.mix.score_components(self.decode(latents), prompts, metadata)
+
+    def add(self, latents: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> None:
+        if self.pool is None:
+            self.pending.append(self._score(latents, list(prompts), list(metadata)))
+        else:
+            self.pending.append(self.pool.submit(self._score, latents, list(prompts), list(metadata)))
+
+    def finish(self) -> dict[str, ComponentScores]:
+        try:
+            chunks = [p.result() if isinstance(p, Future) else p for p in self.pending]
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
+        return {n: ComponentScores(torch.cat([c[n].scores for c in chunks]), torch.cat([c[n].valid for c in chunks]))
+                for n in self.mix.names}
