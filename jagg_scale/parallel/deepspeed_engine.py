@@ -104,9 +104,7 @@ class DeepSpeedEngine(TrainEngine):
     def __init__(self, model: torch.nn.Module, cfg, dist_ctx: DistContext):
         import deepspeed
 
-        if not dist.is_initialized():  # one process: DeepSpeed still wants a (trivial) process group
-            dist.init_process_group("gloo" if dist_ctx.device.type == "cpu" else "nccl",
-                                    store=dist.HashStore(), rank=0, world_size=1)
+        dist_ctx.ensure_group()  # one process: a trivial group (closed with the context)
         os.environ.setdefault("LOCAL_RANK", str(dist_ctx.local_rank))  # asserted by deepspeed.initialize
         self.cfg, self.dist = cfg, dist_ctx
         self.lora = bool(getattr(getattr(cfg.model, "lora", None), "enabled", False))

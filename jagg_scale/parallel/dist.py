@@ -30,6 +30,7 @@ class DistContext:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     backend: str = "none"  # gloo | nccl, or none for a single process without a process group
+    owns_group: bool = False  # a one-process group started for a sharding engine (closed with the context)
 
     @property
     def is_main(self) -> bool:
@@ -83,9 +84,17 @@ class DistContext:
             out[k] = reduce[how](vals) if how else sum(vals) / len(vals)
         return out
 
+    def ensure_group(self) -> None:
+        """FSDP2 and DeepSpeed need a process group even for one process: a trivial in-memory one."""
+        if not dist.is_initialized():
+            dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl", store=dist.HashStore(),
+                                    rank=0, world_size=1)
+            self.owns_group = True
+
     def close(self) -> None:
-        if self.active:
+        if (self.active or self.owns_group) and dist.is_initialized():
             dist.destroy_process_group()
+        self.owns_group = False
 
 
 def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistContext:

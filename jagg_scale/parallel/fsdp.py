@@ -94,9 +94,7 @@ class FSDP2Engine(TrainEngine):
     name = "fsdp2"
 
     def __init__(self, model: torch.nn.Module, cfg, dist_ctx: DistContext):
-        if not dist.is_initialized():  # one process: FSDP2 still needs a (trivial) process group
-            dist.init_process_group("gloo" if dist_ctx.device.type == "cpu" else "nccl",
-                                    store=dist.HashStore(), rank=0, world_size=1)
+        dist_ctx.ensure_group()  # one process: a trivial group (closed with the context)
         self.cfg, self.dist = cfg, dist_ctx
         self.mesh = _mesh(dist_ctx, cfg.parallel.replicate)
         self.bf16 = cfg.model.dtype == "bfloat16"
