@@ -203,3 +203,13 @@ def test_mpirun_launch_discovers_ranks_through_mpi(fsdp2_run, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "(local 1, mpi)" in proc.stdout + proc.stderr
     close(metrics(out), ref[:1])
+
+
+def test_knot_planner_agrees_across_ranks(tmp_path):
+    """Each rank plans from its own rows; the cost tables are averaged so both run the same knots (a different
+    plan per rank would deadlock FSDP2), and the result is the 1-process plan and update."""
+    common = ["train.steps=2", "jagg.plan=budget", "jagg.speedup=2"]
+    two = run(2, tmp_path / "two", "parallel.backend=fsdp2", *common)
+    one = run(1, tmp_path / "one", *common)
+    assert [r["knots"] for r in two] == [r["knots"] for r in one]
+    close(two, one)

@@ -36,6 +36,11 @@ ARMS = {
     "W4 frac0.75 vcos": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=0.75", "jagg.route_by=vcos"],
     "W4 frac0.75 weighted": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=0.75", "jagg.route_by=weighted"],
     "W8": ["jagg.mode=jagg", "jagg.window=8", "jagg.jagg_frac=1.0"],
+    # the knot planner (issue 8) against uniform windows and routing at the same transformer rows per sample
+    "budget S2": ["jagg.mode=jagg", "jagg.plan=budget", "jagg.speedup=2"],
+    "W6 frac0.67 vcos": ["jagg.mode=jagg", "jagg.window=6", "jagg.jagg_frac=0.67", "jagg.route_by=vcos"],
+    "shared W4": ["jagg.mode=jagg", "jagg.window=4", "jagg.share_knots=true"],
+    "budget S2.67": ["jagg.mode=jagg", "jagg.plan=budget", "jagg.speedup=2.67"],
 }
 
 
@@ -66,6 +71,7 @@ def run_arm(config: str, name: str, seed: int, out: Path, args) -> dict:
         "probe_norm_ratio": [r["probe_norm_ratio"] for r in probes],
         "probe_cos_windows": [statistics.mean(r[f"probe_cos_w{i}"] for r in probes) for i in range(n_windows)],
         "windows_jagg": statistics.mean(r["windows_jagg"] for r in history),
+        "knots": [r["knots"] for r in history if "knots" in r][-1:],  # the last plan the run used
         "wall_seconds": wall,
     }
 
@@ -105,6 +111,7 @@ def summarize(runs: list[dict], cfg) -> tuple[list[dict], str]:
             "probe_norm_ratio": statistics.mean(c for r in rs for c in r["probe_norm_ratio"]) if probe else None,
             "probe_cos_windows": wins,
             "windows_jagg": statistics.mean(r["windows_jagg"] for r in rs),
+            "knots": [k for r in rs for k in r.get("knots", [])],
         })
     sig = sigma_schedule(cfg.sampling.num_steps, cfg.sampling.shift)
     lines = ["| arm | held-out reward start | final (mean +- std over seeds) | gain | backward passes (per-step equiv) | "
@@ -123,11 +130,15 @@ def summarize(runs: list[dict], cfg) -> tuple[list[dict], str]:
     for r in rows:
         if not r["probe_cos_windows"]:
             continue
-        window = 8 if r["arm"].startswith("W8") else 4
+        window = 8 if r["arm"].startswith("W8") else 6 if r["arm"].startswith("W6") else 4
         wins = plan_windows(steps, window)
         cells = [f"w{i} s={float(sig[w[0]]):.2f}..{float(sig[w[-1]]):.2f}: {c:.3f}"
                  for i, (w, c) in enumerate(zip(wins, r["probe_cos_windows"]))]
         lines.append(f"- {r['arm']}: " + "; ".join(cells))
+    planned = [r for r in rows if r["knots"]]
+    if planned:
+        lines += ["", "Knot plans (trained steps computed exactly; the last plan of each seed):", ""]
+        lines += [f"- {r['arm']}: " + " | ".join(r["knots"]) for r in planned]
     return rows, "\n".join(lines)
 
 

@@ -6,7 +6,7 @@
 
 from .backward import INTERMEDIATE_MODES, exact_backward, jagg_backward
 from .knots import (budget_for_speedup, check_plan, composite_upstream, cosine_error, knot_backward, knots_from_windows,
-                    passes, plan_budget, plan_cost, plan_from_knots, plan_knots, plan_uniform, residual_error,
+                    passes, plan_budget, plan_cost, plan_from_costs, plan_from_knots, plan_knots, plan_uniform, residual_error,
                     segment_costs, velocity_cosines)
 from .routing import ROUTE_BY, Routing, endpoint_cosine, num_routed, route_windows
 from .windows import plan_windows, trained_steps, window_weights
@@ -15,6 +15,6 @@ __all__ = [
     "INTERMEDIATE_MODES", "exact_backward", "jagg_backward", "ROUTE_BY", "Routing", "endpoint_cosine",
     "num_routed", "route_windows", "plan_windows", "trained_steps", "window_weights",
     "budget_for_speedup", "check_plan", "composite_upstream", "cosine_error", "knot_backward", "knots_from_windows",
-    "passes", "plan_budget", "plan_cost", "plan_from_knots", "plan_knots", "plan_uniform", "residual_error",
+    "passes", "plan_budget", "plan_cost", "plan_from_costs", "plan_from_knots", "plan_knots", "plan_uniform", "residual_error",
     "segment_costs", "velocity_cosines",
 ]

@@ -288,9 +288,17 @@ def plan_budget(g_norms, vcos, sigmas: torch.Tensor, max_knots: int, *, error_fn
         raise ValueError(f"sigmas must have shape ({T},), got {tuple(sigmas.shape)}")
     if T == 1:
         return [(0, 0)]
+    return plan_from_costs(segment_costs(g_norms, error_fn or cosine_error(vcos, sigmas)), max_knots)
+
+
+def plan_from_costs(C: torch.Tensor, max_knots: int) -> Plan:
+    """The DP of plan_budget on a segment-cost table C[a, b] (segment_costs). Separate so that data-parallel ranks
+    can average their tables first and all run the same plan."""
+    T = C.shape[0]
+    if T == 1:
+        return [(0, 0)]
     if max_knots < 2:
         raise ValueError(f"max_knots must be >= 2 (the first and last step), got {max_knots}")
-    C = segment_costs(g_norms, error_fn or cosine_error(vcos, sigmas))
     K = min(max_knots, T)
     best = torch.full((K + 1, T), math.inf, dtype=torch.float64)
     back = torch.zeros((K + 1, T), dtype=torch.long)

@@ -81,7 +81,10 @@ class DistContext:
             if not vals:
                 continue
             how = (keep_extremes or {}).get(k)
-            out[k] = reduce[how](vals) if how else sum(vals) / len(vals)
+            if not all(isinstance(v, (int, float)) for v in vals):
+                out[k] = vals[0]  # non-numeric (e.g. the knot plan): identical on every rank by construction
+            else:
+                out[k] = reduce[how](vals) if how else sum(vals) / len(vals)
         return out
 
     def ensure_group(self) -> None:

@@ -74,6 +74,13 @@ class JAGGConfig:
     route_by: str = "vcos"  # vcos | weighted
     intermediate: str = "auto"  # auto | cached | interpolate | forward
     probe_every: int = 0  # every N steps log the exact-vs-JAGG gradient cosine (extra passes); 0 = off
+    # knot plans (jagg/knots.py): `budget` places the exactly-computed steps where the error model says JAGG's
+    # interpolation would cost most, with at most trained_steps / speedup with-grad rows per sample
+    plan: str = "uniform"  # uniform (windows of `window`, jagg_frac routing) | budget (the DP planner)
+    speedup: float = 2.0  # budget: transformer rows per sample <= trained steps / speedup
+    share_knots: bool = False  # uniform: adjacent windows share their boundary knot (fewer rows, longer spans)
+    rows_per_pass: int = 2  # knot plans: knots per joint forward+backward (2 = the paper's joint endpoint pass)
+    error_model: str = "residual"  # budget: residual (velocity interpolation residual) | cosine
 
 
 @dataclass
@@ -320,6 +327,12 @@ def validate(cfg: Config) -> None:
     _require(j.intermediate in ("auto", "cached", "interpolate", "forward"), "jagg.intermediate",
              f"must be auto, cached, interpolate or forward, got {j.intermediate!r}")
     _require(j.probe_every >= 0, "jagg.probe_every", "must be >= 0 (0 disables the probe)")
+    _require(j.plan in ("uniform", "budget"), "jagg.plan", f"must be uniform or budget, got {j.plan!r}")
+    _require(j.speedup >= 1.0, "jagg.speedup", f"must be >= 1, got {j.speedup}")
+    _require(j.rows_per_pass >= 1, "jagg.rows_per_pass", "must be >= 1")
+    _require(j.error_model in ("residual", "cosine"), "jagg.error_model", f"must be residual or cosine, got {j.error_model!r}")
+    _require(not (j.plan == "budget" and j.jagg_frac != 1.0), "jagg.jagg_frac",
+             "routes uniform windows; with jagg.plan budget the planner decides (leave jagg_frac at 1.0)")
     t = cfg.train
     _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
     _require(t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")

@@ -274,6 +274,8 @@ class Trainer:
             "backward_passes": stats.backward_passes,
             "per_step_equiv": stats.per_step_equiv,
             "nograd_forward_passes": stats.nograd_forward_passes,
+            "pass_ratio": stats.backward_passes / max(1, stats.per_step_equiv),  # transformer rows vs per-step
+            **({"knots": " ".join(map(str, stats.knots[0]))} if stats.knots else {}),
             "time_rollout": t1 - t0,  # includes the reward scoring that overlapped it
             "time_reward": t2 - t1,  # reward time not hidden behind the rollout
             "time_train": t3 - t2 - loss_metrics.get("time_probe", 0.0),  # the probe is diagnostics, not training

@@ -16,6 +16,8 @@ import torch
 
 from ..grpo.loss import GRPOStepLoss
 from ..jagg import exact_backward, jagg_backward, plan_windows, route_windows
+from ..jagg.knots import (budget_for_speedup, cosine_error, knot_backward, plan_from_costs, plan_knots, plan_uniform,
+                          residual_error, segment_costs, velocity_cosines)
 from ..jagg.backward import ModelFn
 from ..models.base import Cond
 from .config import JAGGConfig
@@ -34,6 +36,7 @@ class BackwardStats:
     loss: float = 0.0  # sum over trained steps of the (scaled) step losses
     intermediate: list = field(default_factory=list)
     cosines: list = field(default_factory=list)
+    knots: list = field(default_factory=list)  # knot plans: the trained-step indices computed exactly, per minibatch
 
     def add(self, other: "BackwardStats") -> None:
         for name in ("windows", "windows_jagg", "backward_calls", "backward_passes", "per_step_equiv",
@@ -41,6 +44,7 @@ class BackwardStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.intermediate += other.intermediate
         self.cosines += other.cosines
+        self.knots += other.knots
 
 
 def resolve_intermediate(setting: str, on_policy: bool) -> str:
@@ -106,8 +110,10 @@ def backward_minibatch(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, steps:
     Every backward runs inside `accumulate(last)` (a sharded engine synchronises gradients only when last is
     True, the accumulation boundary). An exact window is split into its single steps for that, so the boundary
     is the last backward of the minibatch whatever the plan; the gradient is the same per-step code."""
-    plan = plan_minibatch(loss, steps, cfg, reduce)
     value_mode = resolve_intermediate(cfg.intermediate, on_policy)
+    if uses_knots(cfg):
+        return backward_knots(model_fn, cond, loss, steps, cfg, value_mode, accumulate, reduce)
+    plan = plan_minibatch(loss, steps, cfg, reduce)
     stats = BackwardStats(per_step_equiv=len(steps), cosines=plan.cosines)
     units = [(win, True) if jagg else ([k], False) for win, jagg in zip(plan.windows, plan.use_jagg)
              for k in (win[:1] if jagg else win)]
@@ -129,6 +135,55 @@ def backward_minibatch(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, steps:
     return stats
 
 
+# ------------------------------------------------------------------------------------------------- knot plans
+
+
+def uses_knots(cfg: JAGGConfig) -> bool:
+    return cfg.mode == "jagg" and (cfg.plan == "budget" or cfg.share_knots)
+
+
+def plan_knot_minibatch(loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig, reduce=None) -> list[tuple[int, int]]:
+    """The knot plan over positions 0..T-1 of the trained steps. `budget`: the DP on the error model, fed with
+    what is known before any backward: |g_k| at the rollout's velocities and their interpolation residuals (or
+    endpoint cosines). With data parallelism the per-rank cost tables are averaged first (same plan everywhere)."""
+    T = len(steps)
+    if cfg.plan == "uniform":
+        return plan_uniform(T, cfg.window, share=cfg.share_knots)
+    batch = loss.batch
+    idx = torch.tensor(steps, device=batch.velocities.device)
+    velocities, sigmas = batch.velocities[idx], batch.sigmas[idx].cpu()
+    norms = step_grad_norms(loss, batch.velocities, steps)
+    g = [norms[k] for k in steps]
+    if reduce is not None:
+        g = reduce(g, "norm")
+    error_fn = (residual_error(velocities.cpu(), sigmas) if cfg.error_model == "residual"
+                else cosine_error(velocity_cosines(velocities.cpu()), sigmas))
+    C = segment_costs(g, error_fn)
+    if reduce is not None:
+        C = torch.tensor(reduce(C.flatten().tolist(), "mean"), dtype=torch.float64).reshape(T, T)
+    return plan_from_costs(C, budget_for_speedup(T, cfg.speedup))
+
+
+def backward_knots(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig,
+                   value_mode: str, accumulate=None, reduce=None, plan=None) -> BackwardStats:
+    """A knot plan's gradient in chunks of rows_per_pass knots (one forward + backward each). Gradients are
+    synchronised per chunk (one all-gather and one reduce-scatter cycle per chunk under sharding)."""
+    plan = plan if plan is not None else plan_knot_minibatch(loss, steps, cfg, reduce)
+    batch = loss.batch
+    idx = torch.tensor(steps, device=batch.latents.device)
+    with (accumulate or (lambda last: nullcontext()))(True):
+        total = knot_backward(model_fn, plan, batch.latents[idx], batch.sigmas[idx].to(batch.latents.device), cond,
+                              lambda j, v: loss(steps[j], v), cached_velocities=batch.velocities[idx],
+                              intermediate=value_mode, rows_per_pass=cfg.rows_per_pass)
+    knots = plan_knots(plan)
+    interior = [b - a - 1 for a, b in plan if b > a + 1]
+    return BackwardStats(
+        windows=len(plan), windows_jagg=len(interior), backward_calls=-(-len(knots) // cfg.rows_per_pass),
+        backward_passes=len(knots), per_step_equiv=len(steps),
+        nograd_forward_passes=sum(interior) if value_mode == "forward" else 0, loss=float(total),
+        intermediate=[value_mode] * len(interior), knots=[[steps[q] for q in knots]])
+
+
 def _flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
                       for p in params])
@@ -138,9 +193,23 @@ def probe_minibatch(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, steps: li
                     params: list[torch.nn.Parameter], *, on_policy: bool) -> dict:
     """The fidelity probe: the exact per-step gradient beside the JAGG one on the same minibatch, per window and
     overall (cosine and norm ratio |g_jagg| / |g_exact|). Leaves .grad cleared, so the update is unchanged."""
-    plan = plan_minibatch(loss, steps, cfg)
     value_mode = resolve_intermediate(cfg.intermediate, on_policy)
     probe_loss = loss.fresh()
+    if uses_knots(cfg):  # the whole minibatch: exact per-step gradient vs the knot plan's
+        grads = []
+        for p in params:
+            p.grad = None
+        backward_window(model_fn, cond, probe_loss, steps, False, value_mode)
+        grads.append(_flat_grad(params))
+        for p in params:
+            p.grad = None
+        backward_knots(model_fn, cond, probe_loss, steps, cfg, value_mode)
+        grads.append(_flat_grad(params))
+        for p in params:
+            p.grad = None
+        exact, approx = grads
+        return {"probe_cos": _cos(approx, exact), "probe_norm_ratio": float(approx.norm() / exact.norm().clamp_min(1e-30))}
+    plan = plan_minibatch(loss, steps, cfg)
     total_exact = total_jagg = None
     out: dict = {}
     for i, (win, jagg) in enumerate(zip(plan.windows, plan.use_jagg)):
