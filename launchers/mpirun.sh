@@ -26,58 +26,9 @@
 # CUDA_VISIBLE_DEVICES / OMP_NUM_THREADS when set here. --allow-run-as-root is added when run as root.
 set -euo pipefail
 
-PROG=${0##*/}
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-
-usage() {
-    cat >&2 <<USAGE
-usage: $PROG CONFIG [section.key=value ...]
-  env: NP HOSTFILE MASTER_ADDR MASTER_PORT MPI_BIND MPI_EXPORT JAGG_TRAIN MPIRUN MPIRUN_ARGS DRY_RUN
-       (see the header of $0)
-USAGE
-    exit "${1:-2}"
-}
-die() { echo "$PROG: $*" >&2; exit 2; }
-
-# Shell-quote every argument onto one line (readable back by sh and by Python's shlex.split).
-quote_cmd() {
-    local out="" a sq="'" esc="'\\''" re='^[A-Za-z0-9_./:=,@%+-]+$'
-    for a in "$@"; do
-        if [[ $a =~ $re ]]; then out+=" $a"; else out+=" '${a//"$sq"/"$esc"}'"; fi
-    done
-    printf '%s\n' "${out# }"
-}
-dry_run() { [[ -n "${DRY_RUN:-}" && "${DRY_RUN}" != 0 ]]; }
-run_cmd() {
-    if dry_run; then quote_cmd "$@"; exit 0; fi
-    command -v "$1" >/dev/null 2>&1 || { echo "$PROG: $1: not found" >&2; exit 127; }
-    exec "$@"
-}
-posint() { [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1=$2 must be a positive integer"; }
-gpu_count() {
-    local n=0
-    if [[ -n "${CUDA_VISIBLE_DEVICES+x}" ]]; then
-        [[ -n "$CUDA_VISIBLE_DEVICES" ]] && n=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
-    elif command -v nvidia-smi >/dev/null 2>&1; then
-        n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
-    fi
-    echo "${n:-0}"
-}
-find_jagg_train() {
-    if [[ -n "${JAGG_TRAIN:-}" ]]; then echo "$JAGG_TRAIN"
-    elif command -v jagg-train >/dev/null 2>&1; then command -v jagg-train
-    elif [[ -x "$ROOT/.venv/bin/jagg-train" ]]; then echo "$ROOT/.venv/bin/jagg-train"
-    else echo jagg-train; fi
-}
-# find_tool NAME TRAIN: the tool next to the training executable (same venv), else PATH, else <repo>/.venv/bin.
-find_tool() {
-    local dir
-    dir=$(dirname "$2")
-    if [[ "$2" == */* && -x "$dir/$1" ]]; then echo "$dir/$1"
-    elif command -v "$1" >/dev/null 2>&1; then command -v "$1"
-    elif [[ -x "$ROOT/.venv/bin/$1" ]]; then echo "$ROOT/.venv/bin/$1"
-    else echo "$1"; fi
-}
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+USAGE_ENV="  env: NP HOSTFILE MASTER_ADDR MASTER_PORT MPI_BIND MPI_EXPORT JAGG_TRAIN MPIRUN MPIRUN_ARGS DRY_RUN
+       (see the header of $0)"
 
 # hostfile_first FILE: the first host name (blank lines and comments skipped).
 hostfile_first() { awk '{ sub(/#.*/, "") } NF { print $1; exit }' "$1"; }
@@ -90,13 +41,8 @@ hostfile_slots() {
         END { if (bad || total == 0) exit 1; print total }' "$1"
 }
 
-[[ "${1:-}" == -h || "${1:-}" == --help ]] && usage 0
-[[ $# -ge 1 ]] || usage
-CONFIG=$1; shift
-[[ -f "$CONFIG" ]] || { echo "$PROG: config '$CONFIG' is not a file" >&2; usage; }
-
-JAGG_TRAIN=$(find_jagg_train)
-MPIRUN=${MPIRUN:-$(find_tool mpirun "$JAGG_TRAIN")}
+parse_config "$@"; shift
+find_executables MPIRUN mpirun
 
 if [[ -n "${HOSTFILE:-}" ]]; then
     [[ -f "$HOSTFILE" ]] || die "HOSTFILE=$HOSTFILE is not a file"
@@ -124,10 +70,7 @@ cmd+=(-x "MASTER_ADDR=$MASTER_ADDR" -x "MASTER_PORT=$MASTER_PORT" -x PATH)
 for v in LD_LIBRARY_PATH PYTHONPATH VIRTUAL_ENV CUDA_VISIBLE_DEVICES OMP_NUM_THREADS ${MPI_EXPORT:-}; do
     [[ -n "${!v+x}" ]] && cmd+=(-x "$v")
 done
-if [[ -n "${MPIRUN_ARGS:-}" ]]; then
-    read -r -a extra <<<"$MPIRUN_ARGS"
-    cmd+=("${extra[@]}")
-fi
+append_extra_args "${MPIRUN_ARGS:-}"
 cmd+=("$JAGG_TRAIN" "$CONFIG" "$@")
 
 run_cmd "${cmd[@]}"

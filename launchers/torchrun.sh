@@ -27,70 +27,15 @@
 # checkpoint on SIGTERM/SIGUSR1) and runs the console script directly (--no-python).
 set -euo pipefail
 
-PROG=${0##*/}
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+USAGE_ENV="  env: NNODES NPROC_PER_NODE RDZV MASTER_ADDR MASTER_PORT JOB_ID NODE_RANK SHUTDOWN_TIMEOUT
+       JAGG_TRAIN TORCHRUN TORCHRUN_ARGS DRY_RUN  (see the header of $0)"
 
-usage() {
-    cat >&2 <<EOF
-usage: $PROG CONFIG [section.key=value ...]
-  env: NNODES NPROC_PER_NODE RDZV MASTER_ADDR MASTER_PORT JOB_ID NODE_RANK SHUTDOWN_TIMEOUT
-       JAGG_TRAIN TORCHRUN TORCHRUN_ARGS DRY_RUN  (see the header of $0)
-EOF
-    exit "${1:-2}"
-}
-die() { echo "$PROG: $*" >&2; exit 2; }
-
-# Shell-quote every argument onto one line (readable back by sh and by Python's shlex.split).
-quote_cmd() {
-    local out="" a sq="'" esc="'\\''" re='^[A-Za-z0-9_./:=,@%+-]+$'
-    for a in "$@"; do
-        if [[ $a =~ $re ]]; then out+=" $a"; else out+=" '${a//"$sq"/"$esc"}'"; fi
-    done
-    printf '%s\n' "${out# }"
-}
-dry_run() { [[ -n "${DRY_RUN:-}" && "${DRY_RUN}" != 0 ]]; }
-run_cmd() {
-    if dry_run; then quote_cmd "$@"; exit 0; fi
-    command -v "$1" >/dev/null 2>&1 || { echo "$PROG: $1: not found" >&2; exit 127; }
-    exec "$@"
-}
-posint() { [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1=$2 must be a positive integer"; }
-gpu_count() {
-    local n=0
-    if [[ -n "${CUDA_VISIBLE_DEVICES+x}" ]]; then
-        [[ -n "$CUDA_VISIBLE_DEVICES" ]] && n=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
-    elif command -v nvidia-smi >/dev/null 2>&1; then
-        n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
-    fi
-    echo "${n:-0}"
-}
-find_jagg_train() {
-    if [[ -n "${JAGG_TRAIN:-}" ]]; then echo "$JAGG_TRAIN"
-    elif command -v jagg-train >/dev/null 2>&1; then command -v jagg-train
-    elif [[ -x "$ROOT/.venv/bin/jagg-train" ]]; then echo "$ROOT/.venv/bin/jagg-train"
-    else echo jagg-train; fi
-}
-# find_tool NAME TRAIN: the tool next to the training executable (same venv), else PATH, else <repo>/.venv/bin.
-find_tool() {
-    local dir
-    dir=$(dirname "$2")
-    if [[ "$2" == */* && -x "$dir/$1" ]]; then echo "$dir/$1"
-    elif command -v "$1" >/dev/null 2>&1; then command -v "$1"
-    elif [[ -x "$ROOT/.venv/bin/$1" ]]; then echo "$ROOT/.venv/bin/$1"
-    else echo "$1"; fi
-}
-
-[[ "${1:-}" == -h || "${1:-}" == --help ]] && usage 0
-[[ $# -ge 1 ]] || usage
-CONFIG=$1; shift
-[[ -f "$CONFIG" ]] || { echo "$PROG: config '$CONFIG' is not a file" >&2; usage; }
+parse_config "$@"; shift
 
 NNODES=${NNODES:-1}
 posint NNODES "$NNODES"
-if [[ -z "${NPROC_PER_NODE:-}" ]]; then
-    NPROC_PER_NODE=$(gpu_count)
-    [[ "$NPROC_PER_NODE" -gt 0 ]] || NPROC_PER_NODE=2
-fi
+NPROC_PER_NODE=${NPROC_PER_NODE:-$(default_nproc)}
 posint NPROC_PER_NODE "$NPROC_PER_NODE"
 MASTER_PORT=${MASTER_PORT:-29500}
 posint MASTER_PORT "$MASTER_PORT"
@@ -100,8 +45,7 @@ if [[ -z "${RDZV:-}" ]]; then
     if [[ "$NNODES" -eq 1 ]]; then RDZV=standalone; else RDZV=c10d; fi
 fi
 
-JAGG_TRAIN=$(find_jagg_train)
-TORCHRUN=${TORCHRUN:-$(find_tool torchrun "$JAGG_TRAIN")}
+find_executables TORCHRUN torchrun
 
 cmd=("$TORCHRUN" --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE")
 case "$RDZV" in
@@ -128,10 +72,7 @@ case "$RDZV" in
     *) die "RDZV=$RDZV: expected standalone, c10d or static" ;;
 esac
 cmd+=(--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$SHUTDOWN_TIMEOUT")
-if [[ -n "${TORCHRUN_ARGS:-}" ]]; then
-    read -r -a extra <<<"$TORCHRUN_ARGS"
-    cmd+=("${extra[@]}")
-fi
+append_extra_args "${TORCHRUN_ARGS:-}"
 cmd+=(--no-python "$JAGG_TRAIN" "$CONFIG" "$@")
 
 run_cmd "${cmd[@]}"
