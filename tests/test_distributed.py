@@ -30,6 +30,7 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.hidden_size=64", "model.dit.depth=2", "sampling.num_steps=8", "train.prompts_per_step=2",
          "train.batch_size=4", "log.progress=false", "jagg.window=4"]
 TIMING = ("time_", "comm_")
+EMA = "train.ema_decay=0.9"  # the sharded EMA goes through the DCP checkpoints too
 
 
 def _port() -> int:
@@ -83,7 +84,7 @@ def close(a: list[dict], b: list[dict]):
 def fsdp2_run(tmp_path_factory):
     """The reference 2-process fsdp2 run: 3 steps, a checkpoint after every step."""
     out = tmp_path_factory.mktemp("fsdp2") / "run"
-    rows = run(2, out, "parallel.backend=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3")
+    rows = run(2, out, "parallel.backend=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3", EMA)
     return out, rows
 
 
@@ -115,7 +116,7 @@ def test_collective_counter_shows_one_gather_cycle_per_jagg_window(tmp_path):
 def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(fsdp2_run, tmp_path):
     ref_out, ref = fsdp2_run
     out = tmp_path / "killed"
-    cmd = _cmd(2, out, "parallel.backend=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3")
+    cmd = _cmd(2, out, "parallel.backend=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3", EMA)
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     marker = out / "checkpoints" / "step_00000001" / "COMPLETE"
@@ -126,7 +127,7 @@ def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(fsdp2_run, tmp_p
     proc.wait()
     assert marker.exists()
     resumed = run(2, out, "parallel.backend=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3",
-                  "run.resume=auto")
+                  EMA, "run.resume=auto")
     assert [r["step"] for r in resumed] == [0, 1, 2]
     assert strip(resumed) == strip(ref)
 
@@ -139,7 +140,7 @@ def test_dcp_checkpoint_of_two_processes_resumes_on_one(fsdp2_run, tmp_path):
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(ref_out / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref[:2]))
-    rows = run(1, out, "parallel.backend=fsdp2", "train.steps=3", "run.resume=auto")
+    rows = run(1, out, "parallel.backend=fsdp2", "train.steps=3", EMA, "run.resume=auto")
     assert [r["step"] for r in rows] == [0, 1, 2]
     close(rows[2:], ref[2:])  # step 2 trained by one process from the 2-process shards = the 2-process step 2
 

@@ -46,6 +46,42 @@ class TrainEngine:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, cfg.train)
+        self.init_ema()
+
+    # ------------------------------------------------------------------ EMA of the trainable weights
+    def init_ema(self) -> None:
+        """train.ema_decay > 0 keeps an exponential moving average of the trainable weights (shards of them under
+        FSDP2), updated after every optimizer step, checkpointed, and used for evaluation and export."""
+        decay = float(getattr(self.cfg.train, "ema_decay", 0.0))
+        self.ema_decay = decay
+        self.ema = ({n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+                    if decay > 0 else None)
+
+    @torch.no_grad()
+    def update_ema(self) -> None:
+        if getattr(self, "ema", None) is None:
+            return
+        for name, p in self.model.named_parameters():
+            if name in self.ema:
+                self.ema[name].lerp_(p.detach(), 1.0 - self.ema_decay)
+
+    @contextmanager
+    def ema_weights(self):
+        """The model with its EMA weights in place (copied in and back: sharded parameters keep their storage)."""
+        if getattr(self, "ema", None) is None:  # also engines that keep no EMA (DeepSpeed)
+            yield self.model
+            return
+        params = {n: p for n, p in self.model.named_parameters() if n in self.ema}
+        live = {n: p.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(self.ema[n])
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(live[n])
 
     def shard_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
         """A frozen copy (the KL reference of a full fine-tune), placed like the model; unchanged here."""
@@ -68,6 +104,7 @@ class TrainEngine:
         norm = self.clip_grad_norm()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.update_ema()
         return norm
 
     def zero_grad(self) -> None:
@@ -90,6 +127,8 @@ class TrainEngine:
 
         _write_tensors(directory / "model.safetensors", self.trainable_state_dict())
         _write_object(directory / "optimizer.pt", self.optimizer.state_dict())
+        if self.ema is not None:
+            _write_tensors(directory / "ema.safetensors", self.ema)
 
     def load(self, directory: Path) -> None:
         from safetensors.torch import load_file
@@ -104,6 +143,11 @@ class TrainEngine:
             raise CheckpointError(f"checkpoint {directory} does not fit the model: unexpected {unexpected[:5]}, "
                                   f"missing {sorted(expected - set(state))[:5]}")
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=False))
+        if self.ema is not None:
+            if not (directory / "ema.safetensors").is_file():
+                raise CheckpointError(f"checkpoint {directory} has no EMA weights but train.ema_decay > 0")
+            for name, value in load_file(str(directory / "ema.safetensors")).items():
+                self.ema[name].copy_(value)
 
     @contextmanager
     def gathered_model(self):

@@ -103,6 +103,7 @@ class FSDP2Engine(TrainEngine):
                                  activation_checkpointing=cfg.parallel.activation_checkpointing)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, cfg.train)
+        self.init_ema()
         self._options = StateDictOptions(ignore_frozen_params=self.lora)
 
     def shard_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -126,12 +127,13 @@ class FSDP2Engine(TrainEngine):
     # ------------------------------------------------------------------ state
     def save(self, directory: Path) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(directory / "dcp"))
+        state = {"model": model_sd, "optimizer": optim_sd, **({"ema": self.ema} if self.ema is not None else {})}
+        dcp.save(state, checkpoint_id=str(directory / "dcp"))
 
     def load(self, directory: Path) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options)
-        state = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(state, checkpoint_id=str(directory / "dcp"))
+        state = {"model": model_sd, "optimizer": optim_sd, **({"ema": self.ema} if self.ema is not None else {})}
+        dcp.load(state, checkpoint_id=str(directory / "dcp"))  # in place, the EMA shards included
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=self._options)
 

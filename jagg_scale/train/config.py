@@ -93,6 +93,7 @@ class TrainConfig:
     adam_betas: list = field(default_factory=lambda: [0.9, 0.999])
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
+    ema_decay: float = 0.0  # > 0: EMA of the trainable weights (per optimizer step), used for eval and export
 
 
 @dataclass
@@ -343,6 +344,9 @@ def validate(cfg: Config) -> None:
     _require(len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas",
              "must be two numbers in [0, 1)")
     _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+    _require(0.0 <= t.ema_decay < 1.0, "train.ema_decay", f"must be in [0, 1), got {t.ema_decay}")
+    _require(t.ema_decay == 0 or cfg.parallel.backend != "deepspeed", "train.ema_decay",
+             "is not supported with parallel.backend deepspeed (ZeRO-3 ranks hold no full parameters); use fsdp2")
     _require(cfg.data.source in ("list", "wds"), "data.source", f"must be list or wds, got {cfg.data.source!r}")
     _require(cfg.data.source != "list" or bool(cfg.data.prompt_file) or len(cfg.data.prompts) > 0,
              "data.prompt_file", "is required when data.prompts is empty")

@@ -352,8 +352,9 @@ class Trainer:
 
     def evaluate_to(self, out_dir: Path) -> dict:
         """Every rank runs the same evaluation (a sharded model needs all ranks in its forward); rank 0 writes."""
-        return evaluate(self.model, self.velocity_fn(self.model), self.encode, self.reward, self.cfg,
-                        self.eval_prompts, out_dir if self.dist.is_main else None)
+        with self.engine.ema_weights():  # the EMA weights when train.ema_decay > 0
+            return evaluate(self.model, self.velocity_fn(self.model), self.encode, self.reward, self.cfg,
+                            self.eval_prompts, out_dir if self.dist.is_main else None)
 
     def save(self, next_step: int) -> Path:
         state = {"step": next_step, "prompts": self.source.state_dict(), "config": self.cfg.to_dict(),
@@ -372,13 +373,14 @@ class Trainer:
         sharded (collective); written by rank 0 to a temp dir, then renamed over the previous export."""
         if not hasattr(self.model, "save_full"):
             return None
-        state = self.engine.full_state_dict() if self.engine.name != "none" else None
-        if not self.dist.is_main:
-            return None
-        final = self.out / ("lora" if self.lora else "transformer")
-        tmp = self.out / (final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        (self.model.save_lora if self.lora else self.model.save_full)(tmp, state=state)
+        with self.engine.ema_weights():  # the EMA weights when train.ema_decay > 0
+            state = self.engine.full_state_dict() if self.engine.name != "none" else None
+            if not self.dist.is_main:
+                return None
+            final = self.out / ("lora" if self.lora else "transformer")
+            tmp = self.out / (final.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            (self.model.save_lora if self.lora else self.model.save_full)(tmp, state=state)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         return final
