@@ -1,0 +1,18 @@
+"""jagg-bench: one command that measures what JAGG buys, side by side, on the machine it runs on.
+
+    python -m tools.bench --out docs/benchmarks            # the full run (< 15 min on a 2-core CPU)
+    python -m tools.bench --quick --out /tmp/bench          # every part at toy sizes (< 1 min): a smoke test
+    python -m tools.bench --parts window_speed,memory --out /tmp/bench
+
+Parts (one module each; every figure is a ratio of two measurements from the same run):
+
+    window_speed  one window of W steps on an SD3-shaped DiT: per-step vs eff_grpo-style vs jagg_backward
+    grpo_step     whole GRPO steps through jagg_scale.train.Trainer: exact vs JAGG W=4 (jagg_frac 1, 0.5)
+    memory        peak memory of the joint 2B-row pass vs a per-step B-row pass, +- activation checkpointing
+    comm          collectives and bytes per training step under fsdp2 (2 processes, gloo, torchrun)
+    subsampling   JAGG composed with SDE-window subsampling (Flow-GRPO-Fast, MixGRPO), backward cost per sample
+
+Outputs: OUT.md (generated report), OUT.json (every number), OUT_<part>.png (plots).
+"""
+
+PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling")

@@ -1,0 +1,114 @@
+"""jagg-bench: `python -m tools.bench [--quick] [--parts a,b] [--out docs/benchmarks]` from the repository root.
+
+Writes OUT.md (report), OUT.json (every number) and OUT_<part>.png; prints each part's wall time. See
+tools/bench/__init__.py for the parts and each part's module for what it measures and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python tools/bench/__main__.py`: make `tools.bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    __package__ = "tools.bench"
+
+from tools.bench import PARTS  # noqa: E402
+from tools.bench.common import machine_info  # noqa: E402  (also puts the repository root on sys.path)
+
+# Full-run sizes were chosen from quick runs and single-pass probes so that the whole run stays under 15 minutes
+# on a 2-core CPU; expected wall time per part (s), printed beside the measured one.
+BUDGET_S = {"window_speed": 240, "grpo_step": 95, "memory": 60, "comm": 35, "subsampling": 65}
+
+
+def _clean(x):
+    """JSON-safe: tuples to lists, non-finite floats to None (the report never writes NaN)."""
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="docs/benchmarks", help="output prefix: OUT.md, OUT.json, OUT_<part>.png")
+    p.add_argument("--quick", action="store_true", help="toy sizes, one repeat (< 1 min): a smoke test only")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0: torch's default; 1 with --quick, which must survive a busy "
+                        "machine)")
+    p.add_argument("--merge", action="store_true", help="keep the parts of an existing OUT.json that are not re-run")
+    p.add_argument("--from-json", action="store_true", help="re-render OUT.md and the plots from OUT.json only")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    json_path = out.parent / f"{out.name}.json"
+
+    from tools.bench.report import write_markdown, write_plots
+
+    if args.from_json:
+        results = json.loads(json_path.read_text())
+        md = write_markdown(results, out, write_plots(results, out))
+        print(f"re-rendered {md}")
+        return 0
+
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = [x for x in parts if x not in PARTS]
+    if unknown:
+        p.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
+    import torch
+
+    threads = args.threads or (1 if args.quick else 0)
+    if threads:  # with a busy core, 2 OpenMP threads spin at every op's barrier: a quick run got 30x slower
+        torch.set_num_threads(threads)
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    results = {
+        "command": "python -m tools.bench " + " ".join(argv_list),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "quick": args.quick, "machine": machine_info(), "parts": {},
+    }
+    if args.merge and json_path.exists():
+        old = json.loads(json_path.read_text())
+        results["parts"] = {k: v for k, v in old.get("parts", {}).items() if k not in parts}
+    print(f"machine: {results['machine']}", flush=True)
+    t_all = time.perf_counter()
+    failed = []
+    for part in PARTS:
+        if part not in parts:
+            continue
+        print(f"== {part}" + ("" if args.quick else f" (budget ~{BUDGET_S[part]} s)"), flush=True)
+        t0 = time.perf_counter()
+        try:
+            res = importlib.import_module(f"tools.bench.{part}").run(quick=args.quick)
+        except Exception as exc:  # noqa: BLE001 - one failing part must not lose the others
+            traceback.print_exc()
+            res = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            failed.append(part)
+        res["wall_seconds"] = time.perf_counter() - t0
+        res["measured_at"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        results["parts"][part] = _clean(res)
+        print(f"== {part}: {res['wall_seconds']:.1f} s", flush=True)
+    results["total_seconds"] = time.perf_counter() - t_all
+    json_path.write_text(json.dumps(_clean(results), indent=1) + "\n")
+    md = write_markdown(results, out, write_plots(results, out))
+    print("wall time per part: " + ", ".join(f"{k} {v['wall_seconds']:.1f}s" for k, v in results["parts"].items())
+          + f"; total {results['total_seconds']:.1f}s")
+    print(f"wrote {md}, {json_path} and the plots")
+    if failed:
+        print(f"FAILED parts: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

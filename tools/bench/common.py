@@ -1,0 +1,255 @@
+"""Shared pieces of the benchmark parts: the machine record, the SD3-shaped DiT and its GRPO problem, paired
+timing rounds, and a torch.profiler summary for cases that miss a target."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+from jagg_scale.grpo.loss import GRPOStepLoss, StepBatch  # noqa: E402
+from jagg_scale.grpo.rollout import Trajectories, sample_sde  # noqa: E402
+from jagg_scale.grpo.schedule import sigma_schedule  # noqa: E402
+
+NOISE_LEVEL, SHIFT, CLIP = 0.7, 3.0, 1e-4
+
+# SD3.5-medium-shaped (joint blocks, dual attention in the first layers, RMS qk-norm), shrunk to ~45M parameters:
+# 8 layers of 6 heads x 64 = 384 hidden, 32x32x16 latents in 2x2 patches (256 image tokens), 32 text tokens of
+# a small joint_attention_dim. Text embeddings are random: the bench times the transformer, not an encoder.
+SD3_FULL = dict(sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=8, attention_head_dim=64,
+                num_attention_heads=6, joint_attention_dim=256, caption_projection_dim=384,
+                pooled_projection_dim=256, pos_embed_max_size=32, qk_norm="rms_norm", dual_attention_layers=(0, 1, 2))
+SD3_QUICK = dict(sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+                 num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
+                 pos_embed_max_size=8, qk_norm="rms_norm", dual_attention_layers=(0,))
+TEXT_TOKENS = {"full": 32, "quick": 8}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# machine
+# ------------------------------------------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_mhz() -> float | None:
+    try:
+        vals = [float(line.split(":", 1)[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("cpu MHz")]
+        return round(statistics.mean(vals), 1) if vals else None
+    except (OSError, ValueError):
+        return None
+
+
+def machine_info() -> dict:
+    info = {
+        "cpu_model": cpu_model(), "cpu_mhz": cpu_mhz(), "cpu_count": os.cpu_count(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu",
+        "python": platform.python_version(), "platform": platform.platform(),
+    }
+    try:
+        info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    try:
+        import diffusers
+
+        info["diffusers"] = diffusers.__version__
+    except Exception:  # noqa: BLE001 - optional
+        pass
+    return info
+
+
+def matmul_gflops(n: int = 1024, reps: int = 10) -> float:
+    """The machine's matmul speed right now: a per-round probe that makes a disturbed round visible."""
+    a = torch.randn(n, n)
+    a @ a
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ a
+    return round(reps * 2 * n**3 / (time.perf_counter() - t0) / 1e9, 1)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the SD3-shaped DiT and its GRPO problem
+# ------------------------------------------------------------------------------------------------------------------
+
+class SD3Shaped(torch.nn.Module):
+    """v(x, sigma, (embeds, pooled)) of a diffusers SD3Transformer2DModel, timestep = 1000 sigma (as the adapter)."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        from diffusers import SD3Transformer2DModel
+
+        self.transformer = SD3Transformer2DModel(**cfg)
+        self.cfg = dict(cfg)
+        self.latent_shape = (cfg["in_channels"], cfg["sample_size"], cfg["sample_size"])
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        embeds, pooled = cond
+        sigma = torch.as_tensor(sigma, device=x.device)
+        if sigma.ndim == 0:
+            sigma = sigma.expand(x.shape[0])
+        return self.transformer(hidden_states=x, timestep=sigma.float() * 1000.0, encoder_hidden_states=embeds,
+                                pooled_projections=pooled, return_dict=False)[0]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def tokens(self, text_tokens: int) -> int:
+        return (self.cfg["sample_size"] // self.cfg["patch_size"]) ** 2 + text_tokens
+
+
+def sd3_config(quick: bool) -> tuple[dict, int]:
+    return (SD3_QUICK, TEXT_TOKENS["quick"]) if quick else (SD3_FULL, TEXT_TOKENS["full"])
+
+
+def random_cond(cfg: dict, text_tokens: int, batch: int, generator: torch.Generator):
+    embeds = torch.randn(batch, text_tokens, cfg["joint_attention_dim"], generator=generator)
+    pooled = torch.randn(batch, cfg["pooled_projection_dim"], generator=generator)
+    return embeds, pooled
+
+
+@dataclass
+class Problem:
+    """An SD3-shaped model and a real on-policy GRPO minibatch: SDE trajectories, random advantages."""
+
+    model: SD3Shaped
+    cond: tuple
+    traj: Trajectories
+    step_batch: StepBatch
+    batch: int
+    text_tokens: int
+    rollout_seconds: float
+
+    def loss(self, num_trained: int) -> GRPOStepLoss:
+        """GRPOStepLoss over this batch; each L_k scaled by 1/num_trained (Flow-GRPO's mean over trained steps)."""
+        return GRPOStepLoss(self.step_batch, noise_level=NOISE_LEVEL, clip_range=CLIP, scale=1.0 / num_trained)
+
+    def describe(self) -> dict:
+        return {"kind": "diffusers SD3Transformer2DModel (random weights)", "config": self.model.cfg,
+                "parameters": self.model.num_params(), "text_tokens": self.text_tokens,
+                "tokens_per_sample": self.model.tokens(self.text_tokens), "batch": self.batch,
+                "num_steps": int(self.traj.velocities.shape[0]), "noise_level": NOISE_LEVEL, "shift": SHIFT,
+                "clip_range": CLIP, "rollout_seconds": round(self.rollout_seconds, 2), "dtype": "float32"}
+
+
+_PROBLEMS: dict = {}
+
+
+def sd3_problem(quick: bool, batch: int, num_steps: int, seed: int = 0) -> Problem:
+    """Built once per (size, batch, steps, seed) and shared by the parts that time the same model."""
+    key = (quick, batch, num_steps, seed)
+    if key not in _PROBLEMS:
+        cfg, text_tokens = sd3_config(quick)
+        torch.manual_seed(seed)
+        model = SD3Shaped(cfg).train()
+        gen = torch.Generator().manual_seed(seed)
+        cond = random_cond(cfg, text_tokens, batch, gen)
+        noise = torch.randn(batch, *model.latent_shape, generator=gen)
+        sigmas = sigma_schedule(num_steps, SHIFT)
+        t0 = time.perf_counter()
+        traj = sample_sde(model, cond, noise, sigmas, noise_level=NOISE_LEVEL, generator=gen)
+        rollout_s = time.perf_counter() - t0
+        advantages = torch.randn(batch, generator=gen)
+        step_batch = traj.step_batch(torch.arange(batch), advantages, torch.ones(batch, dtype=torch.bool))
+        for p in model.parameters():  # grads allocated once: every method accumulates into existing buffers
+            p.grad = torch.zeros_like(p)
+        _PROBLEMS[key] = Problem(model, cond, traj, step_batch, batch, text_tokens, rollout_s)
+    return _PROBLEMS[key]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------------------------
+
+def timed(fn: Callable[[], object], model: torch.nn.Module | None = None) -> float:
+    if model is not None:
+        model.zero_grad(set_to_none=False)  # outside the timed region
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def paired_rounds(cases: dict[str, Callable[[], object]], model, repeats: int, label: str = "",
+                  warmup: bool = True, groups: list[list[str]] | None = None) -> dict:
+    """Time every case once per round. Cases compared with each other form a group, timed back to back, its order
+    rotated between rounds so that drift hits all alike. Returns {"times": {case: [s, ...]}, "gflops": [...]}
+    (a matmul probe before each round)."""
+    names = list(cases)
+    groups = groups or [names]
+    if warmup:
+        for n in names:
+            timed(cases[n], model)
+    times = {n: [] for n in names}
+    gflops = []
+    for r in range(repeats):
+        gflops.append(matmul_gflops())
+        order = [n for g in groups for n in g[r % len(g):] + g[: r % len(g)]]
+        for n in order:
+            times[n].append(timed(cases[n], model))
+        print(f"    {label} round {r + 1}/{repeats} ({gflops[-1]:.0f} GFLOP/s): "
+              + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names), flush=True)
+    return {"times": times, "gflops": gflops}
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def paired_speedup(base: list[float], other: list[float]) -> float:
+    """Median over rounds of t(base) / t(other) from the same round (cancels slow drift of the machine)."""
+    return median([a / b for a, b in zip(base, other)])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# profiling a case that misses its target
+# ------------------------------------------------------------------------------------------------------------------
+
+def top_ops(fn: Callable[[], object], n: int = 8, sort_by: str = "self_cpu_time_total", memory: bool = False) -> dict:
+    """One run of fn under torch.profiler (CPU): the top n ops by self CPU time (or self CPU memory)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=memory) as prof:
+        fn()
+    wall = time.perf_counter() - t0
+    avgs = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in avgs) or 1.0
+    rows = sorted(avgs, key=lambda e: getattr(e, sort_by), reverse=True)[:n]
+    return {
+        "wall_seconds_profiled": round(wall, 3),
+        "total_self_cpu_ms": round(total / 1e3, 1),
+        "ops": [{"op": e.key, "calls": int(e.count), "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 1),
+                 "pct": round(100 * e.self_cpu_time_total / total, 1),
+                 **({"self_cpu_memory_mb": round(e.self_cpu_memory_usage / 2**20, 1)} if memory else {})}
+                for e in rows],
+    }
+
+
+def ops_table(prof: dict) -> str:
+    mem = any("self_cpu_memory_mb" in o for o in prof["ops"])
+    head = "| op | calls | self CPU ms | % |" + (" self CPU MB |" if mem else "")
+    lines = [head, "|---|---|---|---|" + ("---|" if mem else "")]
+    for o in prof["ops"]:
+        lines.append(f"| `{o['op']}` | {o['calls']} | {o['self_cpu_ms']:.1f} | {o['pct']:.1f} |"
+                     + (f" {o['self_cpu_memory_mb']:.1f} |" if mem else ""))
+    return "\n".join(lines)
