@@ -24,7 +24,7 @@ test: setup
 	$(BIN)/python -m pytest -q tests
 
 bench: setup
-	$(BIN)/python tools/bench_window.py
+	$(BIN)/python -m tools.bench --out docs/benchmarks
 
 parity: setup
 	$(BIN)/python tools/parity.py $(ARGS)

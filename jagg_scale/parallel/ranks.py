@@ -285,3 +285,21 @@ def default_backend() -> str:
     import torch
 
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def free_port(host: str = DEFAULT_ADDR) -> int:
+    """A TCP port free right now on `host` (for a rendezvous started by this process: tests, benchmarks)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launcher_env(base: Mapping[str, str] | None = None) -> dict:
+    """A copy of the environment without the variables that describe this process's own job, so that a launcher
+    started from it (torchrun, mpirun) sets up a fresh one; one intra-op thread per rank, unbuffered output."""
+    env = dict(os.environ if base is None else base, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for key in (*_TORCHRUN_VARS, "SLURM_PROCID"):
+        env.pop(key, None)
+    return env

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from jagg_scale.parallel.ranks import free_port, launcher_env
 
 from .common import ROOT
 
@@ -42,18 +43,6 @@ KEYS = ("comm_train_all_gather", "comm_train_reduce_scatter", "comm_train_bytes"
         "backward_passes", "optimizer_steps", "nograd_forward_passes", "time_train", "time_rollout")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
-        env.pop(key, None)
-    return env
-
 
 def _bin(name: str) -> str:
     path = Path(sys.executable).parent / name
@@ -61,9 +50,10 @@ def _bin(name: str) -> str:
 
 
 def start_arm(out: Path, overrides: list[str], steps: int):
-    cmd = [_bin("torchrun"), "--nproc_per_node", str(NPROC), "--master_port", str(_port()), _bin("jagg-train"),
+    cmd = [_bin("torchrun"), "--nproc_per_node", str(NPROC), "--master_port", str(free_port()), _bin("jagg-train"),
            str(ROOT / "configs" / "tiny_cpu.yaml"), *overrides, f"train.steps={steps}", f"run.output_dir={out}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     return proc, cmd, time.perf_counter()
 
 
