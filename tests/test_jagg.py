@@ -2,37 +2,11 @@
 
 import pytest
 import torch
-from torch import nn
 
 from jagg_scale.jagg import (exact_backward, jagg_backward, num_routed, plan_windows, route_windows, trained_steps,
                              window_weights)
 from jagg_scale.models import DiT, DiTConfig
-
-D = 12  # flattened latent size of the toy models: latents are [B, 3, 2, 2]
-
-
-class LinearVelocity(nn.Module):
-    """v = A x + b s + C c: affine in (x, s), so J is affine in (x, s) and JAGG must be exact on collinear inputs."""
-
-    def __init__(self):
-        super().__init__()
-        self.A = nn.Linear(D, D)
-        self.b = nn.Parameter(torch.randn(D))
-        self.C = nn.Linear(4, D, bias=False)
-
-    def forward(self, x, s, c):
-        return (self.A(x.flatten(1)) + s[:, None] * self.b + self.C(c)).view_as(x)
-
-
-class MLPVelocity(nn.Module):
-    """Nonlinear in x, s and the conditioning."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(D + 1 + 4, 32), nn.Tanh(), nn.Linear(32, D))
-
-    def forward(self, x, s, c):
-        return self.net(torch.cat([x.flatten(1), s[:, None], c], dim=1)).view_as(x)
+from toy_velocity import D, CountingModel, LinearVelocity, MLPVelocity
 
 
 def make_step_loss(W, B, seed=0):
@@ -118,27 +92,6 @@ def test_nonlinear_model_is_approximate_but_not_exact():
     _, ref = run(exact_backward, model, model, latents, sigmas, cond, step_loss)
     _, got = run(jagg_backward, model, model, latents, sigmas, cond, step_loss, intermediate="forward")
     assert rel_err(got, ref) > 1e-6
-
-
-class CountingModel(nn.Module):
-    """Records (rows, grad enabled) of every forward and counts backward passes through the model."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.forwards = []
-        self.backwards = 0
-
-    def forward(self, x, s, c):
-        self.forwards.append((x.shape[0], torch.is_grad_enabled()))
-        out = self.inner(x, s, c)
-        if out.requires_grad:
-            out.register_hook(self._count)
-        return out
-
-    def _count(self, grad):
-        self.backwards += 1
-        return grad
 
 
 @pytest.mark.parametrize("mode,nograd_rows", [("cached", []), ("interpolate", []), ("forward", [(5 - 2) * 3])])

@@ -1,7 +1,7 @@
 """Knot plans and the budgeted planner (jagg_scale/jagg/knots.py) against their contract (design doc 2 and 5).
 
-The toy models and the collinear construction are those of tests/test_jagg.py (copied: test modules stay
-independent), over all T steps of a batch instead of one window."""
+The toy models (tests/toy_velocity.py) and the collinear construction are those of tests/test_jagg.py, over all T
+steps of a batch instead of one window."""
 
 import math
 import random
@@ -9,55 +9,14 @@ import time
 
 import pytest
 import torch
-from torch import nn
 
 from jagg_scale.jagg import (budget_for_speedup, check_plan, composite_upstream, cosine_error, exact_backward,
                              jagg_backward, knot_backward, knots_from_windows, passes, plan_budget, plan_cost,
                              plan_from_knots, plan_knots, plan_uniform, plan_windows, residual_error, segment_costs,
                              velocity_cosines, window_weights)
+from toy_velocity import D, CountingModel, LinearVelocity, MLPVelocity
 
-D = 12  # flattened latent size: latents are [B, 3, 2, 2]
 MODES = ["cached", "interpolate", "forward"]
-
-
-class LinearVelocity(nn.Module):
-    """v = A x + b s + C c: affine in (x, s), so any knot plan must be exact on collinear inputs."""
-
-    def __init__(self):
-        super().__init__()
-        self.A, self.b, self.C = nn.Linear(D, D), nn.Parameter(torch.randn(D)), nn.Linear(4, D, bias=False)
-
-    def forward(self, x, s, c):
-        return (self.A(x.flatten(1)) + s[:, None] * self.b + self.C(c)).view_as(x)
-
-
-class MLPVelocity(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(D + 1 + 4, 32), nn.Tanh(), nn.Linear(32, D))
-
-    def forward(self, x, s, c):
-        return self.net(torch.cat([x.flatten(1), s[:, None], c], dim=1)).view_as(x)
-
-
-class CountingModel(nn.Module):
-    """Records the rows of every with-grad forward and counts backward passes through the model."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner, self.grad_rows, self.backwards = inner, [], 0
-
-    def forward(self, x, s, c):
-        if torch.is_grad_enabled():
-            self.grad_rows.append(x.shape[0])
-        out = self.inner(x, s, c)
-        if out.requires_grad:
-            out.register_hook(self._count)
-        return out
-
-    def _count(self, grad):
-        self.backwards += 1
-        return grad
 
 
 def make_step_loss(T, B, seed=0):
@@ -256,7 +215,7 @@ def test_rows_per_pass_same_gradient_and_one_backward_per_chunk():
     K = passes(plan)
     grads = []
     for r in (1, 2, 3, 4, 6, 7):
-        model.grad_rows, model.backwards = [], 0
+        model.forwards, model.backwards = [], 0
         _, g = grad_after(model, knot_backward, model, plan, latents, sigmas, cond, step_loss,
                           cached_velocities=cached, rows_per_pass=r)
         grads.append(g)
