@@ -8,7 +8,7 @@ Per trajectory we store x_0 .. x_T, the velocities v_0 .. v_{T-1} the sampler us
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 
@@ -80,8 +80,11 @@ def sample_sde(
     noise_level: float,
     generator: torch.Generator | list[torch.Generator],
     ref_velocity_fn: VelocityFn | None = None,
+    sde_steps: Collection[int] | None = None,
 ) -> Trajectories:
-    """Run the SDE sampler from `noise` (= x_0 at s_0 = 1) through all T steps of `sigmas`."""
+    """Run the sampler from `noise` (= x_0 at s_0 = 1) through all T steps of `sigmas`: the SDE (with log-probs)
+    on `sde_steps` (all when None), the deterministic ODE elsewhere (Flow-GRPO-Fast / MixGRPO: only the SDE
+    steps are explored and trained; their log-probs are 0 elsewhere and never used)."""
     x = noise.float()
     n = x.shape[0]
     sigma_max = float(sigmas[1])
@@ -89,15 +92,20 @@ def sample_sde(
     for k in range(len(sigmas) - 1):
         s = sigmas[k].to(x.device).expand(n)
         v = velocity_fn(x, s, cond).float()
-        step = sde_step_with_logprob(
-            x, v, sigmas[k], sigmas[k + 1], noise_level=noise_level, sigma_max=sigma_max, generator=generator
-        )
-        if ref_velocity_fn is not None:
-            ref_vs.append(ref_velocity_fn(x, s, cond).float())
-        x = step.prev_sample
+        stochastic = sde_steps is None or k in sde_steps
+        if stochastic:
+            step = sde_step_with_logprob(
+                x, v, sigmas[k], sigmas[k + 1], noise_level=noise_level, sigma_max=sigma_max, generator=generator
+            )
+            x_next, log_prob = step.prev_sample, step.log_prob
+        else:
+            x_next, log_prob = ode_step(x, v, sigmas[k], sigmas[k + 1]), torch.zeros(n, device=x.device)
+        if ref_velocity_fn is not None:  # the KL term is evaluated on the trained (SDE) steps only
+            ref_vs.append(ref_velocity_fn(x, s, cond).float() if stochastic else torch.zeros_like(v))
+        x = x_next
         latents.append(x)
         velocities.append(v)
-        log_probs.append(step.log_prob)
+        log_probs.append(log_prob)
     return Trajectories(
         latents=torch.stack(latents),
         velocities=torch.stack(velocities),

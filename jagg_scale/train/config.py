@@ -52,6 +52,14 @@ class SamplingConfig:
     shift: Optional[float] = 3.0  # SD3's time shift; null = the loaded pipeline's own schedule (sd3/flux)
     batch_size: int = 16  # rollout rows per forward
     eval_num_steps: int = 20
+    # SDE window (Flow-GRPO-Fast / MixGRPO): only `sde_window` consecutive steps are sampled with the SDE and
+    # trained, the others run the ODE; 0 = every step is SDE (Flow-GRPO). The window's start is drawn per step
+    # in [lo, hi - sde_window] (sde_window_range, default the whole trajectory): `random` (Flow-GRPO-Fast) or
+    # `sliding` (MixGRPO: moves one step every sde_window_every training steps, wrapping around).
+    sde_window: int = 0
+    sde_window_range: list = field(default_factory=list)
+    sde_window_mode: str = "random"
+    sde_window_every: int = 1
 
 
 @dataclass
@@ -312,6 +320,16 @@ def validate(cfg: Config) -> None:
     _require(s.shift is not None or cfg.model.kind != "dit", "sampling.shift",
              "null (the pipeline's own schedule) needs model.kind sd3 or flux")
     _require(s.batch_size >= 1, "sampling.batch_size", "must be >= 1")
+    _require(0 <= s.sde_window <= s.num_steps, "sampling.sde_window", f"must be in [0, num_steps], got {s.sde_window}")
+    rng = s.sde_window_range or [0, s.num_steps]
+    _require(len(rng) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in rng)
+             and 0 <= rng[0] < rng[1] <= s.num_steps and rng[1] - rng[0] >= s.sde_window, "sampling.sde_window_range",
+             f"must be [lo, hi] with 0 <= lo < hi <= num_steps and hi - lo >= sde_window, got {s.sde_window_range}")
+    _require(s.sde_window_mode in ("random", "sliding"), "sampling.sde_window_mode",
+             f"must be random or sliding, got {s.sde_window_mode!r}")
+    _require(s.sde_window_every >= 1, "sampling.sde_window_every", "must be >= 1")
+    _require(s.sde_window == 0 or cfg.grpo.timestep_fraction == 1.0, "grpo.timestep_fraction",
+             "must be 1.0 with sampling.sde_window (the window decides which steps are trained)")
     g = cfg.grpo
     _require(g.group_size >= 2, "grpo.group_size", f"must be >= 2 for group-relative advantages, got {g.group_size}")
     _require(g.clip_range > 0, "grpo.clip_range", "must be > 0")

@@ -22,7 +22,7 @@ __all__ = ["step_seed", "row_generators", "StepRows"]
 
 def step_seed(seed: int, step: int, stream: int) -> int:
     """A distinct, reproducible seed per (run seed, step, stream); streams: 0 rollout noise, 1 row order,
-    2 later inner epochs' order."""
+    2 later inner epochs' order, 3 the SDE window's start."""
     return ((seed * 1_000_003 + step) * 16 + stream) % (2**63 - 1)
 
 

@@ -141,7 +141,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None) -> Trajectories:
+    def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None, sde_steps=None) -> Trajectories:
         """SDE trajectories of the given global rows (cond holds their conditioning, in that order).
         `on_chunk(index, final_latents)` is called after each chunk of sampling.batch_size rows (reward scoring)."""
         cfg = self.cfg
@@ -152,10 +152,26 @@ class Trainer:
         for idx in torch.arange(len(rows)).split(cfg.sampling.batch_size):
             parts.append(sample_sde(policy, index_cond(cond, idx.to(self.device)), noise[idx].to(self.device),
                                     self.sigmas, noise_level=cfg.sampling.noise_level,
-                                    generator=[gens[i] for i in idx.tolist()], ref_velocity_fn=ref))
+                                    generator=[gens[i] for i in idx.tolist()], ref_velocity_fn=ref,
+                                    sde_steps=sde_steps))
             if on_chunk is not None:
                 on_chunk(idx, parts[-1].final)
         return Trajectories.cat(parts)
+
+    def trained_steps_at(self, step: int) -> list[int]:
+        """The steps trained at training step `step`: Flow-GRPO's first timestep_fraction of the trajectory, or the
+        SDE window of sampling.sde_window steps (random start per step, or sliding), seeded by the step."""
+        s = self.cfg.sampling
+        if s.sde_window == 0:
+            return self.steps
+        lo, hi = s.sde_window_range or [0, s.num_steps]
+        starts = hi - lo - s.sde_window + 1
+        if s.sde_window_mode == "sliding":
+            start = lo + (step // s.sde_window_every) % starts
+        else:
+            gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, 3))
+            start = lo + int(torch.randint(starts, (1,), generator=gen))
+        return list(range(start, start + s.sde_window))
 
     def _route_reduce(self, values: list[float], how: str) -> list[float]:
         """Routing statistics combined over ranks so that every rank runs the same window plan."""
@@ -167,7 +183,7 @@ class Trainer:
         return (parts.mean(0) if how == "mean" else parts.pow(2).sum(0).sqrt()).tolist()
 
     def update(self, traj: Trajectories, cond, adv_values, adv_mask, mask_global, plan: StepRows,
-               step: int) -> tuple[BackwardStats, dict]:
+               step: int, steps: list[int]) -> tuple[BackwardStats, dict]:
         """Inner epochs x minibatches; one optimizer step per minibatch. `auto` intermediate values are the
         cached ones until the first optimizer step on this rollout, fresh forwards after it."""
         cfg, j = self.cfg, self.cfg.jagg
@@ -185,14 +201,14 @@ class Trainer:
                     denom = float(mask_global[global_rows].sum()) / plan.world_size
                     loss = GRPOStepLoss(traj.step_batch(local, adv_values, adv_mask),
                                         noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
-                                        beta=cfg.grpo.beta, scale=1.0 / len(self.steps), denominator=denom)
+                                        beta=cfg.grpo.beta, scale=1.0 / len(steps), denominator=denom)
                     mb_cond, on_policy = index_cond(cond, local), optimizer_steps == 0
                     if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
                         t_probe = time.perf_counter()
-                        probe_metrics = probe_minibatch(policy, mb_cond, loss, self.steps, j, self.engine.params,
+                        probe_metrics = probe_minibatch(policy, mb_cond, loss, steps, j, self.engine.params,
                                                         on_policy=on_policy)
                         probe_metrics["time_probe"] = time.perf_counter() - t_probe
-                    stats = backward_minibatch(policy, mb_cond, loss, self.steps, j, on_policy=on_policy,
+                    stats = backward_minibatch(policy, mb_cond, loss, steps, j, on_policy=on_policy,
                                                accumulate=self.engine.accumulate, reduce=self._route_reduce)
                     grad_norm = self.engine.step()
                     optimizer_steps += 1
@@ -221,8 +237,10 @@ class Trainer:
         scorer = ChunkScorer(self.reward, self.model.decode, background=background)
         on_chunk = lambda idx, final: scorer.add(final, [prompts[i] for i in idx.tolist()],  # noqa: E731
                                                  [metadata[i] for i in idx.tolist()])
+        steps = self.trained_steps_at(step)
+        sde_steps = set(steps) if cfg.sampling.sde_window else None
         with self._comm("rollout"):
-            traj = self.rollout(cond, mine, step, on_chunk=on_chunk)
+            traj = self.rollout(cond, mine, step, on_chunk=on_chunk, sde_steps=sde_steps)
         t1 = time.perf_counter()
         local = scorer.finish()
         # gathered so that every rank sees the whole batch (and takes the same decisions)
@@ -250,7 +268,7 @@ class Trainer:
         self.model.train()
         with self._comm("train"):
             stats, loss_metrics = self.update(traj, cond, adv.values[mine].to(self.device),
-                                              adv.mask[mine].to(self.device), adv.mask, plan, step)
+                                              adv.mask[mine].to(self.device), adv.mask, plan, step, steps)
         t3 = time.perf_counter()
         ok = total[valid_all]
         per_reward = {}
@@ -275,6 +293,7 @@ class Trainer:
             "per_step_equiv": stats.per_step_equiv,
             "nograd_forward_passes": stats.nograd_forward_passes,
             "pass_ratio": stats.backward_passes / max(1, stats.per_step_equiv),  # transformer rows vs per-step
+            **({"sde_window_start": steps[0]} if cfg.sampling.sde_window else {}),
             **({"knots": " ".join(map(str, stats.knots[0]))} if stats.knots else {}),
             "time_rollout": t1 - t0,  # includes the reward scoring that overlapped it
             "time_reward": t2 - t1,  # reward time not hidden behind the rollout
