@@ -204,3 +204,14 @@ def test_knot_planner_agrees_across_ranks(tmp_path):
     one = run(1, tmp_path / "one", *common)
     assert [r["knots"] for r in two] == [r["knots"] for r in one]
     close(two, one)
+
+
+def test_hsdp_replicas_match_and_reduce_by_all_reduce(fsdp2_run, tmp_path):
+    """parallel.replicate=2 on 2 processes: a (replicate=2, shard=1) HSDP mesh, i.e. two full replicas. No
+    parameter all-gathers; gradients are all-reduced across the replicas once per unit per minibatch."""
+    _, ref = fsdp2_run
+    rows = run(2, tmp_path / "hsdp", "parallel.backend=fsdp2", "parallel.replicate=2", "train.steps=2")
+    close(rows, ref[:2])
+    for r in rows:
+        assert "comm_train_all_gather" not in r
+        assert r["comm_train_all_reduce"] == 3 * r["optimizer_steps"]  # 2 blocks + root, per minibatch
