@@ -26,6 +26,11 @@ def test_two_step_digits_run(tmp_path):
         assert 0.0 < row["probe_cos"] <= 1.0
     assert sorted(trainer.evals) == [0, 2]
     assert (tmp_path / "eval" / "step_00000002" / "grid.png").exists()
+    # jagg-eval on the run directory loads its newest checkpoint and measures what the trainer measured
+    out = tmp_path / "re_eval"
+    assert eval_main([DIGITS, *FAST, "eval.num_per_prompt=1", "--checkpoint", str(tmp_path), "--output", str(out)]) == 0
+    assert json.loads((out / "eval.json").read_text())["reward_mean"] == pytest.approx(trainer.evals[2]["reward_mean"],
+                                                                                       abs=1e-6)
 
 
 def test_jagg_eval_on_the_committed_generator_reproduces_its_card(tmp_path):
