@@ -12,14 +12,10 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from jagg_scale.grpo import sample_ode, sample_sde, sigma_schedule  # noqa: E402
-from jagg_scale.grpo.rollout import guided_velocity  # noqa: E402
-from jagg_scale.grpo.sde import ode_step, sde_step_with_logprob  # noqa: E402
-from jagg_scale.jagg import exact_backward, jagg_backward  # noqa: E402
+from adapter_checks import PROMPTS, check_jagg_w2_equals_per_step, check_rollout_logprobs_recomputed  # noqa: E402
+from jagg_scale.grpo import sample_ode, sigma_schedule  # noqa: E402
+from jagg_scale.grpo.sde import ode_step  # noqa: E402
 from jagg_scale.models.sd3 import SD3Velocity  # noqa: E402
-
-
-PROMPTS = ["a red cat", "two dogs on a photo"]
 
 
 @pytest.fixture(scope="module")
@@ -108,22 +104,7 @@ def test_adapter_ode_equals_the_pipeline_sampling_loop(model):
 
 @pytest.mark.parametrize("guidance", [1.0, 4.5])
 def test_rollout_logprobs_recomputed_in_training(model, guidance):
-    torch.manual_seed(0)
-    c = model.encode_prompts(PROMPTS)
-    cond = c if guidance == 1.0 else (c, model.encode_prompts([""] * 2))
-    fn = lambda x, s, cc: guided_velocity(model, x, s, cc, guidance)  # noqa: E731
-    sigmas = sigma_schedule(4, shift=3.0)
-    noise = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(2))
-    traj = sample_sde(fn, cond, noise, sigmas, noise_level=0.7, generator=torch.Generator().manual_seed(3))
-    assert traj.latents.shape == (5, 2, *model.latent_shape) and torch.isfinite(traj.log_probs).all()
-    for k in range(4):
-        v = fn(traj.latents[k], sigmas[k].expand(2), cond)  # training pass, with grad
-        assert v.requires_grad
-        step = sde_step_with_logprob(traj.latents[k], v, sigmas[k], sigmas[k + 1], noise_level=0.7,
-                                     sigma_max=float(sigmas[1]), prev_sample=traj.latents[k + 1])
-        ratio = torch.exp(step.log_prob - traj.log_probs[k])
-        assert (ratio - 1).abs().max() <= 1e-5, (k, ratio)
-        assert torch.allclose(v.detach(), traj.velocities[k], atol=1e-5)
+    check_rollout_logprobs_recomputed(model, sigma_schedule(4, shift=3.0), guidance)
 
 
 @pytest.fixture(scope="module")
@@ -131,37 +112,12 @@ def model64(sd3_dir):
     return SD3Velocity.from_pretrained(sd3_dir, dtype=torch.float32).double()
 
 
-def _grads(m):
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in m.parameters()])
-
-
 @pytest.mark.parametrize("guidance", [1.0, 4.5])
 def test_jagg_w2_equals_per_step_on_the_transformer(model64, guidance):
     m = model64
     c = m.encode_prompts(PROMPTS)
     assert c[0].dtype == torch.float64
-    cond = c if guidance == 1.0 else (c, m.encode_prompts([""] * 2))
-    fn = lambda x, s, cc: guided_velocity(m, x, s, cc, guidance)  # noqa: E731
-    gen = torch.Generator().manual_seed(4)
-    sigmas = sigma_schedule(4, shift=3.0).double()[1:3]
-    latents = torch.randn(2, 2, *m.latent_shape, generator=gen, dtype=torch.float64)
-    targets = torch.randn(2, 2, *m.latent_shape, generator=gen, dtype=torch.float64)
-    adv = torch.randn(2, 2, generator=gen, dtype=torch.float64)
-
-    def step_loss(k, v):  # GRPO-like: -A exp(log-ratio), log-prob a Gaussian in v
-        logp = -((v.double() - targets[k]) ** 2).mean(dim=(1, 2, 3))
-        return (-adv[k] * torch.exp(0.1 * logp)).mean()
-
-    m.zero_grad(set_to_none=True)
-    loss_j = jagg_backward(fn, latents, sigmas, cond, step_loss)
-    g_j = _grads(m).clone()
-    m.zero_grad(set_to_none=True)
-    loss_e = exact_backward(fn, latents, sigmas, cond, step_loss)
-    g_e = _grads(m).clone()
-    m.zero_grad(set_to_none=True)
-    assert g_e.norm() > 0
-    assert torch.allclose(loss_j.double(), loss_e.double(), rtol=1e-10)
-    assert float((g_j - g_e).norm() / g_e.norm()) <= 1e-5
+    check_jagg_w2_equals_per_step(m, sigma_schedule(4, shift=3.0).double()[1:3], guidance)
 
 
 def test_jagg_train_two_steps_on_the_tiny_sd3_pipeline(sd3_dir, tmp_path):
