@@ -63,3 +63,12 @@ def check_jagg_w2_equals_per_step(m, window_sigmas, guidance):
     assert g_e.norm() > 0
     assert torch.allclose(loss_j.double(), loss_e.double(), rtol=1e-10)
     assert float((g_j - g_e).norm() / g_e.norm()) <= 1e-5
+
+
+def check_only_the_transformer_trains(model, frozen: set):
+    """The optimizer sees the transformer alone; the frozen parts are frozen and not in the state dict."""
+    assert {id(p) for p in model.parameters()} == {id(p) for p in model.transformer.parameters()}
+    assert all(k.startswith("transformer.") for k in model.state_dict())
+    assert set(model.frozen) == frozen
+    for m in model.frozen.values():
+        assert not any(p.requires_grad for p in m.parameters())

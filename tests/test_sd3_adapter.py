@@ -12,7 +12,8 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from adapter_checks import PROMPTS, check_jagg_w2_equals_per_step, check_rollout_logprobs_recomputed  # noqa: E402
+from adapter_checks import (PROMPTS, check_jagg_w2_equals_per_step, check_only_the_transformer_trains,  # noqa: E402
+                            check_rollout_logprobs_recomputed)
 from jagg_scale.grpo import sample_ode, sigma_schedule  # noqa: E402
 from jagg_scale.grpo.sde import ode_step  # noqa: E402
 from jagg_scale.models.sd3 import SD3Velocity  # noqa: E402
@@ -56,13 +57,7 @@ def test_shapes_and_frozen_parts(model):
     assert img.shape == (3, 3, 16, 16) and img.dtype == torch.float32
     assert img.min() >= 0 and img.max() <= 1
 
-    # the optimizer sees the transformer alone; the frozen parts are frozen and not in the state dict
-    params = {id(p) for p in model.parameters()}
-    assert params == {id(p) for p in model.transformer.parameters()}
-    assert all(k.startswith("transformer.") for k in model.state_dict())
-    assert set(model.frozen) == {"vae", "text_encoder", "text_encoder_2", "text_encoder_3"}
-    for m in model.frozen.values():
-        assert not any(p.requires_grad for p in m.parameters())
+    check_only_the_transformer_trains(model, {"vae", "text_encoder", "text_encoder_2", "text_encoder_3"})
 
 
 def test_sigma_timestep_and_sign_match_the_scheduler(model):
