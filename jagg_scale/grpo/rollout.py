@@ -12,7 +12,7 @@ from typing import Callable, Collection
 
 import torch
 
-from ..models.base import Cond, cat_cond
+from ..cond import Cond, cat_cond
 from .loss import StepBatch
 from .sde import ode_step, sde_step_with_logprob
 

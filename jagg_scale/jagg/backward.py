@@ -27,17 +27,18 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Callable
+from typing import Callable, Literal, get_args
 
 import torch
 
-from ..models.base import Cond, repeat_cond
+from ..cond import Cond, repeat_cond
 from .windows import window_weights
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
 StepLoss = Callable[[int, torch.Tensor], torch.Tensor]
 
-INTERMEDIATE_MODES = ("cached", "interpolate", "forward")
+IntermediateMode = Literal["cached", "interpolate", "forward"]
+INTERMEDIATE_MODES: tuple[str, ...] = get_args(IntermediateMode)
 
 # How a backward is run. Plain autograd by default; an engine that must see every backward (DeepSpeed's
 # `engine.backward(loss)`: loss scaling, ZeRO bucket flushes, accumulation boundaries) installs its own with

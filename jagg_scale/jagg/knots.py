@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..models.base import Cond, repeat_cond
+from ..cond import Cond, repeat_cond
 from .backward import INTERMEDIATE_MODES, ModelFn, StepLoss, _intermediate_values, _upstream, run_backward
 from .windows import plan_windows, window_weights
 

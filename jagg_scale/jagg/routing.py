@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence, get_args
 
 import torch
 
-ROUTE_BY = ("vcos", "weighted")
+RouteBy = Literal["vcos", "weighted"]
+ROUTE_BY: tuple[str, ...] = get_args(RouteBy)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..paths import resolve_path
-from .base import Cond, VelocityModel, cat_cond, index_cond, map_cond, repeat_cond
+from .base import VelocityModel
 from .dit import DiT, DiTConfig
 from .tokenizer import HashTokenizer
 
@@ -65,5 +65,5 @@ def load_pretrained(model: VelocityModel, path: str) -> None:
                          f"unexpected {unexpected[:5]}")
 
 
-__all__ = ["Cond", "VelocityModel", "cat_cond", "index_cond", "map_cond", "repeat_cond", "DiT", "DiTConfig",
+__all__ = ["VelocityModel", "DiT", "DiTConfig",
            "HashTokenizer", "build_model", "load_pretrained"]

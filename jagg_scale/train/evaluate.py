@@ -15,7 +15,7 @@ from PIL import Image
 
 from ..data import PromptSet, load_prompts
 from ..grpo import model_schedule, sample_ode
-from ..models import index_cond
+from ..cond import index_cond
 from ..paths import resolve_path
 from ..rewards import score_safely
 from .config import Config

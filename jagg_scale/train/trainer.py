@@ -32,7 +32,8 @@ from ..data import ListPromptSource, PromptSet, StreamPromptSource, load_prompts
 from ..grpo import (GRPOStepLoss, Trajectories, combine_advantages, compute_advantages, guided_velocity, model_schedule,
                     reduce_metrics, sample_sde)
 from ..jagg import trained_steps
-from ..models import build_model, index_cond
+from ..cond import index_cond
+from ..models import build_model
 from ..parallel.comm import CommCounter
 from ..parallel.dist import init_distributed
 from ..parallel.engine import build_engine

@@ -19,7 +19,7 @@ from ..jagg import exact_backward, jagg_backward, plan_windows, route_windows
 from ..jagg.knots import (budget_for_speedup, cosine_error, knot_backward, plan_from_costs, plan_knots, plan_uniform,
                           residual_error, segment_costs, velocity_cosines)
 from ..jagg.backward import ModelFn
-from ..models.base import Cond
+from ..cond import Cond
 from .config import JAGGConfig
 
 
