@@ -138,23 +138,23 @@ def _step_batch(B=4, T=3, seed=0):
 
 def test_grpo_loss_on_policy_ratio_one_and_clipping():
     batch = _step_batch()
-    loss = GRPOStepLoss(batch, noise_level=0.7, clip_range=1e-4, beta=0.0)
-    val = loss(1, batch.velocities[1])
+    loss = GRPOStepLoss(noise_level=0.7, clip_range=1e-4, beta=0.0)
+    val = loss(batch, 1, batch.velocities[1])
     # on-policy: ratio 1, loss = mean(-A) = 0 for these advantages
     assert abs(float(val)) < 1e-6
     m = loss.summary()
     assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m["clipfrac"] == 0.0
     # off-policy by a lot: every ratio leaves the clip range
-    loss(1, batch.velocities[1] + 0.5)
+    loss(batch, 1, batch.velocities[1] + 0.5)
     assert loss.summary()["clipfrac"] == 1.0
 
 
 def test_grpo_loss_matches_hand_computation_with_kl():
     batch = _step_batch()
     beta, eps = 0.05, 0.2
-    loss = GRPOStepLoss(batch, noise_level=0.7, clip_range=eps, beta=beta, scale=0.5)
+    loss = GRPOStepLoss(noise_level=0.7, clip_range=eps, beta=beta, scale=0.5)
     v = batch.velocities[2] + 0.01 * torch.randn_like(batch.velocities[2])
-    got = loss(2, v)
+    got = loss(batch, 2, v)
     s, sn, smax = batch.sigmas[2], batch.sigmas[3], float(batch.sigmas[1])
     st = sde_step_with_logprob(batch.latents[2], v, s, sn, noise_level=0.7, sigma_max=smax, prev_sample=batch.latents[3])
     ref = sde_step_with_logprob(batch.latents[2], batch.ref_velocities[2], s, sn, noise_level=0.7, sigma_max=smax,
@@ -170,10 +170,9 @@ def test_grpo_loss_matches_hand_computation_with_kl():
 def test_grpo_loss_masks_samples():
     batch = _step_batch()
     batch.mask = torch.tensor([True, False, False, False])
-    loss = GRPOStepLoss(batch, noise_level=0.7, clip_range=1e-4)
+    loss = GRPOStepLoss(noise_level=0.7, clip_range=1e-4)
     v = batch.velocities[0] + 0.3
-    only_first = GRPOStepLoss(_sub(batch, [0]), noise_level=0.7, clip_range=1e-4)
-    assert torch.allclose(loss(0, v), only_first(0, v[:1]))
+    assert torch.allclose(loss(batch, 0, v), loss(_sub(batch, [0]), 0, v[:1]))
 
 
 def _sub(batch, rows):

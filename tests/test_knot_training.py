@@ -25,9 +25,9 @@ def _setup(tmp_path):
     cond = trainer.encode(prompts)
     traj = trainer.rollout(cond, torch.arange(len(prompts)), 0)
     n = len(prompts)
-    loss = GRPOStepLoss(traj.step_batch(torch.arange(n), torch.linspace(-1.5, 1.5, n), torch.ones(n, dtype=torch.bool)),
-                        noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.steps))
-    return trainer, cond, loss
+    batch = traj.step_batch(torch.arange(n), torch.linspace(-1.5, 1.5, n), torch.ones(n, dtype=torch.bool))
+    loss = GRPOStepLoss(noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.steps))
+    return trainer, cond, batch, loss
 
 
 def _grad(trainer, fn):
@@ -37,24 +37,25 @@ def _grad(trainer, fn):
 
 
 def test_budget_at_speedup_one_is_the_exact_gradient(tmp_path):
-    trainer, cond, loss = _setup(tmp_path)
+    trainer, cond, batch, loss = _setup(tmp_path)
     policy = trainer.velocity_fn(trainer.model)
     exact, _ = _grad(trainer, lambda: update_mod.backward_minibatch(
-        policy, cond, loss, trainer.steps, JAGGConfig(mode="exact"), on_policy=True))
+        policy, batch, cond, loss, trainer.steps, JAGGConfig(mode="exact"), on_policy=True))
     full, stats = _grad(trainer, lambda: update_mod.backward_minibatch(
-        policy, cond, loss, trainer.steps, JAGGConfig(plan="budget", speedup=1.0), on_policy=True))
+        policy, batch, cond, loss, trainer.steps, JAGGConfig(plan="budget", speedup=1.0), on_policy=True))
     assert stats.backward_passes == len(trainer.steps) == 8 and stats.knots == [list(range(8))]
     assert torch.allclose(full, exact, rtol=1e-5, atol=1e-8)
 
 
 def test_uniform_windows_as_knots_match_the_window_path(tmp_path):
-    trainer, cond, loss = _setup(tmp_path)
+    trainer, cond, batch, loss = _setup(tmp_path)
     policy = trainer.velocity_fn(trainer.model)
     cfg = JAGGConfig(window=4, intermediate="cached")
-    windows, _ = _grad(trainer, lambda: update_mod.backward_minibatch(policy, cond, loss, trainer.steps, cfg,
+    windows, _ = _grad(trainer, lambda: update_mod.backward_minibatch(policy, batch, cond, loss, trainer.steps, cfg,
                                                                       on_policy=True))
-    knots, stats = _grad(trainer, lambda: update_mod.backward_knots(policy, cond, loss, trainer.steps, cfg, "cached",
-                                                                   plan=plan_uniform(8, 4)))
+    as_knots = update_mod.MinibatchPlan(plan_uniform(8, 4), rows_per_pass=2)  # sorted knots two per pass
+    knots, stats = _grad(trainer, lambda: update_mod.backward_minibatch(policy, batch, cond, loss, trainer.steps, cfg,
+                                                                       on_policy=True, plan=as_knots))
     assert stats.knots == [[0, 3, 4, 7]] and stats.backward_calls == 2
     assert torch.allclose(knots, windows, rtol=1e-5, atol=1e-8)
     assert not torch.allclose(knots, torch.zeros_like(knots))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from jagg_scale.jagg import (budget_for_speedup, check_plan, composite_upstream, cosine_error, exact_backward,
-                             jagg_backward, knot_backward, knots_from_windows, passes, plan_budget, plan_cost,
+                             jagg_backward, knot_backward, knots_from_windows, pass_groups, passes, plan_budget, plan_cost,
                              plan_from_knots, plan_knots, plan_uniform, plan_windows, residual_error, segment_costs,
                              velocity_cosines, window_weights)
 from toy_velocity import D, CountingModel, LinearVelocity, MLPVelocity
@@ -304,3 +304,56 @@ def test_planner_keeps_high_gradient_steps_exact_and_is_fast():
     assert segment_costs(g_norms[:3], cosine_error(vcos[:3, :3], sigmas[:3]))[0, 1] == 0.0
     with pytest.raises(ValueError, match="max_knots"):
         plan_budget(g_norms, vcos, sigmas, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one engine: every plan, every backward through the caller's hook, one synchronisation point
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plan,rows_per_pass,groups", [
+    ([(0, 0), (1, 1), (2, 2), (3, 3)], None, [[0], [1], [2], [3]]),  # Flow-GRPO: a pass per step
+    ([(0, 3)], None, [[0, 3]]),  # one JAGG window: one joint pass
+    ([(0, 1), (2, 2), (3, 3)], None, [[0, 1], [2], [3]]),  # routed window then two exact steps
+    ([(0, 2), (2, 3)], None, [[0, 2], [3]]),  # shared knot: computed once
+    ([(0, 2), (2, 3)], 2, [[0, 2], [3]]),
+    ([(0, 0), (1, 1), (2, 2), (3, 3)], 3, [[0, 1, 2], [3]]),
+])
+def test_every_backward_goes_through_the_hook_and_only_the_last_syncs(plan, rows_per_pass, groups):
+    assert pass_groups(plan, rows_per_pass) == groups
+    torch.manual_seed(0)
+    T, B = 4, 2
+    model = MLPVelocity().double()
+    latents, sigmas, cond = make_batch(T, B, seed=7, collinear=False)
+    step_loss = make_step_loss(T, B, seed=8)
+    cached = cached_of(model, latents, sigmas, cond)
+    calls = []
+
+    def hook(out, grad, last):
+        calls.append((out.shape[0], last))
+        out.backward(grad)
+
+    _, with_hook = grad_after(model, knot_backward, model, plan, latents, sigmas, cond, step_loss,
+                              cached_velocities=cached, rows_per_pass=rows_per_pass, backward=hook)
+    _, plain = grad_after(model, knot_backward, model, plan, latents, sigmas, cond, step_loss,
+                          cached_velocities=cached, rows_per_pass=rows_per_pass)
+    assert calls == [(B * len(g), i == len(groups) - 1) for i, g in enumerate(groups)]
+    assert torch.equal(with_hook, plain)
+
+
+def test_jagg_and_exact_backward_are_plans_of_the_engine():
+    torch.manual_seed(0)
+    T, B = 5, 2
+    model = MLPVelocity().double()
+    latents, sigmas, cond = make_batch(T, B, seed=9, collinear=False)
+    step_loss = make_step_loss(T, B, seed=10)
+    cached = cached_of(model, latents, sigmas, cond)
+    for mode in MODES:
+        _, a = grad_after(model, jagg_backward, model, latents, sigmas, cond, step_loss, cached_velocities=cached,
+                          intermediate=mode)
+        _, b = grad_after(model, knot_backward, model, [(0, T - 1)], latents, sigmas, cond, step_loss,
+                          cached_velocities=cached, intermediate=mode)
+        assert torch.equal(a, b)
+    _, a = grad_after(model, exact_backward, model, latents, sigmas, cond, step_loss)
+    _, b = grad_after(model, knot_backward, model, [(k, k) for k in range(T)], latents, sigmas, cond, step_loss)
+    assert torch.equal(a, b)

@@ -3,9 +3,10 @@
     ratio = exp(log p_k(theta) - log p_k(old))
     L_k   = mean_batch max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps)) + beta KL_k
 
-`GRPOStepLoss` is the `step_loss(k, v_k)` closure the JAGG engine differentiates: it depends on theta only through
-v_k, which is what lets JAGG move the transformer backward out of the per-step loop. It also records the metrics
-of each evaluation (clipfrac, approx_kl, ratio, kl) so no extra pass is spent on logging.
+`GRPOStepLoss(batch, k, v_k)` is the loss of step k of a minibatch's `StepBatch`; `loss.on(batch)` is the
+`step_loss(k, v_k)` closure the JAGG engine differentiates. It depends on theta only through v_k, which is what
+lets JAGG move the transformer backward out of the per-step loop. It also records the metrics of each evaluation
+(clipfrac, approx_kl, ratio, kl) so no extra pass is spent on logging.
 """
 
 from __future__ import annotations
@@ -33,10 +34,9 @@ class StepBatch:
 
 @dataclass
 class GRPOStepLoss:
-    """step_loss(k, v_k) for the steps of one minibatch; `scale` divides each L_k (1 / number of trained steps,
-    so the update is the mean over trained steps as in Flow-GRPO's accumulation)."""
+    """L_k of one minibatch at a velocity: `loss(batch, k, v_k)`; `scale` divides each L_k (1 / number of trained
+    steps, so the update is the mean over trained steps as in Flow-GRPO's accumulation)."""
 
-    batch: StepBatch
     noise_level: float
     clip_range: float
     beta: float = 0.0
@@ -47,8 +47,7 @@ class GRPOStepLoss:
     denominator: float | None = None
     metrics: dict = field(default_factory=lambda: defaultdict(list))
 
-    def __call__(self, k: int, v: torch.Tensor) -> torch.Tensor:
-        b = self.batch
+    def __call__(self, b: StepBatch, k: int, v: torch.Tensor) -> torch.Tensor:
         s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], float(b.sigmas[1])
         step = sde_step_with_logprob(
             b.latents[k], v, s, s_next, noise_level=self.noise_level, sigma_max=sigma_max, prev_sample=b.latents[k + 1]
@@ -87,7 +86,13 @@ class GRPOStepLoss:
 
     def fresh(self) -> "GRPOStepLoss":
         """The same loss with its own, empty metrics (for probes and planning that must not be logged)."""
-        return GRPOStepLoss(self.batch, self.noise_level, self.clip_range, self.beta, self.scale, self.denominator)
+        return GRPOStepLoss(self.noise_level, self.clip_range, self.beta, self.scale, self.denominator)
+
+    def on(self, batch: StepBatch, steps: list[int] | None = None):
+        """The engine's step_loss(j, v) for this batch; with `steps`, position j is sampling step steps[j]."""
+        if steps is None:
+            return lambda k, v: self(batch, k, v)
+        return lambda j, v: self(batch, steps[j], v)
 
     def summary(self) -> dict:
         """The recorded metrics reduced over all evaluations (see reduce_metrics), then cleared."""

@@ -1,20 +1,30 @@
 """JAGG: Jacobian-Aggregated Group Gradient. Pure torch, no distributed code.
 
-    from jagg_scale.jagg import jagg_backward      # the joint backward of one window (backward.py)
-    from jagg_scale.jagg import knot_backward, plan_budget   # knot plans and the budgeted planner (knots.py)
+    backward.py   the gradient engine: knot_backward runs any plan; jagg_backward (one window) and
+                  exact_backward (Flow-GRPO's per-step baseline) are plans too. Start here: its docstring
+                  states the math.
+    plans.py      knot plans: segments, knots, passes, composite upstream gradients
+    windows.py    trained steps, windows of W steps, the sigma weights a_k
+    routing.py    jagg_frac routing: which windows JAGG takes (vcos | weighted)
+    knots.py      the budgeted knot planner (error models and the DP)
+
+    from jagg_scale.jagg import jagg_backward
 """
 
-from .backward import INTERMEDIATE_MODES, exact_backward, jagg_backward
-from .knots import (budget_for_speedup, check_plan, composite_upstream, cosine_error, knot_backward, knots_from_windows,
-                    passes, plan_budget, plan_cost, plan_from_costs, plan_from_knots, plan_knots, plan_uniform, residual_error,
+from .backward import (INTERMEDIATE_MODES, Backward, IntermediateMode, ModelFn, StepLoss, autograd_backward,
+                       exact_backward, jagg_backward, knot_backward)
+from .knots import (ERROR_MODELS, ErrorModel, cosine_error, plan_budget, plan_cost, plan_from_costs, residual_error,
                     segment_costs, velocity_cosines)
-from .routing import ROUTE_BY, Routing, endpoint_cosine, num_routed, route_windows
+from .plans import (Plan, budget_for_speedup, check_plan, composite_upstream, exact_plan, knots_from_windows,
+                    pass_groups, passes, plan_from_knots, plan_knots, plan_uniform, restrict_plan)
+from .routing import ROUTE_BY, RouteBy, Routing, endpoint_cosine, num_routed, route_windows
 from .windows import plan_windows, trained_steps, window_weights
 
 __all__ = [
-    "INTERMEDIATE_MODES", "exact_backward", "jagg_backward", "ROUTE_BY", "Routing", "endpoint_cosine",
+    "INTERMEDIATE_MODES", "Backward", "IntermediateMode", "ModelFn", "StepLoss", "autograd_backward", "exact_backward", "jagg_backward",
+    "knot_backward", "ERROR_MODELS", "ErrorModel", "cosine_error", "plan_budget", "plan_cost", "plan_from_costs",
+    "residual_error", "segment_costs", "velocity_cosines", "Plan", "budget_for_speedup", "check_plan",
+    "composite_upstream", "exact_plan", "knots_from_windows", "pass_groups", "passes", "plan_from_knots",
+    "plan_knots", "plan_uniform", "restrict_plan", "ROUTE_BY", "RouteBy", "Routing", "endpoint_cosine",
     "num_routed", "route_windows", "plan_windows", "trained_steps", "window_weights",
-    "budget_for_speedup", "check_plan", "composite_upstream", "cosine_error", "knot_backward", "knots_from_windows",
-    "passes", "plan_budget", "plan_cost", "plan_from_costs", "plan_from_knots", "plan_knots", "plan_uniform", "residual_error",
-    "segment_costs", "velocity_cosines",
 ]

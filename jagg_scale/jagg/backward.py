@@ -1,4 +1,4 @@
-"""The JAGG joint backward: one transformer backward per window of W sampling steps instead of W.
+"""The gradient engine: the one place a transformer backward happens, for every plan (plans.py).
 
 Every per-step GRPO loss L_k depends on theta only through the velocity v_k = v_theta(x_k, s_k, c), so
 
@@ -21,49 +21,35 @@ The g_k need a value for every intermediate velocity v_k (the endpoints use the 
 
 The result equals autograd through the surrogate v~_k = value_k + (1 - a_k)(v_0 - sg v_0) + a_k (v_{W-1} - sg v_{W-1});
 we form G_0 and G_{W-1} explicitly, which makes the single backward visible and cheap to count.
+
+One engine for every gradient: `knot_backward` runs any knot plan (plans.py) pass by pass. A JAGG window is the
+plan [(0, W-1)] (`jagg_backward`), Flow-GRPO's per-step baseline the plan of lone steps (`exact_backward`),
+routed windows and the budgeted planner's knots are plans too; the trainer (train/update.py) and the fidelity
+probe call the same function. Every backward goes through `backward(out, grad, last)`, plain autograd by default;
+a training engine passes its own (DeepSpeed must see every backward; `last` marks the last backward of the
+call, where a sharded engine synchronises gradients across ranks).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
-from typing import Callable, Literal, get_args
+from typing import Callable, Literal, Sequence, get_args
 
 import torch
 
 from ..cond import Cond, repeat_cond
-from .windows import window_weights
+from .plans import check_plan, exact_plan, interior_weights, pass_groups, plan_knots
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
 StepLoss = Callable[[int, torch.Tensor], torch.Tensor]
+Backward = Callable[[torch.Tensor, "torch.Tensor | None", bool], None]  # backward(out, grad, last)
 
 IntermediateMode = Literal["cached", "interpolate", "forward"]
 INTERMEDIATE_MODES: tuple[str, ...] = get_args(IntermediateMode)
 
-# How a backward is run. Plain autograd by default; an engine that must see every backward (DeepSpeed's
-# `engine.backward(loss)`: loss scaling, ZeRO bucket flushes, accumulation boundaries) installs its own with
-# `backward_through`. It receives a scalar whose gradient is the one wanted: for `v.backward(G)` that is the
-# surrogate sum(v * G), which has the same gradient.
-_BACKWARD_FN: ContextVar[Callable[[torch.Tensor], None] | None] = ContextVar("jagg_backward_fn", default=None)
 
-
-@contextmanager
-def backward_through(fn: Callable[[torch.Tensor], None]):
-    """Route every backward of jagg_backward / exact_backward (and the knot engine) through `fn(scalar)`."""
-    token = _BACKWARD_FN.set(fn)
-    try:
-        yield
-    finally:
-        _BACKWARD_FN.reset(token)
-
-
-def run_backward(out: torch.Tensor, grad: torch.Tensor | None = None) -> None:
-    """out.backward(grad), or the installed engine's backward of the equivalent scalar."""
-    fn = _BACKWARD_FN.get()
-    if fn is None:
-        out.backward(grad)
-    else:
-        fn(out if grad is None else (out * grad.detach()).sum())
+def autograd_backward(out: torch.Tensor, grad: torch.Tensor | None, last: bool) -> None:
+    """The default `backward`: plain autograd (one process; nothing to synchronise)."""
+    out.backward(grad)
 
 
 def _upstream(step_loss: StepLoss, k: int, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,25 +60,104 @@ def _upstream(step_loss: StepLoss, k: int, value: torch.Tensor) -> tuple[torch.T
     return loss.detach(), grad
 
 
-def _intermediate_values(model_fn, latents, sigmas, cond, cached, mode, a, v_first, v_last) -> list[torch.Tensor]:
-    """Velocity values of steps 1 .. W-2 for the chosen mode."""
-    W, B = latents.shape[:2]
-    if W <= 2:
+def _interior_values(model_fn, latents, sigmas, cond, cached, mode, a, v_first, v_last) -> list[torch.Tensor]:
+    """Velocity values of the interior steps 1 .. n-2 of one segment's latents[n] for the chosen mode; `a` holds
+    the segment's weights a_k (0 .. 1), v_first / v_last its knots' fresh values (for interpolate)."""
+    n, B = latents.shape[:2]
+    if n <= 2:
         return []
     if mode == "forward":
         with torch.no_grad():
             x = latents[1:-1].reshape(-1, *latents.shape[2:])
             s = sigmas[1:-1].repeat_interleave(B)
-            v = model_fn(x, s, repeat_cond(cond, W - 2))
-        return list(v.reshape(W - 2, B, *v.shape[1:]))
-    if cached is None:
-        raise ValueError(f"intermediate={mode!r} needs cached_velocities (the rollout's velocities)")
-    if cached.shape[:2] != latents.shape[:2]:
-        raise ValueError(f"cached_velocities has shape {tuple(cached.shape)}, latents {tuple(latents.shape)}")
+            v = model_fn(x, s, repeat_cond(cond, n - 2))
+        return list(v.reshape(n - 2, B, *v.shape[1:]))
     if mode == "cached":
-        return [cached[k] for k in range(1, W - 1)]
+        return [cached[k] for k in range(1, n - 1)]
     drift_first, drift_last = v_first - cached[0], v_last - cached[-1]
-    return [cached[k] + (1 - a[k]) * drift_first + a[k] * drift_last for k in range(1, W - 1)]
+    return [cached[k] + (1 - a[k]) * drift_first + a[k] * drift_last for k in range(1, n - 1)]
+
+
+def knot_backward(
+    model_fn: ModelFn,
+    plan: Sequence[tuple[int, int]],
+    latents: torch.Tensor,
+    sigmas: torch.Tensor,
+    cond: Cond,
+    step_loss: StepLoss,
+    *,
+    cached_velocities: torch.Tensor | None = None,
+    intermediate: str = "cached",
+    rows_per_pass: int | None = None,
+    backward: Backward | None = None,
+) -> torch.Tensor:
+    """Accumulate the plan's gradient of sum_k step_loss(k, v_k) over T steps into the parameters' .grad.
+
+    latents[T, B, ...] are the x_k, sigmas[T] their noise levels, cond the conditioning of B rows, step_loss(k, v_k)
+    with k the position in latents, cached_velocities[T, B, ...] the rollout's velocities (needed by cached /
+    interpolate when a segment has interior steps), intermediate in INTERMEDIATE_MODES (the values of interpolated
+    steps; knots use their fresh forward). The knots go in the passes of `pass_groups(plan, rows_per_pass)`: per
+    pass one forward with grad (len(pass) * B rows) and one backward with the pass's composite G, so peak memory is
+    one pass. "forward" adds one no-grad forward per segment over its interior; "interpolate" needs both knots'
+    fresh values, so a segment whose knots sit in two passes costs one no-grad forward of its right knot (B rows).
+    `backward(out, grad, last)` runs each backward, last=True on the final one. Returns the detached summed loss.
+    """
+    if intermediate not in INTERMEDIATE_MODES:
+        raise ValueError(f"intermediate must be one of {INTERMEDIATE_MODES}, got {intermediate!r}")
+    T, B = latents.shape[:2]
+    if sigmas.shape != (T,):
+        raise ValueError(f"sigmas must have shape ({T},), got {tuple(sigmas.shape)}")
+    plan = check_plan(plan, T)
+    groups = pass_groups(plan, rows_per_pass)
+    interpolated = [seg for seg in plan if seg[1] > seg[0] + 1]
+    if interpolated and intermediate != "forward":
+        if cached_velocities is None:
+            raise ValueError(f"intermediate={intermediate!r} needs cached_velocities (the rollout's velocities)")
+        if cached_velocities.shape[:2] != latents.shape[:2]:
+            raise ValueError(f"cached_velocities has shape {tuple(cached_velocities.shape)}, latents "
+                             f"{tuple(latents.shape)}")
+    backward = backward or autograd_backward
+    by_knot = {q: [seg for seg in interpolated if q in seg] for q in plan_knots(plan)}
+    fresh: dict[int, torch.Tensor] = {}  # knot -> detached velocity of its with-grad forward
+    parts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # segment -> its shares of G_a, G_b
+    losses = []
+
+    def knot_value(q):  # only "interpolate" asks for a knot not yet forwarded (a later pass's knot)
+        if q not in fresh:
+            with torch.no_grad():
+                return model_fn(latents[q], sigmas[q].expand(B), cond).detach()
+        return fresh[q]
+
+    def segment_parts(a, b, dtype):
+        """Interior values -> g_k -> the (1 - a_k) and a_k weighted sums; once per segment."""
+        if (a, b) not in parts:
+            w = interior_weights(sigmas, a, b)
+            a_all = torch.cat([w.new_zeros(1), w, w.new_ones(1)]).to(dtype if dtype == torch.float64 else torch.float32)
+            ends = (knot_value(a), knot_value(b)) if intermediate == "interpolate" else (None, None)
+            cached = None if cached_velocities is None else cached_velocities[a : b + 1]
+            values = _interior_values(model_fn, latents[a : b + 1], sigmas[a : b + 1], cond, cached, intermediate,
+                                      a_all, *ends)
+            seg_losses, grads = zip(*(_upstream(step_loss, k, v) for k, v in zip(range(a + 1, b), values)))
+            losses.extend(seg_losses)
+            g = torch.stack(grads)
+            w = w.to(g.dtype).reshape(-1, *([1] * (g.ndim - 1)))
+            parts[(a, b)] = (((1 - w) * g).sum(0), (w * g).sum(0))
+        return parts[(a, b)]
+
+    for i, group in enumerate(groups):
+        x = latents[group[0]] if len(group) == 1 else torch.cat([latents[q] for q in group])
+        s = torch.cat([sigmas[q].expand(B) for q in group])
+        v = model_fn(x, s, repeat_cond(cond, len(group)))
+        fresh.update(zip(group, v.detach().split(B)))
+        G = []
+        for q in group:
+            loss, G_q = _upstream(step_loss, q, fresh[q])
+            losses.append(loss)
+            for a, b in by_knot[q]:
+                G_q = G_q + segment_parts(a, b, v.dtype)[0 if q == a else 1]
+            G.append(G_q)
+        backward(v, torch.cat(G).to(v.dtype), i == len(groups) - 1)  # sum_q G_q^T J_q over the pass's knots
+    return torch.stack(losses).sum()
 
 
 def jagg_backward(
@@ -104,48 +169,19 @@ def jagg_backward(
     *,
     cached_velocities: torch.Tensor | None = None,
     intermediate: str = "cached",
+    backward: Backward | None = None,
 ) -> torch.Tensor:
     """Accumulate the JAGG gradient of sum_k step_loss(k, v_k) over one window into the parameters' .grad.
 
     latents[W, B, ...] are the window's x_k, sigmas[W] their noise levels, cond the conditioning of B rows.
     Exactly one forward with grad (2B rows; B when W == 1) and one backward. Returns the detached summed loss.
     """
-    if intermediate not in INTERMEDIATE_MODES:
-        raise ValueError(f"intermediate must be one of {INTERMEDIATE_MODES}, got {intermediate!r}")
-    W, B = latents.shape[:2]
-    if sigmas.shape != (W,):
-        raise ValueError(f"sigmas must have shape ({W},), got {tuple(sigmas.shape)}")
-    if W == 1:
-        v = model_fn(latents[0], sigmas[0].expand(B), cond)
-        loss = step_loss(0, v)
-        run_backward(loss)
-        return loss.detach()
-
-    a = window_weights(sigmas)
-    x = torch.cat([latents[0], latents[-1]])
-    s = torch.cat([sigmas[0].expand(B), sigmas[-1].expand(B)])
-    v = model_fn(x, s, repeat_cond(cond, 2))
-    v_first, v_last = v[:B].detach(), v[B:].detach()
-    a_vals = a.to(v.dtype if v.dtype == torch.float64 else torch.float32)
-    values = [v_first, *_intermediate_values(model_fn, latents, sigmas, cond, cached_velocities, intermediate,
-                                              a_vals, v_first, v_last), v_last]
-
-    losses, grads = zip(*(_upstream(step_loss, k, value) for k, value in enumerate(values)))
-    g = torch.stack(grads)  # g_k = dL_k/dv_k, [W, B, ...]
-    w = a.to(g.dtype).reshape(-1, *([1] * (g.ndim - 1)))
-    g_first, g_last = ((1 - w) * g).sum(0), (w * g).sum(0)  # G_0 and G_{W-1}
-    run_backward(v, torch.cat([g_first, g_last]).to(v.dtype))  # the one backward: G_0^T J_0 + G_{W-1}^T J_{W-1}
-    return torch.stack(losses).sum()
+    W = latents.shape[0]
+    return knot_backward(model_fn, [(0, W - 1)], latents, sigmas, cond, step_loss, cached_velocities=cached_velocities,
+                         intermediate=intermediate, backward=backward)
 
 
 def exact_backward(model_fn: ModelFn, latents: torch.Tensor, sigmas: torch.Tensor, cond: Cond,
-                   step_loss: StepLoss) -> torch.Tensor:
+                   step_loss: StepLoss, *, backward: Backward | None = None) -> torch.Tensor:
     """Flow-GRPO's per-step baseline: one forward with grad and one backward per step (W of each)."""
-    W, B = latents.shape[:2]
-    total = None
-    for k in range(W):
-        v = model_fn(latents[k], sigmas[k].expand(B), cond)
-        loss = step_loss(k, v)
-        run_backward(loss)
-        total = loss.detach() if total is None else total + loss.detach()
-    return total
+    return knot_backward(model_fn, exact_plan(latents.shape[0]), latents, sigmas, cond, step_loss, backward=backward)

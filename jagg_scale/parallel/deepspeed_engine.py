@@ -44,7 +44,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..jagg.backward import backward_through
 from .dist import DistContext
 from .engine import TrainEngine
 
@@ -140,9 +139,6 @@ class DeepSpeedEngine(TrainEngine):
         clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
         if clear is not None:
             clear()
-
-    def backward_context(self):
-        return backward_through(self._backward)
 
     def step(self) -> float:
         """Clip (train.grad_clip), AdamW on the partitions, zero grads; the global pre-clip gradient norm."""

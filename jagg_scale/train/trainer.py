@@ -174,6 +174,14 @@ class Trainer:
             start = lo + int(torch.randint(starts, (1,), generator=gen))
         return list(range(start, start + s.sde_window))
 
+    def engine_backward(self, out, grad, last):
+        """One backward of a minibatch through the training engine (`last`: the accumulation boundary)."""
+        with self.engine.accumulate(last):  # bridge until the engines take backward(out, grad, last) themselves
+            if self.engine.name == "deepspeed":
+                self.engine._backward(out if grad is None else (out * grad.detach()).sum())
+            else:
+                out.backward(grad)
+
     def _route_reduce(self, values: list[float], how: str) -> list[float]:
         """Routing statistics combined over ranks so that every rank runs the same window plan."""
         if not self.dist.active:
@@ -194,28 +202,28 @@ class Trainer:
         optimizer_steps = 0
         probe = j.probe_every > 0 and step % j.probe_every == 0
         probe_metrics: dict = {}
-        with self.engine.backward_context():
-            for epoch in range(cfg.grpo.inner_epochs):
-                for local, global_rows in plan.minibatches(epoch, cfg.run.seed, step):
-                    local = local.to(self.device)
-                    # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
-                    denom = float(mask_global[global_rows].sum()) / plan.world_size
-                    loss = GRPOStepLoss(traj.step_batch(local, adv_values, adv_mask),
-                                        noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
-                                        beta=cfg.grpo.beta, scale=1.0 / len(steps), denominator=denom)
-                    mb_cond, on_policy = index_cond(cond, local), optimizer_steps == 0
-                    if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
-                        t_probe = time.perf_counter()
-                        probe_metrics = probe_minibatch(policy, mb_cond, loss, steps, j, self.engine.params,
-                                                        on_policy=on_policy)
-                        probe_metrics["time_probe"] = time.perf_counter() - t_probe
-                    stats = backward_minibatch(policy, mb_cond, loss, steps, j, on_policy=on_policy,
-                                               accumulate=self.engine.accumulate, reduce=self._route_reduce)
-                    grad_norm = self.engine.step()
-                    optimizer_steps += 1
-                    total.add(stats)
-                    for key, value in {**loss.summary(), "grad_norm": grad_norm}.items():
-                        metrics.setdefault(key, []).append(value)
+        backward = self.engine_backward
+        for epoch in range(cfg.grpo.inner_epochs):
+            for local, global_rows in plan.minibatches(epoch, cfg.run.seed, step):
+                local = local.to(self.device)
+                batch = traj.step_batch(local, adv_values, adv_mask)
+                # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
+                denom = float(mask_global[global_rows].sum()) / plan.world_size
+                loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
+                                    beta=cfg.grpo.beta, scale=1.0 / len(steps), denominator=denom)
+                mb_cond, on_policy = index_cond(cond, local), optimizer_steps == 0
+                if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
+                    t_probe = time.perf_counter()
+                    probe_metrics = probe_minibatch(policy, batch, mb_cond, loss, steps, j, self.engine.params,
+                                                    on_policy=on_policy, backward=backward)
+                    probe_metrics["time_probe"] = time.perf_counter() - t_probe
+                stats = backward_minibatch(policy, batch, mb_cond, loss, steps, j, on_policy=on_policy,
+                                           backward=backward, reduce=self._route_reduce)
+                grad_norm = self.engine.step()
+                optimizer_steps += 1
+                total.add(stats)
+                for key, value in {**loss.summary(), "grad_norm": grad_norm}.items():
+                    metrics.setdefault(key, []).append(value)
         summary = reduce_metrics(metrics)
         summary["optimizer_steps"] = optimizer_steps
         return total, {**summary, **probe_metrics}
@@ -288,7 +296,7 @@ class Trainer:
             **loss_metrics,
             "windows": stats.windows,
             "windows_jagg": stats.windows_jagg,
-            "intermediate_forward": stats.intermediate.count("forward"),
+            "intermediate_forward": stats.intermediate_forward,
             "backward_calls": stats.backward_calls,
             "backward_passes": stats.backward_passes,
             "per_step_equiv": stats.per_step_equiv,

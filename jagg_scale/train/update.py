@@ -1,26 +1,45 @@
-"""One minibatch's gradient: plan windows, route them, and run the JAGG or per-step backward on each.
+"""One minibatch's gradient: choose its knot plan, then run the plan through the gradient engine.
 
-This is where the trainer meets the algorithm. `jagg.mode: exact` is Flow-GRPO (every trained step its own
-forward and backward); `jagg.mode: jagg` plans windows of `jagg.window` steps and sends the routed ones through
-`jagg_backward`. A window that is not routed runs the very same per-step code as exact mode, which is why
-jagg_frac = 0 reproduces Flow-GRPO's gradients bit for bit.
+Every configuration is a knot plan (jagg/plans.py) over the trained steps of the minibatch:
+
+    jagg.mode exact                 Flow-GRPO: a lone segment per step (one forward + backward each)
+    jagg.plan uniform               windows of jagg.window steps; the jagg_frac routed ones are segments (one joint
+                                    pass each), the others lone steps, so jagg_frac = 0 is Flow-GRPO bit for bit
+    jagg.plan uniform, share_knots  windows sharing their boundary knots, in passes of jagg.rows_per_pass knots
+    jagg.plan budget                the DP planner's knots (jagg/knots.py), in passes of jagg.rows_per_pass knots
+
+and every plan runs through `knot_backward` (jagg/backward.py), the one place a transformer backward happens.
+One synchronisation rule for all of them: the engine's `backward(out, grad, last)` is told `last` only on the
+minibatch's final backward, the accumulation boundary where a sharded engine reduces gradients across ranks.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from ..grpo.loss import GRPOStepLoss
-from ..jagg import exact_backward, jagg_backward, plan_windows, route_windows
-from ..jagg.knots import (budget_for_speedup, cosine_error, knot_backward, plan_from_costs, plan_knots, plan_uniform,
-                          residual_error, segment_costs, velocity_cosines)
-from ..jagg.backward import ModelFn
 from ..cond import Cond
+from ..grpo.loss import GRPOStepLoss, StepBatch
+from ..jagg import (Backward, ModelFn, Plan, budget_for_speedup, cosine_error, exact_plan, knot_backward,
+                    knots_from_windows, pass_groups, plan_from_costs, plan_knots, plan_uniform, plan_windows,
+                    residual_error, restrict_plan, route_windows, segment_costs, velocity_cosines)
 from .config import JAGGConfig
+
+
+@dataclass
+class MinibatchPlan:
+    """The knot plan of a minibatch over positions 0 .. T-1 of its trained steps, and how it came about."""
+
+    plan: Plan
+    rows_per_pass: int | None  # None: one pass per segment (jagg/plans.py pass_groups)
+    windows: list[list[int]] | None = None  # uniform windows (positions): the unit of routing and of the probe
+    windows_jagg: int = 0  # routed windows, or the planner's interpolated segments
+    cosines: list[float] = field(default_factory=list)  # endpoint-velocity cosine per window (routing)
+
+    @property
+    def num_windows(self) -> int:
+        return len(self.windows) if self.windows is not None else len(self.plan)
 
 
 @dataclass
@@ -33,16 +52,15 @@ class BackwardStats:
     backward_passes: int = 0  # in B-row units: a JAGG joint pass counts 2
     per_step_equiv: int = 0  # what Flow-GRPO would have spent: one per trained step
     nograd_forward_passes: int = 0  # extra no-grad forwards of the `forward` intermediate mode
+    intermediate_forward: int = 0  # windows whose intermediate values came from fresh no-grad forwards
     loss: float = 0.0  # sum over trained steps of the (scaled) step losses
-    intermediate: list = field(default_factory=list)
     cosines: list = field(default_factory=list)
     knots: list = field(default_factory=list)  # knot plans: the trained-step indices computed exactly, per minibatch
 
     def add(self, other: "BackwardStats") -> None:
         for name in ("windows", "windows_jagg", "backward_calls", "backward_passes", "per_step_equiv",
-                     "nograd_forward_passes", "loss"):
+                     "nograd_forward_passes", "intermediate_forward", "loss"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.intermediate += other.intermediate
         self.cosines += other.cosines
         self.knots += other.knots
 
@@ -55,133 +73,85 @@ def resolve_intermediate(setting: str, on_policy: bool) -> str:
     return "cached" if on_policy else "forward"
 
 
-def step_grad_norms(loss: GRPOStepLoss, velocities: torch.Tensor, steps: list[int]) -> list[float]:
-    """|g_k| = |dL_k/dv_k| at the given velocities, for steps k (no transformer pass, no metrics recorded)."""
+def _rows(t: torch.Tensor, steps: list[int]) -> torch.Tensor:
+    """t[steps] along dim 0; a view when the steps are consecutive (they always are in training)."""
+    if steps == list(range(steps[0], steps[0] + len(steps))):
+        return t[steps[0] : steps[0] + len(steps)]
+    return t[torch.tensor(steps, device=t.device)]
+
+
+def step_grad_norms(loss: GRPOStepLoss, batch: StepBatch, steps: list[int]) -> list[float]:
+    """|g_k| = |dL_k/dv_k| at the rollout's velocities for each trained step (positions of `steps`); no
+    transformer pass, no metrics recorded."""
     probe = loss.fresh()
-    norms = [0.0] * velocities.shape[0]
+    norms = []
     for k in steps:
-        v = velocities[k].detach().float().requires_grad_(True)
-        (g,) = torch.autograd.grad(probe(k, v), v)
-        norms[k] = float(g.norm())
+        v = batch.velocities[k].detach().float().requires_grad_(True)
+        (g,) = torch.autograd.grad(probe(batch, k, v), v)
+        norms.append(float(g.norm()))
     return norms
 
 
-@dataclass
-class WindowPlan:
-    windows: list[list[int]]
-    use_jagg: list[bool]
-    cosines: list[float]
-
-
-def plan_minibatch(loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig, reduce=None) -> WindowPlan:
-    """Windows over the trained steps and which of them JAGG takes (mode exact: every step its own window).
-    `reduce` combines routing statistics over ranks (see route_windows) so every rank runs the same plan."""
-    if cfg.mode == "exact":
-        return WindowPlan([[k] for k in steps], [False] * len(steps), [])
-    velocities = loss.batch.velocities
-    windows = plan_windows(steps, cfg.window)
-    grad_norms = step_grad_norms(loss, velocities, steps) if cfg.route_by == "weighted" else None
-    routing = route_windows(windows, velocities, jagg_frac=cfg.jagg_frac, route_by=cfg.route_by,
-                            min_cos=cfg.min_cos, grad_norms=grad_norms, reduce=reduce)
-    return WindowPlan(windows, routing.use_jagg, routing.cosines)
-
-
-def backward_window(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, window: list[int], use_jagg: bool,
-                    intermediate: str) -> torch.Tensor:
-    """The gradient of one window into .grad: JAGG's joint backward, or Flow-GRPO's per-step one."""
-    batch = loss.batch
-    idx = torch.tensor(window, device=batch.latents.device)
-    latents, sigmas = batch.latents[idx], batch.sigmas[idx].to(batch.latents.device)
-
-    def step_loss(j: int, v: torch.Tensor) -> torch.Tensor:
-        return loss(window[j], v)
-
-    if use_jagg:
-        return jagg_backward(model_fn, latents, sigmas, cond, step_loss, cached_velocities=batch.velocities[idx],
-                             intermediate=intermediate)
-    return exact_backward(model_fn, latents, sigmas, cond, step_loss)
-
-
-def backward_minibatch(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig, *,
-                       on_policy: bool, accumulate: Callable[[bool], object] | None = None,
-                       reduce=None) -> BackwardStats:
-    """Accumulate the gradient of sum over `steps` of loss(k, v_k) into .grad; returns what it cost.
-
-    Every backward runs inside `accumulate(last)` (a sharded engine synchronises gradients only when last is
-    True, the accumulation boundary). An exact window is split into its single steps for that, so the boundary
-    is the last backward of the minibatch whatever the plan; the gradient is the same per-step code."""
-    value_mode = resolve_intermediate(cfg.intermediate, on_policy)
-    if uses_knots(cfg):
-        return backward_knots(model_fn, cond, loss, steps, cfg, value_mode, accumulate, reduce)
-    plan = plan_minibatch(loss, steps, cfg, reduce)
-    stats = BackwardStats(per_step_equiv=len(steps), cosines=plan.cosines)
-    units = [(win, True) if jagg else ([k], False) for win, jagg in zip(plan.windows, plan.use_jagg)
-             for k in (win[:1] if jagg else win)]
-    accumulate = accumulate or (lambda last: nullcontext())
-    for i, (unit, jagg) in enumerate(units):
-        with accumulate(i == len(units) - 1):
-            stats.loss += float(backward_window(model_fn, cond, loss, unit, jagg, value_mode))
-    for win, jagg in zip(plan.windows, plan.use_jagg):
-        stats.windows += 1
-        if jagg:
-            stats.windows_jagg += 1
-            stats.backward_calls += 1
-            stats.backward_passes += min(2, len(win))
-            stats.nograd_forward_passes += max(0, len(win) - 2) if value_mode == "forward" else 0
-            stats.intermediate.append(value_mode)
-        else:
-            stats.backward_calls += len(win)
-            stats.backward_passes += len(win)
-    return stats
-
-
-# ------------------------------------------------------------------------------------------------- knot plans
-
-
-def uses_knots(cfg: JAGGConfig) -> bool:
-    return cfg.mode == "jagg" and (cfg.plan == "budget" or cfg.share_knots)
-
-
-def plan_knot_minibatch(loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig, reduce=None) -> list[tuple[int, int]]:
-    """The knot plan over positions 0..T-1 of the trained steps. `budget`: the DP on the error model, fed with
-    what is known before any backward: |g_k| at the rollout's velocities and their interpolation residuals (or
-    endpoint cosines). With data parallelism the per-rank cost tables are averaged first (same plan everywhere)."""
+def plan_minibatch(loss: GRPOStepLoss, batch: StepBatch, steps: list[int], cfg: JAGGConfig,
+                   reduce=None) -> MinibatchPlan:
+    """The minibatch's plan from what the rollout holds (no transformer pass). `reduce(values, how)` combines
+    routing and planning statistics over ranks, so every rank runs the same plan (a sharded model's collectives
+    must match)."""
     T = len(steps)
-    if cfg.plan == "uniform":
-        return plan_uniform(T, cfg.window, share=cfg.share_knots)
-    batch = loss.batch
-    idx = torch.tensor(steps, device=batch.velocities.device)
-    velocities, sigmas = batch.velocities[idx], batch.sigmas[idx].cpu()
-    norms = step_grad_norms(loss, batch.velocities, steps)
-    g = [norms[k] for k in steps]
+    if cfg.mode == "exact":
+        return MinibatchPlan(exact_plan(T), None, windows=[[k] for k in range(T)])
+    if cfg.plan == "uniform" and not cfg.share_knots:
+        windows = plan_windows(range(T), cfg.window)
+        grad_norms = step_grad_norms(loss, batch, steps) if cfg.route_by == "weighted" else None
+        routing = route_windows(windows, _rows(batch.velocities, steps), jagg_frac=cfg.jagg_frac,
+                                route_by=cfg.route_by, min_cos=cfg.min_cos, grad_norms=grad_norms, reduce=reduce)
+        return MinibatchPlan(knots_from_windows(windows, use_jagg=routing.use_jagg), None, windows=windows,
+                             windows_jagg=routing.num_jagg, cosines=routing.cosines)
+    plan = plan_uniform(T, cfg.window, share=True) if cfg.plan == "uniform" else _budget_plan(loss, batch, steps,
+                                                                                               cfg, reduce)
+    return MinibatchPlan(plan, cfg.rows_per_pass, windows_jagg=sum(1 for a, b in plan if b > a + 1))
+
+
+def _budget_plan(loss: GRPOStepLoss, batch: StepBatch, steps: list[int], cfg: JAGGConfig, reduce) -> Plan:
+    """The DP on the error model, fed with |g_k| at the rollout's velocities and their interpolation residuals
+    (or endpoint cosines). With data parallelism the per-rank cost tables are averaged first."""
+    T = len(steps)
+    velocities, sigmas = _rows(batch.velocities, steps).cpu(), _rows(batch.sigmas, steps).cpu()
+    g = step_grad_norms(loss, batch, steps)
     if reduce is not None:
         g = reduce(g, "norm")
-    error_fn = (residual_error(velocities.cpu(), sigmas) if cfg.error_model == "residual"
-                else cosine_error(velocity_cosines(velocities.cpu()), sigmas))
+    error_fn = (residual_error(velocities, sigmas) if cfg.error_model == "residual"
+                else cosine_error(velocity_cosines(velocities), sigmas))
     C = segment_costs(g, error_fn)
     if reduce is not None:
         C = torch.tensor(reduce(C.flatten().tolist(), "mean"), dtype=torch.float64).reshape(T, T)
     return plan_from_costs(C, budget_for_speedup(T, cfg.speedup))
 
 
-def backward_knots(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig,
-                   value_mode: str, accumulate=None, reduce=None, plan=None) -> BackwardStats:
-    """A knot plan's gradient in chunks of rows_per_pass knots (one forward + backward each). Gradients are
-    synchronised per chunk (one all-gather and one reduce-scatter cycle per chunk under sharding)."""
-    plan = plan if plan is not None else plan_knot_minibatch(loss, steps, cfg, reduce)
-    batch = loss.batch
-    idx = torch.tensor(steps, device=batch.latents.device)
-    with (accumulate or (lambda last: nullcontext()))(True):
-        total = knot_backward(model_fn, plan, batch.latents[idx], batch.sigmas[idx].to(batch.latents.device), cond,
-                              lambda j, v: loss(steps[j], v), cached_velocities=batch.velocities[idx],
-                              intermediate=value_mode, rows_per_pass=cfg.rows_per_pass)
-    knots = plan_knots(plan)
-    interior = [b - a - 1 for a, b in plan if b > a + 1]
+def run_plan(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOStepLoss, steps: list[int], plan: Plan,
+             rows_per_pass: int | None, value_mode: str, backward: Backward | None = None) -> torch.Tensor:
+    """The plan's gradient over the trained `steps` into .grad (the engine call); returns the detached loss."""
+    return knot_backward(model_fn, plan, _rows(batch.latents, steps), _rows(batch.sigmas, steps), cond,
+                         loss.on(batch, steps), cached_velocities=_rows(batch.velocities, steps),
+                         intermediate=value_mode, rows_per_pass=rows_per_pass, backward=backward)
+
+
+def backward_minibatch(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOStepLoss, steps: list[int],
+                       cfg: JAGGConfig, *, on_policy: bool, backward: Backward | None = None, reduce=None,
+                       plan: MinibatchPlan | None = None) -> BackwardStats:
+    """Accumulate the gradient of sum over `steps` of L_k into .grad (planned here unless `plan` is given);
+    returns what it cost. `backward` is the training engine's (plain autograd by default)."""
+    value_mode = resolve_intermediate(cfg.intermediate, on_policy)
+    mb = plan if plan is not None else plan_minibatch(loss, batch, steps, cfg, reduce)
+    total = run_plan(model_fn, batch, cond, loss, steps, mb.plan, mb.rows_per_pass, value_mode, backward)
+    knots = plan_knots(mb.plan)
+    interior = sum(b - a - 1 for a, b in mb.plan if b > a + 1)
     return BackwardStats(
-        windows=len(plan), windows_jagg=len(interior), backward_calls=-(-len(knots) // cfg.rows_per_pass),
+        windows=mb.num_windows, windows_jagg=mb.windows_jagg, backward_calls=len(pass_groups(mb.plan, mb.rows_per_pass)),
         backward_passes=len(knots), per_step_equiv=len(steps),
-        nograd_forward_passes=sum(interior) if value_mode == "forward" else 0, loss=float(total),
-        intermediate=[value_mode] * len(interior), knots=[[steps[q] for q in knots]])
+        nograd_forward_passes=interior if value_mode == "forward" else 0,
+        intermediate_forward=mb.windows_jagg if value_mode == "forward" else 0, loss=float(total), cosines=mb.cosines,
+        knots=[] if mb.windows is not None else [[steps[q] for q in knots]])
 
 
 def _flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -189,47 +159,41 @@ def _flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
                       for p in params])
 
 
-def probe_minibatch(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig,
-                    params: list[torch.nn.Parameter], *, on_policy: bool) -> dict:
-    """The fidelity probe: the exact per-step gradient beside the JAGG one on the same minibatch, per window and
-    overall (cosine and norm ratio |g_jagg| / |g_exact|). Leaves .grad cleared, so the update is unchanged."""
+def probe_minibatch(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOStepLoss, steps: list[int],
+                    cfg: JAGGConfig, params: list[torch.nn.Parameter], *, on_policy: bool,
+                    backward: Backward | None = None) -> dict:
+    """The fidelity probe: the exact per-step gradient beside the plan's on the same minibatch, through the same
+    engine, per window (uniform windows) and overall: cosine and norm ratio |g_plan| / |g_exact|. Leaves .grad
+    cleared, so the update is unchanged."""
     value_mode = resolve_intermediate(cfg.intermediate, on_policy)
     probe_loss = loss.fresh()
-    if uses_knots(cfg):  # the whole minibatch: exact per-step gradient vs the knot plan's
-        grads = []
-        for p in params:
-            p.grad = None
-        backward_window(model_fn, cond, probe_loss, steps, False, value_mode)
-        grads.append(_flat_grad(params))
-        for p in params:
-            p.grad = None
-        backward_knots(model_fn, cond, probe_loss, steps, cfg, value_mode)
-        grads.append(_flat_grad(params))
-        for p in params:
-            p.grad = None
-        exact, approx = grads
-        return {"probe_cos": _cos(approx, exact), "probe_norm_ratio": float(approx.norm() / exact.norm().clamp_min(1e-30))}
-    plan = plan_minibatch(loss, steps, cfg)
-    total_exact = total_jagg = None
+    mb = plan_minibatch(probe_loss, batch, steps, cfg)
+    pieces = mb.windows if mb.windows is not None else [list(range(len(steps)))]
     out: dict = {}
-    for i, (win, jagg) in enumerate(zip(plan.windows, plan.use_jagg)):
+    totals = []
+    for i, piece in enumerate(pieces):
+        sub_steps = [steps[k] for k in piece]
         grads = []
-        for use in (False, jagg):
+        for plan, rows in ((exact_plan(len(piece)), None), (restrict_plan(mb.plan, piece), mb.rows_per_pass)):
             for p in params:
                 p.grad = None
-            backward_window(model_fn, cond, probe_loss, win, use, value_mode)
+            run_plan(model_fn, batch, cond, probe_loss, sub_steps, plan, rows, value_mode, backward)
             grads.append(_flat_grad(params))
-        exact, approx = grads
-        out[f"probe_cos_w{i}"] = _cos(approx, exact)
-        out[f"probe_norm_ratio_w{i}"] = float(approx.norm() / exact.norm().clamp_min(1e-30))
-        total_exact = exact if total_exact is None else total_exact + exact
-        total_jagg = approx if total_jagg is None else total_jagg + approx
+        if mb.windows is not None:
+            out[f"probe_cos_w{i}"] = _cos(grads[1], grads[0])
+            out[f"probe_norm_ratio_w{i}"] = _norm_ratio(grads[1], grads[0])
+        totals = grads if not totals else [t + g for t, g in zip(totals, grads)]
     for p in params:
         p.grad = None
-    out["probe_cos"] = _cos(total_jagg, total_exact)
-    out["probe_norm_ratio"] = float(total_jagg.norm() / total_exact.norm().clamp_min(1e-30))
+    exact, approx = totals
+    out["probe_cos"] = _cos(approx, exact)
+    out["probe_norm_ratio"] = _norm_ratio(approx, exact)
     return out
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b, dim=0, eps=1e-30))
+
+
+def _norm_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(a.norm() / b.norm().clamp_min(1e-30))

@@ -140,9 +140,10 @@ class Problem:
     text_tokens: int
     rollout_seconds: float
 
-    def loss(self, num_trained: int) -> GRPOStepLoss:
-        """GRPOStepLoss over this batch; each L_k scaled by 1/num_trained (Flow-GRPO's mean over trained steps)."""
-        return GRPOStepLoss(self.step_batch, noise_level=NOISE_LEVEL, clip_range=CLIP, scale=1.0 / num_trained)
+    def loss(self, num_trained: int):
+        """GRPOStepLoss on this batch as the engine's step_loss(k, v); each L_k scaled by 1/num_trained (Flow-GRPO's
+        mean over trained steps)."""
+        return GRPOStepLoss(noise_level=NOISE_LEVEL, clip_range=CLIP, scale=1.0 / num_trained).on(self.step_batch)
 
     def describe(self) -> dict:
         return {"kind": "diffusers SD3Transformer2DModel (random weights)", "config": self.model.cfg,

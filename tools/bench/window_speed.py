@@ -12,7 +12,7 @@ real on-policy GRPO minibatch with the Flow-GRPO SDE; with random advantages and
     interpolate  the same, intermediate values = cached ones moved by the endpoints' drift
     forward      the same plus one no-grad forward of (W - 2) B rows
 
-Timing as tools/bench_window.py: every method warmed up once, then rounds that time every (W, method) once
+Timing: every method warmed up once, then rounds that time every (W, method) once
 with the method order rotated; gradients zeroed outside the timed region; speedup = median over rounds of the
 paired ratio t(per-step) / t(method). W/2 is the limit on equal-throughput hardware; target: cached >= 0.9 W/2.
 """
@@ -25,7 +25,7 @@ import torch
 
 from .common import median, ops_table, paired_rounds, paired_speedup, sd3_problem, top_ops  # noqa: I001 (sets sys.path)
 
-from jagg_scale.jagg.backward import exact_backward, jagg_backward
+from jagg_scale.jagg import exact_backward, jagg_backward
 
 METHODS = ("per-step", "eff_grpo", "cached", "interpolate", "forward")
 TARGET_RATIO = 0.9
