@@ -34,7 +34,7 @@ velocities |v_k - ((1 - a_k) v_a + a_k v_b)| / |v_k|, as an `error_fn`.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence, get_args
 
 import torch
 
@@ -43,6 +43,8 @@ from .backward import INTERMEDIATE_MODES, ModelFn, StepLoss, _intermediate_value
 from .windows import plan_windows, window_weights
 
 Plan = list[tuple[int, int]]
+ErrorModel = Literal["residual", "cosine"]  # jagg.error_model: residual_error | cosine_error
+ERROR_MODELS: tuple[str, ...] = get_args(ErrorModel)
 ErrorFn = Callable[[int, int], torch.Tensor]  # (a, b) -> e(a, b, k) for k = a+1 .. b-1 (float64)
 
 
