@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .dist import DistContext
+from .types import BACKENDS
 
 __all__ = ["TrainEngine", "build_engine", "make_optimizer"]
 
@@ -167,4 +168,4 @@ def build_engine(model: torch.nn.Module, cfg, dist: DistContext, **kwargs) -> Tr
         from .deepspeed_engine import DeepSpeedEngine
 
         return DeepSpeedEngine(model, cfg, dist, **kwargs)
-    raise ValueError(f"parallel.backend must be none, fsdp2 or deepspeed, got {backend!r}")
+    raise ValueError(f"parallel.backend must be one of {', '.join(BACKENDS)}, got {backend!r}")

@@ -1,0 +1,301 @@
+"""The sections of the run configuration: one dataclass each, its typed choices and its own range checks.
+
+Choices are `Literal` types with one source each: the config's own concepts are defined here, the others where
+the concept lives (jagg.backward.IntermediateMode, jagg.routing.RouteBy, jagg.knots.ErrorModel,
+parallel.types.Backend). `config._check_type` validates them (and every other typed field) while the config is
+built, so the `check` methods below hold range checks only. Checks that need more than one section, and file
+existence, are `config.validate`. Every error is a ConfigError naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, get_args
+
+from ..jagg.backward import IntermediateMode
+from ..jagg.knots import ErrorModel
+from ..jagg.routing import RouteBy
+from ..models.dit import DiTConfig
+from ..parallel.types import Backend
+
+ModelKind = Literal["dit", "sd3", "flux"]  # built-in DiT | diffusers StableDiffusion3Pipeline | FluxPipeline
+DType = Literal["float32", "bfloat16"]  # autocast dtype of the model; the SDE math stays float32
+Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
+SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
+JaggMode = Literal["jagg", "exact"]  # exact: Flow-GRPO's per-step backward
+KnotPlan = Literal["uniform", "budget"]  # windows of jagg.window with jagg_frac routing | the DP knot planner
+Intermediate = Literal[("auto", *get_args(IntermediateMode))]  # auto: chosen per update (train.update)
+DataSource = Literal["list", "wds"]  # prompt_file / prompts in memory | webdataset shards streamed per rank
+RewardAggregate = Literal["sum", "advantage"]  # GRPO on sum_c w_c r_c | sum_c w_c A_c (MixGRPO)
+WandbMode = Literal["offline", "online", "disabled"]
+Device = Literal["auto", "cpu", "cuda"]
+
+__all__ = [
+    "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "KnotPlan", "Intermediate",
+    "DataSource", "RewardAggregate", "WandbMode", "Device", "Backend", "ErrorModel", "IntermediateMode", "RouteBy",
+    "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
+    "DataConfig", "RewardConfig", "LogConfig", "EvalConfig", "ParallelConfig", "RunConfig",
+]
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the key."""
+
+
+def _require(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' {msg}")
+
+
+class _Section:
+    def check(self, prefix: str) -> None:
+        """Range checks of this section; `prefix` is its dotted name ('model', 'model.lora', ...)."""
+
+
+@dataclass
+class LoRAConfig(_Section):
+    enabled: bool = False
+    rank: int = 32  # Flow-GRPO: r 32, alpha 64
+    alpha: float = 64.0
+    targets: list[str] = field(default_factory=list)  # empty: the backbone's defaults (attention q/k/v/out + add_*)
+
+    def check(self, prefix: str) -> None:
+        _require(self.rank >= 1, f"{prefix}.rank", "must be >= 1")
+        _require(self.alpha > 0, f"{prefix}.alpha", "must be > 0")
+
+
+def _check_dit(d: DiTConfig, prefix: str) -> None:
+    for key in ("image_size", "in_channels", "patch_size", "hidden_size", "depth", "num_heads", "vocab_size",
+                "max_prompt_length"):
+        _require(getattr(d, key) >= 1, f"{prefix}.{key}", "must be >= 1")
+    _require(d.mlp_ratio > 0, f"{prefix}.mlp_ratio", "must be > 0")
+    _require(d.image_size % d.patch_size == 0, f"{prefix}.patch_size", f"must divide {prefix}.image_size")
+    _require(d.hidden_size % d.num_heads == 0, f"{prefix}.num_heads", f"must divide {prefix}.hidden_size")
+
+
+@dataclass
+class ModelConfig(_Section):
+    kind: ModelKind = "dit"  # sd3/flux: a diffusers pipeline directory
+    pretrained: Optional[str] = None  # dit: a safetensors state dict; sd3/flux: the pipeline directory (required)
+    dtype: DType = "float32"  # autocast for the model; SDE math stays float32
+    dit: DiTConfig = field(default_factory=DiTConfig)  # shape of the built-in DiT
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # sd3/flux: train a LoRA adapter instead of all weights
+    gradient_checkpointing: bool = False  # sd3/flux: diffusers' per-block activation checkpointing
+    attention: Attention = "sdpa"
+    resolution: Optional[int] = None  # sd3/flux: image size in pixels; None = the checkpoint's native size
+    distilled_guidance: float = 3.5  # flux: the guidance-embedding value FLUX.1-dev was distilled with (not CFG)
+
+    def check(self, prefix: str) -> None:
+        _require(self.kind == "dit" or bool(self.pretrained), f"{prefix}.pretrained",
+                 f"must name the diffusers pipeline directory when {prefix}.kind is {self.kind}")
+        _require(not self.lora.enabled or self.kind != "dit", f"{prefix}.lora.enabled",
+                 f"is supported for {prefix}.kind sd3 and flux, not dit")
+        _require(self.resolution is None or self.kind != "dit", f"{prefix}.resolution",
+                 f"is for sd3/flux; the dit's size is {prefix}.dit.image_size")
+        _require(self.resolution is None or self.resolution >= 16, f"{prefix}.resolution",
+                 f"must be >= 16 pixels, got {self.resolution}")
+        _require(self.distilled_guidance > 0, f"{prefix}.distilled_guidance", "must be > 0")
+        _require(not self.gradient_checkpointing or self.kind != "dit", f"{prefix}.gradient_checkpointing",
+                 "is supported for the diffusers backbones (sd3, flux), not the built-in dit")
+        _require(self.attention == "sdpa" or self.kind == "sd3", f"{prefix}.attention",
+                 "xformers is wired for sd3 only")
+        self.lora.check(f"{prefix}.lora")
+        _check_dit(self.dit, f"{prefix}.dit")
+
+
+@dataclass
+class SamplingConfig(_Section):
+    num_steps: int = 10
+    noise_level: float = 0.7
+    guidance: float = 1.0  # classifier-free guidance scale; 1.0 disables CFG
+    shift: Optional[float] = 3.0  # SD3's time shift; null = the loaded pipeline's own schedule (sd3/flux)
+    batch_size: int = 16  # rollout rows per forward
+    eval_num_steps: int = 20
+    # SDE window (Flow-GRPO-Fast / MixGRPO): only `sde_window` consecutive steps are sampled with the SDE and
+    # trained, the others run the ODE; 0 = every step is SDE (Flow-GRPO). The window's start is drawn per step
+    # in [lo, hi - sde_window] (sde_window_range [lo, hi], empty: the whole trajectory): `random`
+    # (Flow-GRPO-Fast) or `sliding` (MixGRPO: moves one step every sde_window_every training steps, wrapping).
+    sde_window: int = 0
+    sde_window_range: list[int] = field(default_factory=list)
+    sde_window_mode: SdeWindowMode = "random"
+    sde_window_every: int = 1
+
+    def check(self, prefix: str) -> None:
+        _require(self.num_steps >= 1, f"{prefix}.num_steps", f"must be >= 1, got {self.num_steps}")
+        _require(self.eval_num_steps >= 1, f"{prefix}.eval_num_steps", "must be >= 1")
+        _require(self.noise_level > 0, f"{prefix}.noise_level", f"must be > 0, got {self.noise_level}")
+        _require(self.guidance >= 1.0, f"{prefix}.guidance", f"must be >= 1 (1 disables CFG), got {self.guidance}")
+        _require(self.shift is None or self.shift > 0, f"{prefix}.shift", f"must be > 0, got {self.shift}")
+        _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
+        _require(0 <= self.sde_window <= self.num_steps, f"{prefix}.sde_window",
+                 f"must be in [0, num_steps], got {self.sde_window}")
+        rng = self.sde_window_range or [0, self.num_steps]
+        _require(len(rng) == 2 and 0 <= rng[0] < rng[1] <= self.num_steps and rng[1] - rng[0] >= self.sde_window,
+                 f"{prefix}.sde_window_range",
+                 "must be [lo, hi] with 0 <= lo < hi <= num_steps and hi - lo >= sde_window, "
+                 f"got {self.sde_window_range}")
+        _require(self.sde_window_every >= 1, f"{prefix}.sde_window_every", "must be >= 1")
+
+
+@dataclass
+class GRPOConfig(_Section):
+    group_size: int = 4
+    clip_range: float = 1e-4
+    adv_clip_max: float = 5.0
+    beta: float = 0.0  # KL weight; 0 skips the reference model entirely
+    timestep_fraction: float = 1.0
+    inner_epochs: int = 1
+    global_std: bool = False
+
+    def check(self, prefix: str) -> None:
+        _require(self.group_size >= 2, f"{prefix}.group_size",
+                 f"must be >= 2 for group-relative advantages, got {self.group_size}")
+        _require(self.clip_range > 0, f"{prefix}.clip_range", "must be > 0")
+        _require(self.adv_clip_max > 0, f"{prefix}.adv_clip_max", "must be > 0")
+        _require(self.beta >= 0, f"{prefix}.beta", "must be >= 0")
+        _require(0 < self.timestep_fraction <= 1, f"{prefix}.timestep_fraction",
+                 f"must be in (0, 1], got {self.timestep_fraction}")
+        _require(self.inner_epochs >= 1, f"{prefix}.inner_epochs", "must be >= 1")
+
+
+@dataclass
+class JAGGConfig(_Section):
+    mode: JaggMode = "jagg"
+    window: int = 4
+    jagg_frac: float = 1.0
+    min_cos: Optional[float] = None
+    route_by: RouteBy = "vcos"
+    intermediate: Intermediate = "auto"
+    probe_every: int = 0  # every N steps log the exact-vs-JAGG gradient cosine (extra passes); 0 = off
+    # knot plans (jagg/knots.py): `budget` places the exactly-computed steps where the error model says JAGG's
+    # interpolation would cost most, with at most trained_steps / speedup with-grad rows per sample
+    plan: KnotPlan = "uniform"
+    speedup: float = 2.0  # budget: transformer rows per sample <= trained steps / speedup
+    share_knots: bool = False  # uniform: adjacent windows share their boundary knot (fewer rows, longer spans)
+    rows_per_pass: int = 2  # knot plans: knots per joint forward+backward (2 = the paper's joint endpoint pass)
+    error_model: ErrorModel = "residual"  # budget: velocity interpolation residual | endpoint cosine
+
+    def check(self, prefix: str) -> None:
+        _require(self.window >= 1, f"{prefix}.window", f"must be >= 1, got {self.window}")
+        _require(0.0 <= self.jagg_frac <= 1.0, f"{prefix}.jagg_frac", f"must be in [0, 1], got {self.jagg_frac}")
+        _require(self.min_cos is None or -1.0 <= self.min_cos <= 1.0, f"{prefix}.min_cos", "must be in [-1, 1]")
+        _require(self.probe_every >= 0, f"{prefix}.probe_every", "must be >= 0 (0 disables the probe)")
+        _require(self.speedup >= 1.0, f"{prefix}.speedup", f"must be >= 1, got {self.speedup}")
+        _require(self.rows_per_pass >= 1, f"{prefix}.rows_per_pass", "must be >= 1")
+        _require(not (self.plan == "budget" and self.jagg_frac != 1.0), f"{prefix}.jagg_frac",
+                 f"routes uniform windows; with {prefix}.plan budget the planner decides (leave jagg_frac at 1.0)")
+
+
+@dataclass
+class TrainConfig(_Section):
+    steps: int = 20
+    prompts_per_step: int = 4
+    batch_size: int = 8  # samples per optimizer step
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    ema_decay: float = 0.0  # > 0: EMA of the trainable weights (per optimizer step), used for eval and export
+
+    def check(self, prefix: str) -> None:
+        _require(self.steps >= 1, f"{prefix}.steps", f"must be >= 1, got {self.steps}")
+        _require(self.prompts_per_step >= 1, f"{prefix}.prompts_per_step", "must be >= 1")
+        _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
+        _require(self.lr > 0, f"{prefix}.lr", "must be > 0")
+        _require(self.weight_decay >= 0, f"{prefix}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _require(all(0 <= b < 1 for b in self.adam_betas), f"{prefix}.adam_betas", "must be two numbers in [0, 1)")
+        _require(self.adam_eps >= 0, f"{prefix}.adam_eps", f"must be >= 0, got {self.adam_eps}")
+        _require(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0 (0 disables clipping)")
+        _require(0.0 <= self.ema_decay < 1.0, f"{prefix}.ema_decay", f"must be in [0, 1), got {self.ema_decay}")
+
+
+@dataclass
+class DataConfig(_Section):
+    source: DataSource = "list"
+    prompt_file: Optional[str] = None  # .txt or .jsonl; when unset, `prompts` is used
+    prompts: list[str] = field(default_factory=list)
+    shards: Optional[str] = None  # wds: brace pattern of tar shards (tools/make_prompt_shards.py)
+    num_workers: int = 0  # wds: DataLoader workers per rank
+
+    def check(self, prefix: str) -> None:
+        _require(self.source != "list" or bool(self.prompt_file) or len(self.prompts) > 0, f"{prefix}.prompt_file",
+                 f"is required when {prefix}.prompts is empty")
+        _require(self.source != "wds" or bool(self.shards), f"{prefix}.shards",
+                 f"is required when {prefix}.source is wds")
+        _require(self.num_workers >= 0, f"{prefix}.num_workers", "must be >= 0")
+
+
+@dataclass
+class RewardConfig(_Section):
+    name: str = "jpeg_compressibility"  # one reward (jagg_scale.rewards.available())
+    options: dict[str, Any] = field(default_factory=dict)
+    # several: {name: {weight: w, option: value, ...}}; replaces name
+    components: dict[str, Optional[dict[str, Any]]] = field(default_factory=dict)
+    aggregate: RewardAggregate = "sum"
+    max_fail_frac: float = 0.25  # per reward: a larger failed fraction of a batch stops the run
+    background: bool = True  # decode + score rollout chunks in a worker thread while the next chunk samples
+    shard: bool = False  # split reward-model weights across ranks (FSDP2, inference); each rank scores its images
+
+    def check(self, prefix: str) -> None:
+        _require(0.0 <= self.max_fail_frac <= 1.0, f"{prefix}.max_fail_frac", "must be in [0, 1]")
+        for name, spec in self.components.items():
+            weight = (spec or {}).get("weight", 1.0)
+            _require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
+                     f"{prefix}.components.{name}.weight", f"must be a finite number, got {weight!r}")
+
+
+@dataclass
+class LogConfig(_Section):
+    progress: bool = True
+    wandb: bool = False
+    wandb_mode: WandbMode = "offline"
+    wandb_project: str = "jagg-scale"
+
+
+@dataclass
+class EvalConfig(_Section):
+    enabled: bool = False
+    prompt_file: Optional[str] = None  # held-out prompts (.txt / .jsonl); when unset, `prompts`
+    prompts: list[str] = field(default_factory=list)
+    num_per_prompt: int = 2
+    every: int = 0  # also evaluate every N steps; 0: only before and after training
+    seed: int = 1234  # eval noise is fixed by this seed, so every evaluation sees the same starting noise
+    batch_size: int = 32
+
+    def check(self, prefix: str) -> None:
+        _require(not self.enabled or bool(self.prompt_file) or len(self.prompts) > 0, f"{prefix}.prompt_file",
+                 f"is required when {prefix}.enabled and {prefix}.prompts is empty")
+        _require(self.num_per_prompt >= 1, f"{prefix}.num_per_prompt", "must be >= 1")
+        _require(self.every >= 0, f"{prefix}.every", "must be >= 0")
+        _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
+
+
+@dataclass
+class ParallelConfig(_Section):
+    backend: Backend = "none"
+    reshard_after_forward: bool = True  # fsdp2: free gathered params after forward (gather again in backward)
+    activation_checkpointing: bool = False  # fsdp2/deepspeed: recompute each transformer block in backward
+    prefetch: bool = True  # fsdp2: gather block i+1 (forward) / i-1 (backward) while block i computes
+    replicate: int = 1  # fsdp2 HSDP: replica groups x shards (e.g. nodes x GPUs per node); 1 = plain FSDP
+    deepspeed: dict[str, Any] = field(default_factory=dict)  # deepspeed: merged over the built-in ZeRO-3 config
+
+    def check(self, prefix: str) -> None:
+        _require(self.replicate >= 1, f"{prefix}.replicate", "must be >= 1")
+
+
+@dataclass
+class RunConfig(_Section):
+    output_dir: str = "runs/default"
+    seed: int = 0
+    resume: str = "none"  # none | auto | path to a checkpoint directory
+    checkpoint_every: int = 10
+    keep_last: int = 2
+    device: Device = "auto"
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+
+    def check(self, prefix: str) -> None:
+        _require(self.checkpoint_every >= 0, f"{prefix}.checkpoint_every", "must be >= 0 (0: only at the end)")
+        _require(self.keep_last >= 1, f"{prefix}.keep_last", "must be >= 1")
+        _require(self.threads >= 0, f"{prefix}.threads", "must be >= 0")

@@ -1,0 +1,137 @@
+"""The configuration module alone (no training): typed choices, typed containers, finite floats, every shipped
+YAML, and the to_dict round trip that config.yaml and resume rely on."""
+
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jagg_scale.jagg.backward import INTERMEDIATE_MODES, IntermediateMode
+from jagg_scale.jagg.knots import ErrorModel
+from jagg_scale.jagg.routing import RouteBy
+from jagg_scale.parallel.types import Backend
+from jagg_scale.train.config import (Config, ConfigError, JAGGConfig, ParallelConfig, config_from_dict, load_config,
+                                     validate)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+TINY = ROOT / "configs" / "tiny_cpu.yaml"
+
+
+def _err(*overrides):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, list(overrides))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("key,choices", [
+    ("model.kind", "dit, sd3, flux"),
+    ("model.dtype", "float32, bfloat16"),
+    ("model.attention", "sdpa, xformers"),
+    ("sampling.sde_window_mode", "random, sliding"),
+    ("jagg.mode", "jagg, exact"),
+    ("jagg.route_by", "vcos, weighted"),
+    ("jagg.intermediate", "auto, cached, interpolate, forward"),
+    ("jagg.plan", "uniform, budget"),
+    ("jagg.error_model", "residual, cosine"),
+    ("data.source", "list, wds"),
+    ("reward.aggregate", "sum, advantage"),
+    ("log.wandb_mode", "offline, online, disabled"),
+    ("parallel.backend", "none, fsdp2, deepspeed"),
+    ("run.device", "auto, cpu, cuda"),
+])
+def test_a_bad_choice_names_the_key_and_the_choices(key, choices):
+    assert _err(f"{key}=foo") == f"config key '{key}' must be one of {choices}, got 'foo'"
+    assert f"config key '{key}' must be one of {choices}, got 3" == _err(f"{key}=3")
+
+
+def test_choices_have_one_source():
+    hints = typing.get_type_hints(JAGGConfig)
+    assert hints["route_by"] is RouteBy and hints["error_model"] is ErrorModel
+    assert typing.get_args(hints["intermediate"]) == ("auto", *typing.get_args(IntermediateMode))
+    assert typing.get_args(hints["intermediate"])[1:] == INTERMEDIATE_MODES
+    assert typing.get_type_hints(ParallelConfig)["backend"] is Backend
+
+
+def test_adam_betas_is_a_typed_pair():
+    cfg = load_config(TINY, ["train.adam_betas=[0.8, 0.99]"])
+    assert cfg.train.adam_betas == (0.8, 0.99) and isinstance(cfg.train.adam_betas, tuple)
+    assert Config().train.adam_betas == (0.9, 0.999)
+    assert load_config(TINY, ["train.adam_betas=[0, 1.0e-1]"]).train.adam_betas == (0.0, 0.1)
+    for bad in ("[0.9]", "[0.9, 0.99, 0.999]", "0.9", "[a, b]", "[0.9, null]", "[true, 0.9]", "{a: 1}", "[0.9, .nan]",
+                "[0.9, 1.5]", "[-0.1, 0.9]"):
+        assert "config key 'train.adam_betas" in _err(f"train.adam_betas={bad}")
+
+
+@pytest.mark.parametrize("key", ["train.lr", "grpo.clip_range", "sampling.shift", "jagg.min_cos", "train.adam_eps",
+                                 "model.dit.mlp_ratio", "model.distilled_guidance", "reward.max_fail_frac"])
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "nan", "inf"])
+def test_non_finite_floats_are_rejected(key, value):
+    assert _err(f"{key}={value}").startswith(f"config key '{key}' must be a finite number, got ")
+
+
+def test_negative_adam_eps_and_weight_decay_are_named():
+    assert _err("train.adam_eps=-1e-8").startswith("config key 'train.adam_eps' must be >= 0")
+    assert _err("train.weight_decay=-0.1").startswith("config key 'train.weight_decay' must be >= 0")
+    assert load_config(TINY, ["train.weight_decay=0.01", "train.adam_eps=0"]).train.weight_decay == 0.01
+
+
+@pytest.mark.parametrize("override,key", [
+    ("data.prompts=[a, 3]", "data.prompts[1]"),
+    ("data.prompts=a", "data.prompts"),
+    ("eval.prompts=[1]", "eval.prompts[0]"),
+    ("model.lora.targets=[to_q, 2]", "model.lora.targets[1]"),
+    ("sampling.sde_window_range=[a, 3]", "sampling.sde_window_range[0]"),
+    ("sampling.sde_window_range=[1]", "sampling.sde_window_range"),
+    ("reward.options=[1]", "reward.options"),
+    ("reward.options={1: 2}", "reward.options"),
+    ("reward.components={a: 3}", "reward.components.a"),
+    ("reward.components={jpeg_compressibility: {weight: .nan}}", "reward.components.jpeg_compressibility.weight"),
+    ("parallel.deepspeed=3", "parallel.deepspeed"),
+    ("run.resume=3", "run.resume"),
+    ("model=3", "model"),
+])
+def test_typed_containers_name_the_key(override, key):
+    assert f"'{key}'" in _err(override)
+
+
+def test_strings_still_read_as_floats_and_resume_stays_a_string():
+    cfg = load_config(TINY, ["train.lr=1e-4", "run.resume=auto", "reward.options={quality: 50}"])
+    assert cfg.train.lr == 1e-4 and cfg.run.resume == "auto" and cfg.reward.options == {"quality": 50}
+
+
+def _fake_paths(tmp_path):
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    (pipe / "model_index.json").write_text("{}")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red apple\na dog\n")
+    return [f"model.pretrained={pipe}", f"data.prompt_file={prompts}", f"eval.prompt_file={prompts}"]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_shipped_config_loads_and_round_trips(path, tmp_path):
+    try:
+        cfg = load_config(path)
+    except ConfigError as err:  # the diffusers configs name a model directory (and prompt files) not on this machine
+        assert "config key 'model.pretrained'" in str(err) or "config key 'data.prompt_file'" in str(err), err
+        assert yaml.safe_load(path.read_text())["model"]["kind"] in ("sd3", "flux")
+        cfg = load_config(path, _fake_paths(tmp_path))
+    data = cfg.to_dict()
+    assert yaml.safe_load(yaml.safe_dump(data, sort_keys=False)) == data  # config.yaml holds plain types
+    assert config_from_dict(data) == cfg
+    assert config_from_dict(yaml.safe_load(yaml.safe_dump(data))).to_dict() == data  # what resume compares
+    validate(cfg)
+
+
+def test_to_dict_is_plain_lists_and_dicts():
+    data = load_config(TINY, ["train.adam_betas=[0.8, 0.99]", "sampling.sde_window_range=[1, 9]"]).to_dict()
+    assert data["train"]["adam_betas"] == [0.8, 0.99] and data["sampling"]["sde_window_range"] == [1, 9]
+    assert type(data["model"]["dit"]) is dict and type(data["model"]["lora"]["targets"]) is list
+
+
+def test_defaults_round_trip():
+    cfg = config_from_dict({"data": {"prompts": ["a cat"]}})
+    assert config_from_dict(cfg.to_dict()) == cfg
+    assert cfg.to_dict()["train"]["adam_betas"] == [0.9, 0.999]
