@@ -66,15 +66,16 @@ def eval_main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from .checkpoint import find_resume_checkpoint
-    from .train import ConfigError, Trainer, load_config
+    from .train import ConfigError, load_config
+    from .train.evaluate import evaluate_checkpoint
 
     try:
         cfg = load_config(args.config, args.overrides + ["eval.enabled=true", "run.resume=none"])
     except ConfigError as err:
         print(f"jagg-eval: {err}", file=sys.stderr)
         return 2
-    trainer = Trainer(cfg)
     out = Path(args.output) if args.output else Path("eval")
+    path = None
     if args.checkpoint:
         path = Path(args.checkpoint)
         if not (path / "COMPLETE").exists():
@@ -83,9 +84,8 @@ def eval_main(argv: list[str] | None = None) -> int:
                 print(f"jagg-eval: no complete checkpoint in {path}", file=sys.stderr)
                 return 2
             path = found
-        trainer.load_weights(path)
         out = Path(args.output) if args.output else path / "eval"
-    result = trainer.evaluate_to(out)
+    result = evaluate_checkpoint(cfg, path, out)
     print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=2))
     print(f"wrote {out / 'eval.json'} and {out / 'grid.png'}")
     return 0

@@ -22,8 +22,8 @@ def _setup(tmp_path):
     trainer = Trainer(load_config(TINY, SMALL + [f"run.output_dir={tmp_path}"]))
     g = trainer.cfg.grpo.group_size
     prompts = [r.prompt for r in trainer.source.next_prompts() for _ in range(g)]
-    cond = trainer.encode(prompts)
-    traj = trainer.rollout(cond, torch.arange(len(prompts)), 0)
+    cond = trainer.policy.encode(prompts)
+    traj = trainer.policy.rollout(cond, torch.arange(len(prompts)), 0)
     n = len(prompts)
     batch = traj.step_batch(torch.arange(n), torch.linspace(-1.5, 1.5, n), torch.ones(n, dtype=torch.bool))
     loss = GRPOStepLoss(noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.steps))
@@ -38,7 +38,7 @@ def _grad(trainer, fn):
 
 def test_budget_at_speedup_one_is_the_exact_gradient(tmp_path):
     trainer, cond, batch, loss = _setup(tmp_path)
-    policy = trainer.velocity_fn(trainer.model)
+    policy = trainer.policy.velocity_fn()
     exact, _ = _grad(trainer, lambda: update_mod.backward_minibatch(
         policy, batch, cond, loss, trainer.steps, JAGGConfig(mode="exact"), on_policy=True))
     full, stats = _grad(trainer, lambda: update_mod.backward_minibatch(
@@ -49,7 +49,7 @@ def test_budget_at_speedup_one_is_the_exact_gradient(tmp_path):
 
 def test_uniform_windows_as_knots_match_the_window_path(tmp_path):
     trainer, cond, batch, loss = _setup(tmp_path)
-    policy = trainer.velocity_fn(trainer.model)
+    policy = trainer.policy.velocity_fn()
     cfg = JAGGConfig(window=4, intermediate="cached")
     windows, _ = _grad(trainer, lambda: update_mod.backward_minibatch(policy, batch, cond, loss, trainer.steps, cfg,
                                                                       on_policy=True))

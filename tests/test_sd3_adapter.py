@@ -148,7 +148,7 @@ def test_lora_run_with_kl_to_the_adapter_off_reference_and_checkpointing(sd3_dir
               "model.gradient_checkpointing=true", "grpo.beta=0.04", "log.progress=false",
               "sampling.num_steps=4", "jagg.window=4", f"run.output_dir={tmp_path}"]
     trainer = Trainer(load_config(config, common + ["train.steps=2", "run.checkpoint_every=1"]))
-    assert trainer.ref_model is None
+    assert trainer.policy.ref_model is None
     rows = trainer.fit()
     assert rows[-1]["kl"] > 0  # the adapter moved the policy away from the adapter-off reference
     saved = load_file(str(tmp_path / "checkpoints" / "step_00000002" / "model.safetensors"))
@@ -169,7 +169,7 @@ def test_bf16_autocast_keeps_the_sde_math_in_float32(sd3_dir, tmp_path):
                                "sampling.num_steps=4", f"run.output_dir={tmp_path}", "log.progress=false"])
     trainer = Trainer(cfg)
     prompts = ["a red apple", "a cat"]
-    traj = trainer.rollout(trainer.encode(prompts), torch.arange(2), step=0)
+    traj = trainer.policy.rollout(trainer.policy.encode(prompts), torch.arange(2), step=0)
     assert traj.log_probs.dtype == torch.float32 and traj.latents.dtype == torch.float32
     assert torch.isfinite(traj.log_probs).all()
     row = trainer.fit()[0]

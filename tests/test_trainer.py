@@ -97,19 +97,19 @@ def test_bad_yaml_file_key(tmp_path):
 def _minibatch(trainer, step=0):
     g = trainer.cfg.grpo.group_size
     prompts = [r.prompt for r in trainer.source.next_prompts() for _ in range(g)]
-    traj = trainer.rollout(trainer.encode(prompts), torch.arange(len(prompts)), step)
+    traj = trainer.policy.rollout(trainer.policy.encode(prompts), torch.arange(len(prompts)), step)
     n = traj.latents.shape[1]
     adv = torch.linspace(-1.5, 1.5, n)
     rows = torch.arange(n)
     batch = traj.step_batch(rows, adv, torch.ones(n, dtype=torch.bool))
     loss = GRPOStepLoss(noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.steps))
-    return trainer.encode(prompts), batch, loss
+    return trainer.policy.encode(prompts), batch, loss
 
 
 def _grads(trainer, cond, batch, loss, **kwargs):
     trainer.model.zero_grad(set_to_none=True)
     cfg = JAGGConfig(**kwargs)
-    stats = update_mod.backward_minibatch(trainer.velocity_fn(trainer.model), batch, cond, loss, trainer.steps, cfg,
+    stats = update_mod.backward_minibatch(trainer.policy.velocity_fn(), batch, cond, loss, trainer.steps, cfg,
                                           on_policy=True)
     return torch.cat([p.grad.flatten() for p in trainer.model.parameters()]), stats
 

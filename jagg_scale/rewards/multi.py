@@ -26,9 +26,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..grpo.advantages import Advantages, combine_advantages, compute_advantages
 from .base import Reward, RewardOutput, build_reward, score_safely
 
-__all__ = ["RewardMix", "ChunkScorer", "ComponentScores", "build_reward_mix"]
+__all__ = ["RewardMix", "ChunkScorer", "ComponentScores", "build_reward_mix", "check_failures", "gather_components"]
 
 
 @dataclass
@@ -76,6 +77,31 @@ class RewardMix(Reward):
         total = sum(self.weights[n] * p.scores for n, p in parts.items())
         valid = torch.stack([p.valid for p in parts.values()]).all(0)
         return total, valid
+
+    def advantages(self, parts: dict[str, ComponentScores], group_ids: list, *, aggregate: str, global_std: bool,
+                   adv_clip_max: float) -> Advantages:
+        """The group advantages of a step's scores under `aggregate` (module docstring): `sum` normalises the
+        weighted sum, `advantage` sums the per-reward normalised advantages (MixGRPO)."""
+        kw = dict(global_std=global_std, adv_clip_max=adv_clip_max)
+        total, valid = self.weighted_sum(parts)
+        if aggregate == "advantage" and len(parts) > 1:
+            return combine_advantages([(self.weights[n], compute_advantages(p.scores, group_ids, valid=p.valid, **kw))
+                                       for n, p in parts.items()], group_ids, valid)
+        return compute_advantages(total, group_ids, valid=valid, **kw)
+
+
+def gather_components(local: dict[str, ComponentScores], layout: torch.Tensor, n: int,
+                      all_gather: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, ComponentScores]:
+    """Every rank's scores in global row order. `all_gather(t)` concatenates the ranks' tensors in rank order,
+    whose rows are the global rows `layout` (StepRows.all_rows) out of `n`."""
+    out = {}
+    for name, p in local.items():
+        scores = torch.zeros(n)
+        valid = torch.zeros(n, dtype=torch.bool)
+        scores[layout] = all_gather(p.scores.float()).cpu()
+        valid[layout] = all_gather(p.valid).cpu()
+        out[name] = ComponentScores(scores, valid)
+    return out
 
 
 def check_failures(parts: dict[str, ComponentScores], max_fail_frac: float) -> dict[str, int]:

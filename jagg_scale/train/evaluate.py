@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..cond import index_cond
 from ..data import PromptSet, load_prompts
 from ..grpo import model_schedule, sample_ode
-from ..cond import index_cond
 from ..paths import resolve_path
 from ..rewards import score_safely
 from .config import Config
@@ -82,3 +82,27 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
         image_grid(images, ncols=e.num_per_prompt * max(1, 16 // e.num_per_prompt)).save(out_dir / "grid.png")
         (out_dir / "eval.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> dict:
+    """`jagg-eval`: the model the config builds, with a verified checkpoint's trained weights (its EMA when
+    train.ema_decay > 0) when given, evaluated on one process: model weights only, no engine, no optimizer."""
+    from ..checkpoint import verify_checkpoint
+    from ..models import build_model
+    from ..parallel.dist import init_distributed
+    from ..parallel.weights import load_trained_weights
+    from ..rewards.multi import build_reward_mix
+    from .policy import Policy
+
+    prompts, reward = eval_prompts(cfg), build_reward_mix(cfg.reward)  # inputs first: fail before a model is built
+    dist = init_distributed(cfg.run.device)
+    try:
+        torch.manual_seed(cfg.run.seed)
+        model = build_model(cfg.model).to(dist.device)
+        if checkpoint is not None:
+            verify_checkpoint(checkpoint)
+            load_trained_weights(model, checkpoint, ema=cfg.train.ema_decay > 0)
+        policy = Policy(model, cfg, dist.device)
+        return evaluate(model, policy.velocity_fn(), policy.encode, reward, cfg, prompts, out_dir)
+    finally:
+        dist.close()

@@ -34,7 +34,7 @@ def row_generators(seed: int, step: int, rows: torch.Tensor) -> list[torch.Gener
 
 @dataclass
 class StepRows:
-    """The row plan of one step. `order` is the global permutation; minibatch m is order[m*bs:(m+1)*bs] and
+    """The rows of one step. `order` is the global permutation; minibatch m is order[m*bs:(m+1)*bs] and
     rank r holds its slice [r*lbs:(r+1)*lbs] (lbs = bs / world)."""
 
     order: torch.Tensor  # [N] global row permutation
@@ -43,7 +43,7 @@ class StepRows:
     rank: int
 
     @classmethod
-    def plan(cls, n: int, batch_size: int, seed: int, step: int, rank: int, world_size: int) -> "StepRows":
+    def draw(cls, n: int, batch_size: int, seed: int, step: int, rank: int, world_size: int) -> "StepRows":
         if batch_size % world_size or n % batch_size:
             raise ValueError(f"train.batch_size={batch_size} must be divisible by the world size {world_size} "
                              f"and divide the step's {n} rows")

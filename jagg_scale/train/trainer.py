@@ -1,11 +1,17 @@
-"""The GRPO trainer. One training step reads top to bottom:
+"""The GRPO trainer. One training step reads top to bottom as its five phases:
 
-    prompts -> rollout (SDE, log-probs, velocities) -> reward -> advantages -> JAGG updates -> log -> checkpoint
+    1. rollout     this rank's rows of the step's prompts sampled with the SDE (policy.py), each chunk decoded and
+                   scored by the reward in a worker thread while the next one samples
+    2. reward      the scores gathered over ranks, failures checked
+    3. advantage   group-relative advantages over the whole gathered batch (rewards/multi.py, grpo/advantages.py)
+    4. update      inner epochs x minibatches: each minibatch's knot plan through the gradient engine, one optimizer
+                   step each (update.py)
+    5. log         metrics averaged over ranks; `fit` then checkpoints, exports and evaluates (run_state.py)
 
 Distribution: the same code runs on one process or N (parallel.backend fsdp2 | deepspeed). Every rank agrees on
 the step's prompts, samples its slice of the rows (rows.py), scores its own images, and the rewards are gathered
 so every rank computes the same group advantages; each rank then trains on its slice of every minibatch and the
-engine (parallel/) reduces the gradients. Metrics are averaged over ranks; rank 0 writes logs and exports.
+engine (parallel/) reduces the gradients. Rank 0 writes logs and exports.
 
 Determinism: every random draw of step t comes from a generator seeded by (run.seed, t[, row]), never from global
 state, so a run resumed from a checkpoint at step t draws exactly what the uninterrupted run drew, and N ranks
@@ -15,10 +21,7 @@ draw what one process would.
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import os
-import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -26,24 +29,23 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..checkpoint import CheckpointError, capture_rng_state, find_resume_checkpoint, restore_rng_state
-from ..checkpoint.local import STATE, save_checkpoint_dir, verify_checkpoint
-from ..data import ListPromptSource, PromptSet, StreamPromptSource, load_prompts
-from ..grpo import (GRPOStepLoss, Trajectories, combine_advantages, compute_advantages, guided_velocity, model_schedule,
-                    reduce_metrics, sample_sde)
-from ..jagg import trained_steps
 from ..cond import index_cond
+from ..data import ListPromptSource, PromptSet, StreamPromptSource, load_prompts
+from ..grpo import GRPOStepLoss, Trajectories, reduce_metrics
+from ..jagg import trained_steps
 from ..models import build_model
 from ..parallel.comm import CommCounter
 from ..parallel.dist import init_distributed
 from ..parallel.engine import build_engine
 from ..paths import resolve_path
-from ..rewards.multi import ChunkScorer, ComponentScores, build_reward_mix, check_failures
+from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
 from .config import Config
 from .evaluate import eval_prompts, evaluate
 from .logging import RunLogger
+from .policy import Policy
 from .preemption import Preemption
-from .rows import StepRows, row_generators, step_seed
+from .rows import StepRows, step_seed
+from .run_state import RunState
 from .update import BackwardStats, backward_minibatch, probe_minibatch
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,6 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.out = Path(cfg.run.output_dir)
-        self.ckpt_root = self.out / "checkpoints"
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.dist = init_distributed(cfg.run.device)
@@ -74,23 +75,23 @@ class Trainer:
         # The KL reference: with LoRA the same transformer with its adapter off (no copy); otherwise a frozen copy
         # of the starting weights (rebuilt identically on resume, so checkpoints need not hold it). beta = 0 skips
         # the reference entirely: no copy, no forwards.
-        self.lora = cfg.model.lora.enabled
-        ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.grpo.beta > 0 and not self.lora else None
+        lora = cfg.model.lora.enabled
+        ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.grpo.beta > 0 and not lora else None
         sharded = self.dist.world_size > 1 or cfg.parallel.backend != "none"
         self.comm = CommCounter.for_process() if sharded else None  # before the engine binds the collectives
         self.engine = build_engine(model, cfg, self.dist)
         self.model = self.engine.model
-        self.ref_model = self.engine.shard_frozen(ref) if ref is not None else None
+        self.policy = Policy(self.model, cfg, self.device,
+                             ref_model=self.engine.shard_frozen(ref) if ref is not None else None)
         if cfg.reward.shard and self.dist.world_size > 1:
             from ..rewards.sharded import shard_reward
 
             for _, _, component in self.reward.components:
                 shard_reward(component)
-        self.sigmas = model_schedule(self.model, cfg.sampling.num_steps, cfg.sampling.shift).to(self.device)
         self.steps = trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction)
-        self.start_step = 0
         self.preemption = Preemption()
-        self._resume()
+        self.run_state = RunState(cfg, self.dist, self.engine, self.out)
+        self.start_step = self.run_state.resume(self.source)
 
     def _prompt_source(self):
         cfg = self.cfg
@@ -102,62 +103,61 @@ class Trainer:
         return ListPromptSource(prompts, cfg.train.prompts_per_step, cfg.run.seed)
 
     # ----------------------------------------------------------------------------------------------------------
-    # the policy
-    # ----------------------------------------------------------------------------------------------------------
-
-    def velocity_fn(self, model):
-        """The policy's velocity: CFG-guided, the model under bf16 autocast when configured (the SDE math that
-        consumes it casts back to float32)."""
-        guidance = self.cfg.sampling.guidance
-        bf16 = self.cfg.model.dtype == "bfloat16"
-
-        def fn(x, sigma, cond):
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
-                return guided_velocity(model, x, sigma, cond, guidance)
-
-        return fn
-
-    def reference_fn(self):
-        """The reference velocity for the KL term, or None when beta = 0."""
-        if self.cfg.grpo.beta == 0:
-            return None
-        if self.ref_model is not None:
-            return self.velocity_fn(self.ref_model)
-        policy = self.velocity_fn(self.model)
-
-        def adapter_off(x, sigma, cond):
-            with self.model.reference_disabled():
-                return policy(x, sigma, cond)
-
-        return adapter_off
-
-    def encode(self, prompts: list[str]):
-        cond = self.model.encode_prompts(prompts)
-        if self.cfg.sampling.guidance != 1.0:
-            return cond, self.model.encode_prompts([""] * len(prompts))
-        return cond
-
-    # ----------------------------------------------------------------------------------------------------------
     # one training step
     # ----------------------------------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None, sde_steps=None) -> Trajectories:
-        """SDE trajectories of the given global rows (cond holds their conditioning, in that order).
-        `on_chunk(index, final_latents)` is called after each chunk of sampling.batch_size rows (reward scoring)."""
+    def train_step(self, step: int) -> dict:
         cfg = self.cfg
-        gens = row_generators(cfg.run.seed, step, rows)
-        noise = torch.stack([torch.randn(self.model.latent_shape, generator=g) for g in gens])
-        policy, ref = self.velocity_fn(self.model), self.reference_fn()
-        parts = []
-        for idx in torch.arange(len(rows)).split(cfg.sampling.batch_size):
-            parts.append(sample_sde(policy, index_cond(cond, idx.to(self.device)), noise[idx].to(self.device),
-                                    self.sigmas, noise_level=cfg.sampling.noise_level,
-                                    generator=[gens[i] for i in idx.tolist()], ref_velocity_fn=ref,
-                                    sde_steps=sde_steps))
-            if on_chunk is not None:
-                on_chunk(idx, parts[-1].final)
-        return Trajectories.cat(parts)
+        g = cfg.grpo.group_size
+        t0 = time.perf_counter()
+        # 1. rollout: the step's prompts (the same on every rank), this rank's rows, scored chunk by chunk
+        records = [r for r in self.source.next_prompts() for _ in range(g)]
+        rows = StepRows.draw(len(records), cfg.train.batch_size, cfg.run.seed, step, self.dist.rank,
+                             self.dist.world_size)
+        prompts = [records[i].prompt for i in rows.mine.tolist()]
+        metadata = [records[i].metadata for i in rows.mine.tolist()]
+        cond = self.policy.encode(prompts)
+        steps = self.trained_steps_at(step)
+        self.model.eval()
+        background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
+        scorer = ChunkScorer(self.reward, self.model.decode, background=background)
+        on_chunk = lambda idx, final: scorer.add(final, [prompts[i] for i in idx.tolist()],  # noqa: E731
+                                                 [metadata[i] for i in idx.tolist()])
+        with self._comm("rollout"):
+            traj = self.policy.rollout(cond, rows.mine, step, on_chunk=on_chunk,
+                                       sde_steps=set(steps) if cfg.sampling.sde_window else None)
+        t1 = time.perf_counter()
+        # 2. reward: gathered so that every rank sees the whole batch (and takes the same decisions)
+        local = scorer.finish()
+        with self._comm("reward"):
+            parts = gather_components(local, rows.all_rows, len(records),
+                                      lambda t: self.dist.all_gather_tensor(t.to(self.device)))
+        failed = check_failures(parts, cfg.reward.max_fail_frac)
+        t2 = time.perf_counter()
+        # 3. advantages over the prompt groups (row i is in group i // G)
+        adv = self.reward.advantages(parts, [i // g for i in range(len(records))], aggregate=cfg.reward.aggregate,
+                                     global_std=cfg.grpo.global_std, adv_clip_max=cfg.grpo.adv_clip_max)
+        # 4. update on this rank's slice of every minibatch
+        self.model.train()
+        with self._comm("train"):
+            stats, loss_metrics = self.update(traj, cond, adv, rows, step, steps)
+        t3 = time.perf_counter()
+        # 5. log
+        metrics = {
+            "step": step,
+            **self._reward_metrics(parts, failed),
+            "zero_std_groups": adv.zero_std_groups,
+            "loss": stats.loss / max(1, loss_metrics["optimizer_steps"]),
+            **loss_metrics,
+            **_backward_metrics(stats),
+            **({"sde_window_start": steps[0]} if cfg.sampling.sde_window else {}),
+            "time_rollout": t1 - t0,  # includes the reward scoring that overlapped it
+            "time_reward": t2 - t1,  # reward time not hidden behind the rollout
+            "time_train": t3 - t2 - loss_metrics.get("time_probe", 0.0),  # the probe is diagnostics, not training
+        }
+        if self.comm is not None:
+            metrics.update(self.comm.take())
+        return self.dist.mean_over_ranks(metrics, {"ratio_max": "max", "ratio_min": "min"})
 
     def trained_steps_at(self, step: int) -> list[int]:
         """The steps trained at training step `step`: Flow-GRPO's first timestep_fraction of the trajectory, or the
@@ -173,6 +173,43 @@ class Trainer:
             gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, 3))
             start = lo + int(torch.randint(starts, (1,), generator=gen))
         return list(range(start, start + s.sde_window))
+
+    def update(self, traj: Trajectories, cond, adv, rows: StepRows, step: int,
+               steps: list[int]) -> tuple[BackwardStats, dict]:
+        """Inner epochs x minibatches; one optimizer step per minibatch. `auto` intermediate values are the
+        cached ones until the first optimizer step on this rollout, fresh forwards after it."""
+        cfg, j = self.cfg, self.cfg.jagg
+        adv_values, adv_mask = adv.values[rows.mine].to(self.device), adv.mask[rows.mine].to(self.device)
+        total = BackwardStats()
+        metrics: dict[str, list] = {}
+        policy = self.policy.velocity_fn()
+        optimizer_steps = 0
+        probe = j.probe_every > 0 and step % j.probe_every == 0
+        probe_metrics: dict = {}
+        for epoch in range(cfg.grpo.inner_epochs):
+            for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
+                local = local.to(self.device)
+                batch = traj.step_batch(local, adv_values, adv_mask)
+                # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
+                denom = float(adv.mask[global_rows].sum()) / rows.world_size
+                loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
+                                    beta=cfg.grpo.beta, scale=1.0 / len(steps), denominator=denom)
+                mb_cond, on_policy = index_cond(cond, local), optimizer_steps == 0
+                if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
+                    t_probe = time.perf_counter()
+                    probe_metrics = probe_minibatch(policy, batch, mb_cond, loss, steps, j, self.engine.params,
+                                                    on_policy=on_policy, backward=self.engine_backward)
+                    probe_metrics["time_probe"] = time.perf_counter() - t_probe
+                stats = backward_minibatch(policy, batch, mb_cond, loss, steps, j, on_policy=on_policy,
+                                           backward=self.engine_backward, reduce=self._route_reduce)
+                grad_norm = self.engine.step()
+                optimizer_steps += 1
+                total.add(stats)
+                for key, value in {**loss.summary(), "grad_norm": grad_norm}.items():
+                    metrics.setdefault(key, []).append(value)
+        summary = reduce_metrics(metrics)
+        summary["optimizer_steps"] = optimizer_steps
+        return total, {**summary, **probe_metrics}
 
     def engine_backward(self, out, grad, last):
         """One backward of a minibatch through the training engine (`last`: the accumulation boundary)."""
@@ -191,132 +228,25 @@ class Trainer:
             parts = self.dist.all_gather_tensor(t.unsqueeze(0).to(self.device)).cpu()
         return (parts.mean(0) if how == "mean" else parts.pow(2).sum(0).sqrt()).tolist()
 
-    def update(self, traj: Trajectories, cond, adv_values, adv_mask, mask_global, plan: StepRows,
-               step: int, steps: list[int]) -> tuple[BackwardStats, dict]:
-        """Inner epochs x minibatches; one optimizer step per minibatch. `auto` intermediate values are the
-        cached ones until the first optimizer step on this rollout, fresh forwards after it."""
-        cfg, j = self.cfg, self.cfg.jagg
-        total = BackwardStats()
-        metrics: dict[str, list] = {}
-        policy = self.velocity_fn(self.model)
-        optimizer_steps = 0
-        probe = j.probe_every > 0 and step % j.probe_every == 0
-        probe_metrics: dict = {}
-        backward = self.engine_backward
-        for epoch in range(cfg.grpo.inner_epochs):
-            for local, global_rows in plan.minibatches(epoch, cfg.run.seed, step):
-                local = local.to(self.device)
-                batch = traj.step_batch(local, adv_values, adv_mask)
-                # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
-                denom = float(mask_global[global_rows].sum()) / plan.world_size
-                loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
-                                    beta=cfg.grpo.beta, scale=1.0 / len(steps), denominator=denom)
-                mb_cond, on_policy = index_cond(cond, local), optimizer_steps == 0
-                if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
-                    t_probe = time.perf_counter()
-                    probe_metrics = probe_minibatch(policy, batch, mb_cond, loss, steps, j, self.engine.params,
-                                                    on_policy=on_policy, backward=backward)
-                    probe_metrics["time_probe"] = time.perf_counter() - t_probe
-                stats = backward_minibatch(policy, batch, mb_cond, loss, steps, j, on_policy=on_policy,
-                                           backward=backward, reduce=self._route_reduce)
-                grad_norm = self.engine.step()
-                optimizer_steps += 1
-                total.add(stats)
-                for key, value in {**loss.summary(), "grad_norm": grad_norm}.items():
-                    metrics.setdefault(key, []).append(value)
-        summary = reduce_metrics(metrics)
-        summary["optimizer_steps"] = optimizer_steps
-        return total, {**summary, **probe_metrics}
-
-    def train_step(self, step: int) -> dict:
-        cfg = self.cfg
-        g = cfg.grpo.group_size
-        # 1. prompts (the same on every rank) and this rank's rows of the rollout
-        t0 = time.perf_counter()
-        records = [r for r in self.source.next_prompts() for _ in range(g)]
-        plan = StepRows.plan(len(records), cfg.train.batch_size, cfg.run.seed, step, self.dist.rank,
-                             self.dist.world_size)
-        mine = plan.mine
-        prompts = [records[i].prompt for i in mine.tolist()]
-        metadata = [records[i].metadata for i in mine.tolist()]
-        cond = self.encode(prompts)
-        self.model.eval()
-        # 2. rewards: each chunk is decoded and scored (in a worker thread) while the next one samples
-        background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
-        scorer = ChunkScorer(self.reward, self.model.decode, background=background)
-        on_chunk = lambda idx, final: scorer.add(final, [prompts[i] for i in idx.tolist()],  # noqa: E731
-                                                 [metadata[i] for i in idx.tolist()])
-        steps = self.trained_steps_at(step)
-        sde_steps = set(steps) if cfg.sampling.sde_window else None
-        with self._comm("rollout"):
-            traj = self.rollout(cond, mine, step, on_chunk=on_chunk, sde_steps=sde_steps)
-        t1 = time.perf_counter()
-        local = scorer.finish()
-        # gathered so that every rank sees the whole batch (and takes the same decisions)
-        parts = {}
-        with self._comm("reward"):
-            for name, p in local.items():
-                scores = torch.zeros(len(records))
-                valid = torch.zeros(len(records), dtype=torch.bool)
-                scores[plan.all_rows] = self.dist.all_gather_tensor(p.scores.float().to(self.device)).cpu()
-                valid[plan.all_rows] = self.dist.all_gather_tensor(p.valid.to(self.device)).cpu()
-                parts[name] = ComponentScores(scores, valid)
-        failed = check_failures(parts, cfg.reward.max_fail_frac)
-        # 3. advantages over the prompt groups (row i is in group i // G)
-        t2 = time.perf_counter()
-        groups = [i // g for i in range(len(records))]
-        total, valid_all = self.reward.weighted_sum(parts)
-        adv_kw = dict(global_std=cfg.grpo.global_std, adv_clip_max=cfg.grpo.adv_clip_max)
-        if cfg.reward.aggregate == "advantage" and len(parts) > 1:
-            adv = combine_advantages([(self.reward.weights[n], compute_advantages(p.scores, groups, valid=p.valid,
-                                                                                  **adv_kw))
-                                      for n, p in parts.items()], groups, valid_all)
-        else:
-            adv = compute_advantages(total, groups, valid=valid_all, **adv_kw)
-        # 4. update on this rank's slice of every minibatch
-        self.model.train()
-        with self._comm("train"):
-            stats, loss_metrics = self.update(traj, cond, adv.values[mine].to(self.device),
-                                              adv.mask[mine].to(self.device), adv.mask, plan, step, steps)
-        t3 = time.perf_counter()
-        ok = total[valid_all]
-        per_reward = {}
-        if len(parts) > 1:
-            for name, p in parts.items():
-                per_reward[f"reward_{name}_mean"] = float(p.scores[p.valid].mean()) if p.valid.any() else float("nan")
-                per_reward[f"reward_{name}_failed"] = failed[name]
-        metrics = {
-            "step": step,
+    def _reward_metrics(self, parts, failed: dict[str, int]) -> dict:
+        total, valid = self.reward.weighted_sum(parts)
+        ok = total[valid]
+        out = {
             "reward_mean": float(ok.mean()) if len(ok) else float("nan"),
             "reward_std": float(ok.std(unbiased=False)) if len(ok) else float("nan"),
-            "reward_failed": int((~valid_all).sum()),
-            **per_reward,
-            "zero_std_groups": adv.zero_std_groups,
-            "loss": stats.loss / max(1, loss_metrics["optimizer_steps"]),
-            **loss_metrics,
-            "windows": stats.windows,
-            "windows_jagg": stats.windows_jagg,
-            "intermediate_forward": stats.intermediate_forward,
-            "backward_calls": stats.backward_calls,
-            "backward_passes": stats.backward_passes,
-            "per_step_equiv": stats.per_step_equiv,
-            "nograd_forward_passes": stats.nograd_forward_passes,
-            "pass_ratio": stats.backward_passes / max(1, stats.per_step_equiv),  # transformer rows vs per-step
-            **({"sde_window_start": steps[0]} if cfg.sampling.sde_window else {}),
-            **({"knots": " ".join(map(str, stats.knots[0]))} if stats.knots else {}),
-            "time_rollout": t1 - t0,  # includes the reward scoring that overlapped it
-            "time_reward": t2 - t1,  # reward time not hidden behind the rollout
-            "time_train": t3 - t2 - loss_metrics.get("time_probe", 0.0),  # the probe is diagnostics, not training
+            "reward_failed": int((~valid).sum()),
         }
-        if self.comm is not None:
-            metrics.update(self.comm.take())
-        return self.dist.mean_over_ranks(metrics, {"ratio_max": "max", "ratio_min": "min"})
+        if len(parts) > 1:
+            for name, p in parts.items():
+                out[f"reward_{name}_mean"] = float(p.scores[p.valid].mean()) if p.valid.any() else float("nan")
+                out[f"reward_{name}_failed"] = failed[name]
+        return out
 
     def _comm(self, phase: str):
         return self.comm.phase(phase) if self.comm is not None else nullcontext()
 
     # ----------------------------------------------------------------------------------------------------------
-    # the loop, checkpoints, resume
+    # the loop: steps, checkpoints, exports, evaluation, preemption
     # ----------------------------------------------------------------------------------------------------------
 
     def fit(self) -> list[dict]:
@@ -342,8 +272,8 @@ class Trainer:
                     last = step + 1 == cfg.train.steps
                     preempted = self._agree(self.preemption.requested)
                     if last or preempted or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
-                        self.save(step + 1)
-                        self.export()
+                        self.run_state.save(step + 1, self.source)
+                        self.run_state.export(self.model)
                     if preempted:
                         self._exit_preempted(step + 1)
                     if self.eval_prompts is not None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
@@ -371,84 +301,30 @@ class Trainer:
         raise SystemExit(128 + int(sig))
 
     def evaluate(self, step: int) -> dict:
-        """ODE samples on the held-out prompts after `step` updates -> out/eval/step_XXXXXXXX/{eval.json,grid.png}."""
-        result = self.evaluate_to(self.out / "eval" / f"step_{step:08d}")
+        """ODE samples on the held-out prompts after `step` updates -> out/eval/step_XXXXXXXX/{eval.json,grid.png}.
+        Every rank runs the same evaluation (a sharded model needs all ranks in its forward); rank 0 writes."""
+        out_dir = self.out / "eval" / f"step_{step:08d}"
+        with self.engine.ema_weights():  # the EMA weights when train.ema_decay > 0
+            result = evaluate(self.model, self.policy.velocity_fn(), self.policy.encode, self.reward, self.cfg,
+                              self.eval_prompts, out_dir if self.dist.is_main else None)
         self.evals[step] = result
         log.info("eval after %d steps: %s %.4f +- %.4f over %d images", step, result["reward"],
                  result["reward_mean"], result["reward_std"], result["num_images"])
         return result
 
-    def evaluate_to(self, out_dir: Path) -> dict:
-        """Every rank runs the same evaluation (a sharded model needs all ranks in its forward); rank 0 writes."""
-        with self.engine.ema_weights():  # the EMA weights when train.ema_decay > 0
-            return evaluate(self.model, self.velocity_fn(self.model), self.encode, self.reward, self.cfg,
-                            self.eval_prompts, out_dir if self.dist.is_main else None)
 
-    def save(self, next_step: int) -> Path:
-        state = {"step": next_step, "prompts": self.source.state_dict(), "config": self.cfg.to_dict(),
-                 "world_size": self.dist.world_size, "backend": self.engine.name}
-
-        def write(tmp: Path) -> None:
-            self.engine.save(tmp)
-            torch.save(capture_rng_state(), tmp / f"rng_rank{self.dist.rank:05d}.pt")
-
-        return save_checkpoint_dir(self.ckpt_root, next_step, write=write, state=state,
-                                   keep_last=self.cfg.run.keep_last, dist=self.dist)
-
-    def export(self) -> Path | None:
-        """Weights in the backbone's own format beside the checkpoints: a diffusers LoRA directory
-        (`pipe.load_lora_weights(dir)`) or a full `save_pretrained` transformer. Gathered from the shards when
-        sharded (collective); written by rank 0 to a temp dir, then renamed over the previous export."""
-        if not hasattr(self.model, "save_full"):
-            return None
-        with self.engine.ema_weights():  # the EMA weights when train.ema_decay > 0
-            state = self.engine.full_state_dict() if self.engine.name != "none" else None
-            if not self.dist.is_main:
-                return None
-            final = self.out / ("lora" if self.lora else "transformer")
-            tmp = self.out / (final.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            (self.model.save_lora if self.lora else self.model.save_full)(tmp, state=state)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        return final
-
-    def load_weights(self, path: Path) -> None:
-        """Model (and optimizer) state from a verified checkpoint directory."""
-        if self.dist.is_main:
-            verify_checkpoint(path)
-        self.dist.barrier()
-        self.engine.load(Path(path))
-
-    def _resume(self) -> None:
-        setting = self.cfg.run.resume
-        if setting == "none":
-            return
-        path = None
-        if self.dist.is_main:  # one rank reads and hashes; the others follow its choice
-            path = find_resume_checkpoint(self.ckpt_root) if setting == "auto" else Path(setting)
-        path = self.dist.broadcast_object(str(path) if path is not None else None)
-        if path is None:
-            log.info("run.resume=auto: no complete checkpoint under %s, starting fresh", self.ckpt_root)
-            return
-        path = Path(path)
-        state = json.loads((path / STATE).read_text())
-        saved_model = state.get("config", {}).get("model")
-        if saved_model is not None and saved_model != self.cfg.to_dict()["model"]:
-            raise CheckpointError(f"checkpoint {path} was written for a different `model` section: {saved_model}")
-        if state.get("backend", self.engine.name) != self.engine.name:
-            raise CheckpointError(f"checkpoint {path} was written by parallel.backend {state['backend']}, "
-                                  f"this run uses {self.engine.name}")
-        self.load_weights(path)
-        rng = path / f"rng_rank{self.dist.rank:05d}.pt"
-        if state.get("world_size", 1) == self.dist.world_size and rng.is_file():
-            restore_rng_state(torch.load(rng, weights_only=False))
-        else:  # every draw is seeded per step/row, so only unseeded global draws (none in training) differ
-            log.warning("checkpoint %s: written by %s ranks, resuming on %d: global RNG state not restored",
-                        path, state.get("world_size"), self.dist.world_size)
-        self.source.load_state_dict(state["prompts"])
-        self.start_step = int(state["step"])
-        log.info("resumed from %s at step %d", path, self.start_step)
+def _backward_metrics(stats: BackwardStats) -> dict:
+    return {
+        "windows": stats.windows,
+        "windows_jagg": stats.windows_jagg,
+        "intermediate_forward": stats.intermediate_forward,
+        "backward_calls": stats.backward_calls,
+        "backward_passes": stats.backward_passes,
+        "per_step_equiv": stats.per_step_equiv,
+        "nograd_forward_passes": stats.nograd_forward_passes,
+        "pass_ratio": stats.backward_passes / max(1, stats.per_step_equiv),  # transformer rows vs per-step
+        **({"knots": " ".join(map(str, stats.knots[0]))} if stats.knots else {}),
+    }
 
 
 def summarize(history: list[dict], window: int = 3) -> dict:

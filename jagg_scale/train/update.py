@@ -129,11 +129,11 @@ def _budget_plan(loss: GRPOStepLoss, batch: StepBatch, steps: list[int], cfg: JA
 
 
 def run_plan(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOStepLoss, steps: list[int], plan: Plan,
-             rows_per_pass: int | None, value_mode: str, backward: Backward | None = None) -> torch.Tensor:
+             rows_per_pass: int | None, intermediate: str, backward: Backward | None = None) -> torch.Tensor:
     """The plan's gradient over the trained `steps` into .grad (the engine call); returns the detached loss."""
     return knot_backward(model_fn, plan, _rows(batch.latents, steps), _rows(batch.sigmas, steps), cond,
                          loss.on(batch, steps), cached_velocities=_rows(batch.velocities, steps),
-                         intermediate=value_mode, rows_per_pass=rows_per_pass, backward=backward)
+                         intermediate=intermediate, rows_per_pass=rows_per_pass, backward=backward)
 
 
 def backward_minibatch(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOStepLoss, steps: list[int],
@@ -141,16 +141,16 @@ def backward_minibatch(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GR
                        plan: MinibatchPlan | None = None) -> BackwardStats:
     """Accumulate the gradient of sum over `steps` of L_k into .grad (planned here unless `plan` is given);
     returns what it cost. `backward` is the training engine's (plain autograd by default)."""
-    value_mode = resolve_intermediate(cfg.intermediate, on_policy)
+    intermediate = resolve_intermediate(cfg.intermediate, on_policy)
     mb = plan if plan is not None else plan_minibatch(loss, batch, steps, cfg, reduce)
-    total = run_plan(model_fn, batch, cond, loss, steps, mb.plan, mb.rows_per_pass, value_mode, backward)
+    total = run_plan(model_fn, batch, cond, loss, steps, mb.plan, mb.rows_per_pass, intermediate, backward)
     knots = plan_knots(mb.plan)
     interior = sum(b - a - 1 for a, b in mb.plan if b > a + 1)
     return BackwardStats(
         windows=mb.num_windows, windows_jagg=mb.windows_jagg, backward_calls=len(pass_groups(mb.plan, mb.rows_per_pass)),
         backward_passes=len(knots), per_step_equiv=len(steps),
-        nograd_forward_passes=interior if value_mode == "forward" else 0,
-        intermediate_forward=mb.windows_jagg if value_mode == "forward" else 0, loss=float(total), cosines=mb.cosines,
+        nograd_forward_passes=interior if intermediate == "forward" else 0,
+        intermediate_forward=mb.windows_jagg if intermediate == "forward" else 0, loss=float(total), cosines=mb.cosines,
         knots=[] if mb.windows is not None else [[steps[q] for q in knots]])
 
 
@@ -165,7 +165,7 @@ def probe_minibatch(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOS
     """The fidelity probe: the exact per-step gradient beside the plan's on the same minibatch, through the same
     engine, per window (uniform windows) and overall: cosine and norm ratio |g_plan| / |g_exact|. Leaves .grad
     cleared, so the update is unchanged."""
-    value_mode = resolve_intermediate(cfg.intermediate, on_policy)
+    intermediate = resolve_intermediate(cfg.intermediate, on_policy)
     probe_loss = loss.fresh()
     mb = plan_minibatch(probe_loss, batch, steps, cfg)
     pieces = mb.windows if mb.windows is not None else [list(range(len(steps)))]
@@ -177,7 +177,7 @@ def probe_minibatch(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOS
         for plan, rows in ((exact_plan(len(piece)), None), (restrict_plan(mb.plan, piece), mb.rows_per_pass)):
             for p in params:
                 p.grad = None
-            run_plan(model_fn, batch, cond, probe_loss, sub_steps, plan, rows, value_mode, backward)
+            run_plan(model_fn, batch, cond, probe_loss, sub_steps, plan, rows, intermediate, backward)
             grads.append(_flat_grad(params))
         if mb.windows is not None:
             out[f"probe_cos_w{i}"] = _cos(grads[1], grads[0])

@@ -1,0 +1,80 @@
+"""The policy: the velocity the trainer samples and trains, its KL reference, prompt encoding and the rollout.
+
+    policy.velocity_fn()     v(x, sigma, cond): CFG-guided, under bf16 autocast when model.dtype is bfloat16
+                             (the SDE math that consumes it casts back to float32)
+    policy.reference_fn()    the KL reference's velocity, or None when grpo.beta = 0
+    policy.encode(prompts)   the conditioning (with the unconditional "" prompt beside it when guidance != 1)
+    policy.rollout(...)      SDE trajectories of given global rows on the training schedule `policy.sigmas`,
+                             every draw seeded per (run seed, step, row)
+
+Used by the trainer and by `jagg-eval` (which needs only velocity_fn and encode: no optimizer, no engine).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..cond import index_cond
+from ..grpo import Trajectories, guided_velocity, model_schedule, sample_sde
+from .config import Config
+from .rows import row_generators
+
+
+class Policy:
+    def __init__(self, model: torch.nn.Module, cfg: Config, device: torch.device, *,
+                 ref_model: torch.nn.Module | None = None):
+        """`model` is what to call for velocities (an engine's wrapped module when sharded). The KL reference is
+        `ref_model` (a frozen copy, full fine-tune) or, with LoRA, the same model with its adapter off."""
+        self.model, self.ref_model, self.cfg, self.device = model, ref_model, cfg, device
+        self.sigmas = model_schedule(model, cfg.sampling.num_steps, cfg.sampling.shift).to(device)
+
+    def velocity_fn(self, model: torch.nn.Module | None = None) -> Callable:
+        model = self.model if model is None else model
+        guidance = self.cfg.sampling.guidance
+        bf16 = self.cfg.model.dtype == "bfloat16"
+        device_type = self.device.type
+
+        def fn(x, sigma, cond):
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+                return guided_velocity(model, x, sigma, cond, guidance)
+
+        return fn
+
+    def reference_fn(self) -> Callable | None:
+        if self.cfg.grpo.beta == 0:
+            return None
+        if self.ref_model is not None:
+            return self.velocity_fn(self.ref_model)
+        policy = self.velocity_fn()
+
+        def adapter_off(x, sigma, cond):
+            with self.model.reference_disabled():
+                return policy(x, sigma, cond)
+
+        return adapter_off
+
+    def encode(self, prompts: list[str]):
+        cond = self.model.encode_prompts(prompts)
+        if self.cfg.sampling.guidance != 1.0:
+            return cond, self.model.encode_prompts([""] * len(prompts))
+        return cond
+
+    @torch.no_grad()
+    def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None, sde_steps=None) -> Trajectories:
+        """SDE trajectories of the given global rows (cond holds their conditioning, in that order), in chunks of
+        sampling.batch_size rows; `on_chunk(index, final_latents)` is called after each (reward scoring)."""
+        cfg = self.cfg
+        gens = row_generators(cfg.run.seed, step, rows)
+        noise = torch.stack([torch.randn(self.model.latent_shape, generator=g) for g in gens])
+        policy, ref = self.velocity_fn(), self.reference_fn()
+        parts = []
+        for idx in torch.arange(len(rows)).split(cfg.sampling.batch_size):
+            parts.append(sample_sde(policy, index_cond(cond, idx.to(self.device)), noise[idx].to(self.device),
+                                    self.sigmas, noise_level=cfg.sampling.noise_level,
+                                    generator=[gens[i] for i in idx.tolist()], ref_velocity_fn=ref,
+                                    sde_steps=sde_steps))
+            if on_chunk is not None:
+                on_chunk(idx, parts[-1].final)
+        return Trajectories.cat(parts)
