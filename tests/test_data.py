@@ -1,4 +1,4 @@
-"""Prompt loading (txt/jsonl, bad records counted) and the seeded, resumable GRPO group sampler."""
+"""Prompt loading (txt/jsonl, bad records counted) and the seeded, resumable prompt sampler."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jagg_scale.data import GroupSampler, PromptSet, load_prompts
+from jagg_scale.data import PromptSampler, PromptSet, load_prompts
 
 SHARED_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "prompts"
 PICKSCORE_TEST = SHARED_PROMPTS / "flow_grpo" / "dataset" / "pickscore" / "test.txt"
@@ -83,61 +83,51 @@ def test_real_pickscore_test_set():
 # --------------------------------------------------------------------------------------------- sampler
 
 
-def _groups(batch: list[int], g: int) -> list[int]:
-    """Check the [p0]*G + [p1]*G layout and return the per-group prompt indices."""
-    assert len(batch) % g == 0
-    heads = batch[::g]
-    assert batch == [p for p in heads for _ in range(g)]
-    return heads
-
-
-def test_group_structure_and_epoch_coverage():
-    s = GroupSampler(num_prompts=12, prompts_per_step=4, group_size=3, seed=0)
+def test_distinct_prompts_per_step_and_epoch_coverage():
+    s = PromptSampler(num_prompts=12, prompts_per_step=4, seed=0)
     seen = []
     for _ in range(3):  # exactly one epoch
-        b = s.next_batch()
-        assert len(b) == s.batch_size == 12
-        heads = _groups(b, 3)
-        assert len(set(heads)) == 4
+        heads = s.next_prompts()
+        assert len(heads) == 4 and len(set(heads)) == 4
         seen += heads
     assert sorted(seen) == list(range(12))
 
 
 def test_same_seed_same_sequence_different_seed_differs():
     def run(seed):
-        s = GroupSampler(50, 8, 2, seed=seed)
-        return [s.next_batch() for _ in range(20)]
+        s = PromptSampler(50, 8, seed=seed)
+        return [s.next_prompts() for _ in range(20)]
 
     assert run(7) == run(7)
     assert run(7) != run(8)
 
 
 def test_state_dict_resume_identical_continuation():
-    ref = GroupSampler(10, 4, 2, seed=3)  # 10 % 4 != 0: batches straddle epoch boundaries
-    full = [ref.next_batch() for _ in range(15)]
+    ref = PromptSampler(10, 4, seed=3)  # 10 % 4 != 0: batches straddle epoch boundaries
+    full = [ref.next_prompts() for _ in range(15)]
     for k in (0, 1, 2, 3, 7):
-        s = GroupSampler(10, 4, 2, seed=3)
+        s = PromptSampler(10, 4, seed=3)
         for _ in range(k):
-            s.next_batch()
+            s.next_prompts()
         state = json.loads(json.dumps(s.state_dict()))  # must survive serialization
         assert "epoch" in state and "position" in state
-        resumed = GroupSampler(10, 4, 2, seed=3)
+        resumed = PromptSampler(10, 4, seed=3)
         resumed.load_state_dict(state)
-        assert [resumed.next_batch() for _ in range(15 - k)] == full[k:]
+        assert [resumed.next_prompts() for _ in range(15 - k)] == full[k:]
 
 
 def test_load_state_dict_rejects_other_config():
-    state = GroupSampler(10, 4, 2, seed=3).state_dict()
+    state = PromptSampler(10, 4, seed=3).state_dict()
     with pytest.raises(ValueError, match="num_prompts"):
-        GroupSampler(11, 4, 2, seed=3).load_state_dict(state)
+        PromptSampler(11, 4, seed=3).load_state_dict(state)
 
 
 def test_epoch_wrap_mid_batch_keeps_batch_distinct_and_epochs_complete():
     n, p = 10, 4
-    s = GroupSampler(n, p, 1, seed=1)
+    s = PromptSampler(n, p, seed=1)
     flat = []
     for _ in range(10):  # 40 draws = 4 full epochs
-        b = s.next_batch()
+        b = s.next_prompts()
         assert len(set(b)) == p  # distinct even when straddling an epoch boundary
         flat += b
     assert s.epoch == 3
@@ -146,12 +136,12 @@ def test_epoch_wrap_mid_batch_keeps_batch_distinct_and_epochs_complete():
 
 
 def test_more_prompts_per_step_than_prompts_repeats():
-    s = GroupSampler(num_prompts=3, prompts_per_step=5, group_size=2, seed=0)
-    heads = _groups(s.next_batch(), 2)
+    s = PromptSampler(num_prompts=3, prompts_per_step=5, seed=0)
+    heads = s.next_prompts()
     assert len(heads) == 5 and set(heads) == {0, 1, 2}
     assert sorted(heads[:3]) == [0, 1, 2]  # the first epoch is still a full permutation
 
 
 def test_invalid_sampler_args():
-    with pytest.raises(ValueError, match="group_size"):
-        GroupSampler(10, 2, 0, seed=0)
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        PromptSampler(10, 0, seed=0)

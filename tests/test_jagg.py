@@ -236,3 +236,15 @@ def test_num_routed_rounds_half_up():
     assert num_routed(0.5, 3) == 2
     with pytest.raises(ValueError):
         num_routed(1.5, 4)
+
+
+def test_the_algorithm_packages_sit_at_the_bottom():
+    """jagg/ and grpo/ import torch and jagg_scale.cond only: no model, reward, data, engine or trainer code."""
+    import subprocess
+    import sys
+
+    code = ("import sys, jagg_scale.jagg, jagg_scale.grpo; "
+            "print(sorted(m for m in sys.modules if m.startswith('jagg_scale')))")
+    loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    allowed = ("jagg_scale", "jagg_scale.cond", "jagg_scale.jagg", "jagg_scale.grpo")
+    assert loaded and all(m in allowed or m.startswith(("jagg_scale.jagg.", "jagg_scale.grpo.")) for m in loaded), loaded

@@ -1,7 +1,9 @@
-"""Checkpointing for training runs.
+"""Crash-safe checkpoint directories (local.py): temp dir, fsynced files, a sha256 manifest, a COMPLETE marker,
+an atomic rename; verified on load, the newest valid one found for resume.
 
-``local`` is the single-process, crash-safe format (safetensors + torch.save + manifest + COMPLETE marker).
-It is re-exported here so callers write ``from jagg_scale.checkpoint import save_checkpoint``.
+What goes inside comes from the training engine (parallel/: safetensors for one process, DCP shards for FSDP2,
+DeepSpeed's own files), written collectively through ``save_checkpoint_dir``; the run-level protocol (what a
+run saves, resume, export) is train/run_state.py.
 """
 
 from jagg_scale.checkpoint.local import (

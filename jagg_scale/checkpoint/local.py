@@ -11,7 +11,8 @@ manifest, sizes, hashes) because disks, copies and people break files after the 
 
 Weights go to safetensors (no pickle, mmap-able, readable by other tools); optimizer and RNG state are nested
 Python objects (tuples, numpy arrays) that only ``torch.save`` round-trips exactly. One process owns ``root``:
-stale ``.tmp_*`` dirs are deleted after every successful save. The multi-rank DCP variant is a separate module.
+stale ``.tmp_*`` dirs are deleted after every successful save. ``save_checkpoint_dir`` is the same protocol
+around any writer, collective across ranks (the engines' DCP / DeepSpeed checkpoints use it).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Prompt data: loading prompt files into records, and the seeded, resumable GRPO group sampler."""
+"""Prompt data: loading prompt files into records, and the seeded, resumable prompt sampler."""
 
 from .prompts import PromptRecord, PromptSet, load_prompts
-from .sampler import GroupSampler
+from .sampler import PromptSampler
 
-__all__ = ["PromptRecord", "PromptSet", "load_prompts", "GroupSampler"]
+__all__ = ["PromptRecord", "PromptSet", "load_prompts", "PromptSampler"]
 
 from .prompt_sets import (
     FilteredPromptSet,

@@ -1,7 +1,6 @@
-"""Deterministic, resumable prompt sampling for GRPO groups.
+"""Deterministic, resumable prompt sampling: which `prompts_per_step` prompts a training step uses.
 
-GRPO compares G samples of the same prompt, so each step draws `prompts_per_step` prompts and repeats
-each `group_size` times, contiguously: [p0]*G + [p1]*G + ...  (group k is rows k*G:(k+1)*G).
+(The trainer repeats each drawn prompt group_size times, contiguously: group k is rows k*G:(k+1)*G.)
 
 Prompts are visited epoch by epoch in a permutation seeded by `seed + epoch`, so every prompt is used once
 per epoch and a run is reproducible from its seed. `state_dict()` captures the position so that a resumed
@@ -17,11 +16,9 @@ duplicates within the batch are allowed there (each epoch still contributes a fu
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 
-__all__ = ["GroupSampler"]
+__all__ = ["PromptSampler"]
 
 
 def _arrange(perm: list[int], exclude: set[int], need: int) -> list[int]:
@@ -35,16 +32,15 @@ def _arrange(perm: list[int], exclude: set[int], need: int) -> list[int]:
     return front + rest
 
 
-class GroupSampler:
-    """Yields flat prompt-index batches of size prompts_per_step * group_size, grouped contiguously."""
+class PromptSampler:
+    """Draws `prompts_per_step` distinct prompt indices per step, epoch by epoch, from a seed."""
 
-    def __init__(self, num_prompts: int, prompts_per_step: int, group_size: int, seed: int):
-        for name, v in (("num_prompts", num_prompts), ("prompts_per_step", prompts_per_step), ("group_size", group_size)):
+    def __init__(self, num_prompts: int, prompts_per_step: int, seed: int):
+        for name, v in (("num_prompts", num_prompts), ("prompts_per_step", prompts_per_step)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"GroupSampler: {name} must be a positive int, got {v!r}")
+                raise ValueError(f"PromptSampler: {name} must be a positive int, got {v!r}")
         self.num_prompts = num_prompts
         self.prompts_per_step = prompts_per_step
-        self.group_size = group_size
         self.seed = int(seed)
         self._epoch = 0
         self._position = 0
@@ -55,11 +51,6 @@ class GroupSampler:
         self._order: list[int] | None = None
 
     # ------------------------------------------------------------------------------------------ sampling
-
-    @property
-    def batch_size(self) -> int:
-        """Rows per batch: prompts_per_step * group_size."""
-        return self.prompts_per_step * self.group_size
 
     @property
     def epoch(self) -> int:
@@ -80,7 +71,7 @@ class GroupSampler:
         self._order = None
 
     def next_prompts(self) -> list[int]:
-        """The next `prompts_per_step` prompt indices (one per group, not repeated)."""
+        """The next `prompts_per_step` prompt indices."""
         picked: list[int] = []
         while len(picked) < self.prompts_per_step:
             if self._position >= self.num_prompts:
@@ -88,14 +79,6 @@ class GroupSampler:
             picked.append(self._epoch_order()[self._position])
             self._position += 1
         return picked
-
-    def next_batch(self) -> list[int]:
-        """The next batch: each of `prompts_per_step` prompt indices repeated `group_size` times."""
-        return [i for i in self.next_prompts() for _ in range(self.group_size)]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        while True:
-            yield self.next_batch()
 
     # ------------------------------------------------------------------------------------------- resume
 
@@ -116,11 +99,11 @@ class GroupSampler:
         for key in ("num_prompts", "prompts_per_step", "seed"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
-                    f"GroupSampler state was saved with {key}={state[key]}, this sampler has {getattr(self, key)}"
+                    f"PromptSampler state was saved with {key}={state[key]}, this sampler has {getattr(self, key)}"
                 )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= self.num_prompts:
-            raise ValueError(f"invalid GroupSampler state: epoch={epoch}, position={position}")
+            raise ValueError(f"invalid PromptSampler state: epoch={epoch}, position={position}")
         self._epoch = epoch
         self._position = position
         self._wrap_exclude = [int(i) for i in state.get("wrap_exclude", [])]

@@ -3,7 +3,7 @@
 GRPO's groups are global (a group's samples may be spread over ranks, its advantages need all of its rewards), so
 every rank must agree on the step's prompts. Two sources:
 
-    ListPromptSource    a prompt file / inline list held in memory, visited epoch by epoch (GroupSampler). Every
+    ListPromptSource    a prompt file / inline list held in memory, visited epoch by epoch (PromptSampler). Every
                         rank runs the same seeded sampler, so no communication is needed.
     StreamPromptSource  webdataset shards (data.source: wds). Each rank streams its own disjoint shard subset
                         (ShardPromptStream: split by rank and worker, seeded resampling) and draws
@@ -16,7 +16,7 @@ position (gathered), and a resumed run picks its own.
 from __future__ import annotations
 
 from .prompts import PromptRecord, PromptSet
-from .sampler import GroupSampler
+from .sampler import PromptSampler
 
 __all__ = ["ListPromptSource", "StreamPromptSource"]
 
@@ -24,7 +24,7 @@ __all__ = ["ListPromptSource", "StreamPromptSource"]
 class ListPromptSource:
     def __init__(self, prompts: PromptSet, prompts_per_step: int, seed: int):
         self.prompts = prompts
-        self.sampler = GroupSampler(len(prompts), prompts_per_step, 1, seed)
+        self.sampler = PromptSampler(len(prompts), prompts_per_step, seed)
 
     def next_prompts(self) -> list[PromptRecord]:
         return [self.prompts[i] for i in self.sampler.next_prompts()]

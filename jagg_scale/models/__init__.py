@@ -1,4 +1,11 @@
-"""Velocity models: the interface (base.py) and the built-in DiT (dit.py)."""
+"""Velocity models behind one interface (base.py): v = model(x, sigma, cond), encode_prompts, decode.
+
+    dit.py                the built-in DiT (one readable file), with its hash tokenizer (tokenizer.py)
+    sd3.py, flux.py       diffusers SD3/SD3.5 and FLUX.1 pipelines as velocity models (diffusers_common.py)
+    lora.py               peft LoRA on the diffusers transformers; adapter off is the KL reference
+
+`build_model(cfg.model)` is the one way the trainer and jagg-eval make a model.
+"""
 
 from __future__ import annotations
 
