@@ -40,16 +40,16 @@ StepLoss = Callable[[int, torch.Tensor], torch.Tensor]
 IntermediateMode = Literal["cached", "interpolate", "forward"]
 INTERMEDIATE_MODES: tuple[str, ...] = get_args(IntermediateMode)
 
-# How a backward is run. Plain autograd by default; an engine that must see every backward (DeepSpeed's
-# `engine.backward(loss)`: loss scaling, ZeRO bucket flushes, accumulation boundaries) installs its own with
-# `backward_through`. It receives a scalar whose gradient is the one wanted: for `v.backward(G)` that is the
-# surrogate sum(v * G), which has the same gradient.
-_BACKWARD_FN: ContextVar[Callable[[torch.Tensor], None] | None] = ContextVar("jagg_backward_fn", default=None)
+# How a backward is run. Plain autograd by default; the trainer installs the training engine's
+# `backward(out, grad, last=...)` (with `last` bound) with `backward_through`: it receives what `out.backward(grad)`
+# would, and runs it as the engine needs (FSDP2 gradient sync, DeepSpeed's engine.backward of sum(out * grad)).
+_BACKWARD_FN: ContextVar[Callable[[torch.Tensor, torch.Tensor | None], None] | None] = ContextVar(
+    "jagg_backward_fn", default=None)
 
 
 @contextmanager
-def backward_through(fn: Callable[[torch.Tensor], None]):
-    """Route every backward of jagg_backward / exact_backward (and the knot engine) through `fn(scalar)`."""
+def backward_through(fn: Callable[[torch.Tensor, torch.Tensor | None], None]):
+    """Route every backward of jagg_backward / exact_backward (and the knot engine) through `fn(out, grad)`."""
     token = _BACKWARD_FN.set(fn)
     try:
         yield
@@ -58,12 +58,12 @@ def backward_through(fn: Callable[[torch.Tensor], None]):
 
 
 def run_backward(out: torch.Tensor, grad: torch.Tensor | None = None) -> None:
-    """out.backward(grad), or the installed engine's backward of the equivalent scalar."""
+    """out.backward(grad), or the installed engine's backward `fn(out, grad)`."""
     fn = _BACKWARD_FN.get()
     if fn is None:
         out.backward(grad)
     else:
-        fn(out if grad is None else (out * grad.detach()).sum())
+        fn(out, grad)
 
 
 def _upstream(step_loss: StepLoss, k: int, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

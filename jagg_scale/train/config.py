@@ -16,6 +16,8 @@ from typing import Any, Optional
 import yaml
 
 from ..models.dit import DiTConfig
+from ..parallel.build import BACKENDS
+from ..parallel.engine import EngineSpec
 from ..paths import resolve_path
 
 
@@ -277,6 +279,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def engine_spec(cfg: Config) -> EngineSpec:
+    """The slice of the run configuration a training engine needs (parallel.build.build_engine)."""
+    t, p = cfg.train, cfg.parallel
+    return EngineSpec(backend=p.backend, lr=t.lr, weight_decay=t.weight_decay, adam_betas=tuple(t.adam_betas),
+                      adam_eps=t.adam_eps, grad_clip=t.grad_clip, ema_decay=t.ema_decay,
+                      bf16=cfg.model.dtype == "bfloat16", frozen_base=cfg.model.lora.enabled,
+                      activation_checkpointing=p.activation_checkpointing,
+                      reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch, replicate=p.replicate,
+                      deepspeed=dict(p.deepspeed or {}))
+
+
 def config_from_dict(data: dict) -> Config:
     cfg = _build(Config, data, "")
     validate(cfg)
@@ -363,8 +376,6 @@ def validate(cfg: Config) -> None:
              "must be two numbers in [0, 1)")
     _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
     _require(0.0 <= t.ema_decay < 1.0, "train.ema_decay", f"must be in [0, 1), got {t.ema_decay}")
-    _require(t.ema_decay == 0 or cfg.parallel.backend != "deepspeed", "train.ema_decay",
-             "is not supported with parallel.backend deepspeed (ZeRO-3 ranks hold no full parameters); use fsdp2")
     _require(cfg.data.source in ("list", "wds"), "data.source", f"must be list or wds, got {cfg.data.source!r}")
     _require(cfg.data.source != "list" or bool(cfg.data.prompt_file) or len(cfg.data.prompts) > 0,
              "data.prompt_file", "is required when data.prompts is empty")
@@ -395,8 +406,7 @@ def validate(cfg: Config) -> None:
         _require((resolve_path(cfg.model.pretrained) / "model_index.json").is_file(), "model.pretrained",
                  f"is not a diffusers pipeline directory (no model_index.json): {cfg.model.pretrained}")
     p = cfg.parallel
-    _require(p.backend in ("none", "fsdp2", "deepspeed"), "parallel.backend",
-             f"must be none, fsdp2 or deepspeed, got {p.backend!r}")
+    _require(p.backend in BACKENDS, "parallel.backend", f"must be one of {', '.join(BACKENDS)}, got {p.backend!r}")
     _require(p.replicate >= 1, "parallel.replicate", "must be >= 1")
     r = cfg.run
     _require(r.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0 (0: only at the end)")

@@ -2,10 +2,11 @@
 
     prompts -> rollout (SDE, log-probs, velocities) -> reward -> advantages -> JAGG updates -> log -> checkpoint
 
-Distribution: the same code runs on one process or N (parallel.backend fsdp2 | deepspeed). Every rank agrees on
-the step's prompts, samples its slice of the rows (rows.py), scores its own images, and the rewards are gathered
-so every rank computes the same group advantages; each rank then trains on its slice of every minibatch and the
-engine (parallel/) reduces the gradients. Metrics are averaged over ranks; rank 0 writes logs and exports.
+Distribution: the same code runs on one process or N; which training engine (parallel/: one process, FSDP2 or
+DeepSpeed ZeRO-3) is the engine's business, behind one contract. Every rank agrees on the step's prompts, samples
+its slice of the rows (rows.py), scores its own images, and the rewards are gathered so every rank computes the
+same group advantages; each rank then trains on its slice of every minibatch and the engine reduces the
+gradients. Metrics are averaged over ranks; rank 0 writes logs and exports.
 
 Determinism: every random draw of step t comes from a generator seeded by (run.seed, t[, row]), never from global
 state, so a run resumed from a checkpoint at step t draws exactly what the uninterrupted run drew, and N ranks
@@ -20,7 +21,6 @@ import logging
 import os
 import shutil
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -34,12 +34,11 @@ from ..grpo import (GRPOStepLoss, Trajectories, combine_advantages, compute_adva
 from ..jagg import trained_steps
 from ..cond import index_cond
 from ..models import build_model
-from ..parallel.comm import CommCounter
+from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
-from ..parallel.engine import build_engine
 from ..paths import resolve_path
 from ..rewards.multi import ChunkScorer, ComponentScores, build_reward_mix, check_failures
-from .config import Config
+from .config import Config, engine_spec
 from .evaluate import eval_prompts, evaluate
 from .logging import RunLogger
 from .preemption import Preemption
@@ -76,9 +75,7 @@ class Trainer:
         # the reference entirely: no copy, no forwards.
         self.lora = cfg.model.lora.enabled
         ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.grpo.beta > 0 and not self.lora else None
-        sharded = self.dist.world_size > 1 or cfg.parallel.backend != "none"
-        self.comm = CommCounter.for_process() if sharded else None  # before the engine binds the collectives
-        self.engine = build_engine(model, cfg, self.dist)
+        self.engine = build_engine(model, engine_spec(cfg), self.dist)
         self.model = self.engine.model
         self.ref_model = self.engine.shard_frozen(ref) if ref is not None else None
         if cfg.reward.shard and self.dist.world_size > 1:
@@ -194,28 +191,27 @@ class Trainer:
         optimizer_steps = 0
         probe = j.probe_every > 0 and step % j.probe_every == 0
         probe_metrics: dict = {}
-        with self.engine.backward_context():
-            for epoch in range(cfg.grpo.inner_epochs):
-                for local, global_rows in plan.minibatches(epoch, cfg.run.seed, step):
-                    local = local.to(self.device)
-                    # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
-                    denom = float(mask_global[global_rows].sum()) / plan.world_size
-                    loss = GRPOStepLoss(traj.step_batch(local, adv_values, adv_mask),
-                                        noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
-                                        beta=cfg.grpo.beta, scale=1.0 / len(steps), denominator=denom)
-                    mb_cond, on_policy = index_cond(cond, local), optimizer_steps == 0
-                    if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
-                        t_probe = time.perf_counter()
-                        probe_metrics = probe_minibatch(policy, mb_cond, loss, steps, j, self.engine.params,
-                                                        on_policy=on_policy)
-                        probe_metrics["time_probe"] = time.perf_counter() - t_probe
-                    stats = backward_minibatch(policy, mb_cond, loss, steps, j, on_policy=on_policy,
-                                               accumulate=self.engine.accumulate, reduce=self._route_reduce)
-                    grad_norm = self.engine.step()
-                    optimizer_steps += 1
-                    total.add(stats)
-                    for key, value in {**loss.summary(), "grad_norm": grad_norm}.items():
-                        metrics.setdefault(key, []).append(value)
+        for epoch in range(cfg.grpo.inner_epochs):
+            for local, global_rows in plan.minibatches(epoch, cfg.run.seed, step):
+                local = local.to(self.device)
+                # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
+                denom = float(mask_global[global_rows].sum()) / plan.world_size
+                loss = GRPOStepLoss(traj.step_batch(local, adv_values, adv_mask),
+                                    noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
+                                    beta=cfg.grpo.beta, scale=1.0 / len(steps), denominator=denom)
+                mb_cond, on_policy = index_cond(cond, local), optimizer_steps == 0
+                if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
+                    t_probe = time.perf_counter()
+                    probe_metrics = probe_minibatch(policy, mb_cond, loss, steps, j, self.engine.params,
+                                                    on_policy=on_policy)
+                    probe_metrics["time_probe"] = time.perf_counter() - t_probe
+                stats = backward_minibatch(policy, mb_cond, loss, steps, j, on_policy=on_policy,
+                                           backward=self.engine.backward, reduce=self._route_reduce)
+                grad_norm = self.engine.step()
+                optimizer_steps += 1
+                total.add(stats)
+                for key, value in {**loss.summary(), "grad_norm": grad_norm}.items():
+                    metrics.setdefault(key, []).append(value)
         summary = reduce_metrics(metrics)
         summary["optimizer_steps"] = optimizer_steps
         return total, {**summary, **probe_metrics}
@@ -300,12 +296,11 @@ class Trainer:
             "time_reward": t2 - t1,  # reward time not hidden behind the rollout
             "time_train": t3 - t2 - loss_metrics.get("time_probe", 0.0),  # the probe is diagnostics, not training
         }
-        if self.comm is not None:
-            metrics.update(self.comm.take())
+        metrics.update(self.engine.comm.take())  # collectives per phase (nothing on one process)
         return self.dist.mean_over_ranks(metrics, {"ratio_max": "max", "ratio_min": "min"})
 
     def _comm(self, phase: str):
-        return self.comm.phase(phase) if self.comm is not None else nullcontext()
+        return self.engine.comm.phase(phase)
 
     # ----------------------------------------------------------------------------------------------------------
     # the loop, checkpoints, resume
@@ -378,7 +373,7 @@ class Trainer:
 
     def save(self, next_step: int) -> Path:
         state = {"step": next_step, "prompts": self.source.state_dict(), "config": self.cfg.to_dict(),
-                 "world_size": self.dist.world_size, "backend": self.engine.name}
+                 "world_size": self.dist.world_size}
 
         def write(tmp: Path) -> None:
             self.engine.save(tmp)
@@ -394,7 +389,7 @@ class Trainer:
         if not hasattr(self.model, "save_full"):
             return None
         with self.engine.ema_weights():  # the EMA weights when train.ema_decay > 0
-            state = self.engine.full_state_dict() if self.engine.name != "none" else None
+            state = self.engine.full_state_dict()  # gathered on rank 0 when sharded (collective)
             if not self.dist.is_main:
                 return None
             final = self.out / ("lora" if self.lora else "transformer")
@@ -428,9 +423,6 @@ class Trainer:
         saved_model = state.get("config", {}).get("model")
         if saved_model is not None and saved_model != self.cfg.to_dict()["model"]:
             raise CheckpointError(f"checkpoint {path} was written for a different `model` section: {saved_model}")
-        if state.get("backend", self.engine.name) != self.engine.name:
-            raise CheckpointError(f"checkpoint {path} was written by parallel.backend {state['backend']}, "
-                                  f"this run uses {self.engine.name}")
         self.load_weights(path)
         rng = path / f"rng_rank{self.dist.rank:05d}.pt"
         if state.get("world_size", 1) == self.dist.world_size and rng.is_file():

@@ -18,7 +18,7 @@ from ..grpo.loss import GRPOStepLoss
 from ..jagg import exact_backward, jagg_backward, plan_windows, route_windows
 from ..jagg.knots import (budget_for_speedup, cosine_error, knot_backward, plan_from_costs, plan_knots, plan_uniform,
                           residual_error, segment_costs, velocity_cosines)
-from ..jagg.backward import ModelFn
+from ..jagg.backward import ModelFn, backward_through
 from ..cond import Cond
 from .config import JAGGConfig
 
@@ -102,24 +102,33 @@ def backward_window(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, window: l
     return exact_backward(model_fn, latents, sigmas, cond, step_loss)
 
 
+Backward = Callable[..., None]  # the training engine's backward(out, grad=None, *, last=True)
+
+
+def _routed(backward: Backward | None, last: bool):
+    """Every backward inside goes through `backward(out, grad, last=last)` (plain autograd without one)."""
+    if backward is None:
+        return nullcontext()
+    return backward_through(lambda out, grad=None: backward(out, grad, last=last))
+
+
 def backward_minibatch(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig, *,
-                       on_policy: bool, accumulate: Callable[[bool], object] | None = None,
-                       reduce=None) -> BackwardStats:
+                       on_policy: bool, backward: Backward | None = None, reduce=None) -> BackwardStats:
     """Accumulate the gradient of sum over `steps` of loss(k, v_k) into .grad; returns what it cost.
 
-    Every backward runs inside `accumulate(last)` (a sharded engine synchronises gradients only when last is
-    True, the accumulation boundary). An exact window is split into its single steps for that, so the boundary
-    is the last backward of the minibatch whatever the plan; the gradient is the same per-step code."""
+    Every backward runs through the engine's `backward(out, grad, last=...)` (a sharded engine synchronises
+    gradients only when last is True, the accumulation boundary). An exact window is split into its single steps
+    for that, so the boundary is the last backward of the minibatch whatever the plan; the gradient is the same
+    per-step code."""
     value_mode = resolve_intermediate(cfg.intermediate, on_policy)
     if uses_knots(cfg):
-        return backward_knots(model_fn, cond, loss, steps, cfg, value_mode, accumulate, reduce)
+        return backward_knots(model_fn, cond, loss, steps, cfg, value_mode, backward, reduce)
     plan = plan_minibatch(loss, steps, cfg, reduce)
     stats = BackwardStats(per_step_equiv=len(steps), cosines=plan.cosines)
     units = [(win, True) if jagg else ([k], False) for win, jagg in zip(plan.windows, plan.use_jagg)
              for k in (win[:1] if jagg else win)]
-    accumulate = accumulate or (lambda last: nullcontext())
     for i, (unit, jagg) in enumerate(units):
-        with accumulate(i == len(units) - 1):
+        with _routed(backward, last=i == len(units) - 1):
             stats.loss += float(backward_window(model_fn, cond, loss, unit, jagg, value_mode))
     for win, jagg in zip(plan.windows, plan.use_jagg):
         stats.windows += 1
@@ -165,13 +174,13 @@ def plan_knot_minibatch(loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig, r
 
 
 def backward_knots(model_fn: ModelFn, cond: Cond, loss: GRPOStepLoss, steps: list[int], cfg: JAGGConfig,
-                   value_mode: str, accumulate=None, reduce=None, plan=None) -> BackwardStats:
+                   value_mode: str, backward: Backward | None = None, reduce=None, plan=None) -> BackwardStats:
     """A knot plan's gradient in chunks of rows_per_pass knots (one forward + backward each). Gradients are
     synchronised per chunk (one all-gather and one reduce-scatter cycle per chunk under sharding)."""
     plan = plan if plan is not None else plan_knot_minibatch(loss, steps, cfg, reduce)
     batch = loss.batch
     idx = torch.tensor(steps, device=batch.latents.device)
-    with (accumulate or (lambda last: nullcontext()))(True):
+    with _routed(backward, last=True):
         total = knot_backward(model_fn, plan, batch.latents[idx], batch.sigmas[idx].to(batch.latents.device), cond,
                               lambda j, v: loss(steps[j], v), cached_velocities=batch.velocities[idx],
                               intermediate=value_mode, rows_per_pass=cfg.rows_per_pass)
