@@ -176,7 +176,8 @@ class DeepSpeedEngine(TrainEngine):
     def _set_partitions(self, values: list[torch.Tensor]) -> None:
         """Copy `values` into the 16-bit flat partitions as DeepSpeed's step does after the optimizer: release
         every gathered parameter first (a cached full copy would be stale), re-gather the persistent ones after.
-        Without bf16 the fp32 master partitions are these same tensors (restored with them)."""
+        Where DeepSpeed aliases the fp32 master partitions to these (fp32 weights on the optimizer's device) the
+        master changes with them, and is restored with them."""
         zero = self._zero
         zero._partition_all_parameters()
         for i, (flat, value) in enumerate(zip(zero.fp16_partitioned_groups_flat, values)):
