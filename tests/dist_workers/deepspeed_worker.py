@@ -52,8 +52,8 @@ def make_spec(dtype: str = "float32", ema: float = 0.0, persistent: bool = False
     cfg.train.lr, cfg.train.grad_clip, cfg.train.weight_decay, cfg.train.ema_decay = 1e-3, 1.0, 0.01, ema
     cfg.parallel.backend = "deepspeed"
     # partition every parameter (the tiny model is below the default persistence threshold), unless `persistent`
-    cfg.parallel.deepspeed = {**({} if persistent else {"zero_optimization": {"stage3_param_persistence_threshold": 0}}),
-                              **deepspeed}
+    partition_all = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    cfg.parallel.deepspeed = {**({} if persistent else partition_all), **deepspeed}
     return engine_spec(cfg)
 
 
@@ -223,10 +223,11 @@ def main(out: Path) -> None:
         ema=close(ema1, ref_ema1) and close(ema3, ref_ema3, atol=1e-5) and not close(ema1, sd1),
         ema_restored=ema1_restored and ema3_restored and pers_restored,
         ema_resume=close(ema1_loaded, ema1, exact=True) and close(ema3_resumed, ema3, exact=True),
-        # (after 2 steps the ~1e-6 Adam noise of three_steps below, hence its atol)
+        # after 2 steps: the ~1e-6 Adam noise explained at three_steps, hence its atol
         ema_persistent=(close(ema_pers1, ref_ema1) and close(sd_pers2, ref2, atol=1e-5)
                         and close(ema_pers2, ref_ema2, atol=1e-5)),
-        ema_persistent_maxdiff=[maxdiff_of(ema_pers1, ref_ema1), maxdiff_of(sd_pers2, ref2), maxdiff_of(ema_pers2, ref_ema2)],
+        ema_persistent_maxdiff=[maxdiff_of(ema_pers1, ref_ema1), maxdiff_of(sd_pers2, ref2),
+                                maxdiff_of(ema_pers2, ref_ema2)],
         ema_files=sorted(p.name for p in (out / "ckpt").glob("ema_rank*")),
         bf16=(set(sd_bf) == plain_keys and all(v.dtype == torch.bfloat16 for v in sd_bf.values())
               and norm_bf == norm_bf
