@@ -50,10 +50,22 @@ def test_jagg_and_exact_backward_accumulate_into_one_step(result):
     assert result["three_steps"]
 
 
+def test_backward_last_marks_the_accumulation_boundary(result):
+    assert result["boundary"], result["boundary_seen"]
+
+
 def test_resume_is_bit_identical(result):
     assert result["resume_load"]
     assert result["resume"]
     assert any(f.startswith("ds/") and f.endswith("optim_states.pt") for f in result["checkpoint_files"])
+
+
+def test_ema_of_the_partitions_exports_resumes_and_restores(result):
+    assert result["ema"]  # the EMA export is the single-process engine's EMA
+    assert result["ema_restored"]  # leaving ema_weights() puts the live weights back bit for bit
+    assert result["ema_resume"]  # checkpointed per rank, resumed bit for bit
+    assert result["ema_persistent"], result["ema_persistent_maxdiff"]  # persistent parameters too; training goes on
+    assert result["ema_files"] == ["ema_rank00000.safetensors", "ema_rank00001.safetensors"]
 
 
 def test_full_state_dict_on_rank0(result):

@@ -174,11 +174,13 @@ def test_sigterm_checkpoints_marks_preempted_and_exits_143(tmp_path):
 def test_deepspeed_zero3_two_processes_match_one_process(fsdp2_run, tmp_path):
     pytest.importorskip("deepspeed")
     _, fsdp2 = fsdp2_run
-    ds = run(2, tmp_path / "ds", "parallel.backend=deepspeed", "train.steps=3", "run.checkpoint_every=3",
+    ds = run(2, tmp_path / "ds", "parallel.backend=deepspeed", "train.steps=3", "run.checkpoint_every=3", EMA,
              timeout=400)
     close(ds, fsdp2)  # the same rows and gradients as fsdp2 (and so as one process)
     ckpt = tmp_path / "ds" / "checkpoints" / "step_00000003"
     assert (ckpt / "COMPLETE").is_file() and any((ckpt / "ds").iterdir())  # DeepSpeed's own checkpoint inside
+    assert sorted(p.name for p in ckpt.glob("ema_rank*")) == ["ema_rank00000.safetensors", "ema_rank00001.safetensors"]
+    assert json.loads((ckpt / "engine.json").read_text()) == {"engine": "deepspeed"}
 
 
 def test_mpirun_launch_discovers_ranks_through_mpi(fsdp2_run, tmp_path):

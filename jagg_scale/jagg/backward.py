@@ -41,7 +41,7 @@ from .plans import check_plan, exact_plan, interior_weights, pass_groups, plan_k
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
 StepLoss = Callable[[int, torch.Tensor], torch.Tensor]
-Backward = Callable[[torch.Tensor, "torch.Tensor | None", bool], None]  # backward(out, grad, last)
+Backward = Callable[..., None]  # backward(out, grad, *, last): last marks the final backward of the call
 
 IntermediateMode = Literal["cached", "interpolate", "forward"]
 INTERMEDIATE_MODES: tuple[str, ...] = get_args(IntermediateMode)
@@ -156,7 +156,7 @@ def knot_backward(
             for a, b in by_knot[q]:
                 G_q = G_q + segment_parts(a, b, v.dtype)[0 if q == a else 1]
             G.append(G_q)
-        backward(v, torch.cat(G).to(v.dtype), i == len(groups) - 1)  # sum_q G_q^T J_q over the pass's knots
+        backward(v, torch.cat(G).to(v.dtype), last=i == len(groups) - 1)  # sum_q G_q^T J_q over the pass's knots
     return torch.stack(losses).sum()
 
 

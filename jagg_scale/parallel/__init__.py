@@ -1,4 +1,15 @@
-"""Distributed-training helpers (rank discovery, backend choice)."""
+"""Distributed training: rank discovery and the process group, training engines, FSDP2 helpers, collective counts.
+
+    ranks.py             who we are in a job (torchrun, Slurm, MPI or one process); the process-group backend
+    dist.py              `init_distributed` -> `DistContext` (rank, device, the trainer's few collectives)
+    engine.py            the `TrainEngine` contract, its `EngineSpec`, and the single-process reference engine
+    build.py             `build_engine(model, spec, dist)`: the engine `spec.backend` names
+    fsdp.py              FSDP2: the block finder and mesh shared by training and reward sharding, `FSDP2Engine`
+    deepspeed_engine.py  DeepSpeed ZeRO-3 `DeepSpeedEngine`
+    comm.py              `CommCounter` (and `NullCounter`): collectives and bytes per phase of a step
+
+Only the rank-discovery names are re-exported here (importing them pulls in no torch.distributed machinery).
+"""
 
 from jagg_scale.parallel.ranks import (
     RankInfo,

@@ -7,8 +7,10 @@ after the backward. A per-step window of W steps pays W of these cycles; JAGG's 
 DeepSpeed call (looked up as `torch.distributed.<name>` at call time) and tallies calls and bytes moved per kind.
 It changes nothing about the calls themselves.
 
-One counter per process (`CommCounter.for_process()`), installed before the engine is built: DeepSpeed binds
-the torch.distributed functions when it initialises, so wrapping them later would miss ZeRO-3's traffic.
+One counter per process (`CommCounter.for_process()`), installed by a sharding engine (fsdp2, deepspeed) first
+thing in its constructor: DeepSpeed binds the torch.distributed functions when it initialises, so wrapping them
+later would miss ZeRO-3's traffic. The single-process engine, which issues no collectives, holds a `NullCounter`
+with the same `phase()` / `take()` API, so the trainer counts through `engine.comm` without asking which it has.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommCounter"]
+__all__ = ["CommCounter", "NullCounter"]
 
 # name -> (kind, index of the tensor argument whose size is the payload: the gathered output / the reduced input)
 _WRAPPED = {
@@ -87,11 +89,6 @@ class CommCounter:
                 setattr(dist, name, counted)
         return self
 
-    def uninstall(self) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-        self._originals.clear()
-
     @contextmanager
     def phase(self, name: str):
         previous, self._phase = self._phase, name
@@ -110,3 +107,14 @@ class CommCounter:
         self.counts.clear()
         self.bytes.clear()
         return out
+
+
+class NullCounter:
+    """CommCounter's API for an engine without collectives: phases count nothing, `take()` is empty."""
+
+    @contextmanager
+    def phase(self, name: str):
+        yield self
+
+    def take(self) -> dict[str, float]:
+        return {}

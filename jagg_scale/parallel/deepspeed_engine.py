@@ -1,12 +1,12 @@
 """DeepSpeed ZeRO-3: parameters, gradients and optimizer state partitioned over ranks by `deepspeed.initialize`.
 
-The DeepSpeed config is built from ours (`build_ds_config`): ZeRO stage 3 with overlapped communication and
-contiguous gradients, `gradient_clipping` = train.grad_clip (0 disables), bf16 weights when model.dtype is
-bfloat16 (the fp32 master copy lives in the optimizer; the trainer's autocast stays), and AdamW from train.*
-as DeepSpeed's optimizer section with `torch_adam: true` (torch.optim.AdamW over the flat fp32 partitions:
-no compiled op, runs on CPU and matches the single-process engine). `parallel.deepspeed` is deep-merged over
-it, so any DeepSpeed key can be set there; the shorthand `offload_optimizer: cpu` (or true) adds ZeRO-Offload of
-the optimizer state (set `optimizer.params.torch_adam: false` to get DeepSpeedCPUAdam, a JIT-compiled op).
+The DeepSpeed config is built from the engine spec (`build_ds_config`): ZeRO stage 3 with overlapped
+communication and contiguous gradients, `gradient_clipping` = grad_clip (0 disables), bf16 weights when bf16 (the
+fp32 master copy lives in the optimizer; the trainer's autocast stays), and AdamW from the spec as DeepSpeed's
+optimizer section with `torch_adam: true` (torch.optim.AdamW over the flat fp32 partitions: no compiled op, runs
+on CPU and matches the single-process engine). `spec.deepspeed` (parallel.deepspeed) is deep-merged over it, so
+any DeepSpeed key can be set there; the shorthand `offload_optimizer: cpu` (or true) adds ZeRO-Offload of the
+optimizer state (set `optimizer.params.torch_adam: false` to get DeepSpeedCPUAdam, a JIT-compiled op).
 
 Forward goes through the DeepSpeed engine: `engine.model` IS the `deepspeed.DeepSpeedEngine`, and attributes
 such as `encode_prompts`, `decode`, `latent_shape`, `save_full` fall through to the wrapped module via its
@@ -14,21 +14,29 @@ such as `encode_prompts`, `decode`, `latent_shape`, `save_full` fall through to 
 gather hooks sit on the module itself, so `engine.module(...)` computes the same, but `DeepSpeedEngine.forward`
 also registers the output hooks that run the backward prologue (offload/NVMe swap bookkeeping) and advances
 ZeRO-3's `micro_step_id`; without that advance the next backward *overwrites* the partitioned gradient instead
-of adding to it. `_backward` therefore advances it itself after every backward, so accumulation holds either
+of adding to it. `backward` therefore advances it itself after every backward, so accumulation holds either
 way (tested), but call the engine.
 
 Accumulation: train_micro_batch_size_per_gpu = gradient_accumulation_steps = 1, and the trainer marks the
-boundary itself. Every backward of a minibatch (one per JAGG window or per exact step, routed through
-`engine.backward` by `backward_context`) reduce-scatters its gradients and adds the local partition into
-ZeRO-3's gradient partition buffer; `accumulate(last)` sets `engine.set_gradient_accumulation_boundary(last)`, which
-decides whether `engine.step()` applies the update and (with optimizer offload) when the accumulated partition
-is copied to the CPU optimizer. Gradients are averaged over ranks (each rank's loss is its share of the mean).
+boundary itself. Every backward of a minibatch (one per JAGG window or per exact step) goes through
+`backward(out, grad, last)`: DeepSpeed's `engine.backward` of the equivalent scalar sum(out * grad), under
+`set_gradient_accumulation_boundary(last)`. It reduce-scatters its gradients and adds the local partition into
+ZeRO-3's gradient partition buffer; the boundary decides (with optimizer offload) when the accumulated partition
+is copied to the CPU optimizer. `step()` applies the update at the boundary, clipping inside DeepSpeed, and
+returns its pre-clip global norm. Gradients are averaged over ranks (each rank's loss is its share of the mean).
+
+EMA (ema_decay > 0): each rank keeps the EMA of its own fp32 master partitions (the optimizer's flat
+`fp32_partitioned_groups_flat`, one tensor per sub-group): no gather, 1/world of the weights per rank, updated
+after every applied step. `ema_weights()` swaps it into the 16-bit partitions the forward gathers from (as
+DeepSpeed's own step does: release the gathered parameters, copy into the flat partitions, re-gather the
+persistent ones) and restores the live partitions bit for bit afterwards; evaluation and export run inside it.
+NVMe offload (partitions swapped out) and ZeRO stages other than 3 have no EMA here (ValueError at build).
 
 State: `save`/`load` are DeepSpeed checkpoints (`save_checkpoint(dir, tag="ds")`: per rank a model-states file
 and its fp32-master + optimizer partition under dir/ds; collective; resume on the same world size), written only
-inside `dir`. `full_state_dict()` consolidates the 16-bit (fp32 without bf16) weights on rank 0 with
-`_zero3_consolidated_16bit_state_dict` (keys of the plain model's `state_dict()`; {} on other ranks; LoRA: the
-trainable ones). `gathered_model()` (base) yields the engine, whose forward gathers on every rank.
+inside `dir`, plus per rank its EMA partition (`ema_rank<r>.safetensors`). `full_state_dict()` consolidates the
+16-bit (fp32 without bf16) weights on rank 0 with `_zero3_consolidated_16bit_state_dict` (keys of the plain
+model's `state_dict()`; {} on other ranks; LoRA: the trainable ones).
 `shard_frozen` leaves the frozen KL reference unsharded: a full copy per rank (its weights once per rank).
 """
 
@@ -42,10 +50,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from .comm import CommCounter
 from .dist import DistContext
-from .engine import TrainEngine
+from .engine import EngineSpec, TrainEngine
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +73,18 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def build_ds_config(cfg) -> dict:
-    """The DeepSpeed config of a run: ours translated, then `parallel.deepspeed` merged over it."""
-    t = cfg.train
-    user = dict(cfg.parallel.deepspeed or {})
+def build_ds_config(spec: EngineSpec) -> dict:
+    """The DeepSpeed config of a run: ours translated, then `spec.deepspeed` merged over it."""
+    user = dict(spec.deepspeed or {})
     offload = user.pop("offload_optimizer", None)  # shorthand: cpu | true
     ds = {
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,  # the trainer marks the boundary (accumulate)
-        "gradient_clipping": float(t.grad_clip),
+        "gradient_accumulation_steps": 1,  # the trainer marks the boundary (backward's `last`)
+        "gradient_clipping": float(spec.grad_clip),
         "optimizer": {"type": "AdamW", "params": {
-            "lr": t.lr, "betas": list(t.adam_betas), "eps": t.adam_eps, "weight_decay": t.weight_decay,
+            "lr": spec.lr, "betas": list(spec.adam_betas), "eps": spec.adam_eps, "weight_decay": spec.weight_decay,
             "torch_adam": True}},
-        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "bf16": {"enabled": bool(spec.bf16)},
         "zero_optimization": {
             "stage": 3,
             "overlap_comm": True,
@@ -100,14 +107,14 @@ def build_ds_config(cfg) -> dict:
 class DeepSpeedEngine(TrainEngine):
     name = "deepspeed"
 
-    def __init__(self, model: torch.nn.Module, cfg, dist_ctx: DistContext):
+    def __init__(self, model: torch.nn.Module, spec: EngineSpec, dist_ctx: DistContext):
+        self.comm = CommCounter.for_process()  # before DeepSpeed binds the torch.distributed collectives
         import deepspeed
 
         dist_ctx.ensure_group()  # one process: a trivial group (closed with the context)
         os.environ.setdefault("LOCAL_RANK", str(dist_ctx.local_rank))  # asserted by deepspeed.initialize
-        self.cfg, self.dist = cfg, dist_ctx
-        self.lora = bool(getattr(getattr(cfg.model, "lora", None), "enabled", False))
-        self.ds_config = build_ds_config(cfg)
+        self.spec, self.dist = spec, dist_ctx
+        self.ds_config = build_ds_config(spec)
         if dist_ctx.is_main:
             log.info("DeepSpeed config:\n%s", json.dumps(self.ds_config, indent=2, sort_keys=True))
         self._trainable = [name for name, p in model.named_parameters() if p.requires_grad]
@@ -118,57 +125,129 @@ class DeepSpeedEngine(TrainEngine):
         self.model = self.engine  # forward through the engine; other attributes fall through to the module
         self.module = self.engine.module
         self.params = params
+        self.init_ema()
 
     def shard_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
         """The frozen KL reference, unchanged: a full copy on every rank (memory: its weights once per rank)."""
         return module.to(self.dist.device)
 
-    # ------------------------------------------------------------------ one minibatch
+    # ------------------------------------------------------------------ EMA of this rank's fp32 partitions
+    @property
+    def _zero(self):
+        """ZeRO-3's optimizer: the flat fp32 master partitions and the 16-bit partitions the forward gathers."""
+        return self.engine.optimizer
+
+    def init_ema(self) -> None:
+        self.ema_decay = float(self.spec.ema_decay)
+        self.ema = None
+        if self.ema_decay <= 0:
+            return
+        zero = self._zero
+        flats = getattr(zero, "fp16_partitioned_groups_flat", None)
+        if getattr(zero, "fp32_partitioned_groups_flat", None) is None or flats is None:
+            raise ValueError("train.ema_decay with parallel.backend deepspeed needs ZeRO stage 3 (the EMA is kept "
+                             f"of the flat fp32 partitions), got optimizer {type(zero).__name__}")
+        if getattr(zero, "swap_optimizer", False) or any(t is None for t in flats):
+            raise ValueError("train.ema_decay with parallel.backend deepspeed: NVMe offload swaps the partitions "
+                             "out of memory; the EMA needs them in memory (use offload to cpu or none)")
+        self.ema = {f"partition.{i}": t.detach().clone() for i, t in enumerate(zero.fp32_partitioned_groups_flat)}
+
+    @torch.no_grad()
+    def update_ema(self) -> None:
+        if self.ema is None or not self.engine.was_step_applied():
+            return
+        for e, p in zip(self.ema.values(), self._zero.fp32_partitioned_groups_flat):
+            e.lerp_(p.detach(), 1.0 - self.ema_decay)
+
     @contextmanager
-    def accumulate(self, last: bool):
+    def ema_weights(self):
+        """The engine with the EMA in its 16-bit partitions (collective: every rank enters and leaves)."""
+        if self.ema is None:
+            yield self.model
+            return
+        live = [t.clone() for t in self._zero.fp16_partitioned_groups_flat]
+        self._set_partitions(list(self.ema.values()))
+        try:
+            yield self.model
+        finally:
+            self._set_partitions(live)
+
+    @torch.no_grad()
+    def _set_partitions(self, values: list[torch.Tensor]) -> None:
+        """Copy `values` into the 16-bit flat partitions as DeepSpeed's step does after the optimizer: release
+        every gathered parameter first (a cached full copy would be stale), re-gather the persistent ones after.
+        Where DeepSpeed aliases the fp32 master partitions to these (fp32 weights on the optimizer's device) the
+        master changes with them, and is restored with them."""
+        zero = self._zero
+        zero._partition_all_parameters()
+        for i, (flat, value) in enumerate(zip(zero.fp16_partitioned_groups_flat, values)):
+            flat.copy_(value)
+            zero._unflatten_partitioned_parameters(i)
+        if zero.persistent_parameters:
+            zero.persistent_parameters[0].all_gather(zero.persistent_parameters)
+        zero.invalidate_secondary_tensor()
+
+    # ------------------------------------------------------------------ one minibatch
+    def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None, *, last: bool = True) -> None:
+        """DeepSpeed's backward of the scalar with out.backward(grad)'s gradient, under the accumulation boundary
+        `last` (read by ZeRO-3's backward and reduce hooks, not by the forward)."""
+        scalar = out if grad is None else (out * grad.detach()).sum()
         self.engine.set_gradient_accumulation_boundary(bool(last))
         try:
-            yield
+            self.engine.backward(scalar)
+            # advance ZeRO-3's micro step now (normally done by the next engine forward): the next backward of
+            # this minibatch then adds to the gradient partition instead of overwriting it
+            clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
+            if clear is not None:
+                clear()
         finally:
             self.engine.set_gradient_accumulation_boundary(True)
 
-    def _backward(self, scalar: torch.Tensor) -> None:
-        self.engine.backward(scalar)
-        # advance ZeRO-3's micro step now (normally done by the next engine forward): the next backward of this
-        # minibatch then adds to the gradient partition instead of overwriting it
-        clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
-        if clear is not None:
-            clear()
-
     def step(self) -> float:
-        """Clip (train.grad_clip), AdamW on the partitions, zero grads; the global pre-clip gradient norm."""
+        """Clip (grad_clip, inside DeepSpeed), AdamW on the partitions, zero grads, EMA; the global pre-clip
+        gradient norm."""
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
+        self.update_ema()
         return float("nan") if norm is None else float(norm)
 
-    def zero_grad(self) -> None:
-        self.engine.optimizer.zero_grad()
-
-    def clip_grad_norm(self) -> float:
-        raise NotImplementedError("deepspeed clips inside step(); call step()")
-
     # ------------------------------------------------------------------ state
-    def save(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False,
-                                    exclude_frozen_parameters=self.lora)
+    def _ema_file(self, directory: Path) -> Path:
+        return directory / f"ema_rank{self.dist.rank:05d}.safetensors"
 
-    def load(self, directory: Path) -> None:
+    def _save(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False,
+                                    exclude_frozen_parameters=self.spec.frozen_base)
+        if self.ema is not None:
+            from ..checkpoint.local import _write_tensors
+
+            _write_tensors(self._ema_file(directory), self.ema)
+
+    def _load(self, directory: Path) -> None:
         from ..checkpoint import CheckpointError
 
-        path, _ = self.engine.load_checkpoint(str(directory), tag=TAG, load_module_strict=not self.lora,
+        path, _ = self.engine.load_checkpoint(str(directory), tag=TAG, load_module_strict=not self.spec.frozen_base,
                                               load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise CheckpointError(f"no DeepSpeed checkpoint (tag {TAG!r}) in {directory}")
+        if self.ema is not None:
+            from safetensors.torch import load_file
+
+            file = self._ema_file(directory)
+            if not file.is_file():
+                raise CheckpointError(f"checkpoint {directory} has no EMA partition of rank {self.dist.rank} "
+                                      f"({file.name}) but train.ema_decay > 0")
+            saved = load_file(str(file))
+            if {k: v.shape for k, v in saved.items()} != {k: v.shape for k, v in self.ema.items()}:
+                raise CheckpointError(f"checkpoint {directory}: the EMA partitions of rank {self.dist.rank} do not "
+                                      "fit this engine (DeepSpeed resumes on the world size that wrote it)")
+            for name, value in saved.items():
+                self.ema[name].copy_(value)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Trainable weights, consolidated on rank 0 as CPU tensors (collective; other ranks get {})."""
-        state = self.engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=self.lora)
+        state = self.engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=self.spec.frozen_base)
         if state is None:
             return {}
         if not self._all_trainable:

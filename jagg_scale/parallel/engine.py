@@ -1,37 +1,73 @@
 """Training engines: how parameters are held, gradients reduced, the optimizer stepped and state checkpointed.
 
-The trainer talks to one `TrainEngine`; which one is `parallel.backend`:
+The trainer talks to one `TrainEngine`, built by `parallel.build.build_engine` from an `EngineSpec` (the slice of
+the run configuration an engine needs); which one is `EngineSpec.backend`:
 
     none       one process, plain autograd and torch AdamW (this file): the reference the others must match
     fsdp2      torch FSDP2 `fully_shard` per transformer block + root (fsdp.py)
     deepspeed  a DeepSpeed ZeRO-3 engine (deepspeed_engine.py)
 
-The contract, in the order a training step uses it:
+This module is the contract and the reference engine; fsdp.py and deepspeed_engine.py import it, never the
+reverse. The contract, in the order a training step uses it:
 
-    engine.model                    the module to call for velocities (sharded or not)
-    with engine.accumulate(last):   one backward of the minibatch; gradients are synchronised across ranks only
-        ...backward...              when `last` is True (the accumulation boundary)
-    engine.step() -> grad_norm      clip (train.grad_clip), optimizer step, zero grads
-    engine.save(dir) / load(dir)    model + optimizer state into / from a checkpoint directory (collective)
-    engine.full_state_dict()        the trainable weights gathered on rank 0 for export (others get {})
+    engine.model                        the module to call for velocities (sharded or not)
+    engine.backward(out, grad, last=)   out.backward(grad) for one backward of a minibatch (the JAGG engine's
+                                        backward callable); gradients accumulate, and are synchronised across
+                                        ranks only when `last` is True (the minibatch's accumulation boundary)
+    engine.step() -> grad_norm          clip (grad_clip) and step the optimizer, zero grads, update the EMA;
+                                        returns the global gradient norm before clipping
+    engine.comm                         the collective counter (comm.py): a CommCounter on engines that issue
+                                        collectives, a NullCounter (same phase()/take()) here
+    engine.ema / ema_weights()          ema_decay > 0: the EMA of the trainable weights (None when off), and a
+                                        context with it swapped into the model (evaluation, export)
+    engine.save(dir) / load(dir)        model + optimizer (+ EMA) state into / from a checkpoint directory
+                                        (collective); load refuses a checkpoint written by another engine
+    engine.full_state_dict()            the trainable weights gathered on rank 0 for export (others get {})
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .comm import NullCounter
 from .dist import DistContext
-from .types import BACKENDS
 
-__all__ = ["TrainEngine", "build_engine", "make_optimizer"]
+__all__ = ["ENGINE_MARKER", "EngineSpec", "TrainEngine", "make_optimizer"]
+
+ENGINE_MARKER = "engine.json"  # {"engine": name}, written into every checkpoint directory by rank 0
 
 
-def make_optimizer(params, train_cfg) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
-                             betas=tuple(train_cfg.adam_betas), eps=train_cfg.adam_eps)
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine needs to know about a run (train.config.engine_spec builds it from the Config)."""
+
+    backend: str = "none"  # none | fsdp2 | deepspeed: which engine build_engine makes
+    # torch AdamW, on every engine
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    ema_decay: float = 0.0  # > 0: an EMA of the trainable weights, updated per optimizer step
+    # the model
+    bf16: bool = False  # bfloat16 compute (FSDP2 mixed precision / DeepSpeed bf16 weights); fp32 master weights
+    frozen_base: bool = False  # LoRA: only the adapter trains; checkpoints and exports hold the trainable weights
+    # sharding (fsdp2; deepspeed reads `deepspeed`)
+    activation_checkpointing: bool = False  # recompute each transformer block in backward
+    reshard_after_forward: bool = True
+    prefetch: bool = True
+    replicate: int = 1  # HSDP replica groups
+    deepspeed: dict = field(default_factory=dict)  # merged over the built-in ZeRO-3 config
+
+
+def make_optimizer(params, spec: EngineSpec) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=tuple(spec.adam_betas),
+                             eps=spec.adam_eps)
 
 
 class TrainEngine:
@@ -39,28 +75,28 @@ class TrainEngine:
 
     name = "none"
 
-    def __init__(self, model: torch.nn.Module, cfg, dist: DistContext):
+    def __init__(self, model: torch.nn.Module, spec: EngineSpec, dist: DistContext):
         if dist.world_size > 1:
             raise ValueError(f"parallel.backend none runs one process, but {dist.world_size} were started: "
                              "use parallel.backend fsdp2 or deepspeed")
-        self.cfg, self.dist = cfg, dist
+        self.spec, self.dist = spec, dist
+        self.comm = NullCounter()  # one process: no collectives to count
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(self.params, cfg.train)
+        self.optimizer = make_optimizer(self.params, spec)
         self.init_ema()
 
     # ------------------------------------------------------------------ EMA of the trainable weights
     def init_ema(self) -> None:
-        """train.ema_decay > 0 keeps an exponential moving average of the trainable weights (shards of them under
+        """ema_decay > 0 keeps an exponential moving average of the trainable weights (shards of them under
         FSDP2), updated after every optimizer step, checkpointed, and used for evaluation and export."""
-        decay = float(getattr(self.cfg.train, "ema_decay", 0.0))
-        self.ema_decay = decay
+        self.ema_decay = float(self.spec.ema_decay)
         self.ema = ({n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
-                    if decay > 0 else None)
+                    if self.ema_decay > 0 else None)
 
     @torch.no_grad()
     def update_ema(self) -> None:
-        if getattr(self, "ema", None) is None:
+        if self.ema is None:
             return
         for name, p in self.model.named_parameters():
             if name in self.ema:
@@ -68,8 +104,9 @@ class TrainEngine:
 
     @contextmanager
     def ema_weights(self):
-        """The model with its EMA weights in place (copied in and back: sharded parameters keep their storage)."""
-        if getattr(self, "ema", None) is None:  # also engines that keep no EMA (DeepSpeed)
+        """The model with its EMA weights in place (copied in and back: sharded parameters keep their storage);
+        the model unchanged when there is no EMA."""
+        if self.ema is None:
             yield self.model
             return
         params = {n: p for n, p in self.model.named_parameters() if n in self.ema}
@@ -89,27 +126,23 @@ class TrainEngine:
         return module
 
     # ------------------------------------------------------------------ one minibatch
-    def accumulate(self, last: bool):
-        """Context for one backward of a minibatch; `last` marks the accumulation boundary."""
-        return nullcontext()
+    def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None, *, last: bool = True) -> None:
+        """out.backward(grad) into the gradients of this minibatch. `last` marks the accumulation boundary (the
+        minibatch's last backward): sharded engines synchronise gradients across ranks only then."""
+        out.backward(grad)
 
-    def backward_context(self):
-        """Installed around the update so every backward goes where the engine needs it (see jagg.backward_through)."""
-        return nullcontext()
-
-    def clip_grad_norm(self) -> float:
-        max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+    def _clip_grads(self) -> float:
+        """Clip the gradients to spec.grad_clip (0: no clipping); the global norm before clipping."""
+        max_norm = self.spec.grad_clip if self.spec.grad_clip > 0 else float("inf")
         return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
 
     def step(self) -> float:
-        norm = self.clip_grad_norm()
+        """Clip, optimizer step, zero grads, EMA update; returns the global gradient norm before clipping."""
+        norm = self._clip_grads()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.update_ema()
         return norm
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------ state
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
@@ -121,9 +154,37 @@ class TrainEngine:
         return {k: v for k, v in state.items() if k in trainable}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trainable weights for export, on rank 0 (other ranks get {}); here the live tensors."""
         return self.trainable_state_dict()
 
     def save(self, directory: Path) -> None:
+        """This engine's state into `directory` (collective: every rank calls it) and the engine marker."""
+        self._save(directory)
+        if self.dist.is_main:
+            from ..checkpoint.local import _write_bytes
+
+            _write_bytes(directory / ENGINE_MARKER, json.dumps({"engine": self.name}).encode())
+
+    def load(self, directory: Path) -> None:
+        """State from a checkpoint `directory` written by the same engine (CheckpointError otherwise)."""
+        self._check_writer(directory)
+        self._load(directory)
+
+    def _check_writer(self, directory: Path) -> None:
+        from ..checkpoint import CheckpointError
+        from ..checkpoint.local import STATE
+
+        marker, state = directory / ENGINE_MARKER, directory / STATE
+        if marker.is_file():
+            writer = json.loads(marker.read_text()).get("engine")
+        else:  # checkpoints from before the marker: the trainer recorded the backend in its state
+            writer = json.loads(state.read_text()).get("backend") if state.is_file() else None
+        if writer is not None and writer != self.name:
+            raise CheckpointError(f"checkpoint {directory} was written by the {writer} engine (parallel.backend "
+                                  f"{writer}), this run uses {self.name} (parallel.backend {self.name}): resume "
+                                  f"with parallel.backend {writer}")
+
+    def _save(self, directory: Path) -> None:
         from ..checkpoint.local import _write_object, _write_tensors
 
         _write_tensors(directory / "model.safetensors", self.trainable_state_dict())
@@ -131,7 +192,7 @@ class TrainEngine:
         if self.ema is not None:
             _write_tensors(directory / "ema.safetensors", self.ema)
 
-    def load(self, directory: Path) -> None:
+    def _load(self, directory: Path) -> None:
         from safetensors.torch import load_file
 
         from ..checkpoint import CheckpointError
@@ -149,23 +210,3 @@ class TrainEngine:
                 raise CheckpointError(f"checkpoint {directory} has no EMA weights but train.ema_decay > 0")
             for name, value in load_file(str(directory / "ema.safetensors")).items():
                 self.ema[name].copy_(value)
-
-    @contextmanager
-    def gathered_model(self):
-        """The full (unsharded) model for evaluation and export; the plain model here."""
-        yield self.model
-
-
-def build_engine(model: torch.nn.Module, cfg, dist: DistContext, **kwargs) -> TrainEngine:
-    backend = cfg.parallel.backend
-    if backend == "none":
-        return TrainEngine(model, cfg, dist)
-    if backend == "fsdp2":
-        from .fsdp import FSDP2Engine
-
-        return FSDP2Engine(model, cfg, dist, **kwargs)
-    if backend == "deepspeed":
-        from .deepspeed_engine import DeepSpeedEngine
-
-        return DeepSpeedEngine(model, cfg, dist, **kwargs)
-    raise ValueError(f"parallel.backend must be one of {', '.join(BACKENDS)}, got {backend!r}")

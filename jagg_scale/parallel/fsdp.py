@@ -1,150 +1,190 @@
-"""FSDP2: the model sharded with `fully_shard`, one parallelize step per model (as torchtitan does).
+"""FSDP2: models sharded with `fully_shard`, for training (`FSDP2Engine`) and for inference (reward models).
 
-    parallelize(model)   activation checkpointing per block (optional), fully_shard on every transformer block,
-                         then on the root; mixed precision (bf16 params in compute, fp32 gradient reduction);
-                         explicit prefetch: block i gathers block i+1 in forward and block i-1 in backward;
-                         `reshard_after_forward` configurable; HSDP (replicate x shard mesh) when
-                         parallel.replicate > 1.
+The helpers both uses share:
+
+    block_slots(module)     the FSDP units: every item with parameters of every outermost nn.ModuleList (the DiT's
+                            `blocks`, SD3's `transformer_blocks`, FLUX's `transformer_blocks` and
+                            `single_transformer_blocks`, a CLIP's text and vision encoder layers)
+    build_mesh(...)         the device mesh: 1-D over all ranks, or HSDP (replicate x shard) when replicate > 1
+    parallelize(model)      training: activation checkpointing per block (optional), fully_shard on every block,
+                            then on the root; mixed precision (bf16 params in compute, fp32 gradient reduction);
+                            explicit prefetch: block i gathers block i+1 in forward and block i-1 in backward;
+                            `reshard_after_forward` configurable (as torchtitan does)
+    shard_for_inference(m)  a frozen module (a reward model) sharded the same way in eval mode, no mixed precision,
+                            0-d parameters left replicated, other entry points than forward registered
 
 Communication and JAGG: every forward of a block all-gathers its parameters (and, with resharding after
 forward, the backward gathers them again); every synchronised backward reduce-scatters its gradients.
-Gradients are synchronised only at the accumulation boundary (the last backward of a minibatch, see
-`accumulate`), so a minibatch pays one reduce-scatter per block whatever its window plan, and the all-gather
-cycles are one per joint JAGG pass against W per exact window. `CommCounter` (comm.py) measures exactly that.
+Gradients are synchronised only at the accumulation boundary (`backward(out, grad, last=True)`, the last
+backward of a minibatch), so a minibatch pays one reduce-scatter per block whatever its window plan, and the
+all-gather cycles are one per joint JAGG pass against W per exact window. `engine.comm` (comm.py) measures that.
 
-Checkpoints are torch.distributed.checkpoint (DCP) directories: each rank writes its shards, and a checkpoint
-written by N ranks loads on M (DCP reshards on load).
+Checkpoints are torch.distributed.checkpoint (DCP) directories: each rank writes its shards (the EMA shards
+too), and a checkpoint written by N ranks loads on M (DCP reshards on load).
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterable
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from .comm import CommCounter
 from .dist import DistContext
-from .engine import TrainEngine, make_optimizer
+from .engine import EngineSpec, TrainEngine, make_optimizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FSDP2Engine", "parallelize", "transformer_blocks"]
+__all__ = ["FSDP2Engine", "block_slots", "build_mesh", "parallelize", "repeated_layers", "shard_for_inference"]
 
 
-def transformer_blocks(model: torch.nn.Module) -> list[tuple[torch.nn.ModuleList, int]]:
-    """(list, index) of every transformer block: the FSDP units. The built-in DiT keeps them in `blocks`,
-    diffusers' SD3 in `transformer.transformer_blocks`, FLUX in those and `transformer.single_transformer_blocks`."""
-    found = []
-    owners = [model, getattr(model, "transformer", None)]
-    for owner in owners:
-        if owner is None:
+# ------------------------------------------------------------------------------------------ shared helpers
+
+
+def block_slots(module: nn.Module) -> list[tuple[nn.ModuleList, int]]:
+    """(list, index) of every item with parameters of every outermost nn.ModuleList under `module`, in pre-order
+    (lists nested inside an item already taken are skipped, since that item is sharded as one unit)."""
+    taken: list[str] = []
+    slots: list[tuple[nn.ModuleList, int]] = []
+    for name, child in module.named_modules():
+        if not isinstance(child, nn.ModuleList) or any(name.startswith(t + ".") for t in taken):
             continue
-        for attr in ("blocks", "transformer_blocks", "single_transformer_blocks"):
-            blocks = getattr(owner, attr, None)
-            if isinstance(blocks, torch.nn.ModuleList):
-                found += [(blocks, i) for i in range(len(blocks))]
-    if not found:
-        raise ValueError(f"parallel.backend fsdp2: no transformer blocks found on {type(model).__name__}")
-    return found
+        for i, item in enumerate(child):
+            if isinstance(item, nn.Module) and any(True for _ in item.parameters()):
+                taken.append(f"{name}.{i}" if name else str(i))
+                slots.append((child, i))
+    return slots
 
 
-def _mesh(dist_ctx: DistContext, replicate: int):
-    device_type = dist_ctx.device.type
-    world = dist_ctx.world_size
-    if replicate < 1 or world % replicate:
-        raise ValueError(f"parallel.replicate={replicate} must divide the world size {world}")
+def repeated_layers(module: nn.Module) -> list[nn.Module]:
+    """The modules of `block_slots`: the units fully_shard is applied to before the root."""
+    return [blocks[i] for blocks, i in block_slots(module)]
+
+
+def build_mesh(device_type: str, world_size: int, replicate: int = 1) -> DeviceMesh:
+    """1-D mesh over all ranks ("shard"), or (replicate, world / replicate) HSDP ("replicate", "shard")."""
+    if replicate < 1 or world_size % replicate:
+        raise ValueError(f"parallel.replicate={replicate} must divide the world size {world_size}")
     if replicate == 1:
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
 
 
-def parallelize(model: torch.nn.Module, pcfg, mesh, *, bf16: bool, activation_checkpointing: bool) -> torch.nn.Module:
-    """Shard `model` in place (blocks, then root) and return it."""
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, activation_checkpointing: bool,
+                reshard_after_forward: bool = True, prefetch: bool = True) -> nn.Module:
+    """Shard `model` in place for training (blocks, then root) and return it."""
+    slots = block_slots(model)
+    if not slots:
+        raise ValueError(f"parallel.backend fsdp2: no transformer blocks found on {type(model).__name__}")
     if activation_checkpointing:
         if hasattr(model, "enable_gradient_checkpointing"):  # diffusers' own per-block checkpointing
             model.enable_gradient_checkpointing()
         else:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-            for blocks, i in transformer_blocks(model):
+            for blocks, i in slots:
                 blocks[i] = checkpoint_wrapper(blocks[i])
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=pcfg.reshard_after_forward)
+    kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     units = []
-    for blocks, i in transformer_blocks(model):
+    for blocks, i in slots:
         fully_shard(blocks[i], **kwargs)
         units.append(blocks[i])
     fully_shard(model, **kwargs)
-    if pcfg.prefetch:
+    if prefetch:
         for prev, nxt in zip(units, units[1:]):
             prev.set_modules_to_forward_prefetch([nxt])
             nxt.set_modules_to_backward_prefetch([prev])
     return model
 
 
+def shard_for_inference(module: nn.Module, mesh: DeviceMesh, forward_methods: Iterable[str] = ()) -> nn.Module:
+    """fully_shard a frozen `module` in place for inference (layers, then root; eval mode, requires_grad off,
+    weights kept in their dtype, resharded after every forward); a module already sharded is left as is.
+
+    0-d parameters (e.g. CLIP's `logit_scale`) are left out of sharding (replicated: they cost nothing and may be
+    read outside a forward). `forward_methods` names entry points other than forward (e.g. CLIPModel's
+    get_image_features) that get FSDP's pre/post-forward hooks, so the root is gathered around them too."""
+    module.eval().requires_grad_(False)
+    if isinstance(module, FSDPModule):
+        return module
+    kwargs = dict(mesh=mesh, reshard_after_forward=True)
+    for layer in repeated_layers(module):
+        fully_shard(layer, **kwargs)
+    scalars = {p for p in module.parameters() if p.ndim == 0}
+    fully_shard(module, **kwargs, ignored_params=scalars or None)
+    for name in forward_methods:
+        if callable(getattr(module, name, None)):
+            register_fsdp_forward_method(module, name)
+    return module.requires_grad_(False)
+
+
+# ------------------------------------------------------------------------------------------ the training engine
+
+
 class FSDP2Engine(TrainEngine):
     name = "fsdp2"
 
-    def __init__(self, model: torch.nn.Module, cfg, dist_ctx: DistContext):
+    def __init__(self, model: nn.Module, spec: EngineSpec, dist_ctx: DistContext):
+        self.comm = CommCounter.for_process()  # before any collective is issued
         dist_ctx.ensure_group()  # one process: a trivial group (closed with the context)
-        self.cfg, self.dist = cfg, dist_ctx
-        self.mesh = _mesh(dist_ctx, cfg.parallel.replicate)
-        self.bf16 = cfg.model.dtype == "bfloat16"
-        self.lora = cfg.model.lora.enabled
-        self.model = parallelize(model, cfg.parallel, self.mesh, bf16=self.bf16,
-                                 activation_checkpointing=cfg.parallel.activation_checkpointing)
+        self.spec, self.dist = spec, dist_ctx
+        self.mesh = build_mesh(dist_ctx.device.type, dist_ctx.world_size, spec.replicate)
+        self.model = self._parallelize(model, spec.activation_checkpointing)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(self.params, cfg.train)
+        self.optimizer = make_optimizer(self.params, spec)
         self.init_ema()
-        self._options = StateDictOptions(ignore_frozen_params=self.lora)
+        self._options = StateDictOptions(ignore_frozen_params=spec.frozen_base)
 
-    def shard_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+    def _parallelize(self, module: nn.Module, activation_checkpointing: bool) -> nn.Module:
+        s = self.spec
+        return parallelize(module, self.mesh, bf16=s.bf16, activation_checkpointing=activation_checkpointing,
+                           reshard_after_forward=s.reshard_after_forward, prefetch=s.prefetch)
+
+    def shard_frozen(self, module: nn.Module) -> nn.Module:
         """A frozen copy (the KL reference of a full fine-tune) sharded the same way, without an optimizer."""
-        return parallelize(module, self.cfg.parallel, self.mesh, bf16=self.bf16, activation_checkpointing=False)
+        return self._parallelize(module, activation_checkpointing=False)
 
     # ------------------------------------------------------------------ one minibatch
-    @contextmanager
-    def accumulate(self, last: bool):
-        self.model.set_requires_gradient_sync(last)
+    def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None, *, last: bool = True) -> None:
+        self.model.set_requires_gradient_sync(last)  # read by FSDP2's post-backward hooks only
         try:
-            yield
+            out.backward(grad)
         finally:
             self.model.set_requires_gradient_sync(True)
 
-    def clip_grad_norm(self) -> float:
-        max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+    def _clip_grads(self) -> float:
+        max_norm = self.spec.grad_clip if self.spec.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     # ------------------------------------------------------------------ state
-    def save(self, directory: Path) -> None:
+    def _dcp_state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options)
-        state = {"model": model_sd, "optimizer": optim_sd, **({"ema": self.ema} if self.ema is not None else {})}
-        dcp.save(state, checkpoint_id=str(directory / "dcp"))
+        return {"model": model_sd, "optimizer": optim_sd, **({"ema": self.ema} if self.ema is not None else {})}
 
-    def load(self, directory: Path) -> None:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options)
-        state = {"model": model_sd, "optimizer": optim_sd, **({"ema": self.ema} if self.ema is not None else {})}
+    def _save(self, directory: Path) -> None:
+        dcp.save(self._dcp_state(), checkpoint_id=str(directory / "dcp"))
+
+    def _load(self, directory: Path) -> None:
+        state = self._dcp_state()
         dcp.load(state, checkpoint_id=str(directory / "dcp"))  # in place, the EMA shards included
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=self._options)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Trainable weights as full CPU tensors on rank 0 (collective; other ranks get {})."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.spec.frozen_base)
         return get_model_state_dict(self.model, options=options)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return self.full_state_dict()
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(model, FSDPModule)

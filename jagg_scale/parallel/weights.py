@@ -2,14 +2,15 @@
 
     load_trained_weights(model, checkpoint_dir, ema=False)
 
-What `jagg-eval` uses: evaluating a run (or someone else's) reads model weights only. The checkpoint's
-`state.json` names the engine that wrote it:
+What `jagg-eval` uses: evaluating a run (or someone else's) reads model weights only. The checkpoint's engine
+marker (engine.ENGINE_MARKER; `state.json`'s "backend" in older checkpoints) names the engine that wrote it:
 
     none       model.safetensors / ema.safetensors (safetensors: no pickle)
     fsdp2      the DCP directory's "model" / "ema" entries, read without a process group and resharded to full
                tensors; names written through an activation-checkpointing wrapper are mapped back
-    deepspeed  the fp32 weights reassembled from the ZeRO-3 partitions (deepspeed.utils.zero_to_fp32) and, for
-               the EMA, the engine's saved EMA of those partitions (see deepspeed_engine.py)
+    deepspeed  the fp32 weights reassembled from the ZeRO-3 partitions (deepspeed.utils.zero_to_fp32); the EMA
+               from the per-rank EMA partitions (ema_rank<r>.safetensors, deepspeed_engine.py), reassembled
+               the same way (DeepSpeed's own files are pickles: read them only from runs you trust)
 
 Only the trainable weights are in a LoRA checkpoint; the frozen base comes from the model as built.
 """
@@ -35,9 +36,14 @@ def _checkpoint_error(msg: str) -> Exception:
 def load_trained_weights(model: torch.nn.Module, directory: str | Path, *, ema: bool = False) -> list[str]:
     """Copy the checkpoint's trainable weights (its EMA of them when `ema`) into `model`; returns the names set.
     Raises CheckpointError naming the directory when the weights do not fit the model."""
+    from .engine import ENGINE_MARKER
+
     directory = Path(directory)
-    state = json.loads((directory / "state.json").read_text())
-    backend = state.get("backend", "none")
+    marker, state = directory / ENGINE_MARKER, directory / "state.json"
+    if marker.is_file():
+        backend = json.loads(marker.read_text()).get("engine", "none")
+    else:
+        backend = json.loads(state.read_text()).get("backend", "none") if state.is_file() else "none"
     readers = {"none": _read_local, "fsdp2": _read_dcp, "deepspeed": _read_deepspeed}
     if backend not in readers:
         raise _checkpoint_error(f"checkpoint {directory} was written by an unknown engine {backend!r}")
@@ -91,14 +97,20 @@ def _read_dcp(directory: Path, model, trainable: set[str], ema: bool) -> dict[st
 
 
 def _read_deepspeed(directory: Path, model, trainable: set[str], ema: bool) -> dict[str, torch.Tensor]:
-    if ema:
-        path = directory / "ema.safetensors"
-        if not path.is_file():
-            raise _checkpoint_error(f"checkpoint {directory} has no EMA weights (ema.safetensors)")
-        from safetensors.torch import load_file
+    from deepspeed.utils import zero_to_fp32 as z
 
-        return load_file(str(path))
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    ds_dir = directory / "ds"
+    if not ema:
+        weights = z.get_fp32_state_dict_from_zero_checkpoint(str(directory), tag="ds")
+        return {k: v for k, v in weights.items() if k in trainable}
+    from safetensors.torch import load_file
 
-    weights = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag="ds")
+    files = sorted(directory.glob("ema_rank*.safetensors"))
+    if not files:
+        raise _checkpoint_error(f"checkpoint {directory} has no EMA partitions (ema_rank*.safetensors)")
+    parts = [load_file(str(f)) for f in files]
+    groups = [[part[f"partition.{i}"] for i in range(len(part))] for part in parts]
+    model_states = z.parse_model_states(z.get_model_state_files(str(ds_dir)))
+    weights = z.to_torch_tensor(z._get_fp32_state_dict_from_zero3_checkpoint(len(groups), groups, model_states,
+                                                                             exclude_frozen_parameters=True))
     return {k: v for k, v in weights.items() if k in trainable}

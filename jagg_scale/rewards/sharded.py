@@ -11,11 +11,13 @@ gathered weights are the original ones, so the scores are the unsharded scores (
 CPU test, tests/test_sharded_reward.py), and the reward API is the same.
 
 Protocol: a reward exposes the modules it scores with as `def torch_modules(self) -> list[torch.nn.Module]`
-(the CLIP family returns its CLIPModel, imagenet_class its classifier). For each module `shard_module` applies
-`fully_shard` to its repeated layers (every item with parameters of every outermost `nn.ModuleList`: for a
-transformers CLIPModel `text_model.encoder.layers[i]` and `vision_model.encoder.layers[i]`), then to the module
-itself (the rest: embeddings, final norms, projections). Parameters keep the module's dtype (no mixed-precision
-cast), requires_grad is off, the module is in eval mode.
+(the CLIP family returns its CLIPModel, imagenet_class its classifier). For each module `shard_module`
+(parallel.fsdp.shard_for_inference, with the CLIP entry points below) applies `fully_shard` to its repeated
+layers (parallel.fsdp's block finder, the one the training engine uses: every item with parameters of every
+outermost `nn.ModuleList`; for a transformers CLIPModel `text_model.encoder.layers[i]` and
+`vision_model.encoder.layers[i]`), then to the module itself (the rest: embeddings, final norms, projections), on
+parallel.fsdp's mesh (1-D over all ranks). Parameters keep the module's dtype (no mixed-precision cast),
+requires_grad is off, the module is in eval mode.
 
 Methods other than forward: FSDP2 runs its pre-forward hook (lazy init, which also picks the root, and the
 all-gather of the root's own parameters) only when the module is *called*. transformers' `CLIPModel.
@@ -47,48 +49,23 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..parallel.fsdp import build_mesh, repeated_layers, shard_for_inference
 
 __all__ = ["shard_reward", "shard_module", "repeated_layers", "FORWARD_METHODS"]
 
 FORWARD_METHODS = ("get_image_features", "get_text_features")  # transformers CLIPModel entry points besides forward
 
 
-def repeated_layers(module: nn.Module) -> list[nn.Module]:
-    """Items with parameters of every outermost nn.ModuleList under `module` (pre-order; lists nested inside an
-    item already taken are skipped, since that item is sharded as one unit)."""
-    taken: list[str] = []
-    layers: list[nn.Module] = []
-    for name, child in module.named_modules():
-        if not isinstance(child, nn.ModuleList) or any(name.startswith(t + ".") for t in taken):
-            continue
-        for i, item in enumerate(child):
-            if isinstance(item, nn.Module) and any(True for _ in item.parameters()):
-                taken.append(f"{name}.{i}" if name else str(i))
-                layers.append(item)
-    return layers
-
-
 def _default_mesh(modules: Iterable[nn.Module]) -> DeviceMesh:
     device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
-    return init_device_mesh(device.type, (dist.get_world_size(),))
+    return build_mesh(device.type, dist.get_world_size())
 
 
 def shard_module(module: nn.Module, mesh: DeviceMesh, forward_methods: Iterable[str] = FORWARD_METHODS) -> nn.Module:
     """fully_shard `module` in place for inference (layers, then root); a module already sharded is left as is."""
-    module.eval().requires_grad_(False)
-    if isinstance(module, FSDPModule):
-        return module
-    kwargs = dict(mesh=mesh, reshard_after_forward=True)
-    for layer in repeated_layers(module):
-        fully_shard(layer, **kwargs)
-    scalars = {p for p in module.parameters() if p.ndim == 0}
-    fully_shard(module, **kwargs, ignored_params=scalars or None)
-    for name in forward_methods:
-        if callable(getattr(module, name, None)):
-            register_fsdp_forward_method(module, name)
-    return module.requires_grad_(False)
+    return shard_for_inference(module, mesh, forward_methods)
 
 
 def shard_reward(reward, mesh: DeviceMesh | None = None, forward_methods: Iterable[str] = FORWARD_METHODS):

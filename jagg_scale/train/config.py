@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from ..parallel.engine import EngineSpec
 from ..paths import resolve_path
 from .config_sections import *  # noqa: F403 - the sections, their choices and ConfigError are this module's API
 from .config_sections import (ConfigError, DataConfig, EvalConfig, GRPOConfig, JAGGConfig, LogConfig, ModelConfig,
@@ -199,6 +200,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def engine_spec(cfg: Config) -> EngineSpec:
+    """The slice of the run configuration a training engine needs (parallel.build.build_engine)."""
+    t, p = cfg.train, cfg.parallel
+    return EngineSpec(backend=p.backend, lr=t.lr, weight_decay=t.weight_decay, adam_betas=tuple(t.adam_betas),
+                      adam_eps=t.adam_eps, grad_clip=t.grad_clip, ema_decay=t.ema_decay,
+                      bf16=cfg.model.dtype == "bfloat16", frozen_base=cfg.model.lora.enabled,
+                      activation_checkpointing=p.activation_checkpointing,
+                      reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch, replicate=p.replicate,
+                      deepspeed=dict(p.deepspeed or {}))
+
+
 def config_from_dict(data: dict) -> Config:
     cfg = _build(Config, data, "")
     validate(cfg)
@@ -216,8 +228,6 @@ def validate(cfg: Config) -> None:
              "must be 1.0 with sampling.sde_window (the window decides which steps are trained)")
     _require((t.prompts_per_step * g.group_size) % t.batch_size == 0, "train.batch_size",
              f"must divide train.prompts_per_step * grpo.group_size = {t.prompts_per_step * g.group_size}")
-    _require(t.ema_decay == 0 or cfg.parallel.backend != "deepspeed", "train.ema_decay",
-             "is not supported with parallel.backend deepspeed (ZeRO-3 ranks hold no full parameters); use fsdp2")
     _check_files(cfg)
 
 

@@ -34,7 +34,7 @@ class RunState:
     def save(self, next_step: int, source) -> Path:
         """A complete checkpoint of the state before step `next_step` (collective)."""
         state = {"step": next_step, "prompts": source.state_dict(), "config": self.cfg.to_dict(),
-                 "world_size": self.dist.world_size, "backend": self.engine.name}
+                 "world_size": self.dist.world_size}
 
         def write(tmp: Path) -> None:
             self.engine.save(tmp)
@@ -52,7 +52,7 @@ class RunState:
             return None
         lora = self.cfg.model.lora.enabled
         with self.engine.ema_weights():
-            state = self.engine.full_state_dict() if self.engine.name != "none" else None
+            state = self.engine.full_state_dict()  # gathered on rank 0 when sharded (collective)
             if not self.dist.is_main:
                 return None
             final = self.out / ("lora" if lora else "transformer")
@@ -88,9 +88,6 @@ class RunState:
         saved_model = state.get("config", {}).get("model")
         if saved_model is not None and saved_model != self.cfg.to_dict()["model"]:
             raise CheckpointError(f"checkpoint {path} was written for a different `model` section: {saved_model}")
-        if state.get("backend", self.engine.name) != self.engine.name:
-            raise CheckpointError(f"checkpoint {path} was written by parallel.backend {state['backend']}, "
-                                  f"this run uses {self.engine.name}")
         self.load(path)
         rng = path / f"rng_rank{self.dist.rank:05d}.pt"
         if state.get("world_size", 1) == self.dist.world_size and rng.is_file():

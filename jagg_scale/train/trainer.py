@@ -8,10 +8,11 @@
                    step each (update.py)
     5. log         metrics averaged over ranks; `fit` then checkpoints, exports and evaluates (run_state.py)
 
-Distribution: the same code runs on one process or N (parallel.backend fsdp2 | deepspeed). Every rank agrees on
-the step's prompts, samples its slice of the rows (rows.py), scores its own images, and the rewards are gathered
-so every rank computes the same group advantages; each rank then trains on its slice of every minibatch and the
-engine (parallel/) reduces the gradients. Rank 0 writes logs and exports.
+Distribution: the same code runs on one process or N; which training engine (parallel/: one process, FSDP2 or
+DeepSpeed ZeRO-3) is the engine's business, behind one contract. Every rank agrees on the step's prompts, samples
+its slice of the rows (rows.py), scores its own images, and the rewards are gathered so every rank computes the
+same group advantages; each rank then trains on its slice of every minibatch and the engine reduces the
+gradients. Rank 0 writes logs and exports.
 
 Determinism: every random draw of step t comes from a generator seeded by (run.seed, t[, row]), never from global
 state, so a run resumed from a checkpoint at step t draws exactly what the uninterrupted run drew, and N ranks
@@ -23,7 +24,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -34,12 +34,11 @@ from ..data import ListPromptSource, PromptSet, StreamPromptSource, load_prompts
 from ..grpo import GRPOStepLoss, Trajectories, reduce_metrics
 from ..jagg import trained_steps
 from ..models import build_model
-from ..parallel.comm import CommCounter
+from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
-from ..parallel.engine import build_engine
 from ..paths import resolve_path
 from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
-from .config import Config
+from .config import Config, engine_spec
 from .evaluate import eval_prompts, evaluate
 from .logging import RunLogger
 from .policy import Policy
@@ -77,9 +76,7 @@ class Trainer:
         # the reference entirely: no copy, no forwards.
         lora = cfg.model.lora.enabled
         ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.grpo.beta > 0 and not lora else None
-        sharded = self.dist.world_size > 1 or cfg.parallel.backend != "none"
-        self.comm = CommCounter.for_process() if sharded else None  # before the engine binds the collectives
-        self.engine = build_engine(model, cfg, self.dist)
+        self.engine = build_engine(model, engine_spec(cfg), self.dist)
         self.model = self.engine.model
         self.policy = Policy(self.model, cfg, self.device,
                              ref_model=self.engine.shard_frozen(ref) if ref is not None else None)
@@ -155,8 +152,7 @@ class Trainer:
             "time_reward": t2 - t1,  # reward time not hidden behind the rollout
             "time_train": t3 - t2 - loss_metrics.get("time_probe", 0.0),  # the probe is diagnostics, not training
         }
-        if self.comm is not None:
-            metrics.update(self.comm.take())
+        metrics.update(self.engine.comm.take())  # collectives per phase (nothing on one process)
         return self.dist.mean_over_ranks(metrics, {"ratio_max": "max", "ratio_min": "min"})
 
     def trained_steps_at(self, step: int) -> list[int]:
@@ -198,10 +194,10 @@ class Trainer:
                 if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
                     t_probe = time.perf_counter()
                     probe_metrics = probe_minibatch(policy, batch, mb_cond, loss, steps, j, self.engine.params,
-                                                    on_policy=on_policy, backward=self.engine_backward)
+                                                    on_policy=on_policy, backward=self.engine.backward)
                     probe_metrics["time_probe"] = time.perf_counter() - t_probe
                 stats = backward_minibatch(policy, batch, mb_cond, loss, steps, j, on_policy=on_policy,
-                                           backward=self.engine_backward, reduce=self._route_reduce)
+                                           backward=self.engine.backward, reduce=self._route_reduce)
                 grad_norm = self.engine.step()
                 optimizer_steps += 1
                 total.add(stats)
@@ -210,14 +206,6 @@ class Trainer:
         summary = reduce_metrics(metrics)
         summary["optimizer_steps"] = optimizer_steps
         return total, {**summary, **probe_metrics}
-
-    def engine_backward(self, out, grad, last):
-        """One backward of a minibatch through the training engine (`last`: the accumulation boundary)."""
-        with self.engine.accumulate(last):  # bridge until the engines take backward(out, grad, last) themselves
-            if self.engine.name == "deepspeed":
-                self.engine._backward(out if grad is None else (out * grad.detach()).sum())
-            else:
-                out.backward(grad)
 
     def _route_reduce(self, values: list[float], how: str) -> list[float]:
         """Routing statistics combined over ranks so that every rank runs the same window plan."""
@@ -243,7 +231,7 @@ class Trainer:
         return out
 
     def _comm(self, phase: str):
-        return self.comm.phase(phase) if self.comm is not None else nullcontext()
+        return self.engine.comm.phase(phase)
 
     # ----------------------------------------------------------------------------------------------------------
     # the loop: steps, checkpoints, exports, evaluation, preemption

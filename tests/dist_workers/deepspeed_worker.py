@@ -4,8 +4,12 @@ engine against the single-process reference `TrainEngine`, in one launch.
   accumulate  a JAGG window backward (W=3, cached intermediates) + an exact window backward (W=2), each rank on
               half the rows, accumulated into ONE optimizer step: the weights equal the reference's on the full
               batch (allclose, fp32), and differ from a step on the last backward alone (the check is sensitive)
+  boundary    backward(out, grad, last=False) runs DeepSpeed's backward off the accumulation boundary, last=True on it
   resume      save after step 1 -> a fresh engine (other init weights) loads it -> steps 2 and 3 equal an
               uninterrupted run bit for bit
+  ema         train.ema_decay > 0 (the EMA of each rank's fp32 partitions): ema_weights() exports the reference's
+              EMA, leaves the live weights bit for bit as they were, and resumes bit for bit; with persistent
+              (unpartitioned) parameters too, and training after an EMA export still matches the reference
   export      full_state_dict() on rank 0: the plain model's keys, the reference's weights; {} on rank 1
   bf16        (smoke) a bf16 engine steps under autocast and exports bfloat16 weights
   offload     `offload_optimizer: cpu` (ZeRO-Offload, torch AdamW on the CPU partitions) gives the reference step
@@ -29,22 +33,26 @@ from jagg_scale.jagg import exact_backward, jagg_backward
 from jagg_scale.models.dit import DiT, DiTConfig
 from jagg_scale.parallel.deepspeed_engine import DeepSpeedEngine
 from jagg_scale.parallel.dist import DistContext, init_distributed
-from jagg_scale.parallel.engine import TrainEngine
-from jagg_scale.train.config import Config
+from jagg_scale.parallel.engine import EngineSpec, TrainEngine
+from jagg_scale.train.config import Config, engine_spec
 
 B, W1, W2 = 4, 3, 2  # rows of the full batch, the JAGG window, the exact window
 DIT = DiTConfig(image_size=8, in_channels=3, patch_size=4, hidden_size=32, depth=2, num_heads=2, vocab_size=64,
                 max_prompt_length=4)
 
 
-def make_cfg(dtype: str = "float32") -> Config:
+EMA = 0.5
+
+
+def make_spec(dtype: str = "float32", ema: float = 0.0, persistent: bool = False, **deepspeed) -> EngineSpec:
     cfg = Config()
     cfg.model.dtype = dtype
-    cfg.train.lr, cfg.train.grad_clip, cfg.train.weight_decay = 1e-3, 1.0, 0.01
+    cfg.train.lr, cfg.train.grad_clip, cfg.train.weight_decay, cfg.train.ema_decay = 1e-3, 1.0, 0.01, ema
     cfg.parallel.backend = "deepspeed"
-    # partition every parameter (the tiny model is below the default persistence threshold)
-    cfg.parallel.deepspeed = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
-    return cfg
+    # partition every parameter (the tiny model is below the default persistence threshold), unless `persistent`
+    partition_all = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    cfg.parallel.deepspeed = {**({} if persistent else partition_all), **deepspeed}
+    return engine_spec(cfg)
 
 
 def make_model(seed: int) -> DiT:
@@ -61,11 +69,18 @@ def make_batch(step: int):
                 cond=torch.randint(1, 64, (B, 4), generator=g))
 
 
-def minibatch(engine: TrainEngine, batch: dict, rows: slice, scale: float, last_only: bool = False) -> float:
+def minibatch(engine: TrainEngine, batch: dict, rows: slice, scale: float, last_only: bool = False,
+              boundary: list | None = None) -> float:
     """Two backward calls (JAGG window, exact window) into one optimizer step; returns the grad norm.
     The loss of a row is mean((v - target)^2); the minibatch loss is their mean over the B rows of the full batch,
-    times `scale` (the world size under DeepSpeed, which averages gradients over ranks)."""
+    times `scale` (the world size under DeepSpeed, which averages gradients over ranks). `boundary` collects
+    DeepSpeed's accumulation boundary as seen during each backward."""
     fn = engine.model
+    if boundary is not None:
+        def fn(x, s, c):
+            v = engine.model(x, s, c)
+            v.register_hook(lambda g: boundary.append(engine.engine.is_gradient_accumulation_boundary()))
+            return v
     cond = batch["cond"][rows]
 
     def loss_fn(offset):
@@ -73,22 +88,38 @@ def minibatch(engine: TrainEngine, batch: dict, rows: slice, scale: float, last_
             return scale * ((v.float() - batch["target"][offset + k][rows]) ** 2).mean(dim=(1, 2, 3)).sum() / B
         return step_loss
 
-    with engine.backward_context():
-        if not last_only:
-            with engine.accumulate(last=False):
-                jagg_backward(fn, batch["lat1"][:, rows], batch["sig1"], cond, loss_fn(0),
-                              cached_velocities=batch["cached"][:, rows], intermediate="cached")
-        with engine.accumulate(last=True):
-            exact_backward(fn, batch["lat2"][:, rows], batch["sig2"], cond, loss_fn(W1))
+    def off_boundary(out, grad, last):  # not the minibatch's last backward, whatever the engine call says
+        engine.backward(out, grad, last=False)
+
+    def to_engine(out, grad, last):  # every backward of the JAGG engine goes through engine.backward(out, grad, last=)
+        engine.backward(out, grad, last=last)
+
+    if not last_only:
+        jagg_backward(fn, batch["lat1"][:, rows], batch["sig1"], cond, loss_fn(0),
+                      cached_velocities=batch["cached"][:, rows], intermediate="cached", backward=off_boundary)
+    exact_backward(fn, batch["lat2"][:, rows], batch["sig2"], cond, loss_fn(W1), backward=to_engine)
     return engine.step()
 
 
-def reference(init: dict, steps: int, last_only: bool = False) -> tuple[dict, list]:
+def reference(init: dict, steps: int, last_only: bool = False) -> tuple[dict, list, dict]:
+    """The single-process engine on the full batch: weights, grad norms and EMA (decay EMA) after `steps`."""
     model = make_model(0)
     model.load_state_dict(init)
-    ref = TrainEngine(model, make_cfg(), DistContext())
+    ref = TrainEngine(model, make_spec(ema=EMA), DistContext())
     norms = [minibatch(ref, make_batch(s), slice(0, B), 1.0, last_only) for s in range(steps)]
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, dict(ref.ema)
+
+
+def ema_export(engine: DeepSpeedEngine) -> tuple[dict, bool]:
+    """full_state_dict() with the EMA swapped in, and whether the live export is bit for bit the same after."""
+    before = engine.full_state_dict()
+    with engine.ema_weights():
+        ema = engine.full_state_dict()
+    return ema, close(engine.full_state_dict(), before, exact=True)
+
+
+def maxdiff_of(a: dict, b: dict) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in b) if set(a) == set(b) else float("inf")
 
 
 def close(a: dict, b: dict, exact: bool = False, atol: float = 1e-6) -> bool:
@@ -109,54 +140,67 @@ def main(out: Path) -> None:
     model = make_model(0)
     init = copy.deepcopy(model.state_dict())
     plain_keys = set(init)
-    engine = DeepSpeedEngine(model, make_cfg(), ctx)
+    engine = DeepSpeedEngine(model, make_spec(ema=EMA), ctx)
     result["attributes"] = (engine.model.latent_shape == (3, 8, 8)
                             and engine.model.encode_prompts(["a b", ""]).shape == (2, 4))
 
     # step 1: one JAGG + one exact backward accumulated into one step
-    norm1 = minibatch(engine, make_batch(0), rows, float(world))
+    boundary: list = []
+    norm1 = minibatch(engine, make_batch(0), rows, float(world), boundary=boundary)
     sd1 = engine.full_state_dict()
+    ema1, ema1_restored = ema_export(engine)
     engine.save(out / "ckpt")
     norm2 = minibatch(engine, make_batch(1), rows, float(world))
     norm3 = minibatch(engine, make_batch(2), rows, float(world))
     sd3 = engine.full_state_dict()
+    ema3, ema3_restored = ema_export(engine)
 
     # resume: a fresh engine over a differently initialised model loads the step-1 checkpoint
-    fresh = DeepSpeedEngine(make_model(1), make_cfg(), ctx)
+    fresh = DeepSpeedEngine(make_model(1), make_spec(ema=EMA), ctx)
     fresh.load(out / "ckpt")
     sd1_loaded = fresh.full_state_dict()
+    ema1_loaded, _ = ema_export(fresh)
     minibatch(fresh, make_batch(1), rows, float(world))
     minibatch(fresh, make_batch(2), rows, float(world))
     sd3_resumed = fresh.full_state_dict()
+    ema3_resumed, _ = ema_export(fresh)
+
+    # EMA with persistent parameters (every tensor of the tiny model is below the default threshold: gathered on
+    # every rank, re-gathered around the swap); a step after the EMA export still trains the live weights
+    pers = DeepSpeedEngine(make_model(0), make_spec(ema=EMA, persistent=True), ctx)
+    minibatch(pers, make_batch(0), rows, float(world))
+    ema_pers1, pers_restored = ema_export(pers)
+    minibatch(pers, make_batch(1), rows, float(world))
+    sd_pers2 = pers.full_state_dict()
+    ema_pers2, _ = ema_export(pers)
 
     # bf16 smoke: bf16 weights, autocast forward, one step, bf16 export
-    bf = DeepSpeedEngine(make_model(0), make_cfg("bfloat16"), ctx)
+    bf = DeepSpeedEngine(make_model(0), make_spec("bfloat16"), ctx)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         norm_bf = minibatch(bf, make_batch(0), rows, float(world))
     sd_bf = bf.full_state_dict()
 
     # ZeRO-Offload of the optimizer (torch AdamW on CPU partitions): the boundary decides what reaches it
-    cfg = make_cfg()
-    cfg.parallel.deepspeed["offload_optimizer"] = "cpu"
-    off = DeepSpeedEngine(make_model(0), cfg, ctx)
+    off = DeepSpeedEngine(make_model(0), make_spec(offload_optimizer="cpu"), ctx)
     minibatch(off, make_batch(0), rows, float(world))
     sd_off = off.full_state_dict()
 
     # forward through the bare module (bypassing DeepSpeedEngine.forward) still accumulates every backward
-    mod = DeepSpeedEngine(make_model(0), make_cfg(), ctx)
+    mod = DeepSpeedEngine(make_model(0), make_spec(), ctx)
     mod.model = mod.engine.module
     minibatch(mod, make_batch(0), rows, float(world))
     sd_mod = mod.full_state_dict()
 
-    empty = ctx.all_gather_object(all(sd == {} for sd in (sd1, sd3, sd_bf, sd_off, sd_mod)))
+    empty = ctx.all_gather_object(all(sd == {} for sd in (sd1, sd3, sd_bf, sd_off, sd_mod, ema1, ema_pers2)))
     if rank != 0:
         ctx.barrier()
         ctx.close()
         return
     result["rank1_empty"] = empty[1] and not empty[0]
-    ref1, ref_norms = reference(init, 1)
-    ref3, ref_norms3 = reference(init, 3)
-    last_only, _ = reference(init, 1, last_only=True)
+    ref1, ref_norms, ref_ema1 = reference(init, 1)
+    ref2, _, ref_ema2 = reference(init, 2)
+    ref3, ref_norms3, ref_ema3 = reference(init, 3)
+    last_only, _, _ = reference(init, 1, last_only=True)
     maxdiff = max((sd1[k] - ref1[k]).abs().max().item() for k in ref1)
     result.update(
         accumulate=close(sd1, ref1),
@@ -173,6 +217,17 @@ def main(out: Path) -> None:
         resume_load=close(sd1_loaded, sd1, exact=True),
         resume=close(sd3_resumed, sd3, exact=True),
         checkpoint_files=sorted(str(p.relative_to(out / "ckpt")) for p in (out / "ckpt").rglob("*") if p.is_file()),
+        boundary=boundary == [False, False, True],  # only the minibatch's last backward is on the boundary
+        boundary_seen=boundary,
+        ema=close(ema1, ref_ema1) and close(ema3, ref_ema3, atol=1e-5) and not close(ema1, sd1),
+        ema_restored=ema1_restored and ema3_restored and pers_restored,
+        ema_resume=close(ema1_loaded, ema1, exact=True) and close(ema3_resumed, ema3, exact=True),
+        # after 2 steps: the ~1e-6 Adam noise explained at three_steps, hence its atol
+        ema_persistent=(close(ema_pers1, ref_ema1) and close(sd_pers2, ref2, atol=1e-5)
+                        and close(ema_pers2, ref_ema2, atol=1e-5)),
+        ema_persistent_maxdiff=[maxdiff_of(ema_pers1, ref_ema1), maxdiff_of(sd_pers2, ref2),
+                                maxdiff_of(ema_pers2, ref_ema2)],
+        ema_files=sorted(p.name for p in (out / "ckpt").glob("ema_rank*")),
         bf16=(set(sd_bf) == plain_keys and all(v.dtype == torch.bfloat16 for v in sd_bf.values())
               and norm_bf == norm_bf
               and all(torch.allclose(sd_bf[k].float(), ref1[k], atol=2e-2, rtol=2e-2) for k in ref1)),
@@ -188,9 +243,9 @@ def single(out: Path) -> None:
     torch.set_num_threads(1)
     model = make_model(0)
     init = copy.deepcopy(model.state_dict())
-    engine = DeepSpeedEngine(model, make_cfg(), DistContext())
+    engine = DeepSpeedEngine(model, make_spec(), DistContext())
     minibatch(engine, make_batch(0), slice(0, B), 1.0)
-    ref1, _ = reference(init, 1)
+    ref1, _, _ = reference(init, 1)
     result = {"single": close(engine.full_state_dict(), ref1)}
     (out / "result.json").write_text(json.dumps(result))
     print(json.dumps(result))

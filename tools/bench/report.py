@@ -46,8 +46,8 @@ WHAT = {
     "comm": (
         "Collectives per training step read from `metrics.jsonl` of real 2-process runs "
         "(`torchrun --nproc_per_node 2 jagg-train configs/tiny_cpu.yaml parallel.backend=fsdp2 ...`, gloo on "
-        "CPU), counted by the trainer's `CommCounter` per phase. A gather cycle is every FSDP unit all-gathered "
-        "for the forward and again for the backward (reshard after forward)."),
+        "CPU), counted by the engine's `CommCounter` (`engine.comm`) per phase. A gather cycle is every FSDP "
+        "unit all-gathered for the forward and again for the backward (reshard after forward)."),
     "subsampling": (
         "Composition with step subsampling, measured at the backward level on the SD3-shaped model (the trainer "
         "cannot sample mixed ODE/SDE trajectories yet): the training-phase cost of one minibatch for (a) "

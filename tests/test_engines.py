@@ -1,0 +1,116 @@
+"""The TrainEngine contract (jagg_scale/parallel/engine.py) on every engine, in one process: `backward(out, grad,
+last=)` synchronises gradients only at the boundary, `step()` returns the pre-clip norm, `comm` counts or not,
+and `load` refuses a checkpoint another engine wrote. (2-process checks: test_distributed.py, DeepSpeed's own
+engine: test_deepspeed_engine.py.)"""
+
+import importlib.util
+import inspect
+import json
+
+import pytest
+import torch
+
+from jagg_scale.checkpoint import CheckpointError
+from jagg_scale.models.dit import DiT, DiTConfig
+from jagg_scale.parallel.build import build_engine
+from jagg_scale.parallel.comm import CommCounter, NullCounter
+from jagg_scale.parallel.dist import DistContext
+from jagg_scale.parallel.engine import ENGINE_MARKER, EngineSpec, TrainEngine
+from jagg_scale.parallel.fsdp import FSDP2Engine
+
+DIT = DiTConfig(image_size=8, in_channels=3, patch_size=4, hidden_size=32, depth=2, num_heads=2, vocab_size=64,
+                max_prompt_length=4)
+SPEC = EngineSpec(lr=1e-3, grad_clip=1e-3)  # a clip that always bites: step() must report the norm before it
+
+
+def _model() -> DiT:
+    torch.manual_seed(0)
+    return DiT(DIT).init_weights(zero_out=False)
+
+
+def _inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 3, 8, 8, generator=g), torch.rand(2, generator=g),
+            torch.randint(1, 64, (2, 4), generator=g), torch.randn(2, 3, 8, 8, generator=g))
+
+
+def _sync_flags(model) -> set:
+    """FSDP2's gradient-sync flag of every param group of every FSDP module (a set of the values seen)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return {g.reduce_grads for m in model.modules() if isinstance(m, FSDPModule)
+            for g in m._get_fsdp_state()._fsdp_param_groups}
+
+
+def _minibatch(engine, seen: list | None = None) -> float:
+    """Two backwards (the first off the boundary) into one step: v.backward(G), then a scalar loss."""
+    for i, last in enumerate((False, True)):
+        x, s, c, g = _inputs(i)
+        v = engine.model(x, s, c)
+        if seen is not None:
+            v.register_hook(lambda grad: seen.append(_sync_flags(engine.model)))
+        if i == 0:
+            engine.backward(v, g, last=last)
+        else:
+            engine.backward((v.float() * g).pow(2).mean(), last=last)
+    return engine.step()
+
+
+@pytest.fixture
+def ctx():
+    context = DistContext()
+    yield context
+    context.close()  # FSDP2 in one process starts a trivial process group: leave none behind
+
+
+def test_every_engine_has_the_one_backward_signature():
+    classes = [TrainEngine, FSDP2Engine]
+    if importlib.util.find_spec("deepspeed") is not None:
+        from jagg_scale.parallel.deepspeed_engine import DeepSpeedEngine
+
+        classes.append(DeepSpeedEngine)
+    P = inspect.Parameter
+    want = [("self", P.POSITIONAL_OR_KEYWORD, P.empty), ("out", P.POSITIONAL_OR_KEYWORD, P.empty),
+            ("grad", P.POSITIONAL_OR_KEYWORD, None), ("last", P.KEYWORD_ONLY, True)]
+    for cls in classes:
+        params = inspect.signature(cls.backward).parameters.values()
+        assert [(p.name, p.kind, p.default) for p in params] == want, cls
+        for gone in ("accumulate", "backward_context", "zero_grad", "gathered_model", "clip_grad_norm"):
+            assert not hasattr(cls, gone), (cls, gone)
+
+
+def test_fsdp2_syncs_gradients_only_on_the_last_backward_and_matches_the_reference(ctx):
+    ref = build_engine(_model(), SPEC, DistContext())
+    assert isinstance(ref.comm, NullCounter) and ref.comm.take() == {}
+    ref_norm = _minibatch(ref)
+    engine = build_engine(_model(), EngineSpec(backend="fsdp2", lr=1e-3, grad_clip=1e-3), ctx)
+    assert isinstance(engine, FSDP2Engine) and isinstance(engine.comm, CommCounter)
+    seen: list = []
+    norm = _minibatch(engine, seen)
+    assert seen == [{False}, {True}]  # off the boundary during the first backward, on it during the last
+    assert _sync_flags(engine.model) == {True}  # and back on after
+    assert norm == pytest.approx(ref_norm, rel=1e-5) and norm > 1e-3  # the pre-clip norm
+    full = engine.full_state_dict()
+    for name, p in ref.full_state_dict().items():
+        assert torch.allclose(full[name], p, rtol=1e-5, atol=1e-7), name
+
+
+def test_an_engine_refuses_a_checkpoint_of_another_engine(ctx, tmp_path):
+    none = TrainEngine(_model(), SPEC, DistContext())
+    for name in ("none", "fsdp2"):
+        (tmp_path / name).mkdir()
+    none.save(tmp_path / "none")
+    assert json.loads((tmp_path / "none" / ENGINE_MARKER).read_text()) == {"engine": "none"}
+    fsdp = FSDP2Engine(_model(), EngineSpec(backend="fsdp2"), ctx)
+    with pytest.raises(CheckpointError, match=r"written by the none engine.*this run uses fsdp2"):
+        fsdp.load(tmp_path / "none")
+    fsdp.save(tmp_path / "fsdp2")
+    with pytest.raises(CheckpointError, match=r"written by the fsdp2 engine.*this run uses none"):
+        none.load(tmp_path / "fsdp2")
+    fsdp.load(tmp_path / "fsdp2")  # its own is fine
+    # a checkpoint from before the marker: the trainer's state.json named the backend
+    (tmp_path / "none" / ENGINE_MARKER).unlink()
+    (tmp_path / "none" / "state.json").write_text(json.dumps({"step": 1, "backend": "none"}))
+    with pytest.raises(CheckpointError, match="deepspeed|fsdp2"):
+        fsdp.load(tmp_path / "none")
+    none.load(tmp_path / "none")
