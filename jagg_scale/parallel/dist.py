@@ -29,7 +29,7 @@ class DistContext:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    backend: str = "none"  # gloo | nccl, or none for a single process without a process group
+    process_group: str = "none"  # the process group's library: gloo | nccl, or none (one process, no group)
     owns_group: bool = False  # a one-process group started for a sharding engine (closed with the context)
 
     @property
@@ -49,7 +49,7 @@ class DistContext:
         if not self.active:
             return t
         t = t.contiguous()
-        device = self.device if self.backend == "nccl" else torch.device("cpu")
+        device = self.device if self.process_group == "nccl" else torch.device("cpu")
         parts = [torch.empty_like(t, device=device) for _ in range(self.world_size)]
         dist.all_gather(parts, t.to(device))
         return torch.cat(parts).to(t.device)
@@ -117,14 +117,14 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistContext
     if info.world_size == 1:
         return DistContext(0, 1, 0, dev, "none")
     export_env(info)
-    backend = "nccl" if use_cuda else "gloo"
+    library = "nccl" if use_cuda else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+        dist.init_process_group(backend=library, timeout=timedelta(seconds=timeout_s),
                                 **({"device_id": dev} if use_cuda else {}))
     log.info("rank %d/%d (local %d, %s) on %s via %s", info.rank, info.world_size, info.local_rank, info.source,
-             dev, backend)
+             dev, library)
     # one thread pool per process: on a shared CPU node N ranks x all cores would thrash
     if not use_cuda and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, info.local_world_size)))
     assert default_backend() in ("nccl", "gloo")
-    return DistContext(info.rank, info.world_size, info.local_rank, dev, backend)
+    return DistContext(info.rank, info.world_size, info.local_rank, dev, library)
