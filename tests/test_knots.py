@@ -311,6 +311,14 @@ def test_planner_keeps_high_gradient_steps_exact_and_is_fast():
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def nonlinear_problem(T, B, seed):
+    """A nonlinear model on random (not collinear) inputs, its step losses and on-policy cached velocities."""
+    torch.manual_seed(0)
+    model = MLPVelocity().double()
+    latents, sigmas, cond = make_batch(T, B, seed=seed, collinear=False)
+    return model, latents, sigmas, cond, make_step_loss(T, B, seed=seed + 1), cached_of(model, latents, sigmas, cond)
+
+
 @pytest.mark.parametrize("plan,rows_per_pass,groups", [
     ([(0, 0), (1, 1), (2, 2), (3, 3)], None, [[0], [1], [2], [3]]),  # Flow-GRPO: a pass per step
     ([(0, 3)], None, [[0, 3]]),  # one JAGG window: one joint pass
@@ -321,12 +329,8 @@ def test_planner_keeps_high_gradient_steps_exact_and_is_fast():
 ])
 def test_every_backward_goes_through_the_hook_and_only_the_last_syncs(plan, rows_per_pass, groups):
     assert pass_groups(plan, rows_per_pass) == groups
-    torch.manual_seed(0)
     T, B = 4, 2
-    model = MLPVelocity().double()
-    latents, sigmas, cond = make_batch(T, B, seed=7, collinear=False)
-    step_loss = make_step_loss(T, B, seed=8)
-    cached = cached_of(model, latents, sigmas, cond)
+    model, latents, sigmas, cond, step_loss, cached = nonlinear_problem(T, B, seed=7)
     calls = []
 
     def hook(out, grad, last):
@@ -342,12 +346,8 @@ def test_every_backward_goes_through_the_hook_and_only_the_last_syncs(plan, rows
 
 
 def test_jagg_and_exact_backward_are_plans_of_the_engine():
-    torch.manual_seed(0)
     T, B = 5, 2
-    model = MLPVelocity().double()
-    latents, sigmas, cond = make_batch(T, B, seed=9, collinear=False)
-    step_loss = make_step_loss(T, B, seed=10)
-    cached = cached_of(model, latents, sigmas, cond)
+    model, latents, sigmas, cond, step_loss, cached = nonlinear_problem(T, B, seed=9)
     for mode in MODES:
         _, a = grad_after(model, jagg_backward, model, latents, sigmas, cond, step_loss, cached_velocities=cached,
                           intermediate=mode)
