@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 CONFIG  ?= configs/digits_cpu.yaml
 ARGS    ?=
 
-.PHONY: setup run test bench parity clean
+.PHONY: setup run test test-fast test-slow test-dist bench parity clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -20,8 +20,21 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/jagg-train $(CONFIG) $(ARGS)
 
+# The whole suite (what CI runs). Markers (pyproject.toml): slow = >= ~5 s alone, dist = several processes or DeepSpeed.
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# The inner loop: everything but slow and dist tests (349 of 378; measured 56 s on a quiet 2-core machine).
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not dist" tests
+
+# What test-fast leaves out (test-fast + test-slow = test).
+test-slow: setup
+	$(BIN)/python -m pytest -q -m "slow or dist" tests
+
+# The multi-process tests only (torchrun, deepspeed, mpirun).
+test-dist: setup
+	$(BIN)/python -m pytest -q -m dist tests
 
 bench: setup
 	$(BIN)/python -m tools.bench --out docs/benchmarks

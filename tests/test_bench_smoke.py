@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from hang_guard import RUN_S
+
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling")
 
@@ -33,7 +35,8 @@ def _numbers(x, path="$"):
             yield from _numbers(v, f"{path}[{i}]")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.dist  # the comm part runs two 2-process torchrun jobs
+@pytest.mark.slow
 def test_bench_quick_writes_every_part(tmp_path):
     pytest.importorskip("diffusers")
     pytest.importorskip("matplotlib")
@@ -42,7 +45,7 @@ def test_bench_quick_writes_every_part(tmp_path):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, "-m", "tools.bench", "--quick", "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=290)
+                          capture_output=True, text=True, timeout=RUN_S)  # a hang guard only (tests/hang_guard.py)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
 
     data = json.loads(out.with_suffix(".json").read_text())

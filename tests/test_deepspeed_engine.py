@@ -12,8 +12,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                reason="deepspeed is not importable (pip install deepspeed)")
+from hang_guard import RUN_S
+
+# dist and slow: one torchrun launch shared by the module (~50 s with the first-use compile of DeepSpeed's
+# shm_comm extension) and the single-process DeepSpeed check (~6 s)
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="deepspeed is not importable (pip install deepspeed)"),
+              pytest.mark.dist, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_workers" / "deepspeed_worker.py"
@@ -29,7 +34,8 @@ def _run(args: list[str], out: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     for _ in range(3):  # the free port can be taken between probing and binding
-        proc = subprocess.run(args(_free_port()), cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+        proc = subprocess.run(args(_free_port()), cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=RUN_S)  # a hang guard only (tests/hang_guard.py)
         if "EADDRINUSE" not in proc.stderr + proc.stdout:
             break
     assert proc.returncode == 0, f"worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

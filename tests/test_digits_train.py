@@ -14,6 +14,7 @@ DIGITS = str(ROOT / "configs" / "digits_cpu.yaml")
 FAST = ["train.prompts_per_step=2", "grpo.group_size=4", "train.batch_size=8", "log.progress=false"]
 
 
+@pytest.mark.slow  # two GRPO steps with an exact-vs-JAGG probe, two evaluations, a re-evaluation
 def test_two_step_digits_run(tmp_path):
     cfg = load_config(DIGITS, FAST + ["train.steps=2", f"run.output_dir={tmp_path}", "eval.num_per_prompt=1",
                                       "jagg.probe_every=1"])

@@ -23,7 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from hang_guard import POLL_S, RUN_S, WAIT_S
 from jagg_scale.parallel.ranks import free_port, launcher_env
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # every test runs trainer processes (or uses fsdp2_run's)
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -43,9 +46,9 @@ def _cmd(nproc: int, out: Path, *overrides: str) -> list[str]:
             str(BIN / "jagg-train"), *args]
 
 
-def run(nproc: int, out: Path, *overrides: str, timeout: int = 240) -> list[dict]:
+def run(nproc: int, out: Path, *overrides: str) -> list[dict]:
     proc = subprocess.run(_cmd(nproc, out, *overrides), env=launcher_env(), capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=RUN_S)  # a hang guard only (tests/hang_guard.py)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return metrics(out)
 
@@ -110,9 +113,9 @@ def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(fsdp2_run, tmp_p
     proc = subprocess.Popen(cmd, env=launcher_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     marker = out / "checkpoints" / "step_00000001" / "COMPLETE"
-    deadline = time.time() + 180
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
+    deadline = time.monotonic() + RUN_S  # a hang guard: the run writes its first checkpoint after one step
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(POLL_S)
     os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers, mid-run, no chance to clean up
     proc.wait()
     assert marker.exists()
@@ -154,13 +157,13 @@ def test_sigterm_checkpoints_marks_preempted_and_exits_143(tmp_path):
     out = tmp_path / "pre"
     proc = subprocess.Popen(_cmd(1, out, "train.steps=200", "run.checkpoint_every=0"), env=launcher_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
+    deadline = time.monotonic() + RUN_S  # a hang guard: polls for the first metrics line
+    while time.monotonic() < deadline and proc.poll() is None:
         if (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1:
             break
-        time.sleep(0.05)
+        time.sleep(POLL_S)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=WAIT_S)  # a hang guard: one checkpoint save, then exit
     assert proc.returncode == 143, err[-3000:]
     assert (out / "PREEMPTED").is_file()
     done = len(metrics(out))
@@ -174,8 +177,7 @@ def test_sigterm_checkpoints_marks_preempted_and_exits_143(tmp_path):
 def test_deepspeed_zero3_two_processes_match_one_process(fsdp2_run, tmp_path):
     pytest.importorskip("deepspeed")
     _, fsdp2 = fsdp2_run
-    ds = run(2, tmp_path / "ds", "parallel.backend=deepspeed", "train.steps=3", "run.checkpoint_every=3", EMA,
-             timeout=400)
+    ds = run(2, tmp_path / "ds", "parallel.backend=deepspeed", "train.steps=3", "run.checkpoint_every=3", EMA)
     close(ds, fsdp2)  # the same rows and gradients as fsdp2 (and so as one process)
     ckpt = tmp_path / "ds" / "checkpoints" / "step_00000003"
     assert (ckpt / "COMPLETE").is_file() and any((ckpt / "ds").iterdir())  # DeepSpeed's own checkpoint inside
@@ -192,7 +194,7 @@ def test_mpirun_launch_discovers_ranks_through_mpi(fsdp2_run, tmp_path):
     env = dict(launcher_env(), PATH=f"{BIN}:{os.environ.get('PATH', '')}", MASTER_PORT=str(free_port()), NP="2")
     proc = subprocess.run([str(ROOT / "launchers" / "mpirun.sh"), TINY, *SMALL, f"run.output_dir={out}",
                            "parallel.backend=fsdp2", "train.steps=1"], env=env, capture_output=True, text=True,
-                          timeout=240)
+                          timeout=RUN_S)  # a hang guard only
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "(local 1, mpi)" in proc.stdout + proc.stderr
     close(metrics(out), ref[:1])

@@ -5,7 +5,6 @@ steps of a batch instead of one window."""
 
 import math
 import random
-import time
 
 import pytest
 import torch
@@ -292,9 +291,17 @@ def test_planner_keeps_high_gradient_steps_exact_and_is_fast():
     sigmas = torch.linspace(1.0, 0.01, T, dtype=torch.float64)
     g_norms = torch.logspace(0, 2, T, dtype=torch.float64)  # |g| grows ~100x towards low sigma, as measured
     vcos = torch.cos(sigmas[:, None] - sigmas[None, :])  # smooth: decorrelates with the sigma distance
-    start = time.perf_counter()
     plan = plan_budget(g_norms, vcos, sigmas, 25)
-    assert time.perf_counter() - start < 5.0
+    # fast = polynomial, checked by counting instead of timing (a wall-clock bound fails on a busy machine): the
+    # planner evaluates the error model once per segment (a, b), O(T^2), never once per knot set (C(T, 25))
+    calls = []
+
+    def counting_cos(a, b):
+        calls.append((a, b))
+        return float(vcos[a, b])
+
+    assert plan_budget(g_norms, counting_cos, sigmas, 25) == plan
+    assert len(calls) == len(set(calls)) <= T * (T - 1) // 2
     knots = plan_knots(plan)
     assert passes(plan) <= 25 and knots[0] == 0 and knots[-1] == T - 1
     gaps = [q - p for p, q in zip(knots[:-1], knots[1:])]

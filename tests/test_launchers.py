@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from hang_guard import POLL_S, RUN_S, WAIT_S
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ROOT / "launchers"
 SBATCH = ROOT / "slurm" / "jagg.sbatch"
@@ -50,13 +52,14 @@ if [ "$1 $2" = "show job" ]; then echo "JobId=$3 JobName=jagg JobState=${STUB_JO
 exit 0
 """
 
-# srun stub: logs its argv; STUB_MODE picks what the "trainer" does.
+# srun stub: logs its argv; STUB_MODE picks what the "trainer" does. In wait mode it "trains" until a signal, then
+# "saves a checkpoint" until the test creates $STUB_SAVED (both bounded by a hang guard of 600 s = WAIT_S).
 SRUN = """#!/usr/bin/env bash
 echo "srun $*" >> "$STUB_LOG"
 on_sig() {
     echo "srun got $1" >> "$STUB_LOG"
     touch "$OUTPUT_DIR/PREEMPTED"
-    sleep "${STUB_SAVE_SECONDS:-0}"   # "saving a checkpoint"
+    for ((i = 0; i < 12000; i++)); do [ -n "${STUB_SAVED:-}" ] && [ ! -e "$STUB_SAVED" ] || break; sleep 0.05; done
     kill "$S" 2>/dev/null
     exit 1                            # what torchrun returns after forwarding a signal
 }
@@ -66,7 +69,7 @@ case "${STUB_MODE:-}" in
     wait)
         trap 'on_sig USR1' USR1
         trap 'on_sig TERM' TERM
-        sleep 30 & S=$!
+        sleep 600 & S=$!
         touch "$OUTPUT_DIR/STARTED"
         wait "$S"
         exit 0 ;;
@@ -103,9 +106,17 @@ def _env(stubs: Path, **extra) -> dict:
     return env
 
 
-def _run(script: Path, args, env, *, timeout=60) -> subprocess.CompletedProcess:
+def _run(script: Path, args, env, *, timeout=WAIT_S) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout)  # a hang guard only (tests/hang_guard.py)
+
+
+def _wait_for(condition, p: subprocess.Popen, what: str) -> None:
+    """Poll until condition() holds; fail if p exits first, or after WAIT_S (a hang guard only)."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert p.poll() is None and time.monotonic() < deadline, what
+        time.sleep(POLL_S)
 
 
 def _dry(script: Path, args, env) -> list[str]:
@@ -297,14 +308,15 @@ def _ranks(stdout: str) -> list[str]:
     return sorted(ln for ln in stdout.splitlines() if ln.startswith("RANK="))
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("script,tool", [("torchrun.sh", "torchrun"), ("mpirun.sh", "mpirun"),
-                                         ("deepspeed.sh", "deepspeed")])
+                                         pytest.param("deepspeed.sh", "deepspeed", marks=pytest.mark.slow)])
 def test_launcher_starts_two_ranks(script, tool, stubs, stub_train):
     if not (VENV_BIN / tool).exists():
         pytest.skip(f"{tool} is not installed next to {sys.executable}")
     env = _env(stubs, JAGG_TRAIN=stub_train)  # no GPU (nvidia-smi stub): each launcher defaults to 2 processes
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env['PATH']}"
-    r = _run(LAUNCHERS / script, [CONFIG, "train.steps=1", "data.x=a b"], env, timeout=120)
+    r = _run(LAUNCHERS / script, [CONFIG, "train.steps=1", "data.x=a b"], env, timeout=RUN_S)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = _ranks(r.stdout)
     assert [ln.split()[0] for ln in lines] == ["RANK=0", "RANK=1"], r.stdout
@@ -405,23 +417,27 @@ def test_sbatch_requeue_limits(extra, stubs, tmp_path):
 
 def test_sbatch_forwards_usr1_once_and_requeues(stubs, tmp_path):
     """Slurm's B:USR1 reaches the batch shell: the trap forwards it to srun (once), then requeues."""
-    env = _slurm_env(stubs, tmp_path, STUB_MODE="wait", STUB_SAVE_SECONDS=1)
+    saved = tmp_path / "saved"  # the stub srun "saves a checkpoint" until this file exists
+    env = _slurm_env(stubs, tmp_path, STUB_MODE="wait", STUB_SAVED=saved)
     started = Path(env["OUTPUT_DIR"]) / "STARTED"
-    p = subprocess.Popen(["bash", str(SBATCH), CONFIG], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    err_file = tmp_path / "sbatch.err"  # a file, not a pipe: read while the shell runs
+    with err_file.open("w") as stderr:
+        p = subprocess.Popen(["bash", str(SBATCH), CONFIG], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=stderr, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not started.exists():
-            assert p.poll() is None and time.monotonic() < deadline, "stub srun did not start"
-            time.sleep(0.05)
+        _wait_for(started.exists, p, "stub srun did not start")
         p.send_signal(signal.SIGUSR1)
-        time.sleep(0.3)
+        _wait_for(lambda: "srun got USR1" in _log(tmp_path), p, "USR1 did not reach srun")
         p.send_signal(signal.SIGTERM)  # e.g. the time limit while the trainer saves: logged, not forwarded
-        _, err = p.communicate(timeout=30)
+        _wait_for(lambda: "not forwarded" in err_file.read_text(), p, "the second signal was not logged")
+        saved.touch()  # the save ends: srun exits, the shell requeues
+        p.wait(timeout=WAIT_S)  # a hang guard only
     finally:
+        saved.touch()
         if p.poll() is None:
             p.kill()
             p.wait()
+    err = err_file.read_text()
     log = _log(tmp_path)
     assert [ln for ln in log if ln.startswith("srun got")] == ["srun got USR1"], (log, err)
     assert "requeue 123" in log, err
@@ -429,27 +445,27 @@ def test_sbatch_forwards_usr1_once_and_requeues(stubs, tmp_path):
     assert p.returncode == 0
 
 
+@pytest.mark.dist
 def test_torchrun_forwards_usr1_to_the_workers(stubs, tmp_path):
     """SIGUSR1 to the launcher (exec'd into torchrun) reaches every worker; torchrun itself exits 1."""
     if not (VENV_BIN / "torchrun").exists():
         pytest.skip(f"torchrun is not installed next to {sys.executable}")
     worker = _stub(tmp_path / "worker", f"""#!/usr/bin/env bash
-trap 'echo "$RANK" > {tmp_path}/got_usr1.$RANK; exit 138' USR1
-sleep 60 & S=$!
+trap 'echo "$RANK" > {tmp_path}/got_usr1.$RANK; kill $S; exit 138' USR1
+sleep {WAIT_S} & S=$!
 touch {tmp_path}/started.$RANK
 wait $S
 """)
-    env = _env(stubs, JAGG_TRAIN=worker, NPROC_PER_NODE=2, SHUTDOWN_TIMEOUT=20)
+    # SHUTDOWN_TIMEOUT: how long torchrun waits for the workers to exit after forwarding the signal (they exit at
+    # once) before it SIGKILLs them: a hang guard here
+    env = _env(stubs, JAGG_TRAIN=worker, NPROC_PER_NODE=2, SHUTDOWN_TIMEOUT=WAIT_S)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env['PATH']}"
     p = subprocess.Popen(["bash", str(LAUNCHERS / "torchrun.sh"), CONFIG], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"started.{r}").exists() for r in (0, 1)):
-            assert p.poll() is None and time.monotonic() < deadline, "workers did not start"
-            time.sleep(0.1)
+        _wait_for(lambda: all((tmp_path / f"started.{r}").exists() for r in (0, 1)), p, "workers did not start")
         p.send_signal(signal.SIGUSR1)
-        out, _ = p.communicate(timeout=60)
+        out, _ = p.communicate(timeout=WAIT_S)  # a hang guard only
     finally:
         if p.poll() is None:
             p.kill()

@@ -23,6 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
+from hang_guard import WAIT_S
 from jagg_scale.rewards import Reward, RewardOutput, build_reward, register, score_safely
 from jagg_scale.rewards.remote import RemoteRewardError
 from jagg_scale.rewards.server import encode_images, serve
@@ -107,7 +108,8 @@ def _meta(n: int) -> tuple[list[str], list[dict]]:
 
 
 def _remote(srv, reward: str, **kw):
-    kw = {"retries": 2, "backoff_s": 0.001, "timeout_s": 10.0, **kw}
+    # the request timeout is a hang guard (tests/hang_guard.py); test_timeout_is_retried sets a short one on purpose
+    kw = {"retries": 2, "backoff_s": 0.001, "timeout_s": float(WAIT_S), **kw}
     r = build_reward("remote", url=srv.url if hasattr(srv, "url") else srv, reward=reward, **kw)
     r.sleeps = []
     r._sleep = r.sleeps.append  # record the backoff, do not wait
@@ -117,7 +119,7 @@ def _remote(srv, reward: str, **kw):
 def _raw(url: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=body, headers=headers or {}, method="POST" if body is not None else "GET")
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=WAIT_S) as r:  # a hang guard only (tests/hang_guard.py)
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -296,9 +298,9 @@ def test_cli_main_subprocess(tmp_path, monkeypatch):
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
         try:
-            first = lines.get(timeout=30)
+            first = lines.get(timeout=WAIT_S)  # waits for the first line; the timeout is only a hang guard
         except queue.Empty:
-            pytest.fail("server printed nothing within 30 s")
+            pytest.fail(f"server printed nothing within {WAIT_S} s")
         assert first.startswith("listening on http://127.0.0.1:"), (first, proc.poll())
         url = first.split()[-1]
         monkeypatch.setenv("JAGG_CLI_TOKEN", "tok")
@@ -311,7 +313,7 @@ def test_cli_main_subprocess(tmp_path, monkeypatch):
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            _, err = proc.communicate(timeout=15)
+            _, err = proc.communicate(timeout=WAIT_S)  # a hang guard: the server exits on SIGINT at once
         except subprocess.TimeoutExpired:
             proc.kill()
             _, err = proc.communicate()

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hang_guard import RUN_S
 from jagg_scale.rewards.sharded import repeated_layers, shard_reward
 
 pytest.importorskip("transformers")
@@ -39,13 +40,17 @@ def ranks(tmp_path_factory) -> list[dict]:
     for _ in range(3):  # the free port can be taken between probing and binding
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(_free_port()), str(WORKER), str(out)]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=RUN_S)  # a hang guard only (tests/hang_guard.py)
         if "EADDRINUSE" not in proc.stderr + proc.stdout:
             break
     assert proc.returncode == 0, f"worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+# the tests that read `ranks` (one 2-process torchrun launch, ~13 s) are dist and slow; the last two are neither
+@pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("name", REWARDS)
 def test_sharded_scores_equal_unsharded(ranks, name):
     for res in ranks:
@@ -57,6 +62,8 @@ def test_sharded_scores_equal_unsharded(ranks, name):
     assert ranks[0][name]["ref"] != ranks[1][name]["ref"]
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_sharded_clip_holds_half_the_weights(ranks):
     for res in ranks:
         lay = res["layout"]
@@ -69,6 +76,8 @@ def test_sharded_clip_holds_half_the_weights(ranks):
     assert a["total_numel"] == b["total_numel"] == a["local_numel"] + b["local_numel"]  # a split, not a copy
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_reward_without_torch_modules_is_refused(ranks):
     for res in ranks:
         assert "has no torch_modules()" in res["no_modules"], res["no_modules"]

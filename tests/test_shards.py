@@ -214,6 +214,7 @@ def test_corrupt_shard_raises_naming_it(tmp_path, num_workers):
 # ------------------------------------------------------------------------------------------ shared prompts
 
 
+@pytest.mark.slow  # the whole shared OCR prompt set through shards
 def test_shared_ocr_prompts_keep_text(tmp_path):
     ocr = shared_prompts_dir() / "flow_grpo" / "dataset" / "ocr" / "test.txt"
     if not ocr.is_file():

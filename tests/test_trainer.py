@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hang_guard import RUN_S
 from jagg_scale.cli import train_main
 from jagg_scale.grpo import GRPOStepLoss
 from jagg_scale.train import ConfigError, Trainer, load_config
@@ -56,7 +57,7 @@ def test_cli_console_script_writes_metrics(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "jagg_scale.cli", TINY, "train.steps=2", f"run.output_dir={out}", *SMALL],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=RUN_S,  # a hang guard only (tests/hang_guard.py)
     )
     assert proc.returncode == 0, proc.stderr
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
