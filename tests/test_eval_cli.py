@@ -24,7 +24,7 @@ EVAL = ["eval.enabled=true", "eval.prompts=[a red apple, a blue sky]", "eval.num
     ["train.ema_decay=0.5"],
     ["parallel.backend=fsdp2", "train.ema_decay=0.5"],
     ["parallel.backend=fsdp2", "parallel.activation_checkpointing=true"],
-    ["parallel.backend=deepspeed", "train.ema_decay=0.5"],
+    pytest.param(["parallel.backend=deepspeed", "train.ema_decay=0.5"], marks=pytest.mark.dist),  # DeepSpeed's JIT op
 ], ids=["none", "none-ema", "fsdp2-ema", "fsdp2-checkpointed", "deepspeed-ema"])
 def test_jagg_eval_reproduces_the_in_run_evaluation(tmp_path, monkeypatch, extra):
     deepspeed = "parallel.backend=deepspeed" in extra

@@ -189,9 +189,9 @@ def test_resolution_and_pipeline_schedule_from_the_config(flux_dir, tmp_path):
     small = Trainer(load_config(config, over))
     big = Trainer(load_config(config, over + ["model.resolution=32"]))
     assert small.model.latent_shape == (4, 8, 8) and big.model.latent_shape == (4, 16, 16)
-    assert torch.allclose(small.sigmas.cpu(), small.model.pipeline_sigmas(8))
-    assert torch.allclose(big.sigmas.cpu(), big.model.pipeline_sigmas(8))
-    assert not torch.allclose(small.sigmas, big.sigmas)  # more tokens -> a larger mu -> a different schedule
-    assert small.sigmas[0] == 1.0 and small.sigmas[-1] == 0.0
+    assert torch.allclose(small.policy.sigmas.cpu(), small.model.pipeline_sigmas(8))
+    assert torch.allclose(big.policy.sigmas.cpu(), big.model.pipeline_sigmas(8))
+    assert not torch.allclose(small.policy.sigmas, big.policy.sigmas)  # more tokens -> a larger mu -> a different schedule
+    assert small.policy.sigmas[0] == 1.0 and small.policy.sigmas[-1] == 0.0
     with pytest.raises(ValueError, match="model.resolution 22 must be a multiple of 4"):
         Trainer(load_config(config, over + ["model.resolution=22"]))  # tiny VAE factor 2 x FLUX's 2x2 packing
