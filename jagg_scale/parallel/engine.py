@@ -36,6 +36,7 @@ import torch
 
 from .comm import NullCounter
 from .dist import DistContext
+from .types import Backend
 
 __all__ = ["ENGINE_MARKER", "EngineSpec", "TrainEngine", "make_optimizer"]
 
@@ -46,7 +47,7 @@ ENGINE_MARKER = "engine.json"  # {"engine": name}, written into every checkpoint
 class EngineSpec:
     """What an engine needs to know about a run (train.config.engine_spec builds it from the Config)."""
 
-    backend: str = "none"  # none | fsdp2 | deepspeed: which engine build_engine makes
+    backend: Backend = "none"  # which engine build_engine makes
     # torch AdamW, on every engine
     lr: float = 1e-4
     weight_decay: float = 0.0
