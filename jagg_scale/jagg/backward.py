@@ -25,7 +25,7 @@ we form G_0 and G_{W-1} explicitly, which makes the single backward visible and 
 One engine for every gradient: `knot_backward` runs any knot plan (plans.py) pass by pass. A JAGG window is the
 plan [(0, W-1)] (`jagg_backward`), Flow-GRPO's per-step baseline the plan of lone steps (`exact_backward`),
 routed windows and the budgeted planner's knots are plans too; the trainer (train/update.py) and the fidelity
-probe call the same function. Every backward goes through `backward(out, grad, last)`, plain autograd by default;
+probe call the same function. Every backward goes through `backward(out, grad, last=...)`, plain autograd by default;
 a training engine passes its own (DeepSpeed must see every backward; `last` marks the last backward of the
 call, where a sharded engine synchronises gradients across ranks).
 """
@@ -100,7 +100,7 @@ def knot_backward(
     pass one forward with grad (len(pass) * B rows) and one backward with the pass's composite G, so peak memory is
     one pass. "forward" adds one no-grad forward per segment over its interior; "interpolate" needs both knots'
     fresh values, so a segment whose knots sit in two passes costs one no-grad forward of its right knot (B rows).
-    `backward(out, grad, last)` runs each backward, last=True on the final one. Returns the detached summed loss.
+    `backward(out, grad, last=...)` runs each backward, last=True on the final one. Returns the detached summed loss.
     """
     if intermediate not in INTERMEDIATE_MODES:
         raise ValueError(f"intermediate must be one of {INTERMEDIATE_MODES}, got {intermediate!r}")
