@@ -111,6 +111,27 @@ def test_advantages_per_prompt_clip_and_zero_std_masking():
     assert torch.allclose(adv.values[6:], torch.tensor([-0.9, 0.9]))
 
 
+@pytest.mark.parametrize("value", [0.826, 5.04, 0.1, 1 / 3])
+@pytest.mark.parametrize("G", [8, 16, 24])
+def test_a_group_of_equal_non_dyadic_rewards_is_masked(value, G):
+    """Equal rewards that are not exact in binary: a float32 std of their group is ~1e-7, not 0, and used to leave
+    the group in with advantages of up to ~1e-2; equality is tested exactly now."""
+    rewards = torch.cat([torch.full((G,), value), torch.linspace(0.0, 1.0, G)])
+    groups = [0] * G + [1] * G
+    adv = compute_advantages(rewards, groups)
+    assert adv.zero_std_groups == 1
+    assert not adv.mask[:G].any() and torch.all(adv.values[:G] == 0)
+    assert adv.mask[G:].all()
+
+
+def test_advantages_are_float64_statistics_as_flow_grpo():
+    rewards = torch.tensor([0.1, 0.2, 0.7, 0.30000001], dtype=torch.float64)
+    r = rewards.numpy()
+    expected = (r - r.mean()) / (r.std() + 1e-4)  # numpy float64, Flow-GRPO's PerPromptStatTracker
+    assert torch.allclose(compute_advantages(rewards, [0] * 4).values.double(), torch.from_numpy(expected),
+                          rtol=1e-6, atol=1e-7)
+
+
 def test_advantages_global_std_and_failed_samples():
     rewards = torch.tensor([1.0, 3.0, 10.0, 14.0, 99.0])
     valid = torch.tensor([True, True, True, True, False])

@@ -49,6 +49,13 @@ def test_advantage_aggregation_keeps_a_small_scale_reward_alive():
     assert torch.corrcoef(torch.stack([summed.values, a_big]))[0, 1] > 0.999  # the sum is the big reward alone
     assert mixed.values.abs().max() < a_big.abs().max()  # the opposite-ranking small reward pulls it back
     assert torch.allclose(mixed.values, a_big + compute_advantages(small, groups).values)
+    # the combination is clipped after summing: |A| <= adv_clip_max in the loss, whatever the weights
+    agree = torch.tensor([0.0, 1.0, 2.0, 10.0])
+    for w in (1.0, 3.0):
+        both = combine_advantages([(w, compute_advantages(agree, groups, adv_clip_max=1.5)),
+                                   (w, compute_advantages(2 * agree, groups, adv_clip_max=1.5))], groups, valid,
+                                  adv_clip_max=1.5)
+        assert both.values.abs().max() == pytest.approx(1.5)
     # a group where no reward separates the samples carries no signal and is masked
     flat = combine_advantages([(1.0, compute_advantages(torch.ones(4), groups))], groups, valid)
     assert flat.zero_std_groups == 1 and not flat.mask.any()

@@ -86,7 +86,7 @@ class RewardMix(Reward):
         total, valid = self.weighted_sum(parts)
         if aggregate == "advantage" and len(parts) > 1:
             return combine_advantages([(self.weights[n], compute_advantages(p.scores, group_ids, valid=p.valid, **kw))
-                                       for n, p in parts.items()], group_ids, valid)
+                                       for n, p in parts.items()], group_ids, valid, adv_clip_max=adv_clip_max)
         return compute_advantages(total, group_ids, valid=valid, **kw)
 
 
