@@ -11,6 +11,7 @@ lets JAGG move the transformer backward out of the per-step loop. It also record
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ class StepBatch:
     advantages: torch.Tensor  # [B]
     mask: torch.Tensor  # bool [B]
     ref_velocities: torch.Tensor | None = None  # [T, B, ...] when beta > 0
+    uncond_velocities: torch.Tensor | None = None  # [T, B, ...] with CFG: the unconditional predictions u_k
 
 
 @dataclass
@@ -45,9 +47,18 @@ class GRPOStepLoss:
     # engine averages gradients over ranks, so a rank divides by (global valid rows / world size) instead of
     # its own count: the averaged gradient is then the full minibatch's. None: this batch's own count.
     denominator: float | None = None
+    # Classifier-free guidance: with guidance g != 1 the loss is called with the conditional prediction c_k and
+    # evaluates L_k at the guided velocity u_k + g (c_k - u_k), u_k from the batch: a constant for the gradient, so
+    # dL/dc = g dL/dv flows through the conditional branch only (Flow-GRPO detaches the unconditional one).
+    guidance: float = 1.0
     metrics: dict = field(default_factory=lambda: defaultdict(list))
 
     def __call__(self, b: StepBatch, k: int, v: torch.Tensor) -> torch.Tensor:
+        if self.guidance != 1.0:
+            if b.uncond_velocities is None:
+                raise ValueError("guidance != 1 needs the unconditional predictions (StepBatch.uncond_velocities)")
+            u = b.uncond_velocities[k].detach().to(v.dtype)
+            v = u + self.guidance * (v - u)
         s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], float(b.sigmas[1])
         step = sde_step_with_logprob(
             b.latents[k], v, s, s_next, noise_level=self.noise_level, sigma_max=sigma_max, prev_sample=b.latents[k + 1]
@@ -86,7 +97,7 @@ class GRPOStepLoss:
 
     def fresh(self) -> "GRPOStepLoss":
         """The same loss with its own, empty metrics (for probes and planning that must not be logged)."""
-        return GRPOStepLoss(self.noise_level, self.clip_range, self.beta, self.scale, self.denominator)
+        return dataclasses.replace(self, metrics=defaultdict(list))
 
     def on(self, batch: StepBatch, steps: list[int] | None = None):
         """The engine's step_loss(j, v) for this batch; with `steps`, position j is sampling step steps[j]."""

@@ -1,9 +1,12 @@
 """The policy: the velocity the trainer samples and trains, its KL reference, prompt encoding and the rollout.
 
     policy.velocity_fn()     v(x, sigma, cond): CFG-guided, under bf16 autocast when model.dtype is bfloat16
-                             (the SDE math that consumes it casts back to float32)
+                             (the SDE math that consumes it casts back to float32): evaluation, the KL reference
+    policy.model_fn()        the model's own prediction, under the same autocast: what training differentiates.
+                             With CFG it is called with the conditional rows only (the unconditional prediction
+                             is a constant for the gradient, see grpo/loss.py), so a JAGG joint pass has 2B rows
     policy.reference_fn()    the KL reference's velocity, or None when grpo.beta = 0
-    policy.encode(prompts)   the conditioning (with the unconditional "" prompt beside it when guidance != 1)
+    policy.encode(prompts)   the conditioning; with guidance != 1 the pair (cond, uncond) of the prompts and of ""
     policy.rollout(...)      SDE trajectories of given global rows on the training schedule `policy.sigmas`,
                              every draw seeded per (run seed, step, row)
 
@@ -12,12 +15,13 @@ Used by the trainer and by `jagg-eval` (which needs only velocity_fn and encode:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 
 from ..cond import index_cond
-from ..grpo import Trajectories, guided_velocity, model_schedule, sample_sde
+from ..grpo import StepBatch, Trajectories, guided_velocity, model_schedule, sample_sde
 from .config import Config
 from .rows import row_generators
 
@@ -30,17 +34,24 @@ class Policy:
         self.model, self.ref_model, self.cfg, self.device = model, ref_model, cfg, device
         self.sigmas = model_schedule(model, cfg.sampling.num_steps, cfg.sampling.shift).to(device)
 
-    def velocity_fn(self, model: torch.nn.Module | None = None) -> Callable:
+    @property
+    def guidance(self) -> float:
+        return self.cfg.sampling.guidance
+
+    def model_fn(self, model: torch.nn.Module | None = None) -> Callable:
         model = self.model if model is None else model
-        guidance = self.cfg.sampling.guidance
         bf16 = self.cfg.model.dtype == "bfloat16"
         device_type = self.device.type
 
         def fn(x, sigma, cond):
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
-                return guided_velocity(model, x, sigma, cond, guidance)
+                return model(x, sigma, cond)
 
         return fn
+
+    def velocity_fn(self, model: torch.nn.Module | None = None) -> Callable:
+        predict, guidance = self.model_fn(model), self.guidance
+        return lambda x, sigma, cond: guided_velocity(predict, x, sigma, cond, guidance)
 
     def reference_fn(self) -> Callable | None:
         if self.cfg.grpo.beta == 0:
@@ -57,9 +68,24 @@ class Policy:
 
     def encode(self, prompts: list[str]):
         cond = self.model.encode_prompts(prompts)
-        if self.cfg.sampling.guidance != 1.0:
+        if self.guidance != 1.0:
             return cond, self.model.encode_prompts([""] * len(prompts))
         return cond
+
+    def split_cond(self, cond):
+        """(conditional, unconditional or None) of what `encode` returned."""
+        return cond if self.guidance != 1.0 else (cond, None)
+
+    @torch.no_grad()
+    def fresh_uncond(self, batch: StepBatch, steps: list[int], uncond) -> StepBatch:
+        """The batch with the unconditional predictions of the trained steps recomputed at the current parameters
+        (one no-grad forward of B rows per step): after an optimizer step the rollout's are stale."""
+        fresh = batch.uncond_velocities.clone()
+        predict = self.model_fn()
+        B = batch.latents.shape[1]
+        for k in steps:
+            fresh[k] = predict(batch.latents[k], batch.sigmas[k].expand(B), uncond).float()
+        return dataclasses.replace(batch, uncond_velocities=fresh)
 
     @torch.no_grad()
     def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None, sde_steps=None) -> Trajectories:
@@ -68,13 +94,13 @@ class Policy:
         cfg = self.cfg
         gens = row_generators(cfg.run.seed, step, rows)
         noise = torch.stack([torch.randn(self.model.latent_shape, generator=g) for g in gens])
-        policy, ref = self.velocity_fn(), self.reference_fn()
+        predict, ref = self.model_fn(), self.reference_fn()
         parts = []
         for idx in torch.arange(len(rows)).split(cfg.sampling.batch_size):
-            parts.append(sample_sde(policy, index_cond(cond, idx.to(self.device)), noise[idx].to(self.device),
+            parts.append(sample_sde(predict, index_cond(cond, idx.to(self.device)), noise[idx].to(self.device),
                                     self.sigmas, noise_level=cfg.sampling.noise_level,
                                     generator=[gens[i] for i in idx.tolist()], ref_velocity_fn=ref,
-                                    sde_steps=sde_steps))
+                                    sde_steps=sde_steps, guidance=self.guidance))
             if on_chunk is not None:
                 on_chunk(idx, parts[-1].final)
         return Trajectories.cat(parts)

@@ -173,12 +173,15 @@ class Trainer:
     def update(self, traj: Trajectories, cond, adv, rows: StepRows, step: int,
                steps: list[int]) -> tuple[BackwardStats, dict]:
         """Inner epochs x minibatches; one optimizer step per minibatch. `auto` intermediate values are the
-        cached ones until the first optimizer step on this rollout, fresh forwards after it."""
+        cached ones until the first optimizer step on this rollout, fresh forwards after it. With CFG the model is
+        trained on the conditional rows alone; the unconditional predictions are the rollout's until the first
+        optimizer step, then one no-grad forward per trained step (constants for the gradient either way)."""
         cfg, j = self.cfg, self.cfg.jagg
         adv_values, adv_mask = adv.values[rows.mine].to(self.device), adv.mask[rows.mine].to(self.device)
         total = BackwardStats()
         metrics: dict[str, list] = {}
-        policy = self.policy.velocity_fn()
+        predict = self.policy.model_fn()
+        cond, uncond = self.policy.split_cond(cond)
         optimizer_steps = 0
         probe = j.probe_every > 0 and step % j.probe_every == 0
         probe_metrics: dict = {}
@@ -189,15 +192,19 @@ class Trainer:
                 # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
                 denom = float(adv.mask[global_rows].sum()) / rows.world_size
                 loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
-                                    beta=cfg.grpo.beta, scale=1.0 / len(steps), denominator=denom)
+                                    beta=cfg.grpo.beta, scale=1.0 / len(steps), denominator=denom,
+                                    guidance=self.policy.guidance)
                 mb_cond, on_policy = index_cond(cond, local), optimizer_steps == 0
+                if uncond is not None and not on_policy:
+                    batch = self.policy.fresh_uncond(batch, steps, index_cond(uncond, local))
                 if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
                     t_probe = time.perf_counter()
-                    probe_metrics = probe_minibatch(policy, batch, mb_cond, loss, steps, j, self.engine.params,
+                    probe_metrics = probe_minibatch(predict, batch, mb_cond, loss, steps, j, self.engine.params,
                                                     on_policy=on_policy, backward=self.engine.backward)
                     probe_metrics["time_probe"] = time.perf_counter() - t_probe
-                stats = backward_minibatch(policy, batch, mb_cond, loss, steps, j, on_policy=on_policy,
+                stats = backward_minibatch(predict, batch, mb_cond, loss, steps, j, on_policy=on_policy,
                                            backward=self.engine.backward, reduce=self._route_reduce)
+                stats.uncond_forward_passes = len(steps) if uncond is not None and not on_policy else 0
                 grad_norm = self.engine.step()
                 optimizer_steps += 1
                 total.add(stats)
@@ -310,6 +317,7 @@ def _backward_metrics(stats: BackwardStats) -> dict:
         "backward_passes": stats.backward_passes,
         "per_step_equiv": stats.per_step_equiv,
         "nograd_forward_passes": stats.nograd_forward_passes,
+        "uncond_forward_passes": stats.uncond_forward_passes,  # CFG after an optimizer step: no-grad, B rows each
         "pass_ratio": stats.backward_passes / max(1, stats.per_step_equiv),  # transformer rows vs per-step
         **({"knots": " ".join(map(str, stats.knots[0]))} if stats.knots else {}),
     }

@@ -53,13 +53,14 @@ class BackwardStats:
     per_step_equiv: int = 0  # what Flow-GRPO would have spent: one per trained step
     nograd_forward_passes: int = 0  # extra no-grad forwards of the `forward` intermediate mode
     intermediate_forward: int = 0  # windows whose intermediate values came from fresh no-grad forwards
+    uncond_forward_passes: int = 0  # CFG: no-grad unconditional forwards (B rows) after an optimizer step
     loss: float = 0.0  # sum over trained steps of the (scaled) step losses
     cosines: list = field(default_factory=list)
     knots: list = field(default_factory=list)  # knot plans: the trained-step indices computed exactly, per minibatch
 
     def add(self, other: "BackwardStats") -> None:
         for name in ("windows", "windows_jagg", "backward_calls", "backward_passes", "per_step_equiv",
-                     "nograd_forward_passes", "intermediate_forward", "loss"):
+                     "nograd_forward_passes", "intermediate_forward", "uncond_forward_passes", "loss"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.cosines += other.cosines
         self.knots += other.knots
