@@ -11,8 +11,9 @@ Parts (one module each; every figure is a ratio of two measurements from the sam
     memory        peak memory of the joint 2B-row pass vs a per-step B-row pass, +- activation checkpointing
     comm          collectives and bytes per training step under fsdp2 (2 processes, gloo, torchrun)
     subsampling   JAGG composed with SDE-window subsampling (Flow-GRPO-Fast, MixGRPO), backward cost per sample
+    cfg           training under CFG 4.5: Flow-GRPO's batched cond+uncond step vs the cached uncond, per-step and JAGG
 
 Outputs: OUT.md (generated report), OUT.json (every number), OUT_<part>.png (plots).
 """
 
-PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling")
+PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling", "cfg")

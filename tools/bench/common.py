@@ -139,42 +139,50 @@ class Problem:
     batch: int
     text_tokens: int
     rollout_seconds: float
+    guidance: float = 1.0
+    uncond: tuple | None = None  # with guidance != 1: the unconditional conditioning (random, like `cond`)
 
-    def loss(self, num_trained: int):
+    def loss(self, num_trained: int, guidance: float | None = None):
         """GRPOStepLoss on this batch as the engine's step_loss(k, v); each L_k scaled by 1/num_trained (Flow-GRPO's
-        mean over trained steps)."""
-        return GRPOStepLoss(noise_level=NOISE_LEVEL, clip_range=CLIP, scale=1.0 / num_trained).on(self.step_batch)
+        mean over trained steps). With CFG it takes the conditional prediction (guidance = the problem's); pass
+        guidance=1 for a loss called with the guided velocity itself."""
+        g = self.guidance if guidance is None else guidance
+        return GRPOStepLoss(noise_level=NOISE_LEVEL, clip_range=CLIP, scale=1.0 / num_trained,
+                            guidance=g).on(self.step_batch)
 
     def describe(self) -> dict:
         return {"kind": "diffusers SD3Transformer2DModel (random weights)", "config": self.model.cfg,
                 "parameters": self.model.num_params(), "text_tokens": self.text_tokens,
                 "tokens_per_sample": self.model.tokens(self.text_tokens), "batch": self.batch,
                 "num_steps": int(self.traj.velocities.shape[0]), "noise_level": NOISE_LEVEL, "shift": SHIFT,
-                "clip_range": CLIP, "rollout_seconds": round(self.rollout_seconds, 2), "dtype": "float32"}
+                "clip_range": CLIP, "rollout_seconds": round(self.rollout_seconds, 2), "dtype": "float32",
+                "guidance": self.guidance}
 
 
 _PROBLEMS: dict = {}
 
 
-def sd3_problem(quick: bool, batch: int, num_steps: int, seed: int = 0) -> Problem:
-    """Built once per (size, batch, steps, seed) and shared by the parts that time the same model."""
-    key = (quick, batch, num_steps, seed)
+def sd3_problem(quick: bool, batch: int, num_steps: int, seed: int = 0, guidance: float = 1.0) -> Problem:
+    """Built once per (size, batch, steps, seed, guidance) and shared by the parts that time the same model."""
+    key = (quick, batch, num_steps, seed, guidance)
     if key not in _PROBLEMS:
         cfg, text_tokens = sd3_config(quick)
         torch.manual_seed(seed)
         model = SD3Shaped(cfg).train()
         gen = torch.Generator().manual_seed(seed)
         cond = random_cond(cfg, text_tokens, batch, gen)
+        uncond = random_cond(cfg, text_tokens, batch, gen) if guidance != 1.0 else None
         noise = torch.randn(batch, *model.latent_shape, generator=gen)
         sigmas = sigma_schedule(num_steps, SHIFT)
         t0 = time.perf_counter()
-        traj = sample_sde(model, cond, noise, sigmas, noise_level=NOISE_LEVEL, generator=gen)
+        traj = sample_sde(model, cond if uncond is None else (cond, uncond), noise, sigmas, noise_level=NOISE_LEVEL,
+                          generator=gen, guidance=guidance)
         rollout_s = time.perf_counter() - t0
         advantages = torch.randn(batch, generator=gen)
         step_batch = traj.step_batch(torch.arange(batch), advantages, torch.ones(batch, dtype=torch.bool))
         for p in model.parameters():  # grads allocated once: every method accumulates into existing buffers
             p.grad = torch.zeros_like(p)
-        _PROBLEMS[key] = Problem(model, cond, traj, step_batch, batch, text_tokens, rollout_s)
+        _PROBLEMS[key] = Problem(model, cond, traj, step_batch, batch, text_tokens, rollout_s, guidance, uncond)
     return _PROBLEMS[key]
 
 

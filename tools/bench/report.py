@@ -13,6 +13,7 @@ TITLES = {
     "memory": "3. memory: the joint 2B-row pass vs a per-step pass",
     "comm": "4. comm: FSDP2 collectives per training step and per window",
     "subsampling": "5. subsampling: JAGG composed with SDE-window subsampling",
+    "cfg": "6. cfg: training under classifier-free guidance",
 }
 
 WHAT = {
@@ -55,6 +56,14 @@ WHAT = {
         "window, so it is timed at the start and at the end of the trajectory), (c) JAGG with W = k on that "
         "window, (d) JAGG (W = 4) on all T steps. Each computes the gradient of its trained subset with "
         "`exact_backward` / `jagg_backward` (cached) on that subset of one SDE rollout."),
+    "cfg": (
+        "Training of one window of W = 4 steps of an on-policy rollout under CFG 4.5 on the SD3-shaped model. "
+        "Flow-GRPO detaches the unconditional prediction, so it needs no backward: (a) is Flow-GRPO's own step "
+        "(the unconditional and conditional rows in one forward with grad, u detached), (b) and (c) train the "
+        "conditional rows alone with u taken from the rollout (per-step, and JAGG's joint pass), (d) is the "
+        "previous path of this project (the guided velocity through JAGG's joint pass, u with grad: 4B rows and a "
+        "different gradient). The trainer-level CFG figures are grpo_step's sd3_tiny rows (CFG 4.5, arms (b) and "
+        "(c) of this part)."),
 }
 
 
