@@ -19,7 +19,7 @@ import pytest
 from hang_guard import RUN_S
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling")
+PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling", "cfg")
 
 
 def _numbers(x, path="$"):
