@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from jagg_scale.cond import cat_cond, index_cond
+from jagg_scale.cond import cat_cond
 from jagg_scale.grpo import GRPOStepLoss, guided_velocity, sample_sde, sigma_schedule
 from jagg_scale.train import Trainer, load_config
 from jagg_scale.train import update as update_mod
 from jagg_scale.train.config import JAGGConfig
+from minibatch import rollout_minibatch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -24,13 +25,7 @@ LOSS = dict(noise_level=0.7, clip_range=1e-4)
 
 def _setup(tmp_path, guidance):
     trainer = Trainer(load_config(TINY, SMALL + [f"run.output_dir={tmp_path}", f"sampling.guidance={guidance}"]))
-    g = trainer.cfg.grpo.group_size
-    prompts = [r.prompt for r in trainer.source.next_prompts() for _ in range(g)]
-    cond = trainer.policy.encode(prompts)
-    traj = trainer.policy.rollout(cond, torch.arange(len(prompts)), 0)
-    n = len(prompts)
-    batch = traj.step_batch(torch.arange(n), torch.linspace(-1.5, 1.5, n), torch.ones(n, dtype=torch.bool))
-    return trainer, cond, batch
+    return (trainer, *rollout_minibatch(trainer))
 
 
 def _grad(model):

@@ -11,6 +11,7 @@ from jagg_scale.grpo import GRPOStepLoss
 from jagg_scale.jagg import plan_uniform
 from jagg_scale.train import ConfigError, Trainer, load_config
 from jagg_scale.train.config import JAGGConfig
+from minibatch import rollout_minibatch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -20,12 +21,7 @@ SMALL = ["model.dit.hidden_size=32", "model.dit.depth=2", "model.dit.image_size=
 
 def _setup(tmp_path):
     trainer = Trainer(load_config(TINY, SMALL + [f"run.output_dir={tmp_path}"]))
-    g = trainer.cfg.grpo.group_size
-    prompts = [r.prompt for r in trainer.source.next_prompts() for _ in range(g)]
-    cond = trainer.policy.encode(prompts)
-    traj = trainer.policy.rollout(cond, torch.arange(len(prompts)), 0)
-    n = len(prompts)
-    batch = traj.step_batch(torch.arange(n), torch.linspace(-1.5, 1.5, n), torch.ones(n, dtype=torch.bool))
+    cond, batch = rollout_minibatch(trainer)
     loss = GRPOStepLoss(noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.steps))
     return trainer, cond, batch, loss
 

@@ -15,6 +15,7 @@ from jagg_scale.train import ConfigError, Trainer, load_config
 from jagg_scale.train.config import JAGGConfig
 from jagg_scale.train import update as update_mod
 from jagg_scale.train.logging import read_metrics
+from minibatch import rollout_minibatch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -96,15 +97,8 @@ def test_bad_yaml_file_key(tmp_path):
 
 
 def _minibatch(trainer, step=0):
-    g = trainer.cfg.grpo.group_size
-    prompts = [r.prompt for r in trainer.source.next_prompts() for _ in range(g)]
-    traj = trainer.policy.rollout(trainer.policy.encode(prompts), torch.arange(len(prompts)), step)
-    n = traj.latents.shape[1]
-    adv = torch.linspace(-1.5, 1.5, n)
-    rows = torch.arange(n)
-    batch = traj.step_batch(rows, adv, torch.ones(n, dtype=torch.bool))
-    loss = GRPOStepLoss(noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.steps))
-    return trainer.policy.encode(prompts), batch, loss
+    cond, batch = rollout_minibatch(trainer, step)
+    return cond, batch, GRPOStepLoss(noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.steps))
 
 
 def _grads(trainer, cond, batch, loss, **kwargs):

@@ -1,0 +1,15 @@
+"""One on-policy minibatch from a Trainer, for the tests that call the update path directly (test_trainer.py,
+test_knot_training.py, test_cfg.py): the step's prompts in groups, a rollout of all their rows, advantages spread
+evenly over [-1.5, 1.5], every row valid."""
+
+import torch
+
+
+def rollout_minibatch(trainer, step: int = 0):
+    """(cond, batch): the policy's conditioning of the step's rows and their StepBatch."""
+    g = trainer.cfg.grpo.group_size
+    prompts = [r.prompt for r in trainer.source.next_prompts() for _ in range(g)]
+    cond = trainer.policy.encode(prompts)
+    traj = trainer.policy.rollout(cond, torch.arange(len(prompts)), step)
+    n = len(prompts)
+    return cond, traj.step_batch(torch.arange(n), torch.linspace(-1.5, 1.5, n), torch.ones(n, dtype=torch.bool))
