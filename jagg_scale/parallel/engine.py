@@ -36,7 +36,7 @@ import torch
 
 from .comm import NullCounter
 from .dist import DistContext
-from .types import Backend
+from .types import Backend, GradSync
 
 __all__ = ["ENGINE_MARKER", "EngineSpec", "TrainEngine", "make_optimizer"]
 
@@ -64,6 +64,7 @@ class EngineSpec:
     prefetch: bool = True
     replicate: int = 1  # HSDP replica groups
     deepspeed: dict = field(default_factory=dict)  # merged over the built-in ZeRO-3 config
+    grad_sync: GradSync = "auto"  # when gradients are reduced across ranks (parallel/types.py)
 
 
 def make_optimizer(params, spec: EngineSpec) -> torch.optim.Optimizer:

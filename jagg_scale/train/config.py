@@ -208,7 +208,7 @@ def engine_spec(cfg: Config) -> EngineSpec:
                       bf16=cfg.model.dtype == "bfloat16", frozen_base=cfg.model.lora.enabled,
                       activation_checkpointing=p.activation_checkpointing,
                       reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch, replicate=p.replicate,
-                      deepspeed=dict(p.deepspeed or {}))
+                      deepspeed=dict(p.deepspeed or {}), grad_sync=p.grad_sync)
 
 
 def config_from_dict(data: dict) -> Config:

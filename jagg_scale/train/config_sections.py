@@ -17,7 +17,7 @@ from ..jagg.backward import IntermediateMode
 from ..jagg.knots import ErrorModel
 from ..jagg.routing import RouteBy
 from ..models.dit import DiTConfig
-from ..parallel.types import Backend
+from ..parallel.types import Backend, GradSync
 
 ModelKind = Literal["dit", "sd3", "flux"]  # built-in DiT | diffusers StableDiffusion3Pipeline | FluxPipeline
 DType = Literal["float32", "bfloat16"]  # autocast dtype of the model; the SDE math stays float32
@@ -33,7 +33,7 @@ Device = Literal["auto", "cpu", "cuda"]
 
 __all__ = [
     "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "KnotPlan", "Intermediate",
-    "DataSource", "RewardAggregate", "WandbMode", "Device", "Backend", "ErrorModel", "IntermediateMode", "RouteBy",
+    "DataSource", "RewardAggregate", "WandbMode", "Device", "Backend", "GradSync", "ErrorModel", "IntermediateMode", "RouteBy",
     "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
     "DataConfig", "RewardConfig", "LogConfig", "EvalConfig", "ParallelConfig", "RunConfig",
 ]
@@ -198,9 +198,14 @@ class TrainConfig(_Section):
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     ema_decay: float = 0.0  # > 0: EMA of the trainable weights (per optimizer step), used for eval and export
+    # rows per forward/backward chunk on each rank; 0 = the rank's whole share of a minibatch in one chunk. The
+    # minibatch's gradient is accumulated over its chunks (a JAGG joint pass then holds 2 x micro_batch_size rows)
+    micro_batch_size: int = 0
 
     def check(self, prefix: str) -> None:
         _require(self.steps >= 1, f"{prefix}.steps", f"must be >= 1, got {self.steps}")
+        _require(self.micro_batch_size >= 0, f"{prefix}.micro_batch_size",
+                 f"must be >= 0 (0: the whole minibatch share per chunk), got {self.micro_batch_size}")
         _require(self.prompts_per_step >= 1, f"{prefix}.prompts_per_step", "must be >= 1")
         _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
         _require(self.lr > 0, f"{prefix}.lr", "must be > 0")
@@ -280,6 +285,7 @@ class ParallelConfig(_Section):
     prefetch: bool = True  # fsdp2: gather block i+1 (forward) / i-1 (backward) while block i computes
     replicate: int = 1  # fsdp2 HSDP: replica groups x shards (e.g. nodes x GPUs per node); 1 = plain FSDP
     deepspeed: dict[str, Any] = field(default_factory=dict)  # deepspeed: merged over the built-in ZeRO-3 config
+    grad_sync: GradSync = "auto"  # boundary | every | auto (parallel/types.py)
 
     def check(self, prefix: str) -> None:
         _require(self.replicate >= 1, f"{prefix}.replicate", "must be >= 1")
