@@ -123,3 +123,25 @@ def test_cfg_training_runs_conditional_rows_only_and_reuses_the_rollouts_uncond(
     assert grad_rows and max(grad_rows) == 2 * 3  # the joint pass of the 3-row minibatch
     assert out["uncond_forward_passes"] == 4  # the second minibatch (off-policy): 4 trained steps x B rows
     assert out["backward_passes"] == 2 * 2 and out["windows_jagg"] == 2
+
+
+def test_off_policy_cfg_in_micro_batches_recomputes_the_uncond_per_chunk(tmp_path):
+    guidance = 4.5
+    trainer, cond, batch = _setup(tmp_path, guidance)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    ref = _flow_grpo(trainer, cond, batch, guidance)
+    c, uc = cond
+    trainer.model.zero_grad(set_to_none=True)
+    loss = GRPOStepLoss(**LOSS, scale=1 / len(trainer.steps), guidance=guidance, denominator=6.0)
+    chunk_rows = []
+
+    def prepare(b, rows):
+        chunk_rows.append(b.latents.shape[1])
+        return trainer.policy.fresh_uncond(b, trainer.steps, uc[rows])
+
+    update_mod.backward_minibatch(trainer.policy.model_fn(), batch, c, loss, trainer.steps, JAGGConfig(window=2),
+                                  on_policy=False, micro_batch_size=4, prepare=prepare)
+    assert chunk_rows == [4, 2]
+    assert _cos(_grad(trainer.model), ref) > 0.99999

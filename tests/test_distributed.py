@@ -4,7 +4,9 @@ What must hold, and is checked here against real process groups (no mocks):
 - a 2-process fsdp2 run samples, scores and trains on exactly the rows a 1-process run of the same global batch
   does: rewards equal, gradient norms and losses equal within float tolerance;
 - the collective counter shows JAGG's per-window reduction: one all-gather cycle per joint pass instead of one per
-  trained step, and one reduce-scatter per FSDP unit per minibatch in both modes;
+  trained step, and one reduce-scatter per FSDP unit per minibatch in both modes under grad_sync boundary (per
+  backward under every);
+- grad_sync every keeps a rank's gradients sharded between backwards (boundary holds the whole model's, unsharded);
 - a run killed with SIGKILL and resumed with run.resume=auto writes the metrics of an uninterrupted run;
 - a sharded (DCP) checkpoint written by 2 processes resumes on 1;
 - a truncated checkpoint is refused and the previous one is used;
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from hang_guard import POLL_S, RUN_S, WAIT_S
 from jagg_scale.parallel.ranks import free_port, launcher_env
@@ -89,7 +92,7 @@ def test_fsdp2_two_processes_match_one_process(fsdp2_run, tmp_path):
 
 
 def test_collective_counter_shows_one_gather_cycle_per_jagg_window(tmp_path):
-    common = ["parallel.backend=fsdp2", "train.steps=1", "jagg.intermediate=cached"]
+    common = ["parallel.backend=fsdp2", "train.steps=1", "jagg.intermediate=cached", "parallel.grad_sync=boundary"]
     e = run(2, tmp_path / "exact", *common, "jagg.mode=exact")[0]
     j = run(2, tmp_path / "jagg", *common)[0]
     # per step: 2 minibatches x 8 trained steps; JAGG: 2 minibatches x 2 windows of 4 steps
@@ -104,6 +107,11 @@ def test_collective_counter_shows_one_gather_cycle_per_jagg_window(tmp_path):
     assert e["comm_train_bytes"] > 3 * j["comm_train_bytes"]
     # the rollout (one gather per unit per sampling step) is the same in both modes
     assert e["comm_rollout_all_gather"] == j["comm_rollout_all_gather"] == units * 8
+    # grad_sync every (auto's choice for a full fine-tune): a reduce-scatter per unit per backward, so JAGG's one
+    # backward per window saves those too; the gradient is the same
+    every = run(2, tmp_path / "every", *common[:-1], "parallel.grad_sync=every")[0]
+    assert every["comm_train_reduce_scatter"] == units * every["backward_calls"] == units * 4
+    assert every["grad_norm"] == pytest.approx(j["grad_norm"], rel=1e-5)
 
 
 def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(fsdp2_run, tmp_path):
@@ -219,3 +227,36 @@ def test_hsdp_replicas_match_and_reduce_by_all_reduce(fsdp2_run, tmp_path):
     for r in rows:
         assert "comm_train_all_gather" not in r
         assert r["comm_train_all_reduce"] == 3 * r["optimizer_steps"]  # 2 blocks + root, per minibatch
+
+
+def test_grad_sync_every_keeps_gradients_sharded_after_a_backward_off_the_boundary(tmp_path):
+    """FSDP2 with grad_sync boundary holds every block's gradient unsharded (fp32) until the boundary: the whole
+    model's gradient on every rank. With every (auto's choice for a full fine-tune) a rank holds its shard only."""
+    worker = Path(__file__).parent / "dist_workers" / "grad_sync_worker.py"
+    out = tmp_path / "grad_sync.json"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), str(worker), str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=RUN_S)  # a hang guard only
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    full = r["boundary"]["full_bytes"]
+    assert r["boundary"]["held"]["unsharded"] >= 0.9 * full  # the whole model's gradient, unsharded, per rank
+    assert r["every"]["held"]["unsharded"] == 0
+    assert r["every"]["held"]["sharded"] <= 0.6 * full  # about half of it: its shard
+    a, b = torch.tensor(r["boundary"]["grad"]), torch.tensor(r["every"]["grad"])
+    assert a.norm() > 0 and float((a - b).norm() / a.norm()) <= 1e-6  # the same gradient, reduced in another order
+
+
+def test_micro_batches_on_two_processes_give_the_whole_minibatch_gradient(fsdp2_run, tmp_path):
+    """train.micro_batch_size=1: every rank runs its minibatch share one row at a time; the step's gradient (its
+    norm) and loss are the whole minibatch's, and there are that many more backward calls."""
+    _, whole = fsdp2_run
+    micro = run(2, tmp_path / "micro", "parallel.backend=fsdp2", "train.steps=1", EMA, "train.micro_batch_size=1")
+    a, b = micro[0], whole[0]
+    assert a["reward_mean"] == b["reward_mean"]
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    # the on-policy loss is a sum of +-A (ratio - 1) terms, ratio - 1 ~ 1e-6 of batch-size-dependent kernel rounding
+    assert a["loss"] == pytest.approx(b["loss"], rel=TOLERANCE["loss"])
+    local_rows = 2  # train.batch_size 4 over 2 ranks
+    assert a["backward_calls"] == b["backward_calls"] * local_rows

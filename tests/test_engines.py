@@ -15,7 +15,7 @@ from jagg_scale.models.dit import DiT, DiTConfig
 from jagg_scale.parallel.build import build_engine
 from jagg_scale.parallel.comm import CommCounter, NullCounter
 from jagg_scale.parallel.dist import DistContext
-from jagg_scale.parallel.engine import ENGINE_MARKER, EngineSpec, TrainEngine
+from jagg_scale.parallel.engine import ENGINE_MARKER, EngineSpec, TrainEngine, resolve_grad_sync
 from jagg_scale.parallel.fsdp import FSDP2Engine
 
 DIT = DiTConfig(image_size=8, in_channels=3, patch_size=4, hidden_size=32, depth=2, num_heads=2, vocab_size=64,
@@ -83,7 +83,7 @@ def test_fsdp2_syncs_gradients_only_on_the_last_backward_and_matches_the_referen
     ref = build_engine(_model(), SPEC, DistContext())
     assert isinstance(ref.comm, NullCounter) and ref.comm.take() == {}
     ref_norm = _minibatch(ref)
-    engine = build_engine(_model(), EngineSpec(backend="fsdp2", lr=1e-3, grad_clip=1e-3), ctx)
+    engine = build_engine(_model(), EngineSpec(backend="fsdp2", lr=1e-3, grad_clip=1e-3, grad_sync="boundary"), ctx)
     assert isinstance(engine, FSDP2Engine) and isinstance(engine.comm, CommCounter)
     seen: list = []
     norm = _minibatch(engine, seen)
@@ -114,3 +114,20 @@ def test_an_engine_refuses_a_checkpoint_of_another_engine(ctx, tmp_path):
     with pytest.raises(CheckpointError, match="deepspeed|fsdp2"):
         fsdp.load(tmp_path / "none")
     none.load(tmp_path / "none")
+
+
+@pytest.mark.parametrize("grad_sync,frozen_base,flags", [
+    ("every", False, [{True}, {True}]),
+    ("auto", False, [{True}, {True}]),  # a full fine-tune: gradients reduce-scattered (sharded) at every backward
+    ("auto", True, [{False}, {True}]),  # LoRA-sized trainable weights: only at the boundary
+])
+def test_grad_sync_policy_decides_when_fsdp2_reduces_and_the_gradient_is_the_same(ctx, grad_sync, frozen_base, flags):
+    ref = build_engine(_model(), SPEC, DistContext())
+    ref_norm = _minibatch(ref)
+    spec = EngineSpec(backend="fsdp2", lr=1e-3, grad_clip=1e-3, grad_sync=grad_sync, frozen_base=frozen_base)
+    assert resolve_grad_sync(spec) == ("boundary" if flags[0] == {False} else "every")
+    engine = build_engine(_model(), spec, ctx)
+    seen: list = []
+    norm = _minibatch(engine, seen)
+    assert seen == flags
+    assert norm == pytest.approx(ref_norm, rel=1e-5)

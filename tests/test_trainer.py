@@ -223,3 +223,30 @@ def test_wandb_offline_run_is_written(tmp_path):
     Trainer(small_cfg(tmp_path, "train.steps=1", "log.wandb=true")).fit()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+@pytest.mark.parametrize("jagg_cfg", [dict(mode="exact"), dict(window=3), dict(window=3, share_knots=True),
+                                      dict(plan="budget", speedup=2.0)], ids=["exact", "W3", "shared", "budget"])
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_micro_batched_gradient_is_the_whole_minibatch_gradient(tmp_path, jagg_cfg, micro):
+    trainer = Trainer(small_cfg(tmp_path))
+    cond, batch, _ = _minibatch(trainer)
+    loss = GRPOStepLoss(noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.steps), denominator=6.0)
+    grads, calls = {}, {}
+    for size in (0, micro):
+        trainer.model.zero_grad(set_to_none=True)
+        lasts = []
+
+        def backward(out, grad, *, last):
+            lasts.append(last)
+            out.backward(grad)
+
+        stats = update_mod.backward_minibatch(trainer.policy.model_fn(), batch, cond, loss, trainer.steps,
+                                              JAGGConfig(**jagg_cfg), on_policy=True, backward=backward,
+                                              micro_batch_size=size)
+        grads[size] = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
+        calls[size] = stats.backward_calls
+        assert lasts == [False] * (len(lasts) - 1) + [True]  # one accumulation boundary: the very last backward
+    chunks = -(-6 // micro)
+    assert calls[micro] == calls[0] * chunks
+    assert float((grads[micro] - grads[0]).norm() / grads[0].norm()) <= 1e-6

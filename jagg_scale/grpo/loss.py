@@ -33,6 +33,16 @@ class StepBatch:
     ref_velocities: torch.Tensor | None = None  # [T, B, ...] when beta > 0
     uncond_velocities: torch.Tensor | None = None  # [T, B, ...] with CFG: the unconditional predictions u_k
 
+    def rows(self, index) -> "StepBatch":
+        """The rows `index` (a slice or index tensor) of the batch: a micro-batch."""
+        def per_step(t):
+            return None if t is None else t[:, index]
+
+        return StepBatch(latents=per_step(self.latents), velocities=per_step(self.velocities),
+                         log_probs=per_step(self.log_probs), sigmas=self.sigmas, advantages=self.advantages[index],
+                         mask=self.mask[index], ref_velocities=per_step(self.ref_velocities),
+                         uncond_velocities=per_step(self.uncond_velocities))
+
 
 @dataclass
 class GRPOStepLoss:

@@ -22,7 +22,8 @@ boundary itself. Every backward of a minibatch (one per JAGG window or per exact
 `backward(out, grad, last)`: DeepSpeed's `engine.backward` of the equivalent scalar sum(out * grad), under
 `set_gradient_accumulation_boundary(last)`. It reduce-scatters its gradients and adds the local partition into
 ZeRO-3's gradient partition buffer; the boundary decides (with optimizer offload) when the accumulated partition
-is copied to the CPU optimizer. `step()` applies the update at the boundary, clipping inside DeepSpeed, and
+is copied to the CPU optimizer. ZeRO-3 keeps gradients partitioned at every backward, so
+`parallel.grad_sync` changes nothing here (it is always `every` in effect). `step()` applies the update at the boundary, clipping inside DeepSpeed, and
 returns its pre-clip global norm. Gradients are averaged over ranks (each rank's loss is its share of the mean).
 
 EMA (ema_decay > 0): each rank keeps the EMA of its own fp32 master partitions (the optimizer's flat

@@ -13,7 +13,8 @@ reverse. The contract, in the order a training step uses it:
     engine.model                        the module to call for velocities (sharded or not)
     engine.backward(out, grad, last=)   out.backward(grad) for one backward of a minibatch (the JAGG engine's
                                         backward callable); gradients accumulate, and are synchronised across
-                                        ranks only when `last` is True (the minibatch's accumulation boundary)
+                                        ranks when `last` is True (the minibatch's accumulation boundary), or at
+                                        every backward under grad_sync every (resolve_grad_sync)
     engine.step() -> grad_norm          clip (grad_clip) and step the optimizer, zero grads, update the EMA;
                                         returns the global gradient norm before clipping
     engine.comm                         the collective counter (comm.py): a CommCounter on engines that issue
@@ -65,6 +66,15 @@ class EngineSpec:
     replicate: int = 1  # HSDP replica groups
     deepspeed: dict = field(default_factory=dict)  # merged over the built-in ZeRO-3 config
     grad_sync: GradSync = "auto"  # when gradients are reduced across ranks (parallel/types.py)
+
+
+def resolve_grad_sync(spec: EngineSpec) -> str:
+    """`auto`: every backward for a full fine-tune (FSDP2 would otherwise hold each block's gradient unsharded in
+    fp32 until the boundary: the whole model's gradient per rank, 47.6 GB for FLUX), the boundary for LoRA (a few
+    MB of gradients, one reduce-scatter per minibatch)."""
+    if spec.grad_sync != "auto":
+        return spec.grad_sync
+    return "boundary" if spec.frozen_base else "every"
 
 
 def make_optimizer(params, spec: EngineSpec) -> torch.optim.Optimizer:

@@ -15,9 +15,12 @@ The helpers both uses share:
 
 Communication and JAGG: every forward of a block all-gathers its parameters (and, with resharding after
 forward, the backward gathers them again); every synchronised backward reduce-scatters its gradients.
-Gradients are synchronised only at the accumulation boundary (`backward(out, grad, last=True)`, the last
-backward of a minibatch), so a minibatch pays one reduce-scatter per block whatever its window plan, and the
-all-gather cycles are one per joint JAGG pass against W per exact window. `engine.comm` (comm.py) measures that.
+When gradients are synchronised is `parallel.grad_sync`: `boundary` only at the accumulation boundary
+(`backward(out, grad, last=True)`, the last backward of a minibatch: one reduce-scatter per block per minibatch,
+but until then FSDP2 holds every block's gradient unsharded in fp32, the whole model's per rank); `every` at
+every backward (a reduce-scatter per backward, gradients always sharded); `auto` picks every for a full
+fine-tune and boundary for LoRA. The all-gather cycles are one per joint JAGG pass against W per exact window,
+and under `every` the reduce-scatters too. `engine.comm` (comm.py) measures that.
 
 Checkpoints are torch.distributed.checkpoint (DCP) directories: each rank writes its shards (the EMA shards
 too), and a checkpoint written by N ranks loads on M (DCP reshards on load).
@@ -40,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from .comm import CommCounter
 from .dist import DistContext
-from .engine import EngineSpec, TrainEngine, make_optimizer
+from .engine import EngineSpec, TrainEngine, make_optimizer, resolve_grad_sync
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +141,7 @@ class FSDP2Engine(TrainEngine):
         self.comm = CommCounter.for_process()  # before any collective is issued
         dist_ctx.ensure_group()  # one process: a trivial group (closed with the context)
         self.spec, self.dist = spec, dist_ctx
+        self.grad_sync = resolve_grad_sync(spec)
         self.mesh = build_mesh(dist_ctx.device.type, dist_ctx.world_size, spec.replicate)
         self.model = self._parallelize(model, spec.activation_checkpointing)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -156,7 +160,8 @@ class FSDP2Engine(TrainEngine):
 
     # ------------------------------------------------------------------ one minibatch
     def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None, *, last: bool = True) -> None:
-        self.model.set_requires_gradient_sync(last)  # read by FSDP2's post-backward hooks only
+        # read by FSDP2's post-backward hooks only; off the boundary a block's gradient stays unsharded (fp32)
+        self.model.set_requires_gradient_sync(last or self.grad_sync == "every")
         try:
             out.backward(grad)
         finally:

@@ -175,7 +175,8 @@ class Trainer:
         """Inner epochs x minibatches; one optimizer step per minibatch. `auto` intermediate values are the
         cached ones until the first optimizer step on this rollout, fresh forwards after it. With CFG the model is
         trained on the conditional rows alone; the unconditional predictions are the rollout's until the first
-        optimizer step, then one no-grad forward per trained step (constants for the gradient either way)."""
+        optimizer step, then one no-grad forward per trained step (constants for the gradient either way). Each
+        minibatch runs in micro-batches of train.micro_batch_size rows (update.backward_minibatch)."""
         cfg, j = self.cfg, self.cfg.jagg
         adv_values, adv_mask = adv.values[rows.mine].to(self.device), adv.mask[rows.mine].to(self.device)
         total = BackwardStats()
@@ -195,15 +196,18 @@ class Trainer:
                                     beta=cfg.grpo.beta, scale=1.0 / len(steps), denominator=denom,
                                     guidance=self.policy.guidance)
                 mb_cond, on_policy = index_cond(cond, local), optimizer_steps == 0
-                if uncond is not None and not on_policy:
-                    batch = self.policy.fresh_uncond(batch, steps, index_cond(uncond, local))
+                prepare = None
+                if uncond is not None and not on_policy:  # the rollout's uncond is stale: recompute, chunk by chunk
+                    mb_uncond = index_cond(uncond, local)
+                    prepare = lambda b, rows, u=mb_uncond: self.policy.fresh_uncond(b, steps, index_cond(u, rows))  # noqa: E731
                 if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
                     t_probe = time.perf_counter()
                     probe_metrics = probe_minibatch(predict, batch, mb_cond, loss, steps, j, self.engine.params,
                                                     on_policy=on_policy, backward=self.engine.backward)
                     probe_metrics["time_probe"] = time.perf_counter() - t_probe
                 stats = backward_minibatch(predict, batch, mb_cond, loss, steps, j, on_policy=on_policy,
-                                           backward=self.engine.backward, reduce=self._route_reduce)
+                                           backward=self.engine.backward, reduce=self._route_reduce,
+                                           micro_batch_size=cfg.train.micro_batch_size, prepare=prepare)
                 stats.uncond_forward_passes = len(steps) if uncond is not None and not on_policy else 0
                 grad_norm = self.engine.step()
                 optimizer_steps += 1

@@ -16,12 +16,13 @@ minibatch's final backward, the accumulation boundary where a sharded engine red
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from ..cond import Cond
+from ..cond import Cond, index_cond
 from ..grpo.loss import GRPOStepLoss, StepBatch
-from ..jagg import (Backward, ModelFn, Plan, budget_for_speedup, cosine_error, exact_plan, knot_backward,
+from ..jagg import (Backward, ModelFn, Plan, autograd_backward, budget_for_speedup, cosine_error, exact_plan, knot_backward,
                     knots_from_windows, pass_groups, plan_from_costs, plan_knots, plan_uniform, plan_windows,
                     residual_error, restrict_plan, route_windows, segment_costs, velocity_cosines)
 from .config import JAGGConfig
@@ -137,21 +138,49 @@ def run_plan(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOStepLoss
                          intermediate=intermediate, rows_per_pass=rows_per_pass, backward=backward)
 
 
+def micro_batches(rows: int, micro_batch_size: int) -> list[slice]:
+    """Row slices of `micro_batch_size` (0: one slice of all rows); the last one holds the remainder."""
+    size = micro_batch_size or rows
+    return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
+
+
 def backward_minibatch(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOStepLoss, steps: list[int],
                        cfg: JAGGConfig, *, on_policy: bool, backward: Backward | None = None, reduce=None,
-                       plan: MinibatchPlan | None = None) -> BackwardStats:
-    """Accumulate the gradient of sum over `steps` of L_k into .grad (planned here unless `plan` is given);
-    returns what it cost. `backward` is the training engine's (plain autograd by default)."""
+                       plan: MinibatchPlan | None = None, micro_batch_size: int = 0,
+                       prepare: Callable[[StepBatch, slice], StepBatch] | None = None) -> BackwardStats:
+    """Accumulate the gradient of sum over `steps` of L_k into .grad; returns what it cost.
+
+    The minibatch is planned once (routing and the planner see all its rows; `plan` skips that) and run in
+    micro-batches of `micro_batch_size` rows (0: all at once) with that plan: each row's loss terms are divided by
+    the minibatch's denominator, so the accumulated gradient is the whole minibatch's. `prepare(batch, rows)` may
+    refresh a micro-batch before its backward (CFG's unconditional predictions after an optimizer step).
+    `backward` is the training engine's (plain autograd by default); its `last` is passed on only for the final
+    micro-batch's final backward, the minibatch's accumulation boundary."""
     intermediate = resolve_intermediate(cfg.intermediate, on_policy)
     mb = plan if plan is not None else plan_minibatch(loss, batch, steps, cfg, reduce)
-    total = run_plan(model_fn, batch, cond, loss, steps, mb.plan, mb.rows_per_pass, intermediate, backward)
+    backward = backward or autograd_backward
+    chunks = micro_batches(batch.latents.shape[1], micro_batch_size)
+    total = []
+    for i, rows in enumerate(chunks):
+        final = i == len(chunks) - 1
+        sub, sub_cond = (batch, cond) if len(chunks) == 1 else (batch.rows(rows), index_cond(cond, rows))
+        if prepare is not None:
+            sub = prepare(sub, rows)
+
+        def chunk_backward(out, grad, last, final=final):
+            backward(out, grad, last=last and final)
+
+        total.append(run_plan(model_fn, sub, sub_cond, loss, steps, mb.plan, mb.rows_per_pass, intermediate,
+                              chunk_backward))
     knots = plan_knots(mb.plan)
     interior = sum(b - a - 1 for a, b in mb.plan if b > a + 1)
     return BackwardStats(
-        windows=mb.num_windows, windows_jagg=mb.windows_jagg, backward_calls=len(pass_groups(mb.plan, mb.rows_per_pass)),
+        windows=mb.num_windows, windows_jagg=mb.windows_jagg,
+        backward_calls=len(pass_groups(mb.plan, mb.rows_per_pass)) * len(chunks),
         backward_passes=len(knots), per_step_equiv=len(steps),
         nograd_forward_passes=interior if intermediate == "forward" else 0,
-        intermediate_forward=mb.windows_jagg if intermediate == "forward" else 0, loss=float(total), cosines=mb.cosines,
+        intermediate_forward=mb.windows_jagg if intermediate == "forward" else 0,
+        loss=float(torch.stack(total).sum()), cosines=mb.cosines,
         knots=[] if mb.windows is not None else [[steps[q] for q in knots]])
 
 
