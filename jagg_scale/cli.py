@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -85,9 +86,10 @@ def eval_main(argv: list[str] | None = None) -> int:
                 return 2
             path = found
         out = Path(args.output) if args.output else path / "eval"
-    result = evaluate_checkpoint(cfg, path, out)
-    print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=2))
-    print(f"wrote {out / 'eval.json'} and {out / 'grid.png'}")
+    result = evaluate_checkpoint(cfg, path, out)  # under a launcher of N processes: each its share, rank 0 writes
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=2))
+        print(f"wrote {out / 'eval.json'}" + (f" and {out / 'grid.png'}" if cfg.eval.grid_images else ""))
     return 0
 
 

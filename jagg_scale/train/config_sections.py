@@ -267,7 +267,9 @@ class EvalConfig(_Section):
     num_per_prompt: int = 2
     every: int = 0  # also evaluate every N steps; 0: only before and after training
     seed: int = 1234  # eval noise is fixed by this seed, so every evaluation sees the same starting noise
-    batch_size: int = 32
+    batch_size: int = 32  # images per rank encoded, sampled, decoded and scored at once (eval memory is per batch)
+    at_start: bool = True  # also evaluate before the first step (step 0) of a fresh run; false skips it
+    grid_images: int = 64  # grid.png shows the first N images (all when fewer; 0: no grid), gathered to rank 0
 
     def check(self, prefix: str) -> None:
         _require(not self.enabled or bool(self.prompt_file) or len(self.prompts) > 0, f"{prefix}.prompt_file",
@@ -275,6 +277,7 @@ class EvalConfig(_Section):
         _require(self.num_per_prompt >= 1, f"{prefix}.num_per_prompt", "must be >= 1")
         _require(self.every >= 0, f"{prefix}.every", "must be >= 0")
         _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
+        _require(self.grid_images >= 0, f"{prefix}.grid_images", "must be >= 0 (0: no grid.png)")
 
 
 @dataclass

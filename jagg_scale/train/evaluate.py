@@ -2,23 +2,40 @@
 
 The noise is drawn from `eval.seed` alone, so evaluations of different checkpoints (and of exact vs JAGG runs)
 differ only by the weights: a reward difference is the model's, not the sampler's luck.
+
+At scale (thousands of held-out images, several ranks):
+
+    split      image i of the N eval images (prompt-major, num_per_prompt each) belongs to rank i // S, S = ceil(N /
+               world size): a contiguous share. Every rank runs ceil(S / eval.batch_size) batches of the same sizes
+               (a sharded model needs every rank in each forward, a sharded reward in each call): a rank short of S
+               images pads its share with copies of the last image, sampled, decoded, scored and dropped
+    bounded    per rank, eval.batch_size images at a time are encoded, sampled, decoded and scored: memory does not
+               grow with N (only the scores and the first eval.grid_images images are kept)
+    noise      image i starts from row i of torch.randn(N, *latent_shape) drawn from a generator seeded by
+               eval.seed (the tensor this evaluation has always used), produced in chunks of about eval.batch_size
+               rows (`EvalNoise`): the same noise for image i whatever the rank or the world size, never the whole
+               tensor at once
+    gather     the scores are all-gathered (every rank returns the same result); the grid's images are gathered to
+               rank 0, which writes eval.json and grid.png
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-from ..cond import index_cond
 from ..data import PromptSet, load_prompts
 from ..grpo import model_schedule, sample_ode
 from ..paths import resolve_path
 from ..rewards import score_safely
 from .config import Config
+
+__all__ = ["EvalNoise", "eval_prompts", "eval_share", "evaluate", "evaluate_checkpoint", "image_grid"]
 
 
 def eval_prompts(cfg: Config) -> PromptSet:
@@ -26,11 +43,17 @@ def eval_prompts(cfg: Config) -> PromptSet:
     return load_prompts(resolve_path(e.prompt_file)) if e.prompt_file else PromptSet.from_list(e.prompts)
 
 
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """[N, 3, H, W] float in [0, 1] -> uint8 on the CPU (what a grid shows: a quarter of float32's bytes)."""
+    return (images.clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+
+
 def image_grid(images: torch.Tensor, ncols: int, min_size: int = 64) -> Image.Image:
-    """[N, 3, H, W] in [0, 1] -> one PIL image, ncols per row; small images are upscaled (nearest) for viewing."""
+    """[N, 3, H, W] in [0, 1] (or uint8 from `to_uint8`) -> one PIL image, ncols per row; small images are upscaled
+    (nearest) for viewing."""
     n, _, h, w = images.shape
     scale = max(1, min_size // max(h, w))
-    arr = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    arr = (images if images.dtype == torch.uint8 else to_uint8(images)).permute(0, 2, 3, 1).cpu().numpy()
     arr = arr.repeat(scale, axis=1).repeat(scale, axis=2)
     nrows = (n + ncols - 1) // ncols
     h, w, pad = h * scale, w * scale, 2
@@ -41,52 +64,141 @@ def image_grid(images: torch.Tensor, ncols: int, min_size: int = 64) -> Image.Im
     return Image.fromarray(grid)
 
 
+class EvalNoise:
+    """Row i of `torch.randn(n, *shape, generator=torch.Generator().manual_seed(seed))`, without that tensor.
+
+    The rows are drawn in order, in chunks of about `chunk_rows`, from the one seeded generator, and only the
+    current chunk is held. torch's CPU normal sampler fills a float tensor from consecutive uniforms in blocks of 16
+    values (redrawing the last block when the size is not a multiple of 16; tensors under 16 values take another
+    path), so consecutive draws whose sizes are multiples of 16 values, the last one taking the remainder (and at
+    least 16 values), reproduce the single draw exactly (tests/test_eval_scale.py checks it). Whatever the
+    chunking, the rows depend only on (seed, shape, n): never on the rank or the number of ranks.
+
+    `rows(index)` takes global row indices in non-decreasing order over all calls (repeats allowed)."""
+
+    def __init__(self, seed: int, shape: tuple[int, ...], n: int, chunk_rows: int):
+        self.shape, self.n = tuple(shape), n
+        numel = math.prod(self.shape)
+        align = 16 // math.gcd(numel, 16)  # rows per multiple of 16 values
+        chunk = max(align, -(-max(1, chunk_rows) // align) * align)
+        bounds = list(range(0, n, chunk)) + [n]
+        if len(bounds) > 2 and (bounds[-1] - bounds[-2]) * numel < 16:
+            bounds.pop(-2)  # a remainder under 16 values joins the previous chunk
+        self.bounds = bounds
+        self.gen = torch.Generator().manual_seed(seed)
+        self.chunk_index = -1
+        self.chunk = torch.empty(0, *self.shape)
+        self.start = 0
+
+    def rows(self, index) -> torch.Tensor:
+        index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
+        out = torch.empty(len(index), *self.shape)
+        for k, i in enumerate(index.tolist()):
+            if not 0 <= i < self.n:
+                raise IndexError(f"eval noise row {i} out of range [0, {self.n})")
+            if i < self.start:
+                raise ValueError(f"eval noise row {i} requested after row {self.start}: rows must be non-decreasing")
+            while i >= self.start + len(self.chunk):
+                self.chunk_index += 1
+                lo, hi = self.bounds[self.chunk_index], self.bounds[self.chunk_index + 1]
+                self.chunk = torch.randn(hi - lo, *self.shape, generator=self.gen)
+                self.start = lo
+            out[k] = self.chunk[i - self.start]
+        return out
+
+
+def eval_share(n: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(image indices, real mask) of a rank's share: ceil(n / world_size) rows, the global images rank * S ... in
+    order, padded at the end with copies of image n - 1 (mask False), so every rank has the same number of rows."""
+    share = -(-n // world_size)
+    index = torch.arange(rank * share, (rank + 1) * share)
+    return index.clamp(max=n - 1), index < n
+
+
+def _gather_to_main(dist, obj) -> list | None:
+    """Every rank's `obj` on rank 0 (rank order), None elsewhere; [obj] on one process."""
+    if dist is None or not dist.active:
+        return [obj]
+    import torch.distributed as tdist
+
+    out = [None] * dist.world_size if dist.is_main else None
+    tdist.gather_object(obj, out, dst=0)
+    return out
+
+
 @torch.no_grad()
-def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet, out_dir: Path | None) -> dict:
-    """Sample eval.num_per_prompt images per prompt with the ODE, score them, write eval.json and grid.png."""
+def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet, out_dir: Path | None,
+             dist=None) -> dict:
+    """Sample eval.num_per_prompt images per prompt with the ODE, score them, write eval.json and grid.png.
+
+    With a DistContext `dist` of several ranks each samples its share (module docstring); every rank must call this
+    (the same number of forwards), every rank returns the same result, and `out_dir` is written where it is given
+    (the trainer gives it to rank 0 only)."""
     e = cfg.eval
+    active = dist is not None and dist.active
+    rank, world = (dist.rank, dist.world_size) if active else (0, 1)
     records = [r for r in prompts.records for _ in range(e.num_per_prompt)]
-    texts = [r.prompt for r in records]
+    n = len(records)
+    index, real = eval_share(n, rank, world)
     device = next(model.parameters()).device
-    gen = torch.Generator().manual_seed(e.seed)
-    noise = torch.randn(len(records), *model.latent_shape, generator=gen)
+    noise = EvalNoise(e.seed, model.latent_shape, n, e.batch_size)
     sigmas = model_schedule(model, cfg.sampling.eval_num_steps, cfg.sampling.shift).to(device)
-    cond = encode(texts)
+    grid_n = min(e.grid_images, n)
+    scores, valid, grid = [], [], []
     was_training = model.training
     model.eval()
-    finals = []
-    for rows in torch.arange(len(records)).split(e.batch_size):
-        finals.append(sample_ode(velocity_fn, index_cond(cond, rows.to(device)), noise[rows].to(device), sigmas))
-    model.train(was_training)
-    images = model.decode(torch.cat(finals))
-    scores, valid, n_failed = score_safely(reward, images, texts, [r.metadata for r in records], max_fail_frac=1.0)
-    ok = scores[valid]
+    try:
+        for rows, mine in zip(index.split(e.batch_size), real.split(e.batch_size)):
+            batch = [records[i] for i in rows.tolist()]
+            texts = [r.prompt for r in batch]
+            final = sample_ode(velocity_fn, encode(texts), noise.rows(rows).to(device), sigmas)
+            images = model.decode(final)
+            s, v, _ = score_safely(reward, images, texts, [r.metadata for r in batch], max_fail_frac=1.0)
+            scores.append(s.cpu())
+            valid.append(v.cpu())
+            shown = (mine & (rows < grid_n)).nonzero().flatten()
+            if len(shown):
+                grid.append(to_uint8(images[shown.to(images.device)]))
+            del final, images
+    finally:
+        model.train(was_training)
+    scores_t, valid_t = torch.cat(scores), torch.cat(valid)
+    if active:
+        scores_t = dist.all_gather_tensor(scores_t.to(dist.device)).cpu()
+        valid_t = dist.all_gather_tensor(valid_t.to(dist.device)).cpu()
+    scores_t, valid_t = scores_t[:n], valid_t[:n]  # rank-major shares: the gathered rows are the images in order
+    ok = scores_t[valid_t]
     result = {
         "reward": getattr(reward, "name", type(reward).__name__),
         "reward_mean": float(ok.mean()) if len(ok) else float("nan"),
         "reward_std": float(ok.std(unbiased=False)) if len(ok) > 1 else 0.0,
-        "num_images": len(records),
+        "num_images": n,
         "num_prompts": len(prompts),
-        "num_failed": n_failed,
+        "num_failed": int(n - int(valid_t.sum())),
         "num_steps": cfg.sampling.eval_num_steps,
         "seed": e.seed,
         "per_prompt": [
             {"prompt": prompts.records[i].prompt,
-             "scores": [float(s) for s in scores[i * e.num_per_prompt:(i + 1) * e.num_per_prompt]]}
+             "scores": [float(s) for s in scores_t[i * e.num_per_prompt:(i + 1) * e.num_per_prompt]]}
             for i in range(len(prompts))
         ],
     }
+    parts = _gather_to_main(dist, torch.cat(grid) if grid else None) if grid_n else None
     if out_dir is not None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        image_grid(images, ncols=e.num_per_prompt * max(1, 16 // e.num_per_prompt)).save(out_dir / "grid.png")
+        images = [p for p in parts or [] if p is not None]
+        if images:
+            image_grid(torch.cat(images), ncols=e.num_per_prompt * max(1, 16 // e.num_per_prompt)).save(
+                out_dir / "grid.png")
         (out_dir / "eval.json").write_text(json.dumps(result, indent=2))
     return result
 
 
 def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> dict:
     """`jagg-eval`: the model the config builds, with a verified checkpoint's trained weights (its EMA when
-    train.ema_decay > 0) when given, evaluated on one process: model weights only, no engine, no optimizer."""
+    train.ema_decay > 0) when given: model weights only, no engine, no optimizer. Under a launcher of N processes
+    (torchrun, Slurm) every rank holds the whole model and evaluates its share of the images; rank 0 writes."""
     from ..checkpoint import verify_checkpoint
     from ..models import build_model
     from ..parallel.dist import init_distributed
@@ -103,6 +215,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> 
             verify_checkpoint(checkpoint)
             load_trained_weights(model, checkpoint, ema=cfg.train.ema_decay > 0)
         policy = Policy(model, cfg, dist.device)
-        return evaluate(model, policy.velocity_fn(), policy.encode, reward, cfg, prompts, out_dir)
+        return evaluate(model, policy.velocity_fn(), policy.encode, reward, cfg, prompts,
+                        out_dir if dist.is_main else None, dist)
     finally:
         dist.close()

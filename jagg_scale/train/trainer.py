@@ -261,7 +261,7 @@ class Trainer:
         history = []
         try:
             with self.preemption.armed():
-                if self.eval_prompts is not None and self.start_step == 0:
+                if self.eval_prompts is not None and self.start_step == 0 and cfg.eval.at_start:
                     self.evaluate(0)
                 for step in range(self.start_step, cfg.train.steps):
                     metrics = self.train_step(step)
@@ -301,11 +301,12 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict:
         """ODE samples on the held-out prompts after `step` updates -> out/eval/step_XXXXXXXX/{eval.json,grid.png}.
-        Every rank runs the same evaluation (a sharded model needs all ranks in its forward); rank 0 writes."""
+        Each rank samples its share of the images, eval.batch_size at a time, in the same number of forwards (a
+        sharded model needs all ranks in each); the scores are gathered to every rank, rank 0 writes."""
         out_dir = self.out / "eval" / f"step_{step:08d}"
         with self.engine.ema_weights():  # the EMA weights when train.ema_decay > 0
             result = evaluate(self.model, self.policy.velocity_fn(), self.policy.encode, self.reward, self.cfg,
-                              self.eval_prompts, out_dir if self.dist.is_main else None)
+                              self.eval_prompts, out_dir if self.dist.is_main else None, self.dist)
         self.evals[step] = result
         log.info("eval after %d steps: %s %.4f +- %.4f over %d images", step, result["reward"],
                  result["reward_mean"], result["reward_std"], result["num_images"])
