@@ -4,7 +4,11 @@
     sd3.py, flux.py       diffusers SD3/SD3.5 and FLUX.1 pipelines as velocity models (diffusers_common.py)
     lora.py               peft LoRA on the diffusers transformers; adapter off is the KL reference
 
-`build_model(cfg.model)` is the one way the trainer and jagg-eval make a model.
+`build_model(cfg.model)` is the one way the trainer and jagg-eval make a model, on the host. The trainer asks for
+`keep_stored_dtype=True` and leaves placement to the training engine (docs/loading.md): a bf16 checkpoint's
+transformer stays bf16 on the host (peak host copy: one transformer in its stored dtype, plus the frozen parts in
+their compute dtype, plus with beta > 0 the reference transformer), and is upcast to fp32 master weights shard by
+shard on the device.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ import torch
 
 from .comm import CommCounter
 from .dist import DistContext
-from .engine import EngineSpec, TrainEngine
+from .engine import HALF, EngineSpec, TrainEngine, place_
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,10 @@ class DeepSpeedEngine(TrainEngine):
         self._trainable = [name for name, p in model.named_parameters() if p.requires_grad]
         self._all_trainable = len(self._trainable) == sum(1 for _ in model.parameters())
         dtype = torch.bfloat16 if spec.bf16 else getattr(model, "master_dtype", None)
-        self._partition(model, self.ds_config, dtype)
+        if self._stage3:
+            self._partition(model, self.ds_config, dtype)
+        else:  # ZeRO-1/2 (parallel.deepspeed override): DeepSpeed casts and moves the whole module, as it always did
+            place_(model, None, getattr(model, "master_dtype", None))
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=params, config=self.ds_config, dist_init_required=False)
@@ -140,13 +143,15 @@ class DeepSpeedEngine(TrainEngine):
         self.params = params
         self.init_ema()
 
+    @property
+    def _stage3(self) -> bool:
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
+
     def _partition(self, module: torch.nn.Module, ds_config: dict, dtype: torch.dtype | None) -> None:
         """`module` (on the host) into ZeRO-3 partitions on the device, one parameter at a time (see the module
         docstring); parameters cast to `dtype` first when given, buffers moved whole (16-bit ones upcast when dtype
         is float32, as the model's float32 load had them)."""
         import deepspeed
-
-        from .engine import HALF, place_
 
         with torch.no_grad():
             for p in module.parameters():
@@ -174,6 +179,8 @@ class DeepSpeedEngine(TrainEngine):
         import deepspeed
 
         module.requires_grad_(False).eval()
+        if not self._stage3:  # ZeRO-1/2 do not partition parameters: a full copy per rank, as before
+            return place_(module, self.dist.device)
         ds = self.reference_config(module)
         self._partition(module, ds, None)
         engine, _, _, _ = deepspeed.initialize(model=module, config=ds, dist_init_required=False)

@@ -34,7 +34,8 @@ TextEncoders = Literal["all", "no_t5"]  # sd3: no_t5 loads no T5 encoder (zero T
 
 __all__ = [
     "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "KnotPlan", "Intermediate",
-    "DataSource", "RewardAggregate", "WandbMode", "Device", "TextEncoders", "Backend", "GradSync", "ErrorModel", "IntermediateMode", "RouteBy",
+    "DataSource", "RewardAggregate", "WandbMode", "Device", "Backend", "GradSync", "ErrorModel", "IntermediateMode", "RouteBy",
+    "TextEncoders",
     "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
     "DataConfig", "RewardConfig", "LogConfig", "EvalConfig", "ParallelConfig", "RunConfig",
 ]
