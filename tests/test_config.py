@@ -29,6 +29,7 @@ def _err(*overrides):
     ("model.kind", "dit, sd3, flux"),
     ("model.dtype", "float32, bfloat16"),
     ("model.attention", "sdpa, xformers"),
+    ("model.text_encoders", "all, no_t5"),
     ("sampling.sde_window_mode", "random, sliding"),
     ("jagg.mode", "jagg, exact"),
     ("jagg.route_by", "vcos, weighted"),

@@ -87,6 +87,17 @@ def test_engine_attributes_bf16_offload_and_bare_module(result):
     assert result["module_forward"]
 
 
+def test_reference_is_an_inference_engine_holding_one_world_th_per_rank(result):
+    """shard_frozen: the frozen KL reference partitioned over the 2 ranks (each holds ~half its bytes, padding of
+    at most one element per tensor aside), like the policy engine, with the unsharded copy's forward."""
+    assert result["reference"]
+    b = result["reference_bytes"]
+    pad = 4 * b["tensors"]  # fp32: at most one padding element per tensor and rank
+    for per_rank in (b["per_rank"], b["policy_per_rank"]):
+        assert len(per_rank) == 2 and sum(per_rank) >= b["full"]
+        assert all(abs(r - b["full"] / 2) <= pad for r in per_rank), (per_rank, b["full"])
+
+
 def test_single_process(tmp_path):
     res = _run(lambda port: [sys.executable, str(WORKER), str(tmp_path), "--single"], tmp_path)
     assert res["single"]

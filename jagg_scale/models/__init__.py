@@ -4,7 +4,11 @@
     sd3.py, flux.py       diffusers SD3/SD3.5 and FLUX.1 pipelines as velocity models (diffusers_common.py)
     lora.py               peft LoRA on the diffusers transformers; adapter off is the KL reference
 
-`build_model(cfg.model)` is the one way the trainer and jagg-eval make a model.
+`build_model(cfg.model)` is the one way the trainer and jagg-eval make a model, on the host. The trainer asks for
+`keep_stored_dtype=True` and leaves placement to the training engine (docs/loading.md): a bf16 checkpoint's
+transformer stays bf16 on the host (peak host copy: one transformer in its stored dtype, plus the frozen parts in
+their compute dtype, plus with beta > 0 the reference transformer), and is upcast to fp32 master weights shard by
+shard on the device.
 """
 
 from __future__ import annotations
@@ -15,10 +19,15 @@ from .dit import DiT, DiTConfig
 from .tokenizer import HashTokenizer
 
 
-def build_model(cfg) -> VelocityModel:
-    """A velocity model from the `model` config section (train.config.ModelConfig)."""
+def build_model(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
+    """A velocity model from the `model` config section (train.config.ModelConfig), on the host (CPU).
+
+    keep_stored_dtype (sd3/flux, the trainer): the transformer is loaded in the dtype its checkpoint stores when
+    that is bfloat16 and model.dtype is bfloat16 (lossless), and `model.master_dtype` (float32) tells the training
+    engine to upcast it while it places the shards on the device, so the host never holds a float32 copy.
+    False (jagg-eval, tests): the transformer is float32 right away, as before."""
     if cfg.kind in ("sd3", "flux"):
-        return _build_diffusers(cfg)
+        return _build_diffusers(cfg, keep_stored_dtype=keep_stored_dtype)
     if cfg.kind != "dit":
         raise ValueError(f"model.kind {cfg.kind!r} is not supported")
     model = DiT(cfg.dit)
@@ -31,31 +40,65 @@ def build_model(cfg) -> VelocityModel:
     return model
 
 
-def _build_diffusers(cfg) -> VelocityModel:
-    """SD3 / FLUX from a local pipeline directory, with the config's LoRA, checkpointing and attention options.
-    The transformer stays float32 (master weights; bf16 is autocast); with model.dtype bfloat16 the frozen VAE
-    and text encoders are stored in bf16, which halves their memory and never feeds a gradient."""
+def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
+    """SD3 / FLUX from a local pipeline directory, with the config's LoRA, checkpointing, attention and text-encoder
+    options. Every component is loaded straight in the dtype it will be used in (diffusers' per-component
+    `dtype=` at from_pretrained time, never float32 then cast): the frozen VAE and text encoders in bf16 when
+    model.dtype is bfloat16 (they never feed a gradient), float32 otherwise; the transformer in float32 (master
+    weights; bf16 is autocast), or with `keep_stored_dtype` in its checkpoint's bf16 (see build_model)."""
     import torch
 
     path = resolve_path(cfg.pretrained)
+    bf16 = cfg.dtype == "bfloat16"
+    frozen = torch.bfloat16 if bf16 else torch.float32
+    transformer = torch.float32
+    # LoRA: the adapter is created in the base weights' dtype (peft), so its base stays float32 as before
+    if keep_stored_dtype and bf16 and not cfg.lora.enabled and stored_dtype(path / "transformer") == torch.bfloat16:
+        transformer = torch.bfloat16
+    dtypes = {"transformer": transformer, "default": frozen}
     if cfg.kind == "sd3":
         from .sd3 import SD3Velocity  # diffusers is an optional extra: import it only when asked for
 
-        model = SD3Velocity.from_pretrained(path, resolution=cfg.resolution)
+        model = SD3Velocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
+                                            t5=cfg.text_encoders == "all")
         model.set_attention_backend(cfg.attention)  # raises early when xformers is asked for without CUDA/xformers
     else:
         from .flux import FluxVelocity
 
-        model = FluxVelocity.from_pretrained(path, resolution=cfg.resolution, guidance_scale=cfg.distilled_guidance)
-    if cfg.dtype == "bfloat16":
-        for module in model.frozen.values():
-            module.to(torch.bfloat16)
+        model = FluxVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
+                                             guidance_scale=cfg.distilled_guidance)
+    if transformer != torch.float32:
+        model.master_dtype = torch.float32  # upcast by the engine, shard by shard, on the device
     if cfg.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     if cfg.lora.enabled:
         kwargs = {"targets": tuple(cfg.lora.targets)} if cfg.lora.targets else {}
         model.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, **kwargs)
     return model
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def stored_dtype(directory):
+    """The one floating dtype every tensor of the safetensors files in `directory` is stored in (read from their
+    headers, no weights loaded), or None when they mix dtypes or there are none."""
+    import json
+    import struct
+    from pathlib import Path
+
+    import torch
+
+    seen = set()
+    files = sorted(Path(directory).glob("*.safetensors"))
+    for file in files:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        seen |= {v["dtype"] for k, v in header.items() if k != "__metadata__" and v["dtype"] in _SAFETENSORS_DTYPES}
+    if len(seen) != 1:
+        return None
+    return getattr(torch, _SAFETENSORS_DTYPES[seen.pop()])
 
 
 def load_pretrained(model: VelocityModel, path: str) -> None:
@@ -73,4 +116,4 @@ def load_pretrained(model: VelocityModel, path: str) -> None:
 
 
 __all__ = ["VelocityModel", "DiT", "DiTConfig",
-           "HashTokenizer", "build_model", "load_pretrained"]
+           "HashTokenizer", "build_model", "load_pretrained", "stored_dtype"]

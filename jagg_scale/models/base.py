@@ -6,6 +6,11 @@ The trainer and the JAGG engine only ever see three things:
     v    = model(x, sigma, cond)               # velocity, x[N, *latent_shape], sigma[N] in [0, 1]
     img  = model.decode(x)                     # images [N, 3, H, W] in [0, 1] for the rewards
 
+Placement (the trainer, parallel/): a model is built on the host. Its registered parameters (the transformer) are
+what a training engine shards and places on the device, upcast to `master_dtype` on the way when that is set;
+`place_frozen(device)` then moves the parts that never train (a diffusers VAE and text encoders) on their own.
+`reference_copy()` is the KL reference of a full fine-tune: a frozen copy of the trained part alone.
+
 `cond` is a tensor or a (nested) tuple/list/dict of tensors with the batch in dim 0, so the JAGG joint batch
 can repeat it along dim 0 (`jagg_scale.cond`). Sigma follows the rectified-flow convention of the design doc:
 x_s = (1 - s) x_0 + s e, s = 1 is pure noise, and the model predicts v = e - x_0.
@@ -13,7 +18,8 @@ x_s = (1 - s) x_0 + s e, s = 1 is pure noise, and the model predicts v = e - x_0
 
 from __future__ import annotations
 
-from typing import Sequence
+import copy
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -26,6 +32,9 @@ class VelocityModel(nn.Module):
 
     #: shape of one latent without the batch dim, e.g. (C, H, W)
     latent_shape: tuple[int, ...]
+    #: the dtype the trainable weights must have once placed (float32 master weights) when they were loaded in a
+    #: lower one to spare host memory (models.build_model(keep_stored_dtype=True)); None: as they are
+    master_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
@@ -37,3 +46,15 @@ class VelocityModel(nn.Module):
     def decode(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         """Final latents -> float images [N, 3, H, W] in [0, 1]."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ placement and the KL reference
+    def reference_copy(self) -> "VelocityModel":
+        """A frozen copy (requires_grad off, eval mode) of what trains, made on the host before placement: the KL
+        reference of a full fine-tune. Here the whole model (the built-in DiT is all transformer); the diffusers
+        adapters copy the transformer alone and share everything else."""
+        return copy.deepcopy(self).requires_grad_(False).eval()
+
+    def place_frozen(self, device: torch.device, shard_t5: Callable[[nn.Module], nn.Module] | None = None
+                     ) -> "VelocityModel":
+        """Move the frozen parts that are not registered parameters (none here) to `device`."""
+        return self

@@ -4,13 +4,23 @@ Only the transformer is a registered submodule, so `.parameters()`, `.state_dict
 The VAE and the text encoders live in a plain dict (`self.frozen`) with requires_grad False, and follow the
 adapter through `.to()` / `.double()` / `.cuda()` (`_apply` is overridden). The pipeline object is kept as
 `self.pipe` for its `encode_prompt`, tokenizers and scheduler config.
+
+Placement (train/trainer.py): the training engine shards and places the transformer (the registered parameters);
+`place_frozen(device, shard_t5=)` moves the VAE and text encoders to the device in their own dtype, the T5 encoder
+sharded for inference when asked (model.shard_t5). `reference_copy()` is the KL reference of a full fine-tune:
+`with_transformer(copy of the transformer)`, an adapter around the copy that shares this one's pipeline, VAE,
+encoders and settings by reference, so the reference velocity is the policy's latent and prompt handling around
+the frozen starting weights, at the cost of one transformer.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 
 from .base import VelocityModel
 
@@ -18,6 +28,10 @@ from .base import VelocityModel
 class DiffusersVelocity(VelocityModel):
     #: pipeline components that are frozen (set by each adapter)
     frozen_names: tuple[str, ...] = ()
+    #: the pipeline component that is the T5 text encoder (set by each adapter)
+    t5_name: str = ""
+    #: False on an adapter made by `with_transformer`: the frozen parts are the policy's, it does not move them
+    owns_frozen: bool = True
 
     def __init__(self, pipe, max_sequence_length: int):
         super().__init__()
@@ -46,9 +60,45 @@ class DiffusersVelocity(VelocityModel):
     # ------------------------------------------------------------------ device / dtype of the frozen parts
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        for module in self.frozen.values():
-            module._apply(fn)
+        if self.owns_frozen:
+            for module in self.frozen.values():
+                module._apply(fn)
         return self
+
+    def place_frozen(self, device: torch.device, shard_t5: Callable[[nn.Module], nn.Module] | None = None
+                     ) -> "DiffusersVelocity":
+        """Move the VAE and text encoders to `device`, each in its own dtype (the transformer is the engine's).
+        `shard_t5(module)`, when given, places the T5 encoder instead (parallel.fsdp.shard_for_inference moves each
+        rank's shard of it to the device)."""
+        for name, module in self.frozen.items():
+            if shard_t5 is not None and name == self.t5_name:
+                shard_t5(module)
+            else:
+                module.to(device)
+        return self
+
+    # ------------------------------------------------------------------ the KL reference
+    def with_transformer(self, transformer: nn.Module) -> "DiffusersVelocity":
+        """This adapter around another transformer of the same architecture: the pipeline, the frozen parts (the
+        same objects, not copies) and every setting are shared; only `transformer` is registered. The result does
+        not move the shared frozen parts (`.to()` moves its transformer alone)."""
+        other = type(self).__new__(type(self))
+        nn.Module.__init__(other)
+        own = set(other.__dict__)  # nn.Module's bookkeeping: parameters, buffers, submodules, hooks, mode
+        for key, value in self.__dict__.items():
+            if key not in own:
+                other.__dict__[key] = value
+        other.transformer = transformer
+        other.owns_frozen = False
+        other.train(self.training)
+        return other
+
+    def reference_copy(self) -> "DiffusersVelocity":
+        """The KL reference of a full fine-tune: a frozen copy of the transformer alone (on the host, before the
+        engine places anything), in this adapter's pipeline (see with_transformer)."""
+        ref = self.with_transformer(copy.deepcopy(self.transformer).requires_grad_(False).eval())
+        ref.master_dtype = None  # frozen: kept in the dtype it was loaded in (the checkpoint's), never upcast
+        return ref.eval()
 
     @property
     def device(self) -> torch.device:

@@ -53,6 +53,7 @@ class FluxVelocity(DiffusersVelocity):
     """v_theta(x, sigma, cond) of a diffusers FluxPipeline's transformer, on unpacked latents [N, C, H, W]."""
 
     frozen_names = ("vae", "text_encoder", "text_encoder_2")
+    t5_name = "text_encoder_2"
 
     def __init__(self, pipe, max_sequence_length: int = 512, guidance_scale: float = 3.5,
                  latent_size: int | None = None):
@@ -74,10 +75,10 @@ class FluxVelocity(DiffusersVelocity):
         self.patch_size = 2  # FLUX's 2x2 packing: the image sequence length is (H/2)(W/2) tokens
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, *, max_sequence_length: int | None = None,
+    def from_pretrained(cls, path, dtype: torch.dtype | dict = torch.float32, *, max_sequence_length: int | None = None,
                         guidance_scale: float = 3.5, latent_size: int | None = None,
                         resolution: int | None = None, local_files_only: bool = True) -> "FluxVelocity":
-        """Load a saved FluxPipeline directory (offline by default)."""
+        """Load a saved FluxPipeline directory (offline by default); `dtype` as for SD3Velocity.from_pretrained."""
         from diffusers import FluxPipeline
 
         pipe = FluxPipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)

@@ -41,6 +41,7 @@ class SD3Velocity(DiffusersVelocity):
     """v_theta(x, sigma, cond) of a diffusers StableDiffusion3Pipeline's transformer."""
 
     frozen_names = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+    t5_name = "text_encoder_3"
 
     def __init__(self, pipe, max_sequence_length: int = 256, latent_size: int | None = None):
         super().__init__(pipe, max_sequence_length)
@@ -55,13 +56,18 @@ class SD3Velocity(DiffusersVelocity):
         self.attention_backend = "sdpa"
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, *, max_sequence_length: int | None = None,
-                        resolution: int | None = None, local_files_only: bool = True) -> "SD3Velocity":
-        """Load a saved StableDiffusion3Pipeline directory (offline by default)."""
+    def from_pretrained(cls, path, dtype: torch.dtype | dict = torch.float32, *, max_sequence_length: int | None = None,
+                        resolution: int | None = None, local_files_only: bool = True, t5: bool = True
+                        ) -> "SD3Velocity":
+        """Load a saved StableDiffusion3Pipeline directory (offline by default). `dtype`: one dtype, or diffusers'
+        per-component dict ({"transformer": ..., "default": ...}) applied while loading. `t5=False` loads no T5
+        encoder (text_encoder_3 None): the pipeline then encodes zero T5 embeddings of the same shape, as diffusers
+        documents for SD3 without T5 (its tokenizer is still loaded: it fixes the T5 sequence length)."""
         from diffusers import StableDiffusion3Pipeline
 
+        no_t5 = {} if t5 else {"text_encoder_3": None}
         pipe = StableDiffusion3Pipeline.from_pretrained(str(Path(path)), dtype=dtype,
-                                                        local_files_only=local_files_only)
+                                                        local_files_only=local_files_only, **no_t5)
         if max_sequence_length is None:
             # the tokenizer's own limit for tiny test pipelines, diffusers' default 256 otherwise
             t5_max = getattr(pipe.tokenizer_3, "model_max_length", 256) if pipe.tokenizer_3 is not None else 256

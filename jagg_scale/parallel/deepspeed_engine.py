@@ -38,7 +38,18 @@ and its fp32-master + optimizer partition under dir/ds; collective; resume on th
 inside `dir`, plus per rank its EMA partition (`ema_rank<r>.safetensors`). `full_state_dict()` consolidates the
 16-bit (fp32 without bf16) weights on rank 0 with `_zero3_consolidated_16bit_state_dict` (keys of the plain
 model's `state_dict()`; {} on other ranks; LoRA: the trainable ones).
-`shard_frozen` leaves the frozen KL reference unsharded: a full copy per rank (its weights once per rank).
+
+Placement: the model arrives on the host. Before `deepspeed.initialize`, `_partition` casts each parameter on the
+host to the engine's dtype (bf16 with bf16, else the model's `master_dtype` upcast, if any), and converts the
+model to ZeRO-3 parameters with `deepspeed.zero.Init(module=...)`, which moves one parameter at a time to the
+device and partitions it at once; buffers are moved to the device. `deepspeed.initialize` then sees a ZeRO-Init
+model and neither casts nor moves the whole module (which it would do first for a plain one: the full model on
+every GPU before partitioning). The fp32 master partitions are made from the 16-bit ones, as before.
+
+The KL reference of a full fine-tune (`shard_frozen`): a second, inference-only DeepSpeed engine (ZeRO-3 without
+an optimizer: `DeepSpeedZeRoOffload`, DeepSpeed-Chat's reference model), partitioned the same way, in the dtype
+the reference copy has (the checkpoint's: no cast); its forward all-gathers each module's parameters as the
+policy's does, so each rank holds 1/world of the reference's weights (tests/dist_workers/deepspeed_worker.py).
 """
 
 from __future__ import annotations
@@ -54,7 +65,7 @@ import torch
 
 from .comm import CommCounter
 from .dist import DistContext
-from .engine import EngineSpec, TrainEngine
+from .engine import HALF, EngineSpec, TrainEngine, place_
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +131,11 @@ class DeepSpeedEngine(TrainEngine):
             log.info("DeepSpeed config:\n%s", json.dumps(self.ds_config, indent=2, sort_keys=True))
         self._trainable = [name for name, p in model.named_parameters() if p.requires_grad]
         self._all_trainable = len(self._trainable) == sum(1 for _ in model.parameters())
+        dtype = torch.bfloat16 if spec.bf16 else getattr(model, "master_dtype", None)
+        if self._stage3:
+            self._partition(model, self.ds_config, dtype)
+        else:  # ZeRO-1/2 (parallel.deepspeed override): DeepSpeed casts and moves the whole module, as it always did
+            place_(model, None, getattr(model, "master_dtype", None))
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=params, config=self.ds_config, dist_init_required=False)
@@ -128,9 +144,49 @@ class DeepSpeedEngine(TrainEngine):
         self.params = params
         self.init_ema()
 
+    @property
+    def _stage3(self) -> bool:
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
+
+    def _partition(self, module: torch.nn.Module, ds_config: dict, dtype: torch.dtype | None) -> None:
+        """`module` (on the host) into ZeRO-3 partitions on the device, one parameter at a time (see the module
+        docstring); parameters cast to `dtype` first when given, buffers moved whole (16-bit ones upcast when dtype
+        is float32, as the model's float32 load had them)."""
+        import deepspeed
+
+        with torch.no_grad():
+            for p in module.parameters():
+                if dtype is not None and p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+            for b in module.buffers():
+                up = dtype if dtype == torch.float32 and b.dtype in HALF else b.dtype
+                b.data = b.data.to(device=self.dist.device, dtype=up)
+        deepspeed.zero.Init(module=module, config_dict_or_path=ds_config, dtype=dtype)
+
+    def reference_config(self, module: torch.nn.Module) -> dict:
+        """The DeepSpeed config of the frozen reference: the run's ZeRO-3 settings without an optimizer (nor its
+        offload), 16-bit weights only where the reference already has them (it is not cast)."""
+        ds = copy.deepcopy(self.ds_config)
+        ds.pop("optimizer", None)
+        ds.pop("scheduler", None)
+        ds["zero_optimization"].pop("offload_optimizer", None)
+        ds["bf16"] = {"enabled": any(p.dtype == torch.bfloat16 for p in module.parameters())}
+        ds.pop("fp16", None)
+        return ds
+
     def shard_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
-        """The frozen KL reference, unchanged: a full copy on every rank (memory: its weights once per rank)."""
-        return module.to(self.dist.device)
+        """The frozen KL reference (on the host) as an inference-only ZeRO-3 engine: partitioned over the ranks
+        parameter by parameter like the model, gathered per forward; 1/world of its weights per rank."""
+        import deepspeed
+
+        module.requires_grad_(False).eval()
+        if not self._stage3:  # ZeRO-1/2 do not partition parameters: a full copy per rank, as before
+            return place_(module, self.dist.device)
+        ds = self.reference_config(module)
+        self._partition(module, ds, None)
+        engine, _, _, _ = deepspeed.initialize(model=module, config=ds, dist_init_required=False)
+        engine.eval()  # DeepSpeedEngine.eval returns None
+        return engine
 
     # ------------------------------------------------------------------ EMA of this rank's fp32 partitions
     @property

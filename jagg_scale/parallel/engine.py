@@ -10,6 +10,12 @@ the run configuration an engine needs); which one is `EngineSpec.backend`:
 This module is the contract and the reference engine; fsdp.py and deepspeed_engine.py import it, never the
 reverse. The contract, in the order a training step uses it:
 
+    build_engine(model, spec, dist)     the model arrives on the host; the engine places its registered
+                                        parameters (the transformer) on the device: sharded first, then the
+                                        shards moved (FSDP2 / ZeRO-3), or moved whole here. 16-bit weights are
+                                        upcast to `model.master_dtype` on the way when the model sets it
+    engine.shard_frozen(module)         a frozen copy (the KL reference of a full fine-tune) placed like the
+                                        model, sharded where the model is, without optimizer or upcast
     engine.model                        the module to call for velocities (sharded or not)
     engine.backward(out, grad, last=)   out.backward(grad) for one backward of a minibatch (the JAGG engine's
                                         backward callable); gradients accumulate, and are synchronised across
@@ -39,7 +45,7 @@ from .comm import NullCounter
 from .dist import DistContext
 from .types import Backend, GradSync
 
-__all__ = ["ENGINE_MARKER", "EngineSpec", "TrainEngine", "make_optimizer"]
+__all__ = ["ENGINE_MARKER", "EngineSpec", "TrainEngine", "make_optimizer", "place_"]
 
 ENGINE_MARKER = "engine.json"  # {"engine": name}, written into every checkpoint directory by rank 0
 
@@ -77,6 +83,39 @@ def resolve_grad_sync(spec: EngineSpec) -> str:
     return "boundary" if spec.frozen_base else "every"
 
 
+HALF = (torch.bfloat16, torch.float16)
+
+
+@torch.no_grad()
+def place_(module: torch.nn.Module, device: torch.device | None, master_dtype: torch.dtype | None = None
+           ) -> torch.nn.Module:
+    """Move `module`'s registered parameters and buffers to `device` (None: where they are) in place, one tensor at a
+    time, so that at most one full tensor is in flight; 16-bit floating ones are upcast to `master_dtype` when
+    given. Already sharded parameters (DTensors) and modules kept outside the registered tree (a diffusers
+    adapter's frozen parts) are left alone. Parameters keep their identity where the device allows (`.data` swap,
+    as nn.Module._apply does), tied ones stay tied."""
+    from torch.distributed.tensor import DTensor
+
+    done: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in list(store.items()):
+                if t is None or isinstance(t, DTensor):
+                    continue
+                if id(t) in done:  # tied: already placed through another module
+                    store[name] = done[id(t)]
+                    continue
+                dtype = master_dtype if master_dtype is not None and t.dtype in HALF else t.dtype
+                new = t.data.to(device=t.device if device is None else device, dtype=dtype)  # no copy if in place
+                if torch._has_compatible_shallow_copy_type(t, new):
+                    t.data = new
+                    done[id(t)] = t
+                else:  # e.g. to the meta device: a new tensor in the same slot
+                    done[id(t)] = store[name] = (torch.nn.Parameter(new, t.requires_grad)
+                                                 if isinstance(t, torch.nn.Parameter) else new)
+    return module
+
+
 def make_optimizer(params, spec: EngineSpec) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=tuple(spec.adam_betas),
                              eps=spec.adam_eps)
@@ -93,7 +132,7 @@ class TrainEngine:
                              "use parallel.backend fsdp2 or deepspeed")
         self.spec, self.dist = spec, dist
         self.comm = NullCounter()  # one process: no collectives to count
-        self.model = model
+        self.model = place_(model, dist.device, getattr(model, "master_dtype", None))
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, spec)
         self.init_ema()
@@ -134,8 +173,8 @@ class TrainEngine:
                     p.copy_(live[n])
 
     def shard_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
-        """A frozen copy (the KL reference of a full fine-tune), placed like the model; unchanged here."""
-        return module
+        """A frozen copy (the KL reference of a full fine-tune), placed like the model: moved whole here."""
+        return place_(module, self.dist.device)
 
     # ------------------------------------------------------------------ one minibatch
     def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None, *, last: bool = True) -> None:

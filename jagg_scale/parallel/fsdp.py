@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from .comm import CommCounter
 from .dist import DistContext
-from .engine import EngineSpec, TrainEngine, make_optimizer, resolve_grad_sync
+from .engine import EngineSpec, TrainEngine, make_optimizer, place_, resolve_grad_sync
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,14 @@ def build_mesh(device_type: str, world_size: int, replicate: int = 1) -> DeviceM
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, activation_checkpointing: bool,
-                reshard_after_forward: bool = True, prefetch: bool = True) -> nn.Module:
-    """Shard `model` in place for training (blocks, then root) and return it."""
+                reshard_after_forward: bool = True, prefetch: bool = True, device: torch.device | None = None,
+                master_dtype: torch.dtype | None = None) -> nn.Module:
+    """Shard `model` in place for training (blocks, then root) and return it.
+
+    Placement: the model may arrive on the host. Unit by unit (each block, then the root's remaining parameters),
+    the unit is placed on `device` (upcast from 16 bits to `master_dtype` on the way when given) and sharded right
+    away, so the device never holds more than one unsharded unit beside the shards (fully_shard would move the
+    unit's full parameters to the mesh's device too; placing it here first makes the upcast happen there)."""
     slots = block_slots(model)
     if not slots:
         raise ValueError(f"parallel.backend fsdp2: no transformer blocks found on {type(model).__name__}")
@@ -100,8 +106,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, activation_ch
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     units = []
     for blocks, i in slots:
+        place_(blocks[i], device, master_dtype)
         fully_shard(blocks[i], **kwargs)
         units.append(blocks[i])
+    place_(model, device, master_dtype)  # the root's own parameters (the blocks' are DTensors now: skipped)
     fully_shard(model, **kwargs)
     if prefetch:
         for prev, nxt in zip(units, units[1:]):
@@ -143,19 +151,22 @@ class FSDP2Engine(TrainEngine):
         self.spec, self.dist = spec, dist_ctx
         self.grad_sync = resolve_grad_sync(spec)
         self.mesh = build_mesh(dist_ctx.device.type, dist_ctx.world_size, spec.replicate)
-        self.model = self._parallelize(model, spec.activation_checkpointing)
+        self.model = self._parallelize(model, spec.activation_checkpointing, getattr(model, "master_dtype", None))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, spec)
         self.init_ema()
         self._options = StateDictOptions(ignore_frozen_params=spec.frozen_base)
 
-    def _parallelize(self, module: nn.Module, activation_checkpointing: bool) -> nn.Module:
+    def _parallelize(self, module: nn.Module, activation_checkpointing: bool,
+                     master_dtype: torch.dtype | None = None) -> nn.Module:
         s = self.spec
         return parallelize(module, self.mesh, bf16=s.bf16, activation_checkpointing=activation_checkpointing,
-                           reshard_after_forward=s.reshard_after_forward, prefetch=s.prefetch)
+                           reshard_after_forward=s.reshard_after_forward, prefetch=s.prefetch,
+                           device=self.dist.device, master_dtype=master_dtype)
 
     def shard_frozen(self, module: nn.Module) -> nn.Module:
-        """A frozen copy (the KL reference of a full fine-tune) sharded the same way, without an optimizer."""
+        """A frozen copy (the KL reference of a full fine-tune, on the host) sharded the same way, unit by unit onto
+        the device, in its own dtype, without an optimizer."""
         return self._parallelize(module, activation_checkpointing=False)
 
     # ------------------------------------------------------------------ one minibatch

@@ -30,10 +30,12 @@ DataSource = Literal["list", "wds"]  # prompt_file / prompts in memory | webdata
 RewardAggregate = Literal["sum", "advantage"]  # GRPO on sum_c w_c r_c | sum_c w_c A_c (MixGRPO)
 WandbMode = Literal["offline", "online", "disabled"]
 Device = Literal["auto", "cpu", "cuda"]
+TextEncoders = Literal["all", "no_t5"]  # sd3: no_t5 loads no T5 encoder (zero T5 embeddings, as diffusers does)
 
 __all__ = [
     "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "KnotPlan", "Intermediate",
     "DataSource", "RewardAggregate", "WandbMode", "Device", "Backend", "GradSync", "ErrorModel", "IntermediateMode", "RouteBy",
+    "TextEncoders",
     "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
     "DataConfig", "RewardConfig", "LogConfig", "EvalConfig", "ParallelConfig", "RunConfig",
 ]
@@ -85,6 +87,11 @@ class ModelConfig(_Section):
     attention: Attention = "sdpa"
     resolution: Optional[int] = None  # sd3/flux: image size in pixels; None = the checkpoint's native size
     distilled_guidance: float = 3.5  # flux: the guidance-embedding value FLUX.1-dev was distilled with (not CFG)
+    # sd3/flux text encoders: all, or (sd3) no_t5: the T5 encoder is not loaded, its embeddings are zeros
+    text_encoders: TextEncoders = "all"
+    # sd3/flux: the T5 encoder sharded with FSDP2 across all ranks for inference (1/world of its weights per rank;
+    # every rank must then encode the same number of times: the trainer does)
+    shard_t5: bool = False
 
     def check(self, prefix: str) -> None:
         _require(self.kind == "dit" or bool(self.pretrained), f"{prefix}.pretrained",
@@ -100,6 +107,10 @@ class ModelConfig(_Section):
                  "is supported for the diffusers backbones (sd3, flux), not the built-in dit")
         _require(self.attention == "sdpa" or self.kind == "sd3", f"{prefix}.attention",
                  "xformers is wired for sd3 only")
+        _require(self.text_encoders == "all" or self.kind == "sd3", f"{prefix}.text_encoders",
+                 f"no_t5 is supported for {prefix}.kind sd3 (FLUX's prompt embeddings are T5's)")
+        _require(not self.shard_t5 or (self.kind != "dit" and self.text_encoders == "all"), f"{prefix}.shard_t5",
+                 f"needs a T5 encoder: {prefix}.kind sd3 or flux with {prefix}.text_encoders all")
         self.lora.check(f"{prefix}.lora")
         _check_dit(self.dit, f"{prefix}.dit")
 

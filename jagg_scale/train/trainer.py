@@ -21,7 +21,6 @@ draw what one process would.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from pathlib import Path
@@ -70,14 +69,19 @@ class Trainer:
         self.evals: dict[int, dict] = {}
 
         torch.manual_seed(cfg.run.seed)
-        model = build_model(cfg.model).to(self.device)
+        # Built on the host (the transformer in its checkpoint's bf16 when model.dtype is bfloat16, the frozen parts
+        # in their compute dtype); the engine places the transformer on the device, sharded first where it shards
+        # (upcast to its fp32 master weights on the way); then the frozen parts go to the device on their own.
+        model = build_model(cfg.model, keep_stored_dtype=True)
         # The KL reference: with LoRA the same transformer with its adapter off (no copy); otherwise a frozen copy
-        # of the starting weights (rebuilt identically on resume, so checkpoints need not hold it). beta = 0 skips
-        # the reference entirely: no copy, no forwards.
+        # of the starting transformer alone, made on the host, sharded like the policy, sharing the policy's VAE
+        # and encoders (rebuilt identically on resume, so checkpoints need not hold it). beta = 0 skips the
+        # reference entirely: no copy, no forwards.
         lora = cfg.model.lora.enabled
-        ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.grpo.beta > 0 and not lora else None
+        ref = model.reference_copy() if cfg.grpo.beta > 0 and not lora else None
         self.engine = build_engine(model, engine_spec(cfg), self.dist)
         self.model = self.engine.model
+        model.place_frozen(self.device, shard_t5=self._t5_sharder() if cfg.model.shard_t5 else None)
         self.policy = Policy(self.model, cfg, self.device,
                              ref_model=self.engine.shard_frozen(ref) if ref is not None else None)
         if cfg.reward.shard and self.dist.world_size > 1:
@@ -89,6 +93,15 @@ class Trainer:
         self.preemption = Preemption()
         self.run_state = RunState(cfg, self.dist, self.engine, self.out)
         self.start_step = self.run_state.resume(self.source)
+
+    def _t5_sharder(self):
+        """model.shard_t5: the T5 encoder fully_shard-ed for inference over a 1-D mesh of every rank (a trivial
+        process group in one process), each rank's shard placed on its device (parallel.fsdp.shard_for_inference)."""
+        from ..parallel.fsdp import build_mesh, shard_for_inference
+
+        self.dist.ensure_group()
+        mesh = build_mesh(self.device.type, self.dist.world_size)
+        return lambda module: shard_for_inference(module, mesh)
 
     def _prompt_source(self):
         cfg = self.cfg

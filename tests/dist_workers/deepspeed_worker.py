@@ -14,6 +14,8 @@ engine against the single-process reference `TrainEngine`, in one launch.
   bf16        (smoke) a bf16 engine steps under autocast and exports bfloat16 weights
   offload     `offload_optimizer: cpu` (ZeRO-Offload, torch AdamW on the CPU partitions) gives the reference step
   module      forward through the bare module (`engine.module`) instead of the DeepSpeed engine still accumulates
+  reference   shard_frozen(frozen copy): an inference-only ZeRO-3 engine holding 1/world of the copy's bytes per
+              rank (as the policy engine does), whose forward equals the unsharded copy's
 
 `python deepspeed_worker.py <out> --single` (no launcher): one process, the engine's own trivial process group.
 
@@ -191,6 +193,22 @@ def main(out: Path) -> None:
     minibatch(mod, make_batch(0), rows, float(world))
     sd_mod = mod.full_state_dict()
 
+    # the KL reference of a full fine-tune: a frozen copy (made on the host) as an inference-only ZeRO-3 engine
+    frozen = make_model(0).requires_grad_(False).eval()
+    plain = copy.deepcopy(frozen)
+    ref_engine = engine.shard_frozen(frozen)
+    batch = make_batch(0)
+    with torch.no_grad():
+        ref_v = ref_engine(batch["lat1"][0], batch["sig1"][:1].expand(B), batch["cond"])
+        want_v = plain(batch["lat1"][0], batch["sig1"][:1].expand(B), batch["cond"])
+    part_bytes = lambda m: sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in m.parameters())  # noqa
+    ref_bytes = ctx.all_gather_object(part_bytes(ref_engine.module))
+    policy_bytes = ctx.all_gather_object(part_bytes(engine.module))
+    full_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    unavailable = all(p.numel() == 0 for p in ref_engine.module.parameters())  # nothing gathered between forwards
+    ref_ok = ctx.all_gather_object(torch.allclose(ref_v, want_v, rtol=1e-5, atol=1e-6) and unavailable
+                                   and not any(p.requires_grad for p in ref_engine.module.parameters()))
+
     empty = ctx.all_gather_object(all(sd == {} for sd in (sd1, sd3, sd_bf, sd_off, sd_mod, ema1, ema_pers2)))
     if rank != 0:
         ctx.barrier()
@@ -228,6 +246,9 @@ def main(out: Path) -> None:
         ema_persistent_maxdiff=[maxdiff_of(ema_pers1, ref_ema1), maxdiff_of(sd_pers2, ref2),
                                 maxdiff_of(ema_pers2, ref_ema2)],
         ema_files=sorted(p.name for p in (out / "ckpt").glob("ema_rank*")),
+        reference=all(ref_ok),
+        reference_bytes={"per_rank": ref_bytes, "policy_per_rank": policy_bytes, "full": full_bytes,
+                         "tensors": sum(1 for _ in plain.parameters())},
         bf16=(set(sd_bf) == plain_keys and all(v.dtype == torch.bfloat16 for v in sd_bf.values())
               and norm_bf == norm_bf
               and all(torch.allclose(sd_bf[k].float(), ref1[k], atol=2e-2, rtol=2e-2) for k in ref1)),
