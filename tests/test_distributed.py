@@ -220,9 +220,11 @@ def test_knot_planner_agrees_across_ranks(tmp_path):
 
 def test_hsdp_replicas_match_and_reduce_by_all_reduce(fsdp2_run, tmp_path):
     """parallel.replicate=2 on 2 processes: a (replicate=2, shard=1) HSDP mesh, i.e. two full replicas. No
-    parameter all-gathers; gradients are all-reduced across the replicas once per unit per minibatch."""
+    parameter all-gathers; gradients are all-reduced across the replicas once per unit per minibatch (grad_sync
+    boundary, auto's choice for LoRA, the usual HSDP run)."""
     _, ref = fsdp2_run
-    rows = run(2, tmp_path / "hsdp", "parallel.backend=fsdp2", "parallel.replicate=2", "train.steps=2")
+    rows = run(2, tmp_path / "hsdp", "parallel.backend=fsdp2", "parallel.replicate=2", "train.steps=2",
+               "parallel.grad_sync=boundary")
     close(rows, ref[:2])
     for r in rows:
         assert "comm_train_all_gather" not in r
