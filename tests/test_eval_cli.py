@@ -18,6 +18,8 @@ SMALL = ["model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_s
          "train.batch_size=6", "log.progress=false", "run.checkpoint_every=0", "train.steps=2", "jagg.window=2"]
 EVAL = ["eval.enabled=true", "eval.prompts=[a red apple, a blue sky]", "eval.num_per_prompt=2"]
 
+pytestmark = pytest.mark.slow  # each test trains a run and evaluates it twice (~2-6 s): outside make test-fast
+
 
 @pytest.mark.parametrize("extra", [
     [],
