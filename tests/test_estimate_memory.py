@@ -1,0 +1,84 @@
+"""The memory estimator (tools/estimate_memory.py) on the shipped production configs, from the committed shapes and
+measured coefficients (nothing is measured here): every config fits 8 GPUs of 80 GB with >= 10% headroom as
+shipped, each phase's components add up to its total, and the shapes count the published parameter numbers."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools import estimate_memory as E  # noqa: E402
+
+PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps"]
+GPU_80GB = 79.2  # GiB torch reports for an 80 GB H100 / A100
+HEADROOM = 0.10
+
+
+@pytest.fixture(scope="module")
+def estimates():
+    out = {}
+    for name in PRODUCTION:
+        s = E.prepare(E.load_run_config(ROOT / "configs" / f"{name}.yaml"), 8)
+        out[name] = (s, E.estimate(s))
+    return out
+
+
+@pytest.mark.parametrize("name", PRODUCTION)
+def test_shipped_config_fits_8_gpus_of_80gb_with_headroom(name, estimates):
+    s, est = estimates[name]
+    cfg = s["cfg"]
+    assert cfg.parallel.backend == "fsdp2" and cfg.parallel.activation_checkpointing
+    assert cfg.train.micro_batch_size >= 1 and est["micro_batch_size"] == min(cfg.train.micro_batch_size,
+                                                                                est["local_batch"])
+    assert est["total"] <= (1 - HEADROOM) * GPU_80GB * E.GiB, E.report(s, est, GPU_80GB)
+    assert est["phases"]["update"]["components"]["activations"] > 0  # the joint pass is estimated, not left out
+
+
+@pytest.mark.parametrize("name", PRODUCTION)
+def test_components_add_up_to_each_phase_total_and_the_peak_is_the_largest_phase(name, estimates):
+    _, est = estimates[name]
+    for phase in est["phases"].values():
+        assert sum(phase["components"].values()) == pytest.approx(phase["total"], rel=1e-12)
+        assert all(v >= 0 for v in phase["components"].values())
+    assert est["total"] == max(p["total"] for p in est["phases"].values())
+    assert est["phases"][est["peak_phase"]]["total"] == est["total"]
+
+
+def test_a_larger_micro_batch_costs_more_and_the_chosen_one_is_the_largest_that_fits(estimates):
+    s, _ = estimates["flux1_dev_hps"]
+    small, large = E.estimate(s, 1), E.estimate(s, 4)
+    assert large["phases"]["update"]["components"]["activations"] > small["phases"]["update"]["components"]["activations"]
+    m, est = E.choose_micro(s, GPU_80GB, HEADROOM)
+    assert m is not None and est["total"] <= (1 - HEADROOM) * GPU_80GB * E.GiB
+    if m < est["local_batch"]:
+        assert E.estimate(s, m + 1)["total"] > (1 - HEADROOM) * GPU_80GB * E.GiB
+
+
+@pytest.mark.parametrize("shape, component, published, extra", [
+    ("sd35_medium", "transformer", 2.47e9, "pos_embed"),  # the published count includes the pos_embed table
+    ("sd35_large", "transformer", 8.1e9, "pos_embed"),
+    ("flux1_dev", "transformer", 11.9e9, None),
+    ("sd35_medium", "text_encoder", 123.7e6, None),
+    ("sd35_medium", "text_encoder_2", 694.7e6, None),
+    ("sd35_medium", "text_encoder_3", 4.762e9, None),
+    ("flux1_dev", "vae", 83.8e6, None),
+])
+def test_shapes_count_the_published_parameters(shape, component, published, extra):
+    comp = E.pipeline_shapes(None, shape)["components"][component]
+    n = E.component_params(comp)
+    if extra:
+        n += E.transformer_stats(comp)["buffers"] // 4  # SD3's fp32 pos_embed table, a buffer here
+    assert n == pytest.approx(published, rel=0.01)
+
+
+def test_the_cli_prints_the_table_and_the_chosen_micro_batch(capsys):
+    E.main([str(ROOT / "configs" / "sd35m_ocr.yaml"), "--world-size", "32", "--gpu-mem", "139.8"])
+    out = capsys.readouterr().out
+    assert "largest train.micro_batch_size that fits:" in out and "| **total** |" in out and "fits with >= 10%" in out

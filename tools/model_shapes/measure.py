@@ -1,0 +1,247 @@
+"""CPU measurement of the activation coefficients tools/estimate_memory.py composes (see its docstring).
+
+    python tools/estimate_memory.py CONFIG ... --measure      measures what the config needs and is not cached yet
+
+One real block of each type of a transformer runs at its true width on a few hundred tokens, in three modes
+(with grad, with per-block checkpointing as diffusers does it, without grad); torch.profiler's memory events give
+the tensor peak. Per block type and mode four quantities are recorded and fit as rows x (a x image tokens + b x
+text tokens + c) + d over six (rows, image tokens, text tokens) points (POINTS):
+
+    fpeak   peak during the forward, above its inputs        keep    bytes left after the forward (saved + outputs)
+    out     bytes of the outputs (= their gradients)         bpeak   peak during the backward, above its start
+
+The whole transformer with one block of each type is measured too; what the composition of its blocks does not
+explain is the root residual (embedders, head, their saved tensors), fit the same way. Frozen components (text
+encoders, VAE decoder, reward CLIP) are measured without grad as the pipeline calls them.
+
+bf16 runs emulate the GPU: bf16 parameters and inputs cast to bf16 at the root and every block (FSDP2's
+MixedPrecisionPolicy), CPU autocast, and layer_norm / group_norm in float32 (CUDA autocast's float32 list; CPU
+autocast keeps them in bf16). Block inputs are captured from a no-grad forward of the model, so their dtypes are
+the model's.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from tools.estimate_memory import LORA_TARGETS, _clean, block_lists, compose, meta_module
+
+# (rows, image patches h x w, text tokens): image tokens 64 / 256, text 32 / 128, rows 1 / 2 / 4 (six points, four
+# coefficients: a least-squares fit whose worst relative residual is recorded)
+POINTS = [(1, 8, 8, 32), (1, 16, 16, 32), (1, 8, 8, 128), (2, 8, 8, 32), (4, 8, 8, 32), (2, 16, 16, 128)]
+MODES = ("grad", "ckpt", "nograd")
+
+
+def _profile(fn):
+    """(peak, end) of live tensor bytes above the start while fn runs, from the allocator's events; fn's result."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type().name == "CPU"), key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak, cur, out
+
+
+def _cuda_autocast_numerics():
+    """CUDA autocast runs layer_norm / group_norm in float32 (CPU autocast keeps bf16): emulate it on the CPU."""
+    import torch.nn.functional as F
+
+    def fp32(func):
+        def wrapped(*args, **kwargs):
+            if not torch.is_autocast_enabled("cpu"):
+                return func(*args, **kwargs)
+            up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+            with torch.autocast("cpu", enabled=False):
+                return func(*map(up, args), **{k: up(v) for k, v in kwargs.items()})
+        wrapped.jagg_fp32 = True
+        return wrapped
+
+    for name in ("layer_norm", "group_norm"):
+        if not getattr(getattr(F, name), "jagg_fp32", False):
+            setattr(F, name, fp32(getattr(F, name)))
+
+
+def _to_bf16(x):
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.bfloat16) if x.is_floating_point() else x
+    return type(x)(_to_bf16(v) for v in x) if isinstance(x, (tuple, list)) else x
+
+
+def _cast_inputs_hook(module, args, kwargs):  # FSDP2 MixedPrecisionPolicy(cast_forward_inputs=True)
+    return _to_bf16(args), {k: _to_bf16(v) for k, v in kwargs.items()}
+
+
+def _model_inputs(kind: str, model, cfg: dict, n: int, h: int, w: int, t: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    common = dict(encoder_hidden_states=r(n, t, cfg["joint_attention_dim"]),
+                  pooled_projections=r(n, cfg["pooled_projection_dim"]), return_dict=False)
+    if kind == "sd3":
+        p = cfg["patch_size"]
+        return dict(hidden_states=r(n, cfg["in_channels"], h * p, w * p), timestep=torch.rand(n) * 1000, **common)
+    ids = torch.zeros(h, w, 3)
+    ids[..., 1], ids[..., 2] = torch.arange(h)[:, None], torch.arange(w)[None, :]
+    guidance = torch.full((n,), 3.5) if cfg.get("guidance_embeds") else None
+    return dict(hidden_states=r(n, h * w, cfg["in_channels"]), timestep=torch.rand(n), guidance=guidance,
+                img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(t, 3), **common)
+
+
+def _min_transformer(comp: dict) -> tuple[torch.nn.Module, list[str]]:
+    """The transformer at its real width with one block of each type; the real depth's block types in order."""
+    cfg = _clean(comp["config"])
+    lib = importlib.import_module("diffusers")
+    if comp["class"].startswith("SD3"):
+        L, dual = cfg["num_layers"], set(cfg.get("dual_attention_layers") or ())
+        types = ["last" if i == L - 1 else "dual" if i in dual else "joint" for i in range(L)]
+        kinds = list(dict.fromkeys(types))
+        small = dict(cfg, num_layers=len(kinds), dual_attention_layers=(0,) if "dual" in kinds else (),
+                     pos_embed_max_size=max(POINTS[-1][1:3]))
+    else:
+        types = ["double"] * cfg["num_layers"] + ["single"] * cfg["num_single_layers"]
+        kinds = list(dict.fromkeys(types))
+        small = dict(cfg, num_layers=int("double" in kinds), num_single_layers=int("single" in kinds))
+    torch.manual_seed(0)
+    return getattr(lib, comp["class"])(**small), types
+
+
+def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
+    """Fit coefficients of every measured quantity of each block type and of the root residual (module docstring)."""
+    from torch.utils.checkpoint import checkpoint
+
+    kind = "sd3" if comp["class"].startswith("SD3") else "flux"
+    model, types = _min_transformer(comp)
+    if lora_rank:
+        from peft import LoraConfig
+
+        model.requires_grad_(False)
+        model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(LORA_TARGETS)))
+    blocks = [b for bl in block_lists(model) for b in bl]
+    kinds = list(dict.fromkeys(types))
+    if precision == "bf16_mp":
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        for mod in [model, *blocks]:
+            mod.register_forward_pre_hook(_cast_inputs_hook, with_kwargs=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    _cuda_autocast_numerics()
+    amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")  # noqa: E731
+    cfg = _clean(comp["config"])
+
+    def run(fn, args, mode):
+        """(forward peak, saved after forward, output bytes, backward peak) of fn(*args) in mode."""
+        with amp():
+            if mode == "nograd":
+                with torch.no_grad():
+                    peak, end, out = _profile(lambda: fn(*args))
+                return peak, end, end, 0
+            call = (lambda: checkpoint(fn, *args, use_reentrant=False)) if mode == "ckpt" else (lambda: fn(*args))
+            fpeak, keep, out = _profile(call)
+            outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+            ups = [torch.randn_like(o) for o in outs]
+            bpeak, _, _ = _profile(lambda: torch.autograd.backward(outs, ups))
+            return fpeak, keep, sum(o.numel() * o.element_size() for o in outs), bpeak
+
+    samples = {k: {} for k in kinds + ["model"]}
+    for pt in POINTS:
+        n, h, w, t = pt
+        inputs = _model_inputs(kind, model, cfg, n, h, w, t)
+        captured = {}
+        hooks = [b.register_forward_pre_hook(lambda m, a, kw, i=i: captured.setdefault(i, (a, kw)), with_kwargs=True)
+                 for i, b in enumerate(blocks)]
+        with torch.no_grad(), amp():
+            model(**inputs)
+        for hk in hooks:
+            hk.remove()
+        for i, b in enumerate(blocks):
+            a, kw = captured[i]
+            names = ["hidden_states", "encoder_hidden_states", "temb"] + (["image_rotary_emb"] if kind == "flux" else [])
+            args = [kw[k] for k in names]
+            for mode in MODES:
+                fresh = [x.detach().requires_grad_(bool(trainable))  # as inside the model: they depend on weights
+                         if isinstance(x, torch.Tensor) and k != "image_rotary_emb" else x for k, x in zip(names, args)]
+                if pt == POINTS[0]:
+                    run(b, fresh + [None], mode)  # warm-up (lazy initialisation)
+                samples[kinds[i]].setdefault(mode, []).append((pt, run(b, fresh + [None], mode)))
+        fn = lambda **kw: model(**kw)[0]  # noqa: E731
+        for mode in MODES:
+            model.disable_gradient_checkpointing() if mode != "ckpt" else model.enable_gradient_checkpointing()
+            call = lambda *a: fn(**inputs)  # noqa: E731
+            if pt == POINTS[0]:
+                run(call, [], "grad" if mode == "ckpt" else mode)
+            samples["model"].setdefault(mode, []).append((pt, run(call, [], "grad" if mode == "ckpt" else mode)))
+    fits, worst = {}, 0.0
+    names = ("fpeak", "keep", "out", "bpeak")
+    for k in kinds:
+        fits[k] = {f"{q}_{mode}": _fit([(pt, v[j]) for pt, v in samples[k][mode]])
+                   for mode in MODES for j, q in enumerate(names)}
+    for mode in MODES:  # root residual: whole model minus the composed blocks of the min model
+        resid = []
+        for pt, v in samples["model"][mode]:
+            whole = v[0] if mode == "nograd" else max(v[0], v[1] + v[2] + v[3])
+            resid.append((pt, whole - compose(fits, kinds, mode, *_tok(pt))))
+        fits[f"root_{mode}"] = _fit(resid)
+    for k in kinds:
+        for q, coef in fits[k].items():
+            worst = max(worst, coef[4])
+    return {"types": types, "fits": fits, "max_rel_fit_residual": worst}
+
+
+def _tok(pt):
+    n, h, w, t = pt
+    return n, h * w, t
+
+
+def _fit(samples) -> list[float]:
+    """Least squares bytes = rows x (a image tokens + b text tokens + c) + d; [a, b, c, d, max relative residual]."""
+    X = torch.tensor([[n * i, n * t, n, 1.0] for (n, i, t) in (_tok(pt) for pt, _ in samples)], dtype=torch.float64)
+    y = torch.tensor([float(v) for _, v in samples], dtype=torch.float64)
+    coef = torch.linalg.pinv(X) @ y  # minimum norm where a variable does not vary (a fixed sequence length)
+    rel = ((X @ coef - y).abs() / y.abs().clamp_min(1.0)).max()
+    return [*coef.tolist(), float(rel)]
+
+
+def measure_nograd(comp: dict, what: str, dtype: torch.dtype, seq: int) -> list[float]:
+    """Fit of the no-grad forward peak of a frozen component: a text encoder on `seq` tokens, the VAE decoder
+    (per latent pixel) or a reward CLIP (per 224 px image), as the pipeline / reward calls them."""
+    config = _clean(comp["config"])
+    if what == "t5":
+        config["num_layers"] = min(2, config["num_layers"])  # the peak does not grow with depth (no hidden states kept)
+    if what == "reward":
+        config["text_config"] = dict(config["text_config"], num_hidden_layers=2)
+        config["vision_config"] = dict(config["vision_config"], num_hidden_layers=2)
+    torch.manual_seed(0)
+    module = meta_module(dict(comp, config=config), "cpu").to(dtype).eval()
+    samples = []
+    # the VAE from 2 images up: with one image the CPU convolution takes an im2col path (9x its input, +56 KB per
+    # latent pixel) that 2+ images and cuDNN do not; from 2 up the peak is linear, 96 KB per latent pixel and image
+    grid = ((2, 16), (3, 16), (2, 32), (3, 32), (2, 48)) if what == "vae" else ((1, 0), (2, 0), (3, 0))
+    for n, size in grid:
+        if what == "vae":
+            x = torch.randn(n, config["latent_channels"], size, size, dtype=dtype)
+            fn = lambda: ((module.decode(x, return_dict=False)[0].float() + 1) / 2).clamp(0, 1)  # noqa: E731
+            pt = (n, size, size, 0)
+        elif what == "reward":
+            img = config["vision_config"]["image_size"]
+            x = torch.randn(n, 3, img, img, dtype=dtype)
+            fn = lambda: module.get_image_features(pixel_values=x)  # noqa: E731
+            pt = (n, 0, 0, 1)
+        else:
+            x = torch.randint(0, 100, (n, seq)) % module.config.vocab_size
+            hidden = what == "clip_hidden"  # SD3 takes CLIP's penultimate hidden state: every layer's output is kept
+            fn = lambda: module(x, output_hidden_states=True) if hidden else module(x)[0]  # noqa: E731
+            pt = (n, 0, 0, seq)
+        with torch.no_grad():
+            fn()
+            samples.append((pt, _profile(fn)[0]))
+    return _fit(samples)
+
+
