@@ -53,7 +53,7 @@ def _minibatch(engine, seen: list | None = None) -> float:
             engine.backward(v, g, last=last)
         else:
             engine.backward((v.float() * g).pow(2).mean(), last=last)
-    return engine.step()
+    return float(engine.step())  # a 0-d tensor: the trainer reads it with the step's other metrics
 
 
 @pytest.fixture

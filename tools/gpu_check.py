@@ -15,9 +15,10 @@ Sections, each in its own try block (a failing one is recorded and the next runs
     memory   the production micro-batch (sd35m_pickscore: 72 rows per rank): peak memory of one per-step pass
              (72 rows) and of one joint pass (144 rows), random trajectories; compare with
              tools/estimate_memory.py
-    syncs    host synchronisations in one training step of the tiny SD3 pipeline on the device (Trainer.train_step,
-             after a warm-up step): the training thread's calls (HostSyncs) and, on CUDA, every real sync
-             (torch.cuda sync debug mode)
+    syncs    host synchronisations in one training step (Trainer.train_step, after a warm-up step) of the
+             sd35m_pickscore per-rank loop (tests/test_host_syncs.py LAYOUT) on the tiny SD3 pipeline: the
+             training thread's reads of device tensors (HostSyncs) and, on CUDA, every real sync of the process
+             (torch.cuda sync debug mode), with where they happen
     train    `jagg-train` of the tiny SD3 pipeline for 2 steps with run.device=<device>: backend none, then fsdp2
              under torchrun with one process (NCCL on a GPU)
 """
@@ -214,7 +215,7 @@ def section_window(args, device, state) -> dict:
     sigmas = sigma_schedule(NUM_STEPS, SHIFT).to(device)
     t0 = time.perf_counter()
     with torch.no_grad():
-        traj = sample_sde(policy, cond, noise, sigmas, noise_level=NOISE_LEVEL, generator=gen)
+        traj = sample_sde(policy, cond, noise, sigmas, noise_level=NOISE_LEVEL, generator=torch.Generator().manual_seed(0))
     sync(device)
     info["rollout_seconds"] = round(time.perf_counter() - t0, 3)
     adv = torch.randn(B, generator=gen, device=device)
@@ -291,15 +292,18 @@ def train_overrides(pipe: Path, out: Path, device: torch.device) -> list[str]:
 def section_syncs(args, device, state) -> dict:
     from jagg_scale.train import Trainer, load_config
 
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_host_syncs import LAYOUT  # sd35m_pickscore's per-rank loop on the tiny pipeline (the CPU test's)
+
     work = Path(state["work"])
     cfg = load_config(ROOT / "configs" / "sd3_tiny_cpu.yaml",
-                      train_overrides(tiny_pipeline(work), work / "syncs_run", device))
+                      [*LAYOUT, *train_overrides(tiny_pipeline(work), work / "syncs_run", device)])
     trainer = Trainer(cfg)
     try:
         trainer.train_step(0)  # warm-up: allocator, kernels, lazy init
         sync(device)
         out = {}
-        with HostSyncs() as host:
+        with HostSyncs(device=device.type if device.type == "cuda" else None, sites=True) as host:
             if device.type == "cuda":
                 with CudaSyncs() as cuda:
                     metrics = trainer.train_step(1)
@@ -310,6 +314,7 @@ def section_syncs(args, device, state) -> dict:
                 metrics = trainer.train_step(1)
         out["host_syncs_per_step"] = host.count
         out["host_sync_calls"] = dict(host.by_call.most_common(12))
+        out["host_sync_sites"] = dict(host.by_site.most_common(20))
         out["reward_mean"] = metrics.get("reward_mean")
         return out
     finally:

@@ -260,14 +260,14 @@ class DeepSpeedEngine(TrainEngine):
         finally:
             self.engine.set_gradient_accumulation_boundary(True)
 
-    def step(self) -> float:
+    def step(self) -> torch.Tensor:
         """Clip (grad_clip, inside DeepSpeed), AdamW on the partitions, zero grads, EMA; the global pre-clip
-        gradient norm."""
+        gradient norm (0-d; DeepSpeed has read it to the host already)."""
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         self.update_ema()
-        return float("nan") if norm is None else float(norm)
+        return torch.tensor(float("nan") if norm is None else float(norm))
 
     # ------------------------------------------------------------------ state
     def _ema_file(self, directory: Path) -> Path:

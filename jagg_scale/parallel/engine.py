@@ -21,7 +21,7 @@ reverse. The contract, in the order a training step uses it:
                                         backward callable); gradients accumulate, and are synchronised across
                                         ranks when `last` is True (the minibatch's accumulation boundary), or at
                                         every backward under grad_sync every (resolve_grad_sync)
-    engine.step() -> grad_norm          clip (grad_clip) and step the optimizer, zero grads, update the EMA;
+    engine.step() -> grad_norm (0-d)    clip (grad_clip) and step the optimizer, zero grads, update the EMA;
                                         returns the global gradient norm before clipping
     engine.comm                         the collective counter (comm.py): a CommCounter on engines that issue
                                         collectives, a NullCounter (same phase()/take()) here
@@ -182,13 +182,15 @@ class TrainEngine:
         minibatch's last backward): sharded engines synchronise gradients across ranks only then."""
         out.backward(grad)
 
-    def _clip_grads(self) -> float:
-        """Clip the gradients to spec.grad_clip (0: no clipping); the global norm before clipping."""
+    def _clip_grads(self) -> torch.Tensor:
+        """Clip the gradients to spec.grad_clip (0: no clipping); the global norm before clipping (0-d, on the
+        device: the trainer reads it with the step's other metrics, not here)."""
         max_norm = self.spec.grad_clip if self.spec.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm).detach()
 
-    def step(self) -> float:
-        """Clip, optimizer step, zero grads, EMA update; returns the global gradient norm before clipping."""
+    def step(self) -> torch.Tensor:
+        """Clip, optimizer step, zero grads, EMA update; returns the global gradient norm before clipping (a 0-d
+        tensor: reading it is a host synchronisation, left to the caller)."""
         norm = self._clip_grads()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

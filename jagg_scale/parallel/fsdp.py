@@ -178,10 +178,10 @@ class FSDP2Engine(TrainEngine):
         finally:
             self.model.set_requires_gradient_sync(True)
 
-    def _clip_grads(self) -> float:
+    def _clip_grads(self) -> torch.Tensor:
         max_norm = self.spec.grad_clip if self.spec.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
     # ------------------------------------------------------------------ state
     def _dcp_state(self) -> dict:

@@ -100,7 +100,7 @@ def minibatch(engine: TrainEngine, batch: dict, rows: slice, scale: float, last_
         jagg_backward(fn, batch["lat1"][:, rows], batch["sig1"], cond, loss_fn(0),
                       cached_velocities=batch["cached"][:, rows], intermediate="cached", backward=off_boundary)
     exact_backward(fn, batch["lat2"][:, rows], batch["sig2"], cond, loss_fn(W1), backward=to_engine)
-    return engine.step()
+    return float(engine.step())
 
 
 def reference(init: dict, steps: int, last_only: bool = False) -> tuple[dict, list, dict]:
