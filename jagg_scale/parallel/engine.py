@@ -28,7 +28,8 @@ reverse. The contract, in the order a training step uses it:
     engine.ema / ema_weights()          ema_decay > 0: the EMA of the trainable weights (None when off), and a
                                         context with it swapped into the model (evaluation, export)
     engine.save(dir) / load(dir)        model + optimizer (+ EMA) state into / from a checkpoint directory
-                                        (collective); load refuses a checkpoint written by another engine
+                                        (collective); save returns the files this rank wrote (each rank hashes
+                                        its own, checkpoint/digests.py); load refuses another engine's checkpoint
     engine.full_state_dict()            the trainable weights gathered on rank 0 for export (others get {})
 """
 
@@ -210,13 +211,16 @@ class TrainEngine:
         """The trainable weights for export, on rank 0 (other ranks get {}); here the live tensors."""
         return self.trainable_state_dict()
 
-    def save(self, directory: Path) -> None:
-        """This engine's state into `directory` (collective: every rank calls it) and the engine marker."""
-        self._save(directory)
+    def save(self, directory: Path) -> list[Path]:
+        """This engine's state into `directory` (collective: every rank calls it) and the engine marker (rank 0);
+        returns the files this rank wrote, which this rank then hashes for the manifest. A file left out is not
+        lost: rank 0 hashes whatever no rank reported, only slower."""
+        files = list(self._save(directory))
         if self.dist.is_main:
             from ..checkpoint.local import _write_bytes
 
-            _write_bytes(directory / ENGINE_MARKER, json.dumps({"engine": self.name}).encode())
+            files.append(_write_bytes(directory / ENGINE_MARKER, json.dumps({"engine": self.name}).encode()))
+        return files
 
     def load(self, directory: Path) -> None:
         """State from a checkpoint `directory` written by the same engine (CheckpointError otherwise)."""
@@ -237,13 +241,14 @@ class TrainEngine:
                                   f"{writer}), this run uses {self.name} (parallel.backend {self.name}): resume "
                                   f"with parallel.backend {writer}")
 
-    def _save(self, directory: Path) -> None:
+    def _save(self, directory: Path) -> list[Path]:
         from ..checkpoint.local import _write_object, _write_tensors
 
-        _write_tensors(directory / "model.safetensors", self.trainable_state_dict())
-        _write_object(directory / "optimizer.pt", self.optimizer.state_dict())
+        files = [_write_tensors(directory / "model.safetensors", self.trainable_state_dict()),
+                 _write_object(directory / "optimizer.pt", self.optimizer.state_dict())]
         if self.ema is not None:
-            _write_tensors(directory / "ema.safetensors", self.ema)
+            files.append(_write_tensors(directory / "ema.safetensors", self.ema))
+        return files
 
     def _load(self, directory: Path) -> None:
         from safetensors.torch import load_file

@@ -23,7 +23,8 @@ fine-tune and boundary for LoRA. The all-gather cycles are one per joint JAGG pa
 and under `every` the reduce-scatters too. `engine.comm` (comm.py) measures that.
 
 Checkpoints are torch.distributed.checkpoint (DCP) directories: each rank writes its shards (the EMA shards
-too), and a checkpoint written by N ranks loads on M (DCP reshards on load).
+too) and reports which files those were (`_ListingWriter`), and a checkpoint written by N ranks loads on M (DCP
+reshards on load).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Iterable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -142,6 +144,25 @@ def shard_for_inference(module: nn.Module, mesh: DeviceMesh, forward_methods: It
 # ------------------------------------------------------------------------------------------ the training engine
 
 
+class _ListingWriter(FileSystemWriter):
+    """DCP's filesystem writer, noting the files this rank wrote: its shards (the write results name them) and, on
+    the coordinator, `.metadata`. Anything it misses is still hashed, by rank 0 (checkpoint/local.py)."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        self.written: list[str] = []
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        names = {getattr(r.storage_data, "relative_path", None) for r in future.wait()}  # done: DCP writes in place
+        self.written += sorted(n for n in names if n)
+        return future
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        self.written.append(".metadata")  # torch's name for the global metadata file the coordinator writes
+
+
 class FSDP2Engine(TrainEngine):
     name = "fsdp2"
 
@@ -188,8 +209,10 @@ class FSDP2Engine(TrainEngine):
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options)
         return {"model": model_sd, "optimizer": optim_sd, **({"ema": self.ema} if self.ema is not None else {})}
 
-    def _save(self, directory: Path) -> None:
-        dcp.save(self._dcp_state(), checkpoint_id=str(directory / "dcp"))
+    def _save(self, directory: Path) -> list[Path]:
+        writer = _ListingWriter(directory / "dcp")
+        dcp.save(self._dcp_state(), storage_writer=writer)
+        return [directory / "dcp" / name for name in writer.written]
 
     def _load(self, directory: Path) -> None:
         state = self._dcp_state()

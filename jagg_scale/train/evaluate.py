@@ -212,7 +212,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> 
         torch.manual_seed(cfg.run.seed)
         model = build_model(cfg.model).to(dist.device)
         if checkpoint is not None:
-            verify_checkpoint(checkpoint)
+            verify_checkpoint(checkpoint, dist)  # collective: each rank hashes its share, all fail alike
             load_trained_weights(model, checkpoint, ema=cfg.train.ema_decay > 0)
         policy = Policy(model, cfg, dist.device)
         return evaluate(model, policy.velocity_fn(), policy.encode, reward, cfg, prompts,

@@ -282,13 +282,12 @@ class Trainer:
                     history.append(metrics)
                     last = step + 1 == cfg.train.steps
                     preempted = self._agree(self.preemption.requested)
-                    if last or preempted or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
-                        self.run_state.save(step + 1, self.source)
-                        self.run_state.export(self.model)
+                    self.run_state.after_step(step + 1, self.source, self.model, last=last, preempted=preempted)
                     if preempted:
                         self._exit_preempted(step + 1)
                     if self.eval_prompts is not None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
                         self.evaluate(step + 1)
+                self.run_state.finish(self.model, cfg.train.steps)  # the final export, if the loop did not write it
         finally:
             if logger is not None:
                 logger.close()
