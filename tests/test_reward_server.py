@@ -125,6 +125,9 @@ def _raw(url: str, body: bytes | None = None, headers: dict | None = None) -> tu
         return e.code, json.loads(e.read())
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -208,7 +211,7 @@ def test_bad_requests_400_name_the_field(start):
         json.dumps({"prompts": ["p", "q"], "images": [good, other_size]}).encode(): r"images\[1\]: size",
     }
     for body, pattern in cases.items():
-        status, reply = _raw(url, body, {"Content-Type": "application/json"})
+        status, reply = _raw(url, body, JSON)
         assert status == 400, (body[:40], reply)
         assert re.search(pattern, reply["error"]), (pattern, reply)
 
@@ -244,7 +247,7 @@ def test_raising_reward_500_retried_then_masked(start):
 def test_nan_scores_travel_as_null_and_are_masked(start):
     srv = start({"nan": _Nan()})
     body = json.dumps({"prompts": ["p"] * 4, "images": encode_images(_photos(8))}).encode()
-    status, reply = _raw(srv.url + "/score/nan", body)
+    status, reply = _raw(srv.url + "/score/nan", body, JSON)
     assert status == 200 and reply["scores"] == [1.0, None, 3.0, None] and reply["info"] == {"x": None}
     out = _remote(srv, "nan")(_photos(8), *_meta(4))
     assert out.scores[0] == 1.0 and out.scores[1].isnan() and out.scores[3].isnan()
