@@ -14,6 +14,7 @@ import sys
 
 
 def train_main(argv: list[str] | None = None) -> int:
+    launcher = os.getppid()  # before the slow imports: the agent (under torchrun) for follow_launcher
     parser = argparse.ArgumentParser(prog="jagg-train", description="GRPO fine-tuning with JAGG")
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=2 jagg.window=4")
@@ -21,7 +22,9 @@ def train_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from .train import ConfigError, Trainer, load_config, summarize
+    from .train.preemption import follow_launcher
 
+    follow_launcher(launcher)  # under torchrun: SIGTERM (checkpoint, exit) when the agent dies, never an orphan
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:  # before any work: name the key and stop
@@ -55,6 +58,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def eval_main(argv: list[str] | None = None) -> int:
+    launcher = os.getppid()
     parser = argparse.ArgumentParser(prog="jagg-eval", description="deterministic ODE evaluation on held-out prompts")
     parser.add_argument("config", help="YAML config file (its eval section names the prompts)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides")
@@ -69,7 +73,9 @@ def eval_main(argv: list[str] | None = None) -> int:
     from .checkpoint import find_resume_checkpoint
     from .train import ConfigError, load_config
     from .train.evaluate import evaluate_checkpoint
+    from .train.preemption import follow_launcher
 
+    follow_launcher(launcher)  # under torchrun: ends with its agent (SIGTERM), never an orphan
     try:
         cfg = load_config(args.config, args.overrides + ["eval.enabled=true", "run.resume=none"])
     except ConfigError as err:
