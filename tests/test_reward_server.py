@@ -563,7 +563,7 @@ def test_a_fixed_pool_of_worker_threads_serves_64_connections(start, monkeypatch
 
 @pytest.mark.slow
 def test_server_peak_memory_under_16_concurrent_worst_case_requests(monkeypatch):
-    """The measurement of docs/launchers.md at a small scale: 16 clients at once, each sending two 2048^2 PNG bombs
+    """The measurement of docs/reward_server.md at a small scale: 16 clients at once, each sending two 2048^2 PNG bombs
     (1.6 KB of body, 8.4 MP). The server's peak RSS (VmHWM) stays within its two decode slots' worth of pixels; the
     old server decoded all 16 at once (+1354 MB measured vs +250 MB now)."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))

@@ -1,5 +1,4 @@
-"""Peak memory of `jagg-reward-server` under N concurrent worst-case requests (docs/launchers.md, "The reward server
-under load").
+"""Peak memory of `jagg-reward-server` under N concurrent worst-case requests (docs/reward_server.md).
 
     python tools/server_memory.py [--clients 16] [--images 2] [--side 4096] [--kind bomb|noise]
                                   [--repo DIR] [--out FILE.json] [-- SERVER OPTIONS...]

@@ -2,11 +2,11 @@
 path forwards").
 
     python tools/signal_matrix.py [--paths torchrun,torchrun.sh,deepspeed.sh,mpirun.sh] [--signals TERM,USR1,INT,HUP]
-                                  [--hold 45] [--out docs/signal_matrix.json]
+                                  [--hold 45] [--group] [--out docs/signal_matrix.jsonl]
 
 For each launch path and signal: two workers of a stub trainer (plain Python, no torch) are started through the
 launcher, the signal is sent to the launcher's process once both are up (what `kill PID`, Slurm or a scheduler
-does), and each worker records what reached it. A worker that gets a signal keeps "saving" for --hold seconds and
+does; --group: to its process group, what Ctrl-C in a terminal does), and each worker records what reached it. A worker that gets a signal keeps "saving" for --hold seconds and
 then exits 0, so a launcher that kills its workers after a grace period shows that period. Reported per case: the
 signal each worker got (or none), how the launcher ended, whether the workers outlived it (orphaned: they go on
 training with nobody to stop them), and how the workers ended (finished the save, or killed after N s).
@@ -86,8 +86,8 @@ def _logs(d: Path) -> dict[int, list[list[str]]]:
             for p in d.glob("w*.log")}
 
 
-def run_case(path: str, sig: signal.Signals, hold: float, work: Path) -> dict:
-    d = work / f"{path}-{sig.name}"
+def run_case(path: str, sig: signal.Signals, hold: float, work: Path, group: bool = False) -> dict:
+    d = work / f"{path}-{sig.name}{'-group' if group else ''}"
     d.mkdir(parents=True)
     stub = d / "stub-train"
     stub.write_text(STUB.format(python=sys.executable, run=hold + 120, hold=hold))
@@ -105,7 +105,10 @@ def run_case(path: str, sig: signal.Signals, hold: float, work: Path) -> dict:
         time.sleep(1.0)  # let the launcher settle into its monitoring loop
         workers = sorted(_logs(d))
         t0 = time.time()
-        proc.send_signal(sig)
+        if group:  # the launcher's process group: what Ctrl-C in a terminal does
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         launcher_end = None
         orphaned = False
         end = time.monotonic() + hold + 60
@@ -129,7 +132,7 @@ def run_case(path: str, sig: signal.Signals, hold: float, work: Path) -> dict:
                 "still running" if _alive(w) else f"killed after {max(stamps, default=t0) - t0:.0f} s")
             per_worker.append({"signals": got, "end": ended})
         rc = proc.poll()
-        return {"path": path, "signal": sig.name, "workers": per_worker,
+        return {"path": path, "signal": sig.name, "to": "group" if group else "launcher", "workers": per_worker,
                 "launcher": "still running" if rc is None else (f"killed by {signal.Signals(-rc).name}" if rc < 0
                                                                  else f"exit {rc}") + f" after {launcher_end:.1f} s",
                 "orphaned": orphaned}
@@ -155,17 +158,19 @@ def main(argv=None) -> int:
     p.add_argument("--paths", default="torchrun,torchrun.sh,deepspeed.sh,mpirun.sh")
     p.add_argument("--signals", default="TERM,USR1,INT,HUP")
     p.add_argument("--hold", type=float, default=45.0, help="seconds a signalled worker keeps 'saving'")
-    p.add_argument("--out", help="write the cases as JSON here")
+    p.add_argument("--group", action="store_true", help="signal the launcher's process group, not its process")
+    p.add_argument("--out", help="append the cases here, one JSON line each")
     args = p.parse_args(argv)
     cases = []
     with tempfile.TemporaryDirectory(prefix="signal_matrix_") as work:
         for path in args.paths.split(","):
             for name in args.signals.split(","):
-                case = run_case(path, getattr(signal, "SIG" + name.strip()), args.hold, Path(work))
+                case = run_case(path, getattr(signal, "SIG" + name.strip()), args.hold, Path(work), args.group)
                 print(f"{path:13s} SIG{name:5s} {_summary(case)}", flush=True)
                 cases.append(case)
     if args.out:
-        Path(args.out).write_text(json.dumps({"hold_s": args.hold, "cases": cases}, indent=1) + "\n")
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps({"hold_s": args.hold, **case}) + "\n" for case in cases)
     return 0
 
 

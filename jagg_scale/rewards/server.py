@@ -23,9 +23,9 @@ can hold 8000 x 8000 pixels, ~1 GB once decoded to the float batch a reward take
 - each worker holds at most one body (max_request_bytes) and its parsed JSON;
 - decoded pixels exist only inside one of `decode_slots` slots, held from the first decode to the reply:
   at most decode_slots x max_request_pixels pixels are in memory at once, however many clients send.
-docs/launchers.md ("The reward server under load") has the measured peak. Models are not assumed
-thread-safe, so each reward is called under its own lock (inside a slot); requests for different rewards
-still run in parallel when there are slots for them.
+docs/reward_server.md has the measured peak. Models are not assumed thread-safe, so each reward is called
+under its own lock (inside a slot); requests for different rewards still run in parallel when there are
+slots for them.
 """
 
 from __future__ import annotations
