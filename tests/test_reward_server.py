@@ -1,6 +1,9 @@
 """Remote rewards over loopback: `jagg-reward-server` + the `remote` client agree with local scoring, and every
 failure mode (auth, size limit, bad input, unknown reward, crashing reward, NaN, dead server) surfaces as the
-documented status/message, retried only when retrying can help."""
+documented status/message, retried only when retrying can help. What a client with the token can cost the server
+is bounded: pixel limits read from the PNG headers (413 before decoding), decode slots, a fixed worker pool, a listen
+backlog that holds 64 waiting clients, a JSON depth limit (400, not a dropped connection), JSON bodies only (415);
+the peak memory under 16 concurrent worst-case requests (docs/reward_server.md)."""
 
 from __future__ import annotations
 

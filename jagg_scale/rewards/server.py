@@ -104,6 +104,8 @@ def _open_png(raw: bytes, where: str, max_pixels: int) -> Image.Image:
     """Open a PNG, reading its header only, and refuse it if its pixels exceed max_pixels."""
     try:
         img = Image.open(io.BytesIO(raw), formats=["PNG"])
+    except Image.DecompressionBombError as e:  # PIL's own limit (2 x Image.MAX_IMAGE_PIXELS), above a raised ours
+        raise RequestTooLarge(f"{where}: {e}") from None
     except Exception as e:  # PIL raises assorted types for bad data (UnidentifiedImageError, OSError, SyntaxError)
         raise ValueError(f"{where}: not a decodable PNG ({type(e).__name__}: {e})") from None
     if img.width * img.height > max_pixels:
@@ -211,16 +213,6 @@ class _Request:
     def close(self) -> None:
         for img in self.pngs:
             img.close()
-
-
-def _parse_request(body: bytes, max_image_pixels: int = MAX_IMAGE_PIXELS,
-                   max_request_pixels: int = MAX_REQUEST_PIXELS) -> tuple[torch.Tensor, list[str], list[dict]]:
-    """JSON body -> (images float [B, 3, H, W], prompts, metadata); ValueError with a field-level message."""
-    req = _Request(_load_json(body), max_image_pixels, max_request_pixels)
-    try:
-        return req.decode(), req.prompts, req.metadata
-    finally:
-        req.close()
 
 
 # ----------------------------------------------------------------------------------------------- server
