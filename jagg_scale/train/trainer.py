@@ -130,7 +130,7 @@ class Trainer:
         steps = self.trained_steps_at(step)
         self.model.eval()
         background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
-        scorer = ChunkScorer(self.reward, self.model.decode, background=background)
+        scorer = ChunkScorer(self.reward, self.model.decode, background=background, device=self.device)
         on_chunk = lambda idx, final: scorer.add(final, [prompts[i] for i in idx.tolist()],  # noqa: E731
                                                  [metadata[i] for i in idx.tolist()])
         with self._comm("rollout"):
