@@ -64,11 +64,10 @@ class RunState:
         return final
 
     def load(self, path: Path) -> None:
-        """Engine state from a verified checkpoint directory (collective)."""
-        if self.dist.is_main:
-            verify_checkpoint(path)
-        self.dist.barrier()
-        self.engine.load(Path(path))
+        """Engine state from a verified checkpoint directory (collective). Rank 0 verifies; its error, or any
+        rank's loading error, is raised on every rank at once (no rank waits for one that failed)."""
+        self.dist.on_main(lambda: verify_checkpoint(path))
+        self.dist.on_every_rank(lambda: self.engine.load(Path(path)))
 
     def resume(self, source) -> int:
         """The step to start from: run.resume none -> 0; auto -> the newest complete checkpoint, if any; a path ->
@@ -76,10 +75,11 @@ class RunState:
         setting = self.cfg.run.resume
         if setting == "none":
             return 0
-        path = None
-        if self.dist.is_main:  # one rank reads and hashes; the others follow its choice
+        def choose() -> str | None:  # one rank reads and hashes; the others follow its choice (or its error)
             path = find_resume_checkpoint(self.ckpt_root) if setting == "auto" else Path(setting)
-        path = self.dist.broadcast_object(str(path) if path is not None else None)
+            return str(path) if path is not None else None
+
+        path = self.dist.on_main(choose)
         if path is None:
             log.info("run.resume=auto: no complete checkpoint under %s, starting fresh", self.ckpt_root)
             return 0
