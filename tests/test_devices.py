@@ -10,6 +10,7 @@
 
 import contextlib
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from jagg_scale.parallel.ranks import RankInfo
 from jagg_scale.rewards import Reward, RewardOutput, base, clip, imagenet
 from jagg_scale.rewards.multi import ChunkScorer, RewardMix
 
+ROOT = Path(__file__).resolve().parents[1]
 # what the refusal names: the variables and the count (its type, TooManyLocalRanksError, is a RuntimeError)
 REFUSED = r"LOCAL_RANK={} of LOCAL_WORLD_SIZE={}.*device_count\(\)=4"
 
@@ -177,3 +179,27 @@ def test_init_distributed_refuses_before_taking_a_gpu(gpus, monkeypatch):
     with pytest.raises(RuntimeError, match=REFUSED.format(5, 8)):
         init_distributed("cuda")
     assert taken == []  # rank 5 would have been wrapped onto GPU 1, beside rank 1
+
+
+def test_jagg_eval_builds_its_reward_on_the_ranks_device(monkeypatch):
+    """jagg-eval under torchrun: the reward is built once init_distributed has set the rank's device, so its
+    "auto" is that rank's GPU (built before, every rank's reward model landed on cuda:0)."""
+    from jagg_scale.parallel.dist import DistContext
+    from jagg_scale.rewards import multi
+    from jagg_scale.train import evaluate, load_config
+
+    order = []
+
+    class Stop(Exception):
+        pass
+
+    def build(reward_cfg):
+        order.append("reward")
+        raise Stop
+
+    monkeypatch.setattr(dist_module, "init_distributed", lambda device: order.append("device") or DistContext())
+    monkeypatch.setattr(multi, "build_reward_mix", build)
+    cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), ["eval.prompts=[a cat]"])
+    with pytest.raises(Stop):
+        evaluate.evaluate_checkpoint(cfg, None, None)
+    assert order == ["device", "reward"]
