@@ -7,7 +7,8 @@ The helpers both uses share:
                             `single_transformer_blocks`, a CLIP's text and vision encoder layers)
     build_mesh(...)         the device mesh: 1-D over all ranks, or HSDP (replicate x shard) when replicate > 1
     parallelize(model)      training: activation checkpointing per block (optional), fully_shard on every block,
-                            then on the root; mixed precision (bf16 params in compute, fp32 gradient reduction);
+                            then on the root; mixed precision (the blocks' params gathered in bf16, the root's in
+                            fp32, fp32 gradient reduction, inputs left to the caller's bf16 autocast);
                             explicit prefetch: block i gathers block i+1 in forward and block i-1 in backward;
                             `reshard_after_forward` configurable (as torchtitan does)
     shard_for_inference(m)  a frozen module (a reward model) sharded the same way in eval mode, no mixed precision,
@@ -104,15 +105,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, activation_ch
 
             for blocks, i in slots:
                 blocks[i] = checkpoint_wrapper(blocks[i])
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # bf16 is the trainer's autocast (train/policy.py), as on backend none; FSDP2 adds bf16 gathers of the blocks
+    # alone. Its input cast stays off: it would round every floating input of a unit to bf16 (the root's sigma:
+    # timesteps off by up to 2/1000; FLUX's float32 rotary embeddings at each block). The root's own parameters
+    # (embedders, final layer: under 1% of the weights) stay float32, so what autocast leaves in float32 there
+    # (token embeddings and their pooling, sigma's path) is computed as backend none computes it.
+    blocks_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32,
+                                     cast_forward_inputs=False)
+    root_mp = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     units = []
     for blocks, i in slots:
         place_(blocks[i], device, master_dtype)
-        fully_shard(blocks[i], **kwargs)
+        fully_shard(blocks[i], mp_policy=blocks_mp, **kwargs)
         units.append(blocks[i])
     place_(model, device, master_dtype)  # the root's own parameters (the blocks' are DTensors now: skipped)
-    fully_shard(model, **kwargs)
+    fully_shard(model, mp_policy=root_mp, **kwargs)
     if prefetch:
         for prev, nxt in zip(units, units[1:]):
             prev.set_modules_to_forward_prefetch([nxt])

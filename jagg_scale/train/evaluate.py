@@ -206,9 +206,10 @@ def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> 
     from ..rewards.multi import build_reward_mix
     from .policy import Policy
 
-    prompts, reward = eval_prompts(cfg), build_reward_mix(cfg.reward)  # inputs first: fail before a model is built
+    prompts = eval_prompts(cfg)  # inputs first: fail before a model is built
     dist = init_distributed(cfg.run.device)
     try:
+        reward = build_reward_mix(cfg.reward)  # after the rank's device is set: a reward's "auto" is that device
         torch.manual_seed(cfg.run.seed)
         model = build_model(cfg.model).to(dist.device)
         if checkpoint is not None:

@@ -84,9 +84,10 @@ class RunState:
 
     def load(self, path: Path) -> None:
         """Engine state from a checkpoint directory, verified first (collective: each file hashed once, on one
-        rank; a problem raises the same CheckpointError on every rank)."""
+        rank; a problem raises the same CheckpointError on every rank), then loaded on every rank: any rank's
+        loading error is raised on every rank at once (no rank waits for one that failed)."""
         verify_checkpoint(path, self.dist)
-        self.engine.load(Path(path))
+        self.dist.on_every_rank(lambda: self.engine.load(Path(path)))
 
     def resume(self, source) -> int:
         """The step to start from: run.resume none -> 0; auto -> the newest complete checkpoint, if any; a path ->
@@ -107,7 +108,7 @@ class RunState:
         saved_model = state.get("config", {}).get("model")
         if saved_model is not None and saved_model != self.cfg.to_dict()["model"]:
             raise CheckpointError(f"checkpoint {path} was written for a different `model` section: {saved_model}")
-        self.engine.load(path)  # verified above: not hashed again
+        self.dist.on_every_rank(lambda: self.engine.load(path))  # verified above: not hashed again
         rng = path / f"rng_rank{self.dist.rank:05d}.pt"
         if state.get("world_size", 1) == self.dist.world_size and rng.is_file():
             restore_rng_state(torch.load(rng, weights_only=False))

@@ -131,7 +131,7 @@ class Trainer:
         steps = self.trained_steps_at(step)
         self.model.eval()
         background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
-        scorer = ChunkScorer(self.reward, self.model.decode, background=background)
+        scorer = ChunkScorer(self.reward, self.model.decode, background=background, device=self.device)
         on_chunk = lambda chunk, final: scorer.add(final, prompts[chunk], metadata[chunk])  # noqa: E731
         with self._comm("rollout"):
             traj = self.policy.rollout(cond, rows.mine, step, on_chunk=on_chunk,
