@@ -20,9 +20,13 @@ pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "dist_workers" / "rank_failure_worker.py"
 
 
+def _write(tmp: Path) -> list[Path]:
+    (tmp / "model.safetensors").write_bytes(b"w" * 64)
+    return [tmp / "model.safetensors"]  # what this rank wrote (hashed into the manifest)
+
+
 def _checkpoint(root: Path) -> Path:
-    return save_checkpoint_dir(root, 1, write=lambda tmp: (tmp / "model.safetensors").write_bytes(b"w" * 64),
-                               state={"step": 1})
+    return save_checkpoint_dir(root, 1, write=_write, state={"step": 1})
 
 
 @pytest.fixture(scope="module")
