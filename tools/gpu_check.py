@@ -388,10 +388,14 @@ def markdown(runs: list[dict]) -> str:
                 f"inputs for the joint pass.", ""]
     syn = sec.get("syncs")
     if syn:
+        calls = syn.get("cuda_sync_calls", {})
+        # CudaSyncs names the Python line that synchronised; the training thread's calls pass through HostSyncs
+        # (host_syncs.py), the reward worker's do not
+        main = sum(n for site, n in calls.items() if site.startswith("host_syncs.py"))
         out += [f"**Host synchronisations per training step** ({syn.get('layout', '?')}): "
-                f"{syn.get('cuda_syncs_per_step', '-')} real CUDA syncs "
-                f"(torch sync debug mode, all threads), {syn['host_syncs_per_step']} reads of device tensors by the "
-                f"training thread. Where: {syn.get('cuda_sync_calls', {})}.", ""]
+                f"{syn.get('cuda_syncs_per_step', '-')} real CUDA syncs in the process (torch sync debug mode), of "
+                f"which {main} in the training thread and the rest in the reward worker on its own stream; "
+                f"{syn['host_syncs_per_step']} reads of device tensors by the training thread. By line: {calls}.", ""]
     tr = sec.get("train")
     if tr:
         out += ["**`jagg-train` on the device** (tiny SD3 pipeline, 2 steps): "
