@@ -207,7 +207,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> 
     from .policy import Policy
 
     prompts, reward = eval_prompts(cfg), build_reward_mix(cfg.reward)  # inputs first: fail before a model is built
-    dist = init_distributed(cfg.run.device)
+    dist = init_distributed(cfg.run.device, timeout_s=cfg.parallel.collective_timeout_s)
     try:
         torch.manual_seed(cfg.run.seed)
         model = build_model(cfg.model).to(dist.device)
