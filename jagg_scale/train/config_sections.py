@@ -304,7 +304,8 @@ class ParallelConfig(_Section):
     deepspeed: dict[str, Any] = field(default_factory=dict)  # deepspeed: merged over the built-in ZeRO-3 config
     grad_sync: GradSync = "auto"  # boundary | every | auto (parallel/types.py)
     # none / fsdp2: torch.compile each transformer block in place before checkpointing and sharding wrap it
-    # (parallel/blocks.py). Compiles at the first step; meant for CUDA
+    # (parallel/blocks.py). Compiles at the first step. Meant for CUDA: on CPU, torch 2.13's vectorised inductor
+    # code gets the DiT block's backward 0.1-0.8% wrong (tests/test_engines.py pins scalar code)
     compile: bool = False
     # seconds a collective may wait before the process group's watchdog aborts the job (init_process_group's
     # timeout); longer than the longest work one rank does while the others wait (a checkpoint save, rank 0's export)
