@@ -247,3 +247,57 @@ def test_bad_arguments_fail_before_writing(tmp_path):
     with pytest.raises(ValueError):
         save_checkpoint(tmp_path, 1, tensors={}, objects={}, state={}, keep_last=0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_manifest_names_the_rank_that_hashed_each_file_and_each_file_is_hashed_once(tmp_path, monkeypatch):
+    from jagg_scale.checkpoint import digests
+
+    hashed = []
+    real = digests.sha256_file
+    monkeypatch.setattr(digests, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    path = _save(tmp_path, 1)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert sorted(hashed) == sorted(manifest["files"]) == ["extra.pt", "model.safetensors", "state.json"]
+    assert manifest["world_size"] == 1 and {e["rank"] for e in manifest["files"].values()} == {0}
+    hashed.clear()
+    verify_checkpoint(path)
+    assert sorted(hashed) == sorted(manifest["files"])  # verify: once each too
+
+
+def test_a_manifest_without_ranks_still_verifies_and_a_newer_format_is_refused(tmp_path):
+    path = _save(tmp_path, 1)
+    manifest = json.loads((path / "manifest.json").read_text())
+
+    def rewrite(m):
+        raw = json.dumps(m).encode()
+        (path / "manifest.json").write_bytes(raw)
+        (path / "COMPLETE").write_text(hashlib.sha256(raw).hexdigest() + "\n")
+
+    old = {k: v for k, v in manifest.items() if k != "world_size"}
+    old["files"] = {n: {"bytes": e["bytes"], "sha256": e["sha256"]} for n, e in manifest["files"].items()}
+    rewrite(old)  # what checkpoints written before the per-rank digests hold
+    verify_checkpoint(path)
+    rewrite(dict(manifest, format_version=2))
+    with pytest.raises(CheckpointError, match="format_version 2; this code reads up to 1"):
+        verify_checkpoint(path)
+
+
+def test_a_writer_reporting_a_file_it_did_not_write_fails_the_save(tmp_path):
+    from jagg_scale.checkpoint.local import save_checkpoint_dir
+
+    with pytest.raises(ValueError, match="reported writing ghost.bin, which is not a file"):
+        save_checkpoint_dir(tmp_path, 1, write=lambda tmp: [tmp / "ghost.bin"], state={})
+    with pytest.raises(ValueError, match="outside the checkpoint directory"):
+        save_checkpoint_dir(tmp_path, 1, write=lambda tmp: [tmp.parent / "x"], state={})
+    assert list_checkpoints(tmp_path) == []
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_verify_shares_split_every_file_once_and_balance_the_bytes(world):
+    from jagg_scale.checkpoint.digests import share
+
+    sizes = {f"dcp/__{i}_0.distcp": 1000 + i for i in range(8)} | {"state.json": 10, ".metadata": 50}
+    parts = [share(sizes, r, world) for r in range(world)]
+    assert sorted(n for p in parts for n in p) == sorted(sizes)
+    loads = [sum(sizes[n] for n in p) for p in parts]
+    assert max(loads) - min(loads) <= max(sizes.values())

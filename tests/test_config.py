@@ -41,6 +41,7 @@ def _err(*overrides):
     ("log.wandb_mode", "offline, online, disabled"),
     ("parallel.backend", "none, fsdp2, deepspeed"),
     ("run.device", "auto, cpu, cuda"),
+    ("run.export_dtype", "float32, bfloat16"),
 ])
 def test_a_bad_choice_names_the_key_and_the_choices(key, choices):
     assert _err(f"{key}=foo") == f"config key '{key}' must be one of {choices}, got 'foo'"
@@ -70,6 +71,14 @@ def test_adam_betas_is_a_typed_pair():
 @pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "nan", "inf"])
 def test_non_finite_floats_are_rejected(key, value):
     assert _err(f"{key}={value}").startswith(f"config key '{key}' must be a finite number, got ")
+
+
+def test_export_keys_default_to_a_float32_export_at_the_end_and_are_checked_by_name():
+    assert (Config().run.export_every, Config().run.export_dtype) == (0, "float32")
+    cfg = load_config(TINY, ["run.export_every=50", "run.export_dtype=bfloat16"])
+    assert (cfg.run.export_every, cfg.run.export_dtype) == (50, "bfloat16")
+    assert _err("run.export_every=-1") == "config key 'run.export_every' must be >= 0 (0: only at the end)"
+    assert _err("run.export_every=1.5").startswith("config key 'run.export_every' must be ")
 
 
 def test_negative_adam_eps_and_weight_decay_are_named():

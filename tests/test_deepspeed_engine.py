@@ -66,6 +66,20 @@ def test_resume_is_bit_identical(result):
     assert any(f.startswith("ds/") and f.endswith("optim_states.pt") for f in result["checkpoint_files"])
 
 
+def test_save_returns_the_files_each_rank_wrote(result):
+    """What each rank hashes for the manifest: its model-states and optimizer partition, its EMA partition; rank 0
+    also the engine marker. DeepSpeed's recovery scripts (rank 0, unreported) are left to rank 0's sweep."""
+    r0, r1 = (set(files) for files in result["written_by_rank"])
+    assert not r0 & r1
+    for rank, files in ((0, r0), (1, r1)):
+        assert f"ds/zero_pp_rank_{rank}_mp_rank_00_model_states.pt" in files
+        assert f"ds/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in files
+        assert f"ema_rank{rank:05d}.safetensors" in files
+    assert r0 - r1 == r0 and "engine.json" in r0 and len(r0) == 4 and len(r1) == 3
+    unreported = set(result["checkpoint_files"]) - r0 - r1
+    assert all(f.endswith(".py") for f in unreported), unreported
+
+
 def test_ema_of_the_partitions_exports_resumes_and_restores(result):
     assert result["ema"]  # the EMA export is the single-process engine's EMA
     assert result["ema_restored"]  # leaving ema_weights() puts the live weights back bit for bit

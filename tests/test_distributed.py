@@ -262,3 +262,15 @@ def test_micro_batches_on_two_processes_give_the_whole_minibatch_gradient(fsdp2_
     assert a["loss"] == pytest.approx(b["loss"], rel=TOLERANCE["loss"])
     local_rows = 2  # train.batch_size 4 over 2 ranks
     assert a["backward_calls"] == b["backward_calls"] * local_rows
+
+
+def test_fsdp2_bf16_samples_with_the_exact_sigma_of_one_process_bf16(tmp_path):
+    """model.dtype bfloat16: FSDP2's mixed precision leaves the model's inputs to the trainer's autocast, as backend
+    none does, so sigma reaches the timestep embedding in float32 and step 0 scores exactly the same images (its
+    cast rounded sigma to bf16: timesteps off by up to 2/1000, the reward off at the 4th digit)."""
+    bf16 = ["model.dtype=bfloat16", "train.steps=1"]
+    two = run(2, tmp_path / "fsdp2", "parallel.backend=fsdp2", *bf16)[0]
+    one = run(1, tmp_path / "none", *bf16)[0]
+    for k in ("reward_mean", "reward_std"):  # the rollout: the same bf16 matmuls on the same rows, all-gathered
+        assert two[k] == one[k], (k, two[k], one[k])
+    close([two], [one])

@@ -55,7 +55,7 @@ def _minibatch(engine, seen: list | None = None) -> float:
             engine.backward(v, g, last=last)
         else:
             engine.backward((v.float() * g).pow(2).mean(), last=last)
-    return engine.step()
+    return float(engine.step())  # a 0-d tensor: the trainer reads it with the step's other metrics
 
 
 @pytest.fixture
@@ -133,6 +133,27 @@ def test_grad_sync_policy_decides_when_fsdp2_reduces_and_the_gradient_is_the_sam
     norm = _minibatch(engine, seen)
     assert seen == flags
     assert norm == pytest.approx(ref_norm, rel=1e-5)
+
+
+def test_fsdp2_bf16_leaves_sigma_float32_and_runs_the_blocks_in_bf16(ctx):
+    """Under the trainer's bf16 autocast, FSDP2 bf16 computes what backend none computes: no input of a unit is
+    rounded to bf16 (sigma reaches the timestep embedding as 1000 sigma in float32), the root's parameters are
+    gathered in float32, the blocks' in bf16 (their matmuls run in bf16), and the velocity is the same."""
+    ref, engine = _model(), FSDP2Engine(_model(), EngineSpec(backend="fsdp2", bf16=True), ctx)
+    x, _, c, _ = _inputs(0)
+    sigma = torch.tensor([0.9123, 0.5557])  # bf16 would make these 0.9140625, 0.5546875
+    seen: dict = {}
+    for name, m in (("none", ref), ("fsdp2", engine.model)):
+        m.t_embedder.register_forward_pre_hook(lambda mod, args, n=name: seen.__setitem__(n + ".t", args[0]))
+        m.blocks[0].mlp.fc1.register_forward_hook(
+            lambda mod, args, out, n=name: seen.__setitem__(n + ".block", (mod.weight.dtype, out.dtype)))
+        m.t_embedder.mlp[0].register_forward_hook(
+            lambda mod, args, out, n=name: seen.__setitem__(n + ".root", mod.weight.dtype))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            seen[name] = m(x, sigma, c)
+    assert seen["fsdp2.t"].dtype == torch.float32 and torch.equal(seen["fsdp2.t"], sigma * 1000)
+    assert seen["fsdp2.block"] == (torch.bfloat16, torch.bfloat16) and seen["fsdp2.root"] == torch.float32
+    assert seen["fsdp2"].dtype == torch.float32 and torch.equal(seen["fsdp2"], seen["none"])
 
 
 # ------------------------------------------------------------------ parallel.compile: torch.compile per block

@@ -1,5 +1,6 @@
 """Crash-safe checkpoint directories (local.py): temp dir, fsynced files, a sha256 manifest, a COMPLETE marker,
-an atomic rename; verified on load, the newest valid one found for resume.
+an atomic rename; verified on load, the newest valid one found for resume. Across ranks each file is hashed by one
+rank, in parallel (digests.py: the writer on save, a balanced share on verify).
 
 What goes inside comes from the training engine (parallel/: safetensors for one process, DCP shards for FSDP2,
 DeepSpeed's own files), written collectively through ``save_checkpoint_dir``; the run-level protocol (what a

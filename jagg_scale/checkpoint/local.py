@@ -7,12 +7,17 @@ the manifest's sha256, so the manifest is covered too) and only then renames the
 ``root/step_{step:08d}``. A rename within one filesystem is atomic, so a crash at any point leaves the old
 state or a whole new checkpoint, never a half-written ``step_*`` dir. Readers still verify (marker,
 manifest, sizes, hashes) because disks, copies and people break files after the fact, and
-``find_resume_checkpoint`` falls back to the newest checkpoint that passes.
+``find_resume_checkpoint`` falls back to the newest checkpoint that passes. Across ranks, each file is hashed by
+one rank, in parallel with the others (digests.py says who hashes what), on save and on verify.
 
 Weights go to safetensors (no pickle, mmap-able, readable by other tools); optimizer and RNG state are nested
 Python objects (tuples, numpy arrays) that only ``torch.save`` round-trips exactly. One process owns ``root``:
 stale ``.tmp_*`` dirs are deleted after every successful save. ``save_checkpoint_dir`` is the same protocol
 around any writer, collective across ranks (the engines' DCP / DeepSpeed checkpoints use it).
+
+Manifest format 1: ``{"format_version", "step", "tensors", "objects", "world_size", "files": {relative path:
+{"bytes", "sha256", "rank"}}}``; ``world_size`` and ``rank`` (who hashed the file) are newer and optional, so
+older checkpoints still verify; a manifest of a higher format version is refused by name.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from . import digests
 
 log = logging.getLogger(__name__)
 
@@ -82,32 +89,33 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, tensors: Mapping[str,
             raise ValueError(f"invalid checkpoint entry name {name!r}: use letters, digits, '_', '.', '-'")
     json.dumps(state)  # fail on bad state before any I/O
 
-    def write(tmp: Path) -> None:
-        for name, sd in tensors.items():
-            _write_tensors(tmp / f"{name}.safetensors", sd)
-        for name, obj in objects.items():
-            _write_object(tmp / f"{name}.pt", obj)
+    def write(tmp: Path) -> list[Path]:
+        return ([_write_tensors(tmp / f"{name}.safetensors", sd) for name, sd in tensors.items()]
+                + [_write_object(tmp / f"{name}.pt", obj) for name, obj in objects.items()])
 
     return save_checkpoint_dir(root, step, write=write, state=state, keep_last=keep_last,
                                tensors=list(tensors), objects=list(objects))
 
 
-def save_checkpoint_dir(root: str | os.PathLike, step: int, *, write: Callable[[Path], None], state: dict,
-                        keep_last: int | None = None, tensors: Sequence[str] = (), objects: Sequence[str] = (),
-                        dist=None) -> Path:
-    """The atomic protocol around any writer: `write(tmp_dir)` fills a temp dir (files and sub-directories,
-    e.g. DCP shards or a DeepSpeed checkpoint), then the manifest covers every file in it, the COMPLETE marker
-    seals it and a rename publishes it.
+def save_checkpoint_dir(root: str | os.PathLike, step: int, *, write: Callable[[Path], Iterable[str | Path] | None],
+                        state: dict, keep_last: int | None = None, tensors: Sequence[str] = (),
+                        objects: Sequence[str] = (), dist=None) -> Path:
+    """The atomic protocol around any writer: `write(tmp_dir)` fills a temp dir (files and sub-directories, e.g. DCP
+    shards or a DeepSpeed checkpoint) and returns the files it wrote; the manifest then holds the size and sha256 of
+    every file in it, the COMPLETE marker seals it and a rename publishes it.
 
     With a `dist` context (parallel.dist.DistContext) `write` is collective: every rank writes its part into the
-    same temp dir (a shared filesystem), rank 0 alone creates, seals, publishes and prunes, and barriers order
-    the phases, so no rank can see a half-written checkpoint as complete.
+    same temp dir (a shared filesystem) and hashes the files its `write` returned (digests.py: in parallel, not rank
+    0 alone); rank 0 alone creates, seals, publishes and prunes. A failure on any rank (writing, hashing, sealing)
+    raises the same CheckpointError on every rank instead of leaving the others waiting in a collective, and no
+    rank can see a half-written checkpoint as complete.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
     state_bytes = json.dumps(state, indent=2, sort_keys=True).encode()  # fail on bad state before any I/O
+    multi = dist is not None and dist.active
     main = dist is None or dist.is_main
     barrier = dist.barrier if dist is not None else (lambda: None)
 
@@ -121,20 +129,20 @@ def save_checkpoint_dir(root: str | os.PathLike, step: int, *, write: Callable[[
         tmp.mkdir()
     barrier()
     try:
-        write(tmp)
-        barrier()
+        files = _write_and_hash(tmp, final, write, dist)  # collective: also the "everyone has written" point
+        problem, cause = None, None
         if main:
-            _write_bytes(tmp / STATE, state_bytes)
-            files = sorted(p for p in tmp.rglob("*") if p.is_file())
-            manifest = {"format_version": FORMAT_VERSION, "step": step, "tensors": list(tensors),
-                        "objects": list(objects),
-                        "files": {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                                  for p in files}}
-            manifest_bytes = json.dumps(manifest, indent=2, sort_keys=True).encode()
-            _write_bytes(tmp / MANIFEST, manifest_bytes)
-            _write_complete(tmp, manifest_bytes)
-            _fsync_dir(tmp)
-            _publish(tmp, final)
+            try:
+                _seal(tmp, final, step, files, state_bytes, tensors, objects,
+                      world_size=dist.world_size if dist is not None else 1)
+            except Exception as err:
+                if not multi:
+                    raise
+                problem, cause = f"rank 0 could not seal it: {type(err).__name__}: {err}", err
+        if multi:  # rank 0 says whether it published; the others wait here, not in a barrier that never ends
+            problem = dist.broadcast_object(problem)
+            if problem:
+                raise CheckpointError(f"checkpoint {final} not saved: {problem}") from cause
     except BaseException:
         if main:
             _remove_tree(tmp)  # best effort; a hard kill leaves it for the next save's cleanup
@@ -146,6 +154,43 @@ def save_checkpoint_dir(root: str | os.PathLike, step: int, *, write: Callable[[
         log.info("saved checkpoint %s", final)
     barrier()
     return final
+
+
+def _write_and_hash(tmp: Path, final: Path, write, dist) -> dict[str, dict]:
+    """Every rank writes, then hashes what it wrote; the digests of all ranks, merged (collective). One process:
+    any error propagates unchanged; several: every rank raises the same CheckpointError."""
+    multi = dist is not None and dist.active
+    rank = dist.rank if dist is not None else 0
+    mine, problem, cause = {}, None, None
+    try:
+        mine = digests.hash_written(tmp, write(tmp) or (), rank)
+    except Exception as err:
+        if not multi:
+            raise
+        problem, cause = f"rank {rank}: {type(err).__name__}: {err}", err
+    parts = dist.all_gather_object((mine, problem)) if multi else [(mine, None)]
+    files, problem = digests.merge(parts)
+    if problem:
+        raise CheckpointError(f"checkpoint {final} not saved: {problem}") from cause
+    return files
+
+
+def _seal(tmp: Path, final: Path, step: int, files: dict[str, dict], state_bytes: bytes, tensors: Sequence[str],
+          objects: Sequence[str], world_size: int) -> None:
+    """Rank 0: state.json, the files no rank reported, the manifest, the COMPLETE marker, the rename."""
+    _write_bytes(tmp / STATE, state_bytes)
+    files = dict(files)
+    for p in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        name = p.relative_to(tmp).as_posix()
+        if name not in files:  # state.json, or a writer that did not say (e.g. DeepSpeed's recovery scripts)
+            files[name] = digests.entry(p, 0)
+    manifest = {"format_version": FORMAT_VERSION, "step": step, "tensors": list(tensors), "objects": list(objects),
+                "world_size": world_size, "files": files}
+    manifest_bytes = json.dumps(manifest, indent=2, sort_keys=True).encode()
+    _write_bytes(tmp / MANIFEST, manifest_bytes)
+    _write_complete(tmp, manifest_bytes)
+    _fsync_dir(tmp)
+    _publish(tmp, final)
 
 
 def _write_tensors(path: Path, state_dict: Mapping[str, torch.Tensor]) -> Path:
@@ -241,14 +286,6 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     """All ``step_*`` dirs under ``root`` sorted by step, complete or not (temp dirs never appear)."""
     root = Path(root)
@@ -258,12 +295,41 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def verify_checkpoint(path: str | os.PathLike) -> None:
-    """Raise ``CheckpointError`` unless ``path`` is a complete checkpoint whose files match its manifest."""
-    _verify(Path(path))
+def verify_checkpoint(path: str | os.PathLike, dist=None) -> None:
+    """Raise ``CheckpointError`` unless ``path`` is a complete checkpoint whose files match its manifest.
+
+    With a `dist` context this is collective and hashes each file once, on one rank (digests.py): every rank
+    checks the manifest and the sizes, hashes its share, and every rank raises the same error, or none does."""
+    _verify(Path(path), dist)
 
 
-def _verify(path: Path) -> dict:
+def _verify(path: Path, dist=None) -> dict:
+    multi = dist is not None and dist.active
+    rank, world = (dist.rank, dist.world_size) if multi else (0, 1)
+    manifest, problem = None, None
+    try:
+        manifest = _read_manifest(path)
+        files = {n: (int(e["bytes"]), str(e["sha256"])) for n, e in manifest["files"].items()}
+        for name in digests.share({n: b for n, (b, _) in files.items()}, rank, world):
+            try:
+                same = digests.sha256_file(path / name) == files[name][1]
+            except OSError as err:
+                raise CheckpointError(f"checkpoint {path}: cannot read {name} ({err})") from err
+            if not same:
+                raise CheckpointError(f"checkpoint {path}: {name} sha256 mismatch (corrupted)")
+    except (CheckpointError, OSError) as err:
+        if not multi:
+            raise
+        problem = str(err) if isinstance(err, CheckpointError) else f"checkpoint {path}: {err}"
+    if multi:
+        problem = digests.first_problem(dist.all_gather_object(problem))
+        if problem:
+            raise CheckpointError(problem)
+    return manifest
+
+
+def _read_manifest(path: Path) -> dict:
+    """Everything but the hashes: the marker vouches for the manifest, which lists every file at its size."""
     def fail(problem: str):
         raise CheckpointError(f"checkpoint {path}: {problem}")
 
@@ -278,17 +344,21 @@ def _verify(path: Path) -> dict:
         fail(f"{MANIFEST} sha256 does not match the {COMPLETE} marker")
     try:
         manifest = json.loads(raw)
+        version = int(manifest.get("format_version", 1))
         step = int(manifest["step"])
         files = {n: (int(e["bytes"]), str(e["sha256"])) for n, e in manifest["files"].items()}
         listed = [f"{n}.safetensors" for n in manifest["tensors"]] + [f"{n}.pt" for n in manifest["objects"]]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         fail(f"unreadable {MANIFEST} ({e!r})")
+    if version > FORMAT_VERSION:
+        fail(f"{MANIFEST} has format_version {version}; this code reads up to {FORMAT_VERSION} (a newer jagg_scale "
+             "wrote it)")
     if not set(listed + [STATE]) <= set(files):
         fail(f"{MANIFEST} has no size/sha256 for {sorted(set(listed + [STATE]) - set(files))}")
     m = _STEP_RE.match(path.name)
     if m and int(m.group(1)) != step:
         fail(f"{MANIFEST} says step {step} but the directory name says {int(m.group(1))}")
-    for name, (nbytes, sha) in sorted(files.items()):
+    for name, (nbytes, _) in sorted(files.items()):
         f = path / name
         if Path(name).is_absolute() or ".." in Path(name).parts:
             fail(f"{MANIFEST} lists a path outside the checkpoint: {name!r}")
@@ -296,8 +366,6 @@ def _verify(path: Path) -> dict:
             fail(f"missing file {name}")
         if f.stat().st_size != nbytes:
             fail(f"{name} is {f.stat().st_size} bytes but {MANIFEST} says {nbytes} (truncated or overwritten)")
-        if _sha256(f) != sha:
-            fail(f"{name} sha256 mismatch (corrupted)")
     return manifest
 
 
@@ -319,13 +387,18 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Check
     return Checkpoint(step=int(manifest["step"]), tensors=tensors, objects=objects, state=state, path=path)
 
 
-def find_resume_checkpoint(root: str | os.PathLike) -> Path | None:
-    """Newest checkpoint that verifies; newer broken ones are skipped with a warning saying why."""
-    for path in reversed(list_checkpoints(root)):
+def find_resume_checkpoint(root: str | os.PathLike, dist=None) -> Path | None:
+    """Newest checkpoint that verifies; newer broken ones are skipped with a warning saying why. With a `dist`
+    context collective (verify_checkpoint): every rank gets the same answer, each file hashed once."""
+    found = list_checkpoints(root)
+    if dist is not None and dist.active:  # rank 0's listing, so that every rank tries the same candidates
+        found = [Path(p) for p in dist.broadcast_object([str(p) for p in found])]
+    for path in reversed(found):
         try:
-            _verify(path)
+            _verify(path, dist)
         except CheckpointError as e:
-            log.warning("skipping checkpoint for resume: %s", e)
+            if dist is None or dist.is_main:
+                log.warning("skipping checkpoint for resume: %s", e)
             continue
         return path
     return None

@@ -42,18 +42,19 @@ def compute_advantages(
     valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
     adv = torch.zeros_like(rewards)
     mask = valid.clone()
-    global_sd = rewards[valid].std(unbiased=False) if valid.sum() > 1 else rewards.new_zeros(())
+    values, ok = rewards.tolist(), valid.tolist()  # the group bookkeeping reads the values once, as Python floats
+    global_sd = rewards[valid].std(unbiased=False) if sum(ok) > 1 else rewards.new_zeros(())
     groups: dict = {}
     for i, g in enumerate(group_ids):
         groups.setdefault(g, []).append(i)
     zero_std = 0
     for members in groups.values():
-        idx = torch.tensor(members)
-        idx = idx[valid[idx]]
-        if len(idx) == 0:
+        members = [i for i in members if ok[i]]
+        if not members:
             continue
+        idx = torch.tensor(members)
         r = rewards[idx]
-        if r.max() == r.min():  # exactly equal (one valid sample included): no signal
+        if len({values[i] for i in members}) == 1:  # exactly equal (NaN never is): no signal
             zero_std += 1
             mask[idx] = False
             continue

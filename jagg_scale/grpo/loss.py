@@ -69,7 +69,7 @@ class GRPOStepLoss:
                 raise ValueError("guidance != 1 needs the unconditional predictions (StepBatch.uncond_velocities)")
             u = b.uncond_velocities[k].detach().to(v.dtype)
             v = u + self.guidance * (v - u)
-        s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], float(b.sigmas[1])
+        s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], b.sigmas[1]  # tensors: no host read
         step = sde_step_with_logprob(
             b.latents[k], v, s, s_next, noise_level=self.noise_level, sigma_max=sigma_max, prev_sample=b.latents[k + 1]
         )
@@ -115,14 +115,34 @@ class GRPOStepLoss:
             return lambda k, v: self(batch, k, v)
         return lambda j, v: self(batch, steps[j], v)
 
-    def summary(self) -> dict:
-        """The recorded metrics reduced over all evaluations (see reduce_metrics), then cleared."""
-        out = reduce_metrics({k: [float(v) for v in vals] for k, vals in self.metrics.items() if vals})
+    def summary(self) -> dict[str, torch.Tensor]:
+        """The recorded metrics reduced over all evaluations (see reduce_metrics), then cleared: 0-d tensors on the
+        device, read with one host transfer by `read_metrics` when the step logs."""
+        out = reduce_metrics(self.metrics)
         self.metrics.clear()
         return out
 
 
-def reduce_metrics(metrics: dict[str, list[float]]) -> dict[str, float]:
-    """Means, except ratio_max / ratio_min, which keep their extremes."""
-    reduce = {"ratio_max": max, "ratio_min": min}
-    return {k: float(reduce.get(k, lambda xs: sum(xs) / len(xs))(v)) for k, v in metrics.items() if v}
+_EXTREMES = {"ratio_max": torch.amax, "ratio_min": torch.amin}
+
+
+def reduce_metrics(metrics: dict[str, list]) -> dict[str, torch.Tensor]:
+    """Means of each metric's recorded values (0-d tensors or numbers), except ratio_max / ratio_min, which keep
+    their extremes. Computed where the values live: no host synchronisation."""
+    out = {}
+    for k, vals in metrics.items():
+        if vals:
+            stacked = torch.stack([torch.as_tensor(v).detach().float().reshape(()) for v in vals])
+            out[k] = _EXTREMES.get(k, torch.mean)(stacked)
+    return out
+
+
+def read_metrics(metrics: dict) -> dict:
+    """The metrics with every tensor value turned into a Python float by ONE device-to-host copy (a training
+    step's only read of its loss statistics); other values pass through unchanged."""
+    keys = [k for k, v in metrics.items() if torch.is_tensor(v)]
+    if not keys:
+        return dict(metrics)
+    device = metrics[keys[0]].device
+    values = torch.stack([metrics[k].detach().float().reshape(()).to(device) for k in keys]).tolist()
+    return {**metrics, **dict(zip(keys, values))}

@@ -20,7 +20,7 @@ import torch
 
 from ..cond import Cond, cat_cond
 from .loss import StepBatch
-from .sde import ode_step, sde_step_with_logprob
+from .sde import ode_step, sde_step_with_logprob, standard_normal
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
 
@@ -85,6 +85,23 @@ class Trajectories:
                             uncond_velocities=cat("uncond_velocities"))
 
 
+def draw_step_noise(generator, shape, num_steps: int, device: torch.device) -> torch.Tensor:
+    """The N(0, 1) noise of `num_steps` SDE steps of a chunk, drawn on the CPU in the order the steps consume it
+    (step by step, each row from its own generator: the same numbers as drawing at every step) and copied to the
+    device once, from pinned memory without blocking the host: [num_steps, *shape]."""
+    noise = torch.stack([standard_normal(shape, generator) for _ in range(num_steps)]) if num_steps else \
+        torch.empty(0, *shape)
+    return to_device(noise, device)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a host synchronisation: pinned and copied asynchronously on CUDA (the
+    caching host allocator keeps the pinned buffer alive until the copy has run)."""
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @torch.no_grad()
 def sample_sde(
     velocity_fn: VelocityFn,
@@ -104,10 +121,13 @@ def sample_sde(
     model is called with `cond` = (cond, uncond) through `cfg_predictions` and both predictions are kept."""
     x = noise.float()
     n = x.shape[0]
-    sigma_max = float(sigmas[1])
+    sigmas = sigmas.to(x.device)  # once: the per-step scalars below are views of it, never host reads
+    sigma_max = sigmas[1]
+    trained = [k for k in range(len(sigmas) - 1) if sde_steps is None or k in sde_steps]
+    step_noise = draw_step_noise(generator, x.shape, len(trained), x.device)
     latents, velocities, log_probs, ref_vs, uncond_vs = [x], [], [], [], []
     for k in range(len(sigmas) - 1):
-        s = sigmas[k].to(x.device).expand(n)
+        s = sigmas[k].expand(n)
         if guidance == 1.0:
             v = velocity_fn(x, s, cond).float()
             prediction = v
@@ -118,9 +138,8 @@ def sample_sde(
             uncond_vs.append(u.float())
         stochastic = sde_steps is None or k in sde_steps
         if stochastic:
-            step = sde_step_with_logprob(
-                x, v, sigmas[k], sigmas[k + 1], noise_level=noise_level, sigma_max=sigma_max, generator=generator
-            )
+            step = sde_step_with_logprob(x, v, sigmas[k], sigmas[k + 1], noise_level=noise_level, sigma_max=sigma_max,
+                                         noise=step_noise[trained.index(k)])
             x_next, log_prob = step.prev_sample, step.log_prob
         else:
             x_next, log_prob = ode_step(x, v, sigmas[k], sigmas[k + 1]), torch.zeros(n, device=x.device)

@@ -32,16 +32,23 @@ class SDEStep:
 
 
 def _as_batch(sigma, x: torch.Tensor) -> torch.Tensor:
-    """sigma as float32 of shape [B, 1, 1, ...] (broadcastable to x)."""
-    s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
+    """sigma as float32 of shape [B, 1, 1, ...] (broadcastable to x). A Python number is filled in on x's device
+    (no host-to-device copy); a tensor should live there already (the schedule is moved once, not per step)."""
+    if isinstance(sigma, (int, float)):
+        s = torch.full((), float(sigma), dtype=torch.float32, device=x.device)
+    else:
+        s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
     if s.ndim == 0:
         s = s.expand(x.shape[0])
     return s.reshape(-1, *([1] * (x.ndim - 1)))
 
 
-def sde_std(sigma: torch.Tensor, noise_level: float, sigma_max: float) -> torch.Tensor:
-    """std_k = a sqrt(s_k / (1 - s_k)); at s_k == 1 the denominator uses sigma_max (= s_1 of the schedule)."""
-    denom = 1.0 - torch.where(sigma >= 1.0, torch.full_like(sigma, sigma_max), sigma)
+def sde_std(sigma: torch.Tensor, noise_level: float, sigma_max) -> torch.Tensor:
+    """std_k = a sqrt(s_k / (1 - s_k)); at s_k == 1 the denominator uses sigma_max (= s_1 of the schedule: a number,
+    or a 0-d tensor on sigma's device, so that no value is read back to the host)."""
+    if torch.is_tensor(sigma_max):
+        sigma_max = sigma_max.to(sigma.dtype)
+    denom = 1.0 - torch.where(sigma >= 1.0, sigma_max, sigma)
     return noise_level * torch.sqrt(sigma / denom)
 
 
@@ -63,12 +70,14 @@ def sde_step_with_logprob(
     sigma_next,
     *,
     noise_level: float,
-    sigma_max: float,
+    sigma_max,
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | list[torch.Generator] | None = None,
+    noise: torch.Tensor | None = None,
 ) -> SDEStep:
     """Flow-GRPO's SDE step from sigma to sigma_next (< sigma). Samples x_{k+1} unless `prev_sample` is given,
-    in which case it only scores it (the training pass). All math in float32."""
+    in which case it only scores it (the training pass); `noise` is the step's N(0, 1) draw when the caller made
+    it (sample_sde draws a chunk's noise up front), else it is drawn from `generator`. All math in float32."""
     x = x.float()
     v = velocity.float()
     s = _as_batch(sigma, x)
@@ -77,7 +86,8 @@ def sde_step_with_logprob(
     mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
     step_std = std * torch.sqrt(-dt)
     if prev_sample is None:
-        noise = standard_normal(x.shape, generator).to(x.device)
+        if noise is None:
+            noise = standard_normal(x.shape, generator).to(x.device)
         prev_sample = mean + step_std * noise
     prev_sample = prev_sample.detach().float()
     log_prob = -((prev_sample - mean) ** 2) / (2 * step_std**2) - torch.log(step_std) - _LOG_SQRT_2PI

@@ -17,7 +17,7 @@ from .knots import (ERROR_MODELS, ErrorModel, cosine_error, plan_budget, plan_co
                     segment_costs, velocity_cosines)
 from .plans import (Plan, budget_for_speedup, check_plan, composite_upstream, exact_plan, knots_from_windows,
                     pass_groups, passes, plan_from_knots, plan_knots, plan_uniform, restrict_plan)
-from .routing import ROUTE_BY, RouteBy, Routing, endpoint_cosine, num_routed, route_windows
+from .routing import ROUTE_BY, RouteBy, Routing, endpoint_cosine, endpoint_cosines, num_routed, route_windows
 from .windows import plan_windows, trained_steps, window_weights
 
 __all__ = [
@@ -25,6 +25,6 @@ __all__ = [
     "knot_backward", "ERROR_MODELS", "ErrorModel", "cosine_error", "plan_budget", "plan_cost", "plan_from_costs",
     "residual_error", "segment_costs", "velocity_cosines", "Plan", "budget_for_speedup", "check_plan",
     "composite_upstream", "exact_plan", "knots_from_windows", "pass_groups", "passes", "plan_from_knots",
-    "plan_knots", "plan_uniform", "restrict_plan", "ROUTE_BY", "RouteBy", "Routing", "endpoint_cosine",
+    "plan_knots", "plan_uniform", "restrict_plan", "ROUTE_BY", "RouteBy", "Routing", "endpoint_cosine", "endpoint_cosines",
     "num_routed", "route_windows", "plan_windows", "trained_steps", "window_weights",
 ]

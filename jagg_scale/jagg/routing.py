@@ -37,9 +37,14 @@ class Routing:
 
 def endpoint_cosine(velocities: torch.Tensor, window: Sequence[int]) -> float:
     """Mean over samples of the cosine between the window's first and last velocities ([T, B, ...] input)."""
-    first = velocities[window[0]].flatten(1).double()
-    last = velocities[window[-1]].flatten(1).double()
-    return float(torch.nn.functional.cosine_similarity(first, last, dim=1, eps=1e-12).mean())
+    return endpoint_cosines(velocities, [window])[0]
+
+
+def endpoint_cosines(velocities: torch.Tensor, windows: Sequence[Sequence[int]]) -> list[float]:
+    """endpoint_cosine of every window, computed on the device and read back to the host once."""
+    first = torch.stack([velocities[w[0]] for w in windows]).flatten(2).double()  # views, no index tensor
+    last = torch.stack([velocities[w[-1]] for w in windows]).flatten(2).double()
+    return torch.nn.functional.cosine_similarity(first, last, dim=2, eps=1e-12).mean(1).tolist()
 
 
 def num_routed(jagg_frac: float, num_windows: int) -> int:
@@ -67,7 +72,7 @@ def route_windows(
     how="mean" for the cosines (equal slices: the global mean), how="norm" for |g_k| (root of summed squares)."""
     if route_by not in ROUTE_BY:
         raise ValueError(f"route_by must be one of {ROUTE_BY}, got {route_by!r}")
-    cosines = [endpoint_cosine(velocities, w) for w in windows]
+    cosines = endpoint_cosines(velocities, windows)
     if reduce is not None:
         cosines = reduce(cosines, "mean")
         if grad_norms is not None:

@@ -73,6 +73,7 @@ class FluxVelocity(DiffusersVelocity):
         self.latent_shape = (cfg.in_channels // 4, latent_size, latent_size)
         self.image_size = latent_size * self.vae_scale_factor
         self.patch_size = 2  # FLUX's 2x2 packing: the image sequence length is (H/2)(W/2) tokens
+        self._ids: dict = {}  # rope ids by (kind, size, device, dtype): built once, not at every forward
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | dict = torch.float32, *, max_sequence_length: int | None = None,
@@ -103,8 +104,12 @@ class FluxVelocity(DiffusersVelocity):
         return self.pipe._unpack_latents(tokens, height * f, width * f, f)
 
     def image_ids(self, height: int, width: int, device, dtype) -> torch.Tensor:
-        """Rope position ids [H/2 * W/2, 3] of the packed image tokens."""
-        return self.pipe._prepare_latent_image_ids(1, height // 2, width // 2, device, dtype)
+        """Rope position ids [H/2 * W/2, 3] of the packed image tokens (the pipeline builds them on the host and
+        copies them over: cached per size, device and dtype, so the copy happens once, not at every forward)."""
+        key = ("img", height, width, str(device), dtype)
+        if key not in self._ids:
+            self._ids[key] = self.pipe._prepare_latent_image_ids(1, height // 2, width // 2, device, dtype)
+        return self._ids[key]
 
     def _pipeline_sigma_grid(self, num_steps: int):
         """FluxPipeline passes its own unshifted grid linspace(1, 1/N, N) (unless the scheduler uses flow sigmas)."""
@@ -137,7 +142,7 @@ class FluxVelocity(DiffusersVelocity):
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((n,), self.guidance_scale, device=x.device, dtype=torch.float32)
-        txt_ids = torch.zeros(embeds.shape[1], 3, device=x.device, dtype=dtype)
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=x.device, dtype=dtype)  # a fill on the device: no copy
         img_ids = self.image_ids(h, w, x.device, dtype)
         out = self.transformer(
             hidden_states=self.pack(x.to(dtype)),

@@ -35,7 +35,8 @@ NVMe offload (partitions swapped out) and ZeRO stages other than 3 have no EMA h
 
 State: `save`/`load` are DeepSpeed checkpoints (`save_checkpoint(dir, tag="ds")`: per rank a model-states file
 and its fp32-master + optimizer partition under dir/ds; collective; resume on the same world size), written only
-inside `dir`, plus per rank its EMA partition (`ema_rank<r>.safetensors`). `full_state_dict()` consolidates the
+inside `dir`, plus per rank its EMA partition (`ema_rank<r>.safetensors`); `save` returns this rank's files (it
+hashes them for the manifest). `full_state_dict()` consolidates the
 16-bit (fp32 without bf16) weights on rank 0 with `_zero3_consolidated_16bit_state_dict` (keys of the plain
 model's `state_dict()`; {} on other ranks; LoRA: the trainable ones).
 
@@ -260,26 +261,40 @@ class DeepSpeedEngine(TrainEngine):
         finally:
             self.engine.set_gradient_accumulation_boundary(True)
 
-    def step(self) -> float:
+    def step(self) -> torch.Tensor:
         """Clip (grad_clip, inside DeepSpeed), AdamW on the partitions, zero grads, EMA; the global pre-clip
-        gradient norm."""
+        gradient norm (0-d; DeepSpeed has read it to the host already)."""
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         self.update_ema()
-        return float("nan") if norm is None else float(norm)
+        return torch.tensor(float("nan") if norm is None else float(norm))
 
     # ------------------------------------------------------------------ state
     def _ema_file(self, directory: Path) -> Path:
         return directory / f"ema_rank{self.dist.rank:05d}.safetensors"
 
-    def _save(self, directory: Path) -> None:
+    def _save(self, directory: Path) -> list[Path]:
         self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False,
                                     exclude_frozen_parameters=self.spec.frozen_base)
+        files = self._own_files(directory)
         if self.ema is not None:
             from ..checkpoint.local import _write_tensors
 
-            _write_tensors(self._ema_file(directory), self.ema)
+            files.append(_write_tensors(self._ema_file(directory), self.ema))
+        return files
+
+    def _own_files(self, directory: Path) -> list[Path]:
+        """This rank's model-states and optimizer partition files (their names carry this rank's data-parallel
+        rank, so no other rank writes them). DeepSpeed's name helpers are private: if they change, the files go
+        unreported and rank 0 hashes them (slower, still correct)."""
+        try:
+            names = [self.engine._get_ckpt_name(str(directory), TAG),
+                     self.engine._get_zero_ckpt_name(str(directory), TAG)]
+        except (AttributeError, TypeError) as err:
+            log.warning("DeepSpeed checkpoint file names unknown (%s): rank 0 hashes them", err)
+            return []
+        return [Path(n) for n in names if Path(n).is_file()]
 
     def _load(self, directory: Path) -> None:
         from ..checkpoint import CheckpointError

@@ -21,14 +21,15 @@ reverse. The contract, in the order a training step uses it:
                                         backward callable); gradients accumulate, and are synchronised across
                                         ranks when `last` is True (the minibatch's accumulation boundary), or at
                                         every backward under grad_sync every (resolve_grad_sync)
-    engine.step() -> grad_norm          clip (grad_clip) and step the optimizer, zero grads, update the EMA;
+    engine.step() -> grad_norm (0-d)    clip (grad_clip) and step the optimizer, zero grads, update the EMA;
                                         returns the global gradient norm before clipping
     engine.comm                         the collective counter (comm.py): a CommCounter on engines that issue
                                         collectives, a NullCounter (same phase()/take()) here
     engine.ema / ema_weights()          ema_decay > 0: the EMA of the trainable weights (None when off), and a
                                         context with it swapped into the model (evaluation, export)
     engine.save(dir) / load(dir)        model + optimizer (+ EMA) state into / from a checkpoint directory
-                                        (collective); load refuses a checkpoint written by another engine
+                                        (collective); save returns the files this rank wrote (each rank hashes
+                                        its own, checkpoint/digests.py); load refuses another engine's checkpoint
     engine.full_state_dict()            the trainable weights gathered on rank 0 for export (others get {})
 """
 
@@ -186,13 +187,15 @@ class TrainEngine:
         minibatch's last backward): sharded engines synchronise gradients across ranks only then."""
         out.backward(grad)
 
-    def _clip_grads(self) -> float:
-        """Clip the gradients to spec.grad_clip (0: no clipping); the global norm before clipping."""
+    def _clip_grads(self) -> torch.Tensor:
+        """Clip the gradients to spec.grad_clip (0: no clipping); the global norm before clipping (0-d, on the
+        device: the trainer reads it with the step's other metrics, not here)."""
         max_norm = self.spec.grad_clip if self.spec.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm).detach()
 
-    def step(self) -> float:
-        """Clip, optimizer step, zero grads, EMA update; returns the global gradient norm before clipping."""
+    def step(self) -> torch.Tensor:
+        """Clip, optimizer step, zero grads, EMA update; returns the global gradient norm before clipping (a 0-d
+        tensor: reading it is a host synchronisation, left to the caller)."""
         norm = self._clip_grads()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -212,13 +215,16 @@ class TrainEngine:
         """The trainable weights for export, on rank 0 (other ranks get {}); here the live tensors."""
         return self.trainable_state_dict()
 
-    def save(self, directory: Path) -> None:
-        """This engine's state into `directory` (collective: every rank calls it) and the engine marker."""
-        self._save(directory)
+    def save(self, directory: Path) -> list[Path]:
+        """This engine's state into `directory` (collective: every rank calls it) and the engine marker (rank 0);
+        returns the files this rank wrote, which this rank then hashes for the manifest. A file left out is not
+        lost: rank 0 hashes whatever no rank reported, only slower."""
+        files = list(self._save(directory))
         if self.dist.is_main:
             from ..checkpoint.local import _write_bytes
 
-            _write_bytes(directory / ENGINE_MARKER, json.dumps({"engine": self.name}).encode())
+            files.append(_write_bytes(directory / ENGINE_MARKER, json.dumps({"engine": self.name}).encode()))
+        return files
 
     def load(self, directory: Path) -> None:
         """State from a checkpoint `directory` written by the same engine (CheckpointError otherwise)."""
@@ -239,13 +245,14 @@ class TrainEngine:
                                   f"{writer}), this run uses {self.name} (parallel.backend {self.name}): resume "
                                   f"with parallel.backend {writer}")
 
-    def _save(self, directory: Path) -> None:
+    def _save(self, directory: Path) -> list[Path]:
         from ..checkpoint.local import _write_object, _write_tensors
 
-        _write_tensors(directory / "model.safetensors", self.trainable_state_dict())
-        _write_object(directory / "optimizer.pt", self.optimizer.state_dict())
+        files = [_write_tensors(directory / "model.safetensors", self.trainable_state_dict()),
+                 _write_object(directory / "optimizer.pt", self.optimizer.state_dict())]
         if self.ema is not None:
-            _write_tensors(directory / "ema.safetensors", self.ema)
+            files.append(_write_tensors(directory / "ema.safetensors", self.ema))
+        return files
 
     def _load(self, directory: Path) -> None:
         from safetensors.torch import load_file

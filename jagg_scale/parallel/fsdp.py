@@ -7,7 +7,8 @@ The helpers both uses share:
                             `single_transformer_blocks`, a CLIP's text and vision encoder layers)
     build_mesh(...)         the device mesh: 1-D over all ranks, or HSDP (replicate x shard) when replicate > 1
     parallelize(model)      training: activation checkpointing per block (optional), fully_shard on every block,
-                            then on the root; mixed precision (bf16 params in compute, fp32 gradient reduction);
+                            then on the root; mixed precision (the blocks' params gathered in bf16, the root's in
+                            fp32, fp32 gradient reduction, inputs left to the caller's bf16 autocast);
                             explicit prefetch: block i gathers block i+1 in forward and block i-1 in backward;
                             `reshard_after_forward` configurable (as torchtitan does)
                             compile (parallel.compile): every block torch.compile-d first, so that checkpointing
@@ -25,7 +26,8 @@ fine-tune and boundary for LoRA. The all-gather cycles are one per joint JAGG pa
 and under `every` the reduce-scatters too. `engine.comm` (comm.py) measures that.
 
 Checkpoints are torch.distributed.checkpoint (DCP) directories: each rank writes its shards (the EMA shards
-too), and a checkpoint written by N ranks loads on M (DCP reshards on load).
+too) and reports which files those were (`_ListingWriter`), and a checkpoint written by N ranks loads on M (DCP
+reshards on load).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Iterable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -93,15 +96,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, activation_ch
 
             for blocks, i in slots:
                 blocks[i] = checkpoint_wrapper(blocks[i])
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # bf16 is the trainer's autocast (train/policy.py), as on backend none; FSDP2 adds bf16 gathers of the blocks
+    # alone. Its input cast stays off: it would round every floating input of a unit to bf16 (the root's sigma:
+    # timesteps off by up to 2/1000; FLUX's float32 rotary embeddings at each block). The root's own parameters
+    # (embedders, final layer: under 1% of the weights) stay float32, so what autocast leaves in float32 there
+    # (token embeddings and their pooling, sigma's path) is computed as backend none computes it.
+    blocks_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32,
+                                     cast_forward_inputs=False)
+    root_mp = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     units = []
     for blocks, i in slots:
         place_(blocks[i], device, master_dtype)
-        fully_shard(blocks[i], **kwargs)
+        fully_shard(blocks[i], mp_policy=blocks_mp, **kwargs)
         units.append(blocks[i])
     place_(model, device, master_dtype)  # the root's own parameters (the blocks' are DTensors now: skipped)
-    fully_shard(model, **kwargs)
+    fully_shard(model, mp_policy=root_mp, **kwargs)
     if prefetch:
         for prev, nxt in zip(units, units[1:]):
             prev.set_modules_to_forward_prefetch([nxt])
@@ -131,6 +141,25 @@ def shard_for_inference(module: nn.Module, mesh: DeviceMesh, forward_methods: It
 
 
 # ------------------------------------------------------------------------------------------ the training engine
+
+
+class _ListingWriter(FileSystemWriter):
+    """DCP's filesystem writer, noting the files this rank wrote: its shards (the write results name them) and, on
+    the coordinator, `.metadata`. Anything it misses is still hashed, by rank 0 (checkpoint/local.py)."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        self.written: list[str] = []
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        names = {getattr(r.storage_data, "relative_path", None) for r in future.wait()}  # done: DCP writes in place
+        self.written += sorted(n for n in names if n)
+        return future
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        self.written.append(".metadata")  # torch's name for the global metadata file the coordinator writes
 
 
 class FSDP2Engine(TrainEngine):
@@ -170,18 +199,20 @@ class FSDP2Engine(TrainEngine):
         finally:
             self.model.set_requires_gradient_sync(True)
 
-    def _clip_grads(self) -> float:
+    def _clip_grads(self) -> torch.Tensor:
         max_norm = self.spec.grad_clip if self.spec.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
     # ------------------------------------------------------------------ state
     def _dcp_state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options)
         return {"model": model_sd, "optimizer": optim_sd, **({"ema": self.ema} if self.ema is not None else {})}
 
-    def _save(self, directory: Path) -> None:
-        dcp.save(self._dcp_state(), checkpoint_id=str(directory / "dcp"))
+    def _save(self, directory: Path) -> list[Path]:
+        writer = _ListingWriter(directory / "dcp")
+        dcp.save(self._dcp_state(), storage_writer=writer)
+        return [directory / "dcp" / name for name in writer.written]
 
     def _load(self, directory: Path) -> None:
         state = self._dcp_state()

@@ -26,6 +26,7 @@ __all__ = [
     "build_reward",
     "available",
     "score_safely",
+    "resolve_device",
 ]
 
 
@@ -121,6 +122,21 @@ def build_reward(name: str, **kwargs) -> Reward:
         return cls(**kwargs)
     except TypeError as e:  # e.g. a missing required option: keep Python's detail, add the reward name
         raise TypeError(f"could not build reward {name!r} with options {sorted(kwargs)}: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------ device
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A reward's `device` option: "auto" -> this process's current CUDA device with its index (`cuda:k`, the
+    trainer's rank device, set by parallel.dist.init_distributed), else the CPU; anything else -> torch.device.
+
+    Never a bare "cuda": that means "the calling thread's current device", which is cuda:0 in a worker thread
+    (reward.background) whatever the rank's device, so a rank k > 0 would move its images to cuda:0 while its
+    reward model sits on cuda:k."""
+    if device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
 
 
 # ------------------------------------------------------------------------------------------ safe scoring

@@ -206,13 +206,14 @@ def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> 
     from ..rewards.multi import build_reward_mix
     from .policy import Policy
 
-    prompts, reward = eval_prompts(cfg), build_reward_mix(cfg.reward)  # inputs first: fail before a model is built
+    prompts = eval_prompts(cfg)  # inputs first: fail before a model is built
     dist = init_distributed(cfg.run.device, timeout_s=cfg.parallel.collective_timeout_s)
     try:
+        reward = build_reward_mix(cfg.reward)  # after the rank's device is set: a reward's "auto" is that device
         torch.manual_seed(cfg.run.seed)
         model = build_model(cfg.model).to(dist.device)
         if checkpoint is not None:
-            verify_checkpoint(checkpoint)
+            verify_checkpoint(checkpoint, dist)  # collective: each rank hashes its share, all fail alike
             load_trained_weights(model, checkpoint, ema=cfg.train.ema_decay > 0)
         policy = Policy(model, cfg, dist.device)
         return evaluate(model, policy.velocity_fn(), policy.encode, reward, cfg, prompts,

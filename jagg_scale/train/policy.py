@@ -20,8 +20,9 @@ from typing import Callable
 
 import torch
 
-from ..cond import index_cond
+from ..cond import index_cond, map_cond
 from ..grpo import StepBatch, Trajectories, guided_velocity, model_schedule, sample_sde
+from ..grpo.rollout import to_device
 from .config import Config
 from .rows import row_generators
 
@@ -33,6 +34,7 @@ class Policy:
         `ref_model` (a frozen copy, full fine-tune) or, with LoRA, the same model with its adapter off."""
         self.model, self.ref_model, self.cfg, self.device = model, ref_model, cfg, device
         self.sigmas = model_schedule(model, cfg.sampling.num_steps, cfg.sampling.shift).to(device)
+        self._uncond = None  # the empty prompt's conditioning (CFG), encoded on first use
 
     @property
     def guidance(self) -> float:
@@ -69,7 +71,10 @@ class Policy:
     def encode(self, prompts: list[str]):
         cond = self.model.encode_prompts(prompts)
         if self.guidance != 1.0:
-            return cond, self.model.encode_prompts([""] * len(prompts))
+            if self._uncond is None:  # the empty prompt's embedding never changes (frozen encoders): encode it once
+                self._uncond = self.model.encode_prompts([""])
+            n = len(prompts)
+            return cond, map_cond(lambda t: t.expand(n, *t.shape[1:]), self._uncond)
         return cond
 
     def split_cond(self, cond):
@@ -90,17 +95,19 @@ class Policy:
     @torch.no_grad()
     def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None, sde_steps=None) -> Trajectories:
         """SDE trajectories of the given global rows (cond holds their conditioning, in that order), in chunks of
-        sampling.batch_size rows; `on_chunk(index, final_latents)` is called after each (reward scoring)."""
+        sampling.batch_size rows; `on_chunk(rows, final_latents)` is called after each (reward scoring), `rows` the
+        chunk's slice of `rows`. Nothing here reads a device value back: noise goes up once per chunk, asynchronously."""
         cfg = self.cfg
         gens = row_generators(cfg.run.seed, step, rows)
-        noise = torch.stack([torch.randn(self.model.latent_shape, generator=g) for g in gens])
         predict, ref = self.model_fn(), self.reference_fn()
         parts = []
-        for idx in torch.arange(len(rows)).split(cfg.sampling.batch_size):
-            parts.append(sample_sde(predict, index_cond(cond, idx.to(self.device)), noise[idx].to(self.device),
-                                    self.sigmas, noise_level=cfg.sampling.noise_level,
-                                    generator=[gens[i] for i in idx.tolist()], ref_velocity_fn=ref,
-                                    sde_steps=sde_steps, guidance=self.guidance))
+        for start in range(0, len(rows), cfg.sampling.batch_size):
+            chunk = slice(start, min(start + cfg.sampling.batch_size, len(rows)))
+            # each row's generator draws its initial noise, then its SDE steps' (inside sample_sde), as one stream
+            noise = torch.stack([torch.randn(self.model.latent_shape, generator=g) for g in gens[chunk]])
+            parts.append(sample_sde(predict, index_cond(cond, chunk), to_device(noise, self.device), self.sigmas,
+                                    noise_level=cfg.sampling.noise_level, generator=gens[chunk],
+                                    ref_velocity_fn=ref, sde_steps=sde_steps, guidance=self.guidance))
             if on_chunk is not None:
-                on_chunk(idx, parts[-1].final)
+                on_chunk(chunk, parts[-1].final)
         return Trajectories.cat(parts)

@@ -1,8 +1,16 @@
 """A run's state on disk: checkpoints (save, verify, resume) and the exported weights.
 
     out/checkpoints/step_XXXXXXXX/   engine state (weights, optimizer, EMA), per-rank RNG, prompt-source position,
-                                     state.json; written collectively and atomically (checkpoint/local.py)
-    out/lora | out/transformer       the weights in the backbone's own format (diffusers), rank 0
+                                     state.json; written collectively and atomically (checkpoint/local.py), each
+                                     rank hashing its own files
+    out/lora | out/transformer       the weights in the backbone's own format (diffusers), rank 0, in
+                                     run.export_dtype, with jagg_export.json ({"step", "dtype"}) inside
+
+When (`after_step`, called by the trainer after every step): a checkpoint every run.checkpoint_every steps, at the
+last step and on preemption; an export at the last step and every run.export_every steps, never on preemption: a
+preemption has only the signal's lead time (docs/launchers.md), and the export of a full fine-tune (FLUX: 47.6 GB
+in fp32) is the checkpoint's weights again in another format. `finish` writes the final export when the loop did
+not (a run preempted at its last step, resumed with nothing left to train).
 
 Every random draw of step t is seeded by (run.seed, t[, row]), so a run resumed at step t draws exactly what the
 uninterrupted run drew; the RNG state is saved for the few unseeded global draws.
@@ -19,10 +27,12 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import CheckpointError, capture_rng_state, find_resume_checkpoint, restore_rng_state
-from ..checkpoint.local import STATE, save_checkpoint_dir, verify_checkpoint
+from ..checkpoint.local import STATE, _write_bytes, _write_object, save_checkpoint_dir, verify_checkpoint
 from .config import Config
 
 log = logging.getLogger(__name__)
+
+EXPORT_RECORD = "jagg_export.json"  # inside the export directory: which step and dtype it holds
 
 
 class RunState:
@@ -30,65 +40,75 @@ class RunState:
         self.cfg, self.dist, self.engine = cfg, dist, engine
         self.out = Path(out)
         self.ckpt_root = self.out / "checkpoints"
+        self.exported_step: int | None = None  # the step of the export this process wrote, if any
 
+    # ------------------------------------------------------------------ after a training step
+    def after_step(self, next_step: int, source, model, *, last: bool, preempted: bool) -> None:
+        """The checkpoint and the export due after the step before `next_step` (collective)."""
+        every = self.cfg.run.checkpoint_every
+        if last or preempted or (every and next_step % every == 0):
+            self.save(next_step, source)
+        if self.export_due(next_step, last=last, preempted=preempted):
+            self.export(model, next_step)
+
+    def export_due(self, next_step: int, *, last: bool, preempted: bool) -> bool:
+        if preempted:  # the lead time is the checkpoint's; the resumed run exports when due
+            return False
+        every = self.cfg.run.export_every
+        return last or bool(every and next_step % every == 0)
+
+    def finish(self, model, steps: int) -> None:
+        """The final export, unless this run or an earlier one already wrote it (collective)."""
+        if not hasattr(model, "save_full") or self.exported_step == steps:
+            return
+        done = None
+        if self.dist.is_main:  # one reader: the others might race rank 0's rename
+            record = self._export_dir() / EXPORT_RECORD
+            done = json.loads(record.read_text()) if record.is_file() else None
+        done = self.dist.broadcast_object(done)
+        if done != {"step": steps, "dtype": self.cfg.run.export_dtype}:
+            self.export(model, steps)
+
+    # ------------------------------------------------------------------ checkpoints
     def save(self, next_step: int, source) -> Path:
         """A complete checkpoint of the state before step `next_step` (collective)."""
         state = {"step": next_step, "prompts": source.state_dict(), "config": self.cfg.to_dict(),
                  "world_size": self.dist.world_size}
 
-        def write(tmp: Path) -> None:
-            self.engine.save(tmp)
-            torch.save(capture_rng_state(), tmp / f"rng_rank{self.dist.rank:05d}.pt")
+        def write(tmp: Path) -> list[Path]:  # the files this rank wrote: it hashes them itself
+            files = self.engine.save(tmp)
+            return [*files, _write_object(tmp / f"rng_rank{self.dist.rank:05d}.pt", capture_rng_state())]
 
         return save_checkpoint_dir(self.ckpt_root, next_step, write=write, state=state,
                                    keep_last=self.cfg.run.keep_last, dist=self.dist)
 
-    def export(self, model) -> Path | None:
-        """Weights in the backbone's own format beside the checkpoints: a diffusers LoRA directory
-        (`pipe.load_lora_weights(dir)`) or a full `save_pretrained` transformer, the EMA weights when
-        train.ema_decay > 0. Gathered from the shards (collective); written by rank 0 to a temp dir, then renamed
-        over the previous export."""
-        if not hasattr(model, "save_full"):
-            return None
-        lora = self.cfg.model.lora.enabled
-        with self.engine.ema_weights():
-            state = self.engine.full_state_dict()  # gathered on rank 0 when sharded (collective)
-            if not self.dist.is_main:
-                return None
-            final = self.out / ("lora" if lora else "transformer")
-            tmp = self.out / (final.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            (model.save_lora if lora else model.save_full)(tmp, state=state)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        return final
-
     def load(self, path: Path) -> None:
-        """Engine state from a verified checkpoint directory (collective)."""
-        if self.dist.is_main:
-            verify_checkpoint(path)
-        self.dist.barrier()
-        self.engine.load(Path(path))
+        """Engine state from a checkpoint directory, verified first (collective: each file hashed once, on one
+        rank; a problem raises the same CheckpointError on every rank), then loaded on every rank: any rank's
+        loading error is raised on every rank at once (no rank waits for one that failed)."""
+        verify_checkpoint(path, self.dist)
+        self.dist.on_every_rank(lambda: self.engine.load(Path(path)))
 
     def resume(self, source) -> int:
         """The step to start from: run.resume none -> 0; auto -> the newest complete checkpoint, if any; a path ->
-        that checkpoint. Restores the engine, the RNG state (same world size) and the prompt source."""
+        that checkpoint. Verified once, by all ranks together; restores the engine, the RNG state (same world size)
+        and the prompt source."""
         setting = self.cfg.run.resume
         if setting == "none":
             return 0
-        path = None
-        if self.dist.is_main:  # one rank reads and hashes; the others follow its choice
-            path = find_resume_checkpoint(self.ckpt_root) if setting == "auto" else Path(setting)
-        path = self.dist.broadcast_object(str(path) if path is not None else None)
-        if path is None:
-            log.info("run.resume=auto: no complete checkpoint under %s, starting fresh", self.ckpt_root)
-            return 0
-        path = Path(path)
+        if setting == "auto":
+            path = find_resume_checkpoint(self.ckpt_root, self.dist)  # verifies (collective)
+            if path is None:
+                log.info("run.resume=auto: no complete checkpoint under %s, starting fresh", self.ckpt_root)
+                return 0
+        else:
+            path = Path(setting)
+            verify_checkpoint(path, self.dist)
         state = json.loads((path / STATE).read_text())
         saved_model = state.get("config", {}).get("model")
         if saved_model is not None and saved_model != self.cfg.to_dict()["model"]:
             raise CheckpointError(f"checkpoint {path} was written for a different `model` section: {saved_model}")
-        self.load(path)
+        self.dist.on_every_rank(lambda: self.engine.load(path))  # verified above: not hashed again
         rng = path / f"rng_rank{self.dist.rank:05d}.pt"
         if state.get("world_size", 1) == self.dist.world_size and rng.is_file():
             restore_rng_state(torch.load(rng, weights_only=False))
@@ -98,3 +118,42 @@ class RunState:
         source.load_state_dict(state["prompts"])
         log.info("resumed from %s at step %d", path, int(state["step"]))
         return int(state["step"])
+
+    # ------------------------------------------------------------------ export
+    def _export_dir(self) -> Path:
+        return self.out / ("lora" if self.cfg.model.lora.enabled else "transformer")
+
+    def export(self, model, step: int | None = None) -> Path | None:
+        """Weights in the backbone's own format beside the checkpoints: a diffusers LoRA directory
+        (`pipe.load_lora_weights(dir)`) or a full `save_pretrained` transformer, the EMA weights when
+        train.ema_decay > 0, floating tensors in run.export_dtype. Gathered from the shards (collective); written by
+        rank 0 to a temp dir, then renamed over the previous export."""
+        if not hasattr(model, "save_full"):
+            return None
+        lora = self.cfg.model.lora.enabled
+        dtype = self.cfg.run.export_dtype
+        with self.engine.ema_weights():
+            state = self.engine.full_state_dict()  # gathered on rank 0 when sharded (collective)
+            if not self.dist.is_main:
+                self.exported_step = step
+                return None
+            _cast_floats_(state, getattr(torch, dtype))
+            final = self._export_dir()
+            tmp = self.out / (final.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            (model.save_lora if lora else model.save_full)(tmp, state=state)
+            del state
+        _write_bytes(tmp / EXPORT_RECORD, json.dumps({"step": step, "dtype": dtype}).encode())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        self.exported_step = step
+        log.info("exported %s weights of step %s to %s", dtype, step, final)
+        return final
+
+
+def _cast_floats_(state: dict, dtype: torch.dtype) -> None:
+    """Floating tensors of `state` to `dtype`, entry by entry (each full-precision copy is freed as it goes: rank 0
+    holds the whole gathered model on the host)."""
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            state[key] = value.to(dtype)

@@ -30,7 +30,8 @@ import yaml
 
 from ..cond import index_cond
 from ..data import ListPromptSource, PromptSet, StreamPromptSource, load_prompts
-from ..grpo import GRPOStepLoss, Trajectories, reduce_metrics
+from ..grpo import GRPOStepLoss, Trajectories, read_metrics, reduce_metrics
+from ..grpo.rollout import to_device
 from ..jagg import trained_steps
 from ..models import build_model
 from ..parallel.build import build_engine
@@ -124,15 +125,14 @@ class Trainer:
         records = [r for r in self.source.next_prompts() for _ in range(g)]
         rows = StepRows.draw(len(records), cfg.train.batch_size, cfg.run.seed, step, self.dist.rank,
                              self.dist.world_size)
-        prompts = [records[i].prompt for i in rows.mine.tolist()]
-        metadata = [records[i].metadata for i in rows.mine.tolist()]
+        mine = rows.mine.tolist()
+        prompts, metadata = [records[i].prompt for i in mine], [records[i].metadata for i in mine]
         cond = self.policy.encode(prompts)
         steps = self.trained_steps_at(step)
         self.model.eval()
         background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
-        scorer = ChunkScorer(self.reward, self.model.decode, background=background)
-        on_chunk = lambda idx, final: scorer.add(final, [prompts[i] for i in idx.tolist()],  # noqa: E731
-                                                 [metadata[i] for i in idx.tolist()])
+        scorer = ChunkScorer(self.reward, self.model.decode, background=background, device=self.device)
+        on_chunk = lambda chunk, final: scorer.add(final, prompts[chunk], metadata[chunk])  # noqa: E731
         with self._comm("rollout"):
             traj = self.policy.rollout(cond, rows.mine, step, on_chunk=on_chunk,
                                        sde_steps=set(steps) if cfg.sampling.sde_window else None)
@@ -166,6 +166,7 @@ class Trainer:
             "time_train": t3 - t2 - loss_metrics.get("time_probe", 0.0),  # the probe is diagnostics, not training
         }
         metrics.update(self.engine.comm.take())  # collectives per phase (nothing on one process)
+        metrics = read_metrics(metrics)  # the step's one device-to-host read of its loss statistics
         return self.dist.mean_over_ranks(metrics, {"ratio_max": "max", "ratio_min": "min"})
 
     def trained_steps_at(self, step: int) -> list[int]:
@@ -191,7 +192,8 @@ class Trainer:
         optimizer step, then one no-grad forward per trained step (constants for the gradient either way). Each
         minibatch runs in micro-batches of train.micro_batch_size rows (update.backward_minibatch)."""
         cfg, j = self.cfg, self.cfg.jagg
-        adv_values, adv_mask = adv.values[rows.mine].to(self.device), adv.mask[rows.mine].to(self.device)
+        # host -> device once per step, asynchronously (advantages are computed on the host, in float64)
+        adv_values, adv_mask = to_device(adv.values[rows.mine], self.device), to_device(adv.mask[rows.mine], self.device)
         total = BackwardStats()
         metrics: dict[str, list] = {}
         predict = self.policy.model_fn()
@@ -201,7 +203,7 @@ class Trainer:
         probe_metrics: dict = {}
         for epoch in range(cfg.grpo.inner_epochs):
             for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
-                local = local.to(self.device)
+                local = to_device(local, self.device)
                 batch = traj.step_batch(local, adv_values, adv_mask)
                 # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
                 denom = float(adv.mask[global_rows].sum()) / rows.world_size
@@ -227,7 +229,7 @@ class Trainer:
                 total.add(stats)
                 for key, value in {**loss.summary(), "grad_norm": grad_norm}.items():
                     metrics.setdefault(key, []).append(value)
-        summary = reduce_metrics(metrics)
+        summary = reduce_metrics(metrics)  # 0-d tensors: train_step reads every metric at once
         summary["optimizer_steps"] = optimizer_steps
         return total, {**summary, **probe_metrics}
 
@@ -242,12 +244,9 @@ class Trainer:
 
     def _reward_metrics(self, parts, failed: dict[str, int]) -> dict:
         total, valid = self.reward.weighted_sum(parts)
-        ok = total[valid]
-        out = {
-            "reward_mean": float(ok.mean()) if len(ok) else float("nan"),
-            "reward_std": float(ok.std(unbiased=False)) if len(ok) else float("nan"),
-            "reward_failed": int((~valid).sum()),
-        }
+        ok = total[valid].double()
+        mean, std, failed_n = torch.stack([ok.mean(), ok.std(unbiased=False), (~valid).sum().double()]).tolist()
+        out = {"reward_mean": mean, "reward_std": std, "reward_failed": int(failed_n)}  # NaN when none is valid
         if len(parts) > 1:
             for name, p in parts.items():
                 out[f"reward_{name}_mean"] = float(p.scores[p.valid].mean()) if p.valid.any() else float("nan")
@@ -283,13 +282,12 @@ class Trainer:
                     history.append(metrics)
                     last = step + 1 == cfg.train.steps
                     preempted = self._agree(self.preemption.requested)
-                    if last or preempted or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
-                        self.run_state.save(step + 1, self.source)
-                        self.run_state.export(self.model)
+                    self.run_state.after_step(step + 1, self.source, self.model, last=last, preempted=preempted)
                     if preempted:
                         self._exit_preempted(step + 1)
                     if self.eval_prompts is not None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
                         self.evaluate(step + 1)
+                self.run_state.finish(self.model, cfg.train.steps)  # the final export, if the loop did not write it
         finally:
             if logger is not None:
                 logger.close()

@@ -55,7 +55,7 @@ class BackwardStats:
     nograd_forward_passes: int = 0  # extra no-grad forwards of the `forward` intermediate mode
     intermediate_forward: int = 0  # windows whose intermediate values came from fresh no-grad forwards
     uncond_forward_passes: int = 0  # CFG: no-grad unconditional forwards (B rows) after an optimizer step
-    loss: float = 0.0  # sum over trained steps of the (scaled) step losses
+    loss: float | torch.Tensor = 0.0  # sum over trained steps of the (scaled) step losses (0-d: read when logged)
     cosines: list = field(default_factory=list)
     knots: list = field(default_factory=list)  # knot plans: the trained-step indices computed exactly, per minibatch
 
@@ -180,7 +180,7 @@ def backward_minibatch(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GR
         backward_passes=len(knots), per_step_equiv=len(steps),
         nograd_forward_passes=interior if intermediate == "forward" else 0,
         intermediate_forward=mb.windows_jagg if intermediate == "forward" else 0,
-        loss=float(torch.stack(total).sum()), cosines=mb.cosines,
+        loss=torch.stack(total).sum(), cosines=mb.cosines,
         knots=[] if mb.windows is not None else [[steps[q] for q in knots]])
 
 

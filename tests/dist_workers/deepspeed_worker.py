@@ -100,7 +100,7 @@ def minibatch(engine: TrainEngine, batch: dict, rows: slice, scale: float, last_
         jagg_backward(fn, batch["lat1"][:, rows], batch["sig1"], cond, loss_fn(0),
                       cached_velocities=batch["cached"][:, rows], intermediate="cached", backward=off_boundary)
     exact_backward(fn, batch["lat2"][:, rows], batch["sig2"], cond, loss_fn(W1), backward=to_engine)
-    return engine.step()
+    return float(engine.step())
 
 
 def reference(init: dict, steps: int, last_only: bool = False) -> tuple[dict, list, dict]:
@@ -151,7 +151,7 @@ def main(out: Path) -> None:
     norm1 = minibatch(engine, make_batch(0), rows, float(world), boundary=boundary)
     sd1 = engine.full_state_dict()
     ema1, ema1_restored = ema_export(engine)
-    engine.save(out / "ckpt")
+    written = ctx.all_gather_object(sorted(p.relative_to(out / "ckpt").as_posix() for p in engine.save(out / "ckpt")))
     norm2 = minibatch(engine, make_batch(1), rows, float(world))
     norm3 = minibatch(engine, make_batch(2), rows, float(world))
     sd3 = engine.full_state_dict()
@@ -235,6 +235,7 @@ def main(out: Path) -> None:
         resume_load=close(sd1_loaded, sd1, exact=True),
         resume=close(sd3_resumed, sd3, exact=True),
         checkpoint_files=sorted(str(p.relative_to(out / "ckpt")) for p in (out / "ckpt").rglob("*") if p.is_file()),
+        written_by_rank=written,
         boundary=boundary == [False, False, True],  # only the minibatch's last backward is on the boundary
         boundary_seen=boundary,
         ema=close(ema1, ref_ema1) and close(ema3, ref_ema3, atol=1e-5) and not close(ema1, sd1),
