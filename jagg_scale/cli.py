@@ -20,10 +20,13 @@ def train_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    from .parallel.ranks import discover
     from .train import ConfigError, Trainer, load_config, summarize
+    from .train.config import validate_world
 
     try:
         cfg = load_config(args.config, args.overrides)
+        validate_world(cfg, discover().world_size)  # the launch's process count, before any model is loaded
     except ConfigError as err:  # before any work: name the key and stop
         print(f"jagg-train: {err}", file=sys.stderr)
         return 2

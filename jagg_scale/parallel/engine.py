@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from .blocks import compile_blocks
 from .comm import NullCounter
 from .dist import DistContext
 from .types import Backend, GradSync
@@ -73,6 +74,7 @@ class EngineSpec:
     replicate: int = 1  # HSDP replica groups
     deepspeed: dict = field(default_factory=dict)  # merged over the built-in ZeRO-3 config
     grad_sync: GradSync = "auto"  # when gradients are reduced across ranks (parallel/types.py)
+    compile: bool = False  # none / fsdp2: torch.compile each transformer block (blocks.compile_blocks)
 
 
 def resolve_grad_sync(spec: EngineSpec) -> str:
@@ -133,6 +135,8 @@ class TrainEngine:
                              "use parallel.backend fsdp2 or deepspeed")
         self.spec, self.dist = spec, dist
         self.comm = NullCounter()  # one process: no collectives to count
+        if spec.compile:
+            compile_blocks(model)
         self.model = place_(model, dist.device, getattr(model, "master_dtype", None))
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, spec)

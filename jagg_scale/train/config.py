@@ -25,7 +25,7 @@ from .config_sections import (ConfigError, DataConfig, EvalConfig, GRPOConfig, J
                               ParallelConfig, RewardConfig, RunConfig, SamplingConfig, TrainConfig, _require)
 from .config_sections import __all__ as _sections_all
 
-__all__ = [*_sections_all, "Config", "load_config", "config_from_dict", "parse_override", "validate"]
+__all__ = [*_sections_all, "Config", "load_config", "config_from_dict", "parse_override", "validate", "validate_world"]
 
 
 @dataclass
@@ -208,7 +208,7 @@ def engine_spec(cfg: Config) -> EngineSpec:
                       bf16=cfg.model.dtype == "bfloat16", frozen_base=cfg.model.lora.enabled,
                       activation_checkpointing=p.activation_checkpointing,
                       reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch, replicate=p.replicate,
-                      deepspeed=dict(p.deepspeed or {}), grad_sync=p.grad_sync)
+                      deepspeed=dict(p.deepspeed or {}), grad_sync=p.grad_sync, compile=p.compile)
 
 
 def config_from_dict(data: dict) -> Config:
@@ -229,6 +229,23 @@ def validate(cfg: Config) -> None:
     _require((t.prompts_per_step * g.group_size) % t.batch_size == 0, "train.batch_size",
              f"must divide train.prompts_per_step * grpo.group_size = {t.prompts_per_step * g.group_size}")
     _check_files(cfg)
+
+
+def validate_world(cfg: Config, world_size: int) -> None:
+    """The checks that need the launch's process count (jagg-train runs them before building anything, with the
+    world size the launcher's environment gives: parallel.ranks.discover). Without them a config that cannot run
+    on this many ranks fails only after every rank has loaded its models, or at the first step."""
+    p = cfg.parallel
+    if world_size > 1:
+        _require(p.backend != "none", "parallel.backend",
+                 f"none runs one process, but the launcher started {world_size}: use fsdp2 (or deepspeed)")
+        _require(cfg.jagg.probe_every == 0, "jagg.probe_every",
+                 f"(the exact-gradient probe) runs on one process, not {world_size}: set it to 0")
+    _require(cfg.train.batch_size % world_size == 0, "train.batch_size",
+             f"{cfg.train.batch_size} must be divisible by the world size {world_size} (each rank trains its share)")
+    _require(p.backend != "fsdp2" or world_size % p.replicate == 0, "parallel.replicate",
+             f"{p.replicate} must divide the world size {world_size} (HSDP: replicas x shards; the node count on "
+             "several nodes)")
 
 
 def _check_files(cfg: Config) -> None:

@@ -298,12 +298,28 @@ class ParallelConfig(_Section):
     reshard_after_forward: bool = True  # fsdp2: free gathered params after forward (gather again in backward)
     activation_checkpointing: bool = False  # fsdp2/deepspeed: recompute each transformer block in backward
     prefetch: bool = True  # fsdp2: gather block i+1 (forward) / i-1 (backward) while block i computes
-    replicate: int = 1  # fsdp2 HSDP: replica groups x shards (e.g. nodes x GPUs per node); 1 = plain FSDP
+    # fsdp2 HSDP: replica groups x shards. On several nodes set it to the node count for LoRA runs: each node
+    # shards the frozen base over its own GPUs, so the per-block all-gathers stay on the node and only the
+    # adapter's gradient crosses the network (slurm/jagg.sbatch does). 1 = plain FSDP over every rank
+    replicate: int = 1
     deepspeed: dict[str, Any] = field(default_factory=dict)  # deepspeed: merged over the built-in ZeRO-3 config
     grad_sync: GradSync = "auto"  # boundary | every | auto (parallel/types.py)
+    # none / fsdp2: torch.compile each transformer block in place before checkpointing and sharding wrap it
+    # (parallel/blocks.py). Compiles at the first step. Meant for CUDA: on CPU, torch 2.13's vectorised inductor
+    # code gets the DiT block's backward 0.1-0.8% wrong (tests/test_engines.py pins scalar code)
+    compile: bool = False
+    # seconds a collective may wait before the process group's watchdog aborts the job (init_process_group's
+    # timeout); longer than the longest work one rank does while the others wait (a checkpoint save, rank 0's export)
+    collective_timeout_s: int = 1800
 
     def check(self, prefix: str) -> None:
         _require(self.replicate >= 1, f"{prefix}.replicate", "must be >= 1")
+        _require(self.replicate == 1 or self.backend == "fsdp2", f"{prefix}.replicate",
+                 f"is HSDP, an fsdp2 layout: leave it at 1 with {prefix}.backend {self.backend}")
+        _require(not self.compile or self.backend in ("none", "fsdp2"), f"{prefix}.compile",
+                 f"is supported for {prefix}.backend none and fsdp2, not {self.backend}")
+        _require(self.collective_timeout_s >= 1, f"{prefix}.collective_timeout_s",
+                 f"must be >= 1 second, got {self.collective_timeout_s}")
 
 
 @dataclass

@@ -207,7 +207,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> 
     from .policy import Policy
 
     prompts = eval_prompts(cfg)  # inputs first: fail before a model is built
-    dist = init_distributed(cfg.run.device)
+    dist = init_distributed(cfg.run.device, timeout_s=cfg.parallel.collective_timeout_s)
     try:
         reward = build_reward_mix(cfg.reward)  # after the rank's device is set: a reward's "auto" is that device
         torch.manual_seed(cfg.run.seed)

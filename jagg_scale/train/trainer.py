@@ -58,7 +58,7 @@ class Trainer:
         self.out = Path(cfg.run.output_dir)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.dist = init_distributed(cfg.run.device)
+        self.dist = init_distributed(cfg.run.device, timeout_s=cfg.parallel.collective_timeout_s)
         self.device = self.dist.device
         if self.dist.world_size > 1 and cfg.jagg.probe_every:
             raise ValueError("jagg.probe_every (the exact-gradient probe) runs on one process; set it to 0")
