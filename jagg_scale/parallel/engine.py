@@ -38,7 +38,9 @@ reverse. The contract, in the order a training step uses it:
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,6 +130,28 @@ def place_(module: torch.nn.Module, device: torch.device | None, master_dtype: t
 def make_optimizer(params, spec: EngineSpec) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=tuple(spec.adam_betas),
                              eps=spec.adam_eps)
+
+
+def _disk_full(err: BaseException, directory: Path) -> OSError | None:
+    """An ENOSPC OSError naming `directory` and its free space when `err` came from a full disk, else None. The
+    writers hide it: torch.save raises "unexpected pos N vs M" with the ENOSPC only in its __context__, and
+    safetensors a SafetensorError that merely mentions it (StorageFull)."""
+    chain, e = [], err
+    while e is not None and e not in chain and len(chain) < 16:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    full = any((isinstance(e, OSError) and e.errno == errno.ENOSPC)
+               or "No space left on device" in str(e) or "StorageFull" in str(e) for e in chain)
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    if not full and (free is None or free >= 1 << 20):  # under 1 MiB free after a failed write: full, whatever it said
+        return None
+    there = f"{free / 2**30:.2f} GiB free there now" if free is not None else "free space unknown"
+    return OSError(errno.ENOSPC, f"no space left on device while writing checkpoint {directory} ({there}; the "
+                                 f"failure was {type(err).__name__}: {err}); free disk space or lower run.keep_last",
+                   str(directory))
 
 
 class TrainEngine:
@@ -242,11 +266,17 @@ class TrainEngine:
         returns the files this rank wrote, which this rank then hashes for the manifest. A file left out is not
         lost: rank 0 hashes whatever no rank reported, only slower."""
         self.check_finite(directory)
-        files = list(self._save(directory))
-        if self.dist.is_main:
-            from ..checkpoint.local import _write_bytes
+        try:
+            files = list(self._save(directory))
+            if self.dist.is_main:
+                from ..checkpoint.local import _write_bytes
 
-            files.append(_write_bytes(directory / ENGINE_MARKER, json.dumps({"engine": self.name}).encode()))
+                files.append(_write_bytes(directory / ENGINE_MARKER, json.dumps({"engine": self.name}).encode()))
+        except Exception as err:
+            full = _disk_full(err, directory)
+            if full is None:
+                raise
+            raise full from err
         return files
 
     def _local_weights(self) -> list[tuple[str, torch.Tensor]]:
