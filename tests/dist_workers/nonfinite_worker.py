@@ -22,7 +22,8 @@ CFG = DiTConfig(image_size=8, in_channels=3, patch_size=4, hidden_size=32, depth
 
 def step(engine, ctx, loss: torch.Tensor | None = None) -> bool:
     g = torch.Generator().manual_seed(ctx.rank)
-    x, s, c = torch.randn(2, 3, 8, 8, generator=g), torch.rand(2, generator=g), torch.randint(1, 64, (2, 4), generator=g)
+    x, s = torch.randn(2, 3, 8, 8, generator=g), torch.rand(2, generator=g)
+    c = torch.randint(1, 64, (2, 4), generator=g)
     engine.backward(engine.model(x, s, c), torch.randn(2, 3, 8, 8, generator=g))
     engine.step(loss=loss)
     return engine.step_applied
