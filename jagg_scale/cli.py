@@ -30,9 +30,14 @@ def train_main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # before any work: name the key and stop
         print(f"jagg-train: {err}", file=sys.stderr)
         return 2
+    from .parallel.engine import NonFiniteError
+
     trainer = Trainer(cfg)
     try:
         history = trainer.fit()
+    except NonFiniteError as err:  # diverged, or refused to checkpoint NaN weights: a failed run, said plainly
+        print(f"jagg-train: {err}", file=sys.stderr)
+        return 1
     finally:
         trainer.dist.close()
     summary = summarize(history)

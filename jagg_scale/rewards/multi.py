@@ -40,7 +40,7 @@ __all__ = ["RewardMix", "ChunkScorer", "ComponentScores", "build_reward_mix", "c
 
 @dataclass
 class ComponentScores:
-    scores: torch.Tensor  # float32 [N], 0 where failed
+    scores: torch.Tensor  # [N], 0 where failed: float32 as scored, float64 once gathered
     valid: torch.Tensor  # bool [N]
 
 
@@ -75,12 +75,13 @@ class RewardMix(Reward):
     def __call__(self, images, prompts, metadata) -> RewardOutput:
         parts = self.score_components(images, prompts, metadata)
         total, valid = self.weighted_sum(parts)
-        info = {f"{n}_mean": float(p.scores[p.valid].mean()) if p.valid.any() else float("nan")
+        info = {f"{n}_mean": float(p.scores[p.valid].double().mean()) if p.valid.any() else float("nan")
                 for n, p in parts.items()}
         return RewardOutput(scores=torch.where(valid, total, torch.full_like(total, float("nan"))), info=info)
 
     def weighted_sum(self, parts: dict[str, ComponentScores]) -> tuple[torch.Tensor, torch.Tensor]:
-        total = sum(self.weights[n] * p.scores for n, p in parts.items())
+        """sum_c w_c r_c in float64 (float32 overflows for rewards on a 1e38 scale) and where all succeeded."""
+        total = sum(self.weights[n] * p.scores.double() for n, p in parts.items())
         valid = torch.stack([p.valid for p in parts.values()]).all(0)
         return total, valid
 
@@ -99,12 +100,13 @@ class RewardMix(Reward):
 def gather_components(local: dict[str, ComponentScores], layout: torch.Tensor, n: int,
                       all_gather: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, ComponentScores]:
     """Every rank's scores in global row order. `all_gather(t)` concatenates the ranks' tensors in rank order,
-    whose rows are the global rows `layout` (StepRows.all_rows) out of `n`."""
+    whose rows are the global rows `layout` (StepRows.all_rows) out of `n`. Gathered in float64: every sum and
+    mean over the batch (metrics, advantages) is then float64, where a large-scale reward cannot overflow."""
     out = {}
     for name, p in local.items():
-        scores = torch.zeros(n)
+        scores = torch.zeros(n, dtype=torch.float64)
         valid = torch.zeros(n, dtype=torch.bool)
-        scores[layout] = all_gather(p.scores.float()).cpu()
+        scores[layout] = all_gather(p.scores.double()).cpu()
         valid[layout] = all_gather(p.valid).cpu()
         out[name] = ComponentScores(scores, valid)
     return out

@@ -136,8 +136,11 @@ class SamplingConfig(_Section):
     def check(self, prefix: str) -> None:
         _require(self.num_steps >= 1, f"{prefix}.num_steps", f"must be >= 1, got {self.num_steps}")
         _require(self.eval_num_steps >= 1, f"{prefix}.eval_num_steps", "must be >= 1")
-        _require(self.noise_level > 0, f"{prefix}.noise_level", f"must be > 0, got {self.noise_level}")
-        _require(self.guidance >= 1.0, f"{prefix}.guidance", f"must be >= 1 (1 disables CFG), got {self.guidance}")
+        # upper bounds: past them the SDE's std (noise_level) or the CFG extrapolation overflow float32 math
+        _require(0 < self.noise_level <= 10, f"{prefix}.noise_level",
+                 f"must be in (0, 10] (Flow-GRPO uses 0.7), got {self.noise_level}")
+        _require(1.0 <= self.guidance <= 100, f"{prefix}.guidance",
+                 f"must be in [1, 100] (1 disables CFG), got {self.guidance}")
         _require(self.shift is None or self.shift > 0, f"{prefix}.shift", f"must be > 0, got {self.shift}")
         _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
         _require(0 <= self.sde_window <= self.num_steps, f"{prefix}.sde_window",
@@ -213,6 +216,9 @@ class TrainConfig(_Section):
     # rows per forward/backward chunk on each rank; 0 = the rank's whole share of a minibatch in one chunk. The
     # minibatch's gradient is accumulated over its chunks (a JAGG joint pass then holds 2 x micro_batch_size rows)
     micro_batch_size: int = 0
+    # optimizer steps with a non-finite loss or gradient norm are skipped (counted as nonfinite_steps); this many
+    # in a row stop the run: the model or the data is broken, and skipping forever would train on nothing
+    max_nonfinite_steps: int = 10
 
     def check(self, prefix: str) -> None:
         _require(self.steps >= 1, f"{prefix}.steps", f"must be >= 1, got {self.steps}")
@@ -220,12 +226,18 @@ class TrainConfig(_Section):
                  f"must be >= 0 (0: the whole minibatch share per chunk), got {self.micro_batch_size}")
         _require(self.prompts_per_step >= 1, f"{prefix}.prompts_per_step", "must be >= 1")
         _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
-        _require(self.lr > 0, f"{prefix}.lr", "must be > 0")
+        _require(0 < self.lr <= 1, f"{prefix}.lr", f"must be in (0, 1], got {self.lr}")
         _require(self.weight_decay >= 0, f"{prefix}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        # AdamW's decoupled decay multiplies every weight by 1 - lr * weight_decay per step: at >= 1 it zeroes them
+        _require(self.lr * self.weight_decay < 1, f"{prefix}.weight_decay",
+                 f"times {prefix}.lr must be < 1 (each step scales the weights by 1 - lr * weight_decay), got "
+                 f"{self.weight_decay} * {self.lr}")
         _require(all(0 <= b < 1 for b in self.adam_betas), f"{prefix}.adam_betas", "must be two numbers in [0, 1)")
         _require(self.adam_eps >= 0, f"{prefix}.adam_eps", f"must be >= 0, got {self.adam_eps}")
         _require(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0 (0 disables clipping)")
         _require(0.0 <= self.ema_decay < 1.0, f"{prefix}.ema_decay", f"must be in [0, 1), got {self.ema_decay}")
+        _require(self.max_nonfinite_steps >= 1, f"{prefix}.max_nonfinite_steps",
+                 f"must be >= 1, got {self.max_nonfinite_steps}")
 
 
 @dataclass

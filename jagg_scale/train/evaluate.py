@@ -167,7 +167,7 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
         scores_t = dist.all_gather_tensor(scores_t.to(dist.device)).cpu()
         valid_t = dist.all_gather_tensor(valid_t.to(dist.device)).cpu()
     scores_t, valid_t = scores_t[:n], valid_t[:n]  # rank-major shares: the gathered rows are the images in order
-    ok = scores_t[valid_t]
+    ok = scores_t[valid_t].double()  # float32 sums overflow for rewards on a 1e38 scale
     result = {
         "reward": getattr(reward, "name", type(reward).__name__),
         "reward_mean": float(ok.mean()) if len(ok) else float("nan"),
