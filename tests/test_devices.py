@@ -197,7 +197,7 @@ def test_jagg_eval_builds_its_reward_on_the_ranks_device(monkeypatch):
         order.append("reward")
         raise Stop
 
-    monkeypatch.setattr(dist_module, "init_distributed", lambda device: order.append("device") or DistContext())
+    monkeypatch.setattr(dist_module, "init_distributed", lambda device, **kw: order.append("device") or DistContext())
     monkeypatch.setattr(multi, "build_reward_mix", build)
     cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), ["eval.prompts=[a cat]"])
     with pytest.raises(Stop):
