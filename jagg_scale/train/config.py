@@ -296,17 +296,32 @@ def _check_rewards(r: RewardConfig) -> None:
             raise ConfigError(f"config key '{options_key}': {err}") from None
 
 
+def _pretrained_path(cfg: Config):
+    """model.pretrained as a local path (a hub id: from the hub cache, nothing downloaded here), or None when it
+    is a hub id not cached yet that model.allow_download will fetch when the model is built."""
+    from ..hub import HubModelNotFoundError
+    from ..models import pretrained_path
+
+    try:
+        return pretrained_path(cfg.model, allow_download=False)
+    except HubModelNotFoundError as err:
+        if cfg.model.allow_download:
+            return None
+        raise ConfigError(f"config key 'model.pretrained': {err}") from None
+
+
 def _check_files(cfg: Config) -> None:
     from ..data.prompts import prompt_file_problem
     from ..models import safetensors_problem
 
+    pretrained = _pretrained_path(cfg) if cfg.model.pretrained else None
     for key, value in (("data.prompt_file", cfg.data.prompt_file),
                        ("eval.prompt_file", cfg.eval.prompt_file if cfg.eval.enabled else None),
-                       ("model.pretrained", cfg.model.pretrained if cfg.model.kind == "dit" else None)):
+                       ("model.pretrained", pretrained if cfg.model.kind == "dit" else None)):
         _require(value is None or resolve_path(value).is_file(), key, f"names a file that does not exist: {value}")
         if value is not None:
             problem = (safetensors_problem if key == "model.pretrained" else prompt_file_problem)(resolve_path(value))
             _require(problem is None, key, problem)
-    if cfg.model.kind != "dit" and cfg.model.pretrained:
-        _require((resolve_path(cfg.model.pretrained) / "model_index.json").is_file(), "model.pretrained",
+    if cfg.model.kind != "dit" and pretrained is not None:
+        _require((pretrained / "model_index.json").is_file(), "model.pretrained",
                  f"is not a diffusers pipeline directory (no model_index.json): {cfg.model.pretrained}")

@@ -81,6 +81,9 @@ def _check_dit(d: DiTConfig, prefix: str) -> None:
 class ModelConfig(_Section):
     kind: ModelKind = "dit"  # sd3/flux: a diffusers pipeline directory
     pretrained: Optional[str] = None  # dit: a safetensors state dict; sd3/flux: the pipeline directory (required)
+    # pretrained may be a hub id (ORG/NAME, dit: ORG/NAME/FILE) found in the local hub cache; true: fetch it when
+    # it is not there (false: a missing id fails at once, naming the command that fetches it)
+    allow_download: bool = False
     dtype: DType = "float32"  # autocast for the model; SDE math stays float32
     dit: DiTConfig = field(default_factory=DiTConfig)  # shape of the built-in DiT
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # sd3/flux: train a LoRA adapter instead of all weights
