@@ -81,7 +81,8 @@ def _download(repo_id: str, file: str | None, cache: Path, fetch: Fetch | None) 
 
 
 def resolve_model_path(value, *, what: str, allow_download: bool = False, markers: Sequence[str] = (),
-                       fetch: Fetch | None = None, download_option: str = "allow_download: true") -> Path:
+                       fetch: Fetch | None = None, download_option: str = "allow_download: true",
+                       fetch_args: str = "") -> Path:
     """`value` as a local Path: itself when it exists (or is not shaped like a hub id: the caller's own checks then
     say what is missing), else the hub id's cached file or snapshot directory (see the module docstring).
 
@@ -89,7 +90,8 @@ def resolve_model_path(value, *, what: str, allow_download: bool = False, marker
     (model_index.json for a pipeline, config.json for a transformers model); with none, only ORG/NAME/FILE ids are
     resolved. allow_download: fetch a missing id (`fetch(repo_id, cache_dir)`, default the whole snapshot; a file
     id fetches that file alone) instead of failing; a cached id is never re-downloaded. download_option: the
-    setting named in the error that allows downloading."""
+    setting named in the error that allows downloading. fetch_args: appended to the `hf download ID` the error
+    suggests (e.g. --include patterns that leave out the weights a tokenizer directory does not need)."""
     path = resolve_path(value)
     text = str(value)
     if path.exists() or not looks_like_hub_id(text):
@@ -98,6 +100,11 @@ def resolve_model_path(value, *, what: str, allow_download: bool = False, marker
     repo_id, file = match["repo"], match["file"]
     if not file and not markers:
         return path  # only a file makes sense here: the caller names the missing path
+    try:
+        import huggingface_hub  # noqa: F401  (the models extra brings it)
+    except ImportError:
+        raise HubModelNotFoundError(f"{what}: {text!r} is not a local path; as a hub id it needs huggingface_hub, "
+                                    "which is not installed (pip install 'jagg-scale[models]')") from None
     cache = hub_cache_dir()
     found = _locate(repo_id, file, markers, cache)
     if found is None and allow_download:
@@ -109,11 +116,11 @@ def resolve_model_path(value, *, what: str, allow_download: bool = False, marker
         found = _locate(repo_id, file, markers, cache)
     if found is None:
         raise HubModelNotFoundError(_not_found(what, text, repo_id, file, markers, cache, allow_download,
-                                               download_option))
+                                               download_option, fetch_args))
     return found
 
 
-def _not_found(what, text, repo_id, file, markers, cache, allow_download, download_option) -> str:
+def _not_found(what, text, repo_id, file, markers, cache, allow_download, download_option, fetch_args) -> str:
     repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
     target = f"file {file!r}" if file else f"snapshot holding {' / '.join(markers)}"
     lines = [f"{what}: {text!r} is not a local path, and the hub cache {cache} has no {target} for hub id "
@@ -124,6 +131,7 @@ def _not_found(what, text, repo_id, file, markers, cache, allow_download, downlo
         lines.append(f"Nothing is downloaded at run time unless {download_option}.")
     # the cache named on the command line: the machine that fetches may not share this run's environment
     args = repo_id + (f" {file}" if file else "")
-    lines.append(f"Fetch it with:  HF_HUB_CACHE={cache} hf download {args}   (older huggingface_hub: "
+    extra = f" {fetch_args}" if fetch_args and not file else ""
+    lines.append(f"Fetch it with:  HF_HUB_CACHE={cache} hf download {args}{extra}   (older huggingface_hub: "
                  f"huggingface-cli download {args})")
     return "\n".join(lines)

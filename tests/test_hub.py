@@ -46,6 +46,14 @@ def test_local_path_wins_over_hub_id(hub, tmp_path, monkeypatch):
     assert resolve_model_path("org/name", what="x", markers=("config.json",)) == Path("org/name")
 
 
+def test_a_missing_relative_path_without_huggingface_hub(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(__import__("sys").modules, "huggingface_hub", None)  # not installed
+    with pytest.raises(HubModelNotFoundError, match=r"model.pretrained: 'weights/run1/dit.safetensors' is not a local "
+                                                    r"path.*huggingface_hub.*not installed"):
+        resolve_model_path("weights/run1/dit.safetensors", what="model.pretrained")
+
+
 @pytest.mark.slow
 def test_pipeline_hub_id_loads_from_the_cache_offline(sd3_dir, hub):
     snapshot = put_dir_in_hub_cache(hub, "tiny-org/tiny-sd3", sd3_dir)

@@ -186,7 +186,7 @@ def test_wrong_paths_name_directory_and_missing_files(tiny_clip, tmp_path, head_
         build_reward("clip_score", path=str(tiny_clip), dtype="int8")
 
 
-# ------------------------------------------------------------------------------------------------ official files, hub ids
+# ------------------------------------------------------------------------------------------------ official files
 
 VIT_H14 = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 
@@ -302,7 +302,7 @@ def test_hps_loads_the_official_open_clip_file(hps_clip, tiny_clip, hub):
     torch.testing.assert_close(scores, F.cosine_similarity(img, txt, dim=-1), rtol=1e-5, atol=1e-5)
     assert abs(r.backbone.logit_scale() - 80.0) < 1e-3
     # as published: the file from the xswu/HPSv2 repo, its processor ViT-H-14's (the default), both from the cache
-    with pytest.raises(HubModelNotFoundError, match=rf"(?s)hps: .*{VIT_H14}.*hf download {VIT_H14}"):
+    with pytest.raises(HubModelNotFoundError, match=rf"(?s)hps: .*{VIT_H14}.*hf download {VIT_H14} --include"):
         build_reward("hps", path=str(pt), device="cpu")
     put_in_hub_cache(hub, "xswu/HPSv2", {"HPS_v2.1_compressed.pt": pt})
     put_in_hub_cache(hub, VIT_H14, _processor_files(tiny_clip))

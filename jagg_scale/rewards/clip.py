@@ -1,7 +1,7 @@
 """CLIP-family rewards: clip_score, pickscore, hps, aesthetic.
 
 All four embed images with a transformers `CLIPModel`, from a local directory, a hub id in the local hub cache, or
-(hps, clip_score) an open_clip checkpoint file converted on load (clip_checkpoints.py). Nothing is downloaded at
+an open_clip checkpoint file (HPS's; a LAION-trained, gelu ViT) converted on load (clip_checkpoints.py). Nothing is downloaded at
 run time unless the reward's `allow_download: true`, so a missing or wrong path fails when the reward is built,
 with a message naming the directory and the files it lacks (or the hub id, the cache and the command that fetches
 it), not an hour into a run with a hub timeout.
@@ -11,10 +11,10 @@ shorter side resized to the model's image size (bicubic, antialiased), center cr
 mean/std of the processor directory's preprocessor_config.json (CLIP's defaults when there is none). This mirrors
 CLIPImageProcessor up to uint8 quantization, which the original pipelines apply and we skip.
 
-    clip_score   scale * cos(image_embed, text_embed)                        any CLIPModel directory / open_clip file
-    pickscore    logit_scale.exp() * cos(...)  [/ 26 with normalize=True]    yuvalkirstain/PickScore_v1 (+ processor)
-    hps          cos(...)                                                    xswu/HPSv2/HPS_v2.1_compressed.pt (open_clip)
-    aesthetic    LAION aesthetic head on the L2-normalized image embedding   openai/clip-vit-large-patch14 + head file
+    clip_score   scale * cos(image_embed, text_embed)                       any CLIPModel directory / open_clip file
+    pickscore    logit_scale.exp() * cos(...)  [/ 26 with normalize=True]   yuvalkirstain/PickScore_v1 (+ processor)
+    hps          cos(...)                                                   HPS_v2.1_compressed.pt (open_clip ViT-H-14)
+    aesthetic    LAION aesthetic head on the L2-normalized image embedding  openai/clip-vit-large-patch14 + head file
 
 The official files, as published (paths may be hub ids: ORG/NAME for a directory, ORG/NAME/FILE for a file):
 
@@ -48,6 +48,8 @@ __all__ = [
     "AestheticMLP",
     "preprocess_images",
     "check_model_dir",
+    "resolve_model",
+    "aesthetic_head",
 ]
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -120,7 +122,8 @@ def resolve_model(reward: str, path, *, processor: bool = False, allow_download:
     return resolve_model_path(path, what=reward, allow_download=allow_download,
                               markers=_PROCESSOR_MARKERS if processor else _MODEL_MARKERS,
                               fetch=_fetch_processor if processor else _fetch_model,
-                              download_option=f"the {reward} reward's option allow_download: true")
+                              download_option=f"the {reward} reward's option allow_download: true",
+                              fetch_args='--include "*.json" --include "*.txt"' if processor else "")
 
 
 def resolve_dtype(reward: str, dtype: str) -> torch.dtype:

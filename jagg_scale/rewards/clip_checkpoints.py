@@ -183,10 +183,12 @@ def open_clip_to_transformers(state: dict[str, torch.Tensor], *, head_dim: int =
     if state["visual.proj"].shape[1] != embed:
         raise CheckpointFormatError(f"open_clip checkpoint: image projection to {state['visual.proj'].shape[1]} "
                                     f"but text projection to {embed}")
-    vision = dict(hidden_size=v_width, num_hidden_layers=v_depth, num_attention_heads=_heads(v_width, head_dim, "vision"),
+    vision = dict(hidden_size=v_width, num_hidden_layers=v_depth,
+                  num_attention_heads=_heads(v_width, head_dim, "vision"),
                   intermediate_size=state["visual.transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
                   patch_size=patch, image_size=grid * patch, hidden_act=hidden_act)
-    text = dict(hidden_size=t_width, num_hidden_layers=t_depth, num_attention_heads=_heads(t_width, head_dim, "text"),
+    text = dict(hidden_size=t_width, num_hidden_layers=t_depth,
+                num_attention_heads=_heads(t_width, head_dim, "text"),
                 intermediate_size=state["transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
                 vocab_size=state["token_embedding.weight"].shape[0],
                 max_position_embeddings=state["positional_embedding"].shape[0], hidden_act=hidden_act,
