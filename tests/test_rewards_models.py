@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -355,8 +356,6 @@ class _Payload:
         self.marker = marker
 
     def __reduce__(self):
-        from pathlib import Path
-
         return (Path.touch, (Path(self.marker),))
 
 
@@ -376,6 +375,39 @@ def test_checkpoints_with_code_are_refused_naming_the_file(tiny_clip, hps_clip, 
     assert not marker.exists()  # never executed
     with pytest.raises(FileNotFoundError, match=r"hps: no such checkpoint file .*HPS_v2\.1_compressed\.pt"):
         build_reward("hps", path=str(tmp_path / "HPS_v2.1_compressed.pt"), processor_path=str(tiny_clip))
+
+
+def test_reward_allow_download_fetches_config_tokenizer_and_one_weights_file(tiny_clip, by_hand, hub, monkeypatch,
+                                                                             tmp_path):
+    import fnmatch
+
+    import huggingface_hub
+    from hub_cache import put_in_hub_cache
+
+    repo = tmp_path / "repo"  # the hub repo: the CLIPModel plus a big open_clip copy a fetch must leave out
+    repo.mkdir()
+    for f in tiny_clip.iterdir():
+        (repo / f.name).write_bytes(f.read_bytes())
+    (repo / "open_clip_pytorch_model.bin").write_bytes(b"not needed")
+    calls = []
+
+    def fake_snapshot_download(repo_id, *, cache_dir, allow_patterns=None, **kw):
+        calls.append((repo_id, tuple(allow_patterns or ())))
+        files = {f.name: f for f in repo.iterdir()
+                 if allow_patterns is None or any(fnmatch.fnmatch(f.name, p) for p in allow_patterns)}
+        return str(put_in_hub_cache(Path(cache_dir), repo_id, files))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    with pytest.raises(FileNotFoundError, match="allow_download"):
+        build_reward("clip_score", path="openai/clip-vit-base", device="cpu")
+    assert calls == []
+    r = build_reward("clip_score", path="openai/clip-vit-base", allow_download=True, device="cpu")
+    assert len(calls) == 1 and not (r.backbone.path / "open_clip_pytorch_model.bin").exists()
+    _, image, text = by_hand
+    cos = F.cosine_similarity(image(r.backbone.preprocess(IMAGES)), text(PROMPTS), dim=-1)
+    torch.testing.assert_close(r(IMAGES, PROMPTS, META).scores, cos, rtol=1e-5, atol=1e-5)
+    build_reward("clip_score", path="openai/clip-vit-base", allow_download=True, device="cpu")
+    assert len(calls) == 1  # cached now: not fetched again
 
 
 def test_missing_reward_hub_id_names_the_id_cache_and_command(hub):

@@ -102,7 +102,7 @@ def _fetch_model(repo_id: str, cache_dir: Path) -> None:
 
     snap = Path(snapshot_download(repo_id, cache_dir=str(cache_dir),
                                   allow_patterns=["*.json", "*.txt", "model.safetensors", "model-*.safetensors"]))
-    if not any((snap / f).is_file() for f in _WEIGHT_FILES):  # an older repo with pytorch_model.bin only
+    if not any(snap.glob("model*.safetensors")):  # an older repo with pytorch_model.bin (or its shards) only
         snapshot_download(repo_id, cache_dir=str(cache_dir), allow_patterns=["pytorch_model*.bin"])
 
 
