@@ -31,7 +31,10 @@ def train_main(argv: list[str] | None = None) -> int:
     try:
         history = trainer.fit()
     finally:
+        trainer.lock.release()
         trainer.dist.close()
+    if trainer.dist.is_main:  # the whole run's steps, so a resume with nothing left to train still has a summary
+        history = _run_history(trainer.out) or history
     summary = summarize(history)
     if summary and trainer.dist.is_main:
         print(
@@ -54,6 +57,16 @@ def train_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _run_history(out) -> list[dict]:
+    """Every step of the run from its metrics.jsonl (earlier attempts' too), non-finite values (null there) as
+    NaN again, as the trainer returned them."""
+    from .train.logging import METRICS, read_metrics
+
+    if not (out / METRICS).is_file():
+        return []
+    return [{k: float("nan") if v is None else v for k, v in row.items()} for row in read_metrics(out)]
+
+
 def eval_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jagg-eval", description="deterministic ODE evaluation on held-out prompts")
     parser.add_argument("config", help="YAML config file (its eval section names the prompts)")
@@ -66,7 +79,7 @@ def eval_main(argv: list[str] | None = None) -> int:
 
     from pathlib import Path
 
-    from .checkpoint import find_resume_checkpoint
+    from .checkpoint import newest_valid_checkpoint
     from .train import ConfigError, load_config
     from .train.evaluate import evaluate_checkpoint
 
@@ -80,9 +93,10 @@ def eval_main(argv: list[str] | None = None) -> int:
     if args.checkpoint:
         path = Path(args.checkpoint)
         if not (path / "COMPLETE").exists():
-            found = find_resume_checkpoint(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
+            found, problems = newest_valid_checkpoint(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
             if found is None:
-                print(f"jagg-eval: no complete checkpoint in {path}", file=sys.stderr)
+                why = "".join(f"\n  - {p}" for p in problems)
+                print(f"jagg-eval: no complete checkpoint in {path}{why}", file=sys.stderr)
                 return 2
             path = found
         out = Path(args.output) if args.output else path / "eval"
