@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from .errors import UnsafeCheckpointError
+from .errors import CheckpointError, UnsafeCheckpointError
 from .pickles import load_dcp_metadata, weights_only_refusal
 
 __all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "dcp_load", "read_metadata"]
@@ -61,9 +61,20 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def dcp_load(state: dict, directory: Path, *, no_dist: bool = False) -> None:
-    """dcp.load of `state` (in place) from `directory`, nothing unpickled beyond data."""
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)), planner=SafeLoadPlanner(Path(directory)),
-             no_dist=no_dist)
+    """dcp.load of `state` (in place) from `directory`, nothing unpickled beyond data. A refused file raises its
+    own CheckpointError on every rank (DCP would bury it in a CheckpointException, or in an AssertionError of
+    its metadata fallback)."""
+    directory = Path(directory)
+    for meta in sorted(directory.glob("*.metadata")):  # the global one and any per-rank fallback: same files on
+        load_dcp_metadata(meta)                          # every rank, so every rank refuses alike, before DCP
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)), planner=SafeLoadPlanner(directory),
+                 no_dist=no_dist)
+    except CheckpointException as err:
+        ours = [err.failures[r][0] for r in sorted(err.failures) if isinstance(err.failures[r][0], CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        raise
 
 
 def read_metadata(directory: Path):

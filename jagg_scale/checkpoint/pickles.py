@@ -10,6 +10,9 @@ read by this package (a resume, `jagg-eval` of someone else's run) never runs th
     *.metadata      DCP's global (and per-rank) metadata, a plain pickle, loads through `_DCPMetadataUnpickler`,
                     which admits only torch.distributed.checkpoint's metadata classes, torch.Size, torch's dtypes,
                     layouts and memory formats, and paths (dcp_reader.py reads DCP checkpoints through it)
+    *.distcp        DCP's shards: tensors (which torch reads weights-only) and each non-tensor entry (the
+                    optimizer's lr, betas, ...) a torch.save of its own, checked weights-only here and read so by
+                    dcp_reader.py (an entry stored through a DCP transform is left to that reader)
 
 `check_file` is the guard `verify_checkpoint` runs on every such file (each rank its share, before anything is
 loaded), so every rank refuses a tampered checkpoint with the same error, naming the file; the loaders use the same
@@ -38,7 +41,7 @@ _RNG_RE = re.compile(r"(^|/)rng_rank\d+\.pt$")
 
 def is_pickle(name: str) -> bool:
     """Whether a checkpoint file (its path relative to the checkpoint) is one of the pickles this package reads."""
-    return name.endswith(".pt") or name.endswith(".metadata")
+    return name.endswith((".pt", ".metadata", ".distcp"))
 
 
 def check_file(path: Path, name: str | None = None) -> None:
@@ -47,6 +50,8 @@ def check_file(path: Path, name: str | None = None) -> None:
     name = name or Path(path).name
     if name.endswith(".metadata"):
         load_dcp_metadata(path)
+    elif name.endswith(".distcp"):
+        _check_dcp_entries(Path(path))
     elif name.endswith(".pt"):
         # the tensors' bytes stay on disk (mmap): only the pickle itself is read
         load_torch(path, allow=allowed_globals(name), mmap=zipfile.is_zipfile(path))
@@ -96,6 +101,27 @@ def load_dcp_metadata(path: Path):
         raise UnsafeCheckpointError(f"checkpoint file {path} was refused: it holds a {type(meta).__name__}, not "
                                     "DCP metadata")
     return meta
+
+
+def _check_dcp_entries(shard: Path) -> None:
+    """Every non-tensor entry that DCP's metadata (beside the shard) places in `shard`, loaded weights-only."""
+    meta = load_dcp_metadata(shard.parent / ".metadata")
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    entries = sorted((info.offset, info.length, index.fqn) for index, info in meta.storage_data.items()
+                     if info.relative_path == shard.name and info.transform_descriptors in (None, [], ())
+                     and isinstance(meta.state_dict_metadata.get(index.fqn), BytesStorageMetadata))
+    with open(shard, "rb") as f:
+        for offset, length, fqn in entries:
+            f.seek(offset)
+            try:
+                torch.load(io.BytesIO(f.read(length)), weights_only=True)
+            except pickle.UnpicklingError as err:
+                raise UnsafeCheckpointError(f"checkpoint file {shard} was refused: its entry {fqn!r} needs more than "
+                                            f"tensors and plain data to load: {weights_only_refusal(err)}") from None
+            except (RuntimeError, EOFError, ValueError) as err:
+                raise CheckpointError(f"checkpoint file {shard}: entry {fqn!r} is unreadable: {_first_line(err)}"
+                                      ) from err
 
 
 # ------------------------------------------------------------------------------------------ the allowlists

@@ -79,7 +79,7 @@ def parse_metrics(path: Path) -> list[dict]:
     """Every row of a metrics file. The last line may be torn (a kill mid-write: no newline, or not JSON): dropped
     with a warning. Any other line that is not a JSON object with a "step" raises MetricsFileError naming it."""
     lines = path.read_bytes().split(b"\n")
-    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip(b" \t\r\x00")]
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip(b" \t\r")]
     rows = []
     for k, (lineno, raw) in enumerate(numbered):
         row = _row(raw)
