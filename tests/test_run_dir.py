@@ -73,6 +73,7 @@ def test_a_damaged_metrics_line_before_the_last_is_a_named_error_and_nothing_is_
     ('{"step": 2, "x": [1,', [0, 1]),
     ("\x00\x00\x00\x00", [0, 1]),  # a crash that extended the file with zeros
     ('{"step": 2, "x": 1}\n\n', [0, 1, 2]),  # blank lines are not rows
+    ('{"step": 2.0}\n', [0, 1, 2]),  # a distributed run's step: averaged over ranks, a float
 ])
 def test_parse_metrics_tolerates_a_torn_last_line_only(tmp_path, tail, rows):
     path = tmp_path / "metrics.jsonl"
@@ -84,7 +85,7 @@ def test_parse_metrics_tolerates_a_torn_last_line_only(tmp_path, tail, rows):
             parse_metrics(path)
 
 
-# ------------------------------------------------------------------------------------------ one job per directory (item 4)
+# ---------------------------------------------------------------------------------------- one job per run dir (item 4)
 
 
 HOLDER = """

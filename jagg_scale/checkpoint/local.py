@@ -13,9 +13,10 @@ one rank, in parallel with the others (digests.py says who hashes what), on save
 Weights go to safetensors (no pickle, mmap-able, readable by other tools); optimizer and RNG state are nested
 containers of tensors and numbers, written with ``torch.save`` and read back with the weights-only unpickler: no
 file of a checkpoint can run code when it loads, whoever wrote it (pickles.py; the manifest cannot vouch for
-that, since whoever can write the directory can recompute it). One job owns ``root`` (the run
-lock, train/run_lock.py): stale ``.tmp_*`` dirs are deleted after every successful save. ``save_checkpoint_dir`` is the same protocol
-around any writer, collective across ranks (the engines' DCP / DeepSpeed checkpoints use it).
+that, since whoever can write the directory can recompute it). One job owns ``root`` (the run lock,
+train/run_lock.py); temp dirs are named per attempt (pid and a random suffix), and stale ``.tmp_*`` dirs are
+deleted after every successful save. ``save_checkpoint_dir`` is the same protocol around any writer, collective
+across ranks (the engines' DCP / DeepSpeed checkpoints use it).
 
 Manifest format 1: ``{"format_version", "step", "tensors", "objects", "world_size", "files": {relative path:
 {"bytes", "sha256", "rank"}}}``; ``world_size`` and ``rank`` (who hashed the file) are newer and optional, so
@@ -75,9 +76,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, tensors: Mapping[str,
     """Atomically write ``root/step_{step:08d}/`` and return its path (see the module docstring for the protocol).
 
     ``tensors`` maps a name to a state dict (``<name>.safetensors``), ``objects`` a name to tensors, numbers and
-    containers of them (``<name>.pt``; read back weights-only, so nothing else loads), ``state`` is JSON trainer state (``state.json``). An existing dir for the same step
-    (e.g. from a run that crashed after this step and is replaying it) is replaced only once the new one is
-    complete. ``keep_last`` then deletes the oldest complete checkpoints beyond that many, never this one.
+    containers of them (``<name>.pt``; read back weights-only, so nothing else loads), ``state`` is JSON trainer
+    state (``state.json``). An existing dir for the same step (e.g. from a run that crashed after this step and is
+    replaying it) is replaced only once the new one is complete. ``keep_last`` then deletes the oldest complete
+    checkpoints beyond that many, never this one.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")

@@ -105,6 +105,8 @@ def load_dcp_metadata(path: Path):
 
 def _check_dcp_entries(shard: Path) -> None:
     """Every non-tensor entry that DCP's metadata (beside the shard) places in `shard`, loaded weights-only."""
+    if not (shard.parent / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint file {shard}: no DCP metadata beside it ({shard.parent / '.metadata'})")
     meta = load_dcp_metadata(shard.parent / ".metadata")
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 

@@ -89,9 +89,9 @@ def parse_metrics(path: Path) -> list[dict]:
             log.warning("%s: line %d is torn (a write cut short: the run was killed or the disk was full); "
                         "dropped: %r", path, lineno, raw[:80])
         else:
-            raise MetricsFileError(f"{path}: line {lineno} is not a metrics row ({raw[:80]!r}) and {len(numbered) - k - 1} "
-                                   "line(s) follow it: the file is damaged, not torn by a crash. Repair or remove "
-                                   "that line (or move the file away) and start again")
+            raise MetricsFileError(f"{path}: line {lineno} is not a metrics row ({raw[:80]!r}) and "
+                                   f"{len(numbered) - k - 1} line(s) follow it: the file is damaged, not torn by a "
+                                   "crash. Repair or remove that line (or move the file away) and start again")
     return rows
 
 
@@ -100,4 +100,6 @@ def _row(raw: bytes) -> dict | None:
         row = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return None
-    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+    step = row.get("step") if isinstance(row, dict) else None
+    # a number (averaged over ranks, a distributed run logs it as a float)
+    return row if isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step) else None
