@@ -163,13 +163,16 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
 
 
 def _deepspeed_globals() -> list:
-    """What DeepSpeed's ZeRO checkpoints pickle besides tensors (its optimizer-state files)."""
+    """What DeepSpeed's ZeRO checkpoints pickle besides tensors (its optimizer-state files): the stage, the loss
+    scaler, and (ZeRO-1/2) each parameter's slice of the flat partition. Plain records: building them runs nothing
+    but their own field assignments."""
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
     except ImportError:  # no DeepSpeed: its files then load as plain weights-only files, or are refused
         return []
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 def _numpy_array_globals() -> list:
