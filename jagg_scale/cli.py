@@ -20,7 +20,7 @@ def train_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from .train import ConfigError, Trainer, load_config, summarize
+    from .train import ConfigError, Trainer, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -29,14 +29,24 @@ def train_main(argv: list[str] | None = None) -> int:
         return 2
     trainer = Trainer(cfg)
     try:
-        history = trainer.fit()
+        try:
+            history = trainer.fit()
+        finally:
+            trainer.dist.close()
+        if trainer.dist.is_main:
+            _summary(trainer, cfg, history)
     finally:
-        trainer.lock.release()
-        trainer.dist.close()
-    if trainer.dist.is_main:  # the whole run's steps, so a resume with nothing left to train still has a summary
-        history = _run_history(trainer.out) or history
-    summary = summarize(history)
-    if summary and trainer.dist.is_main:
+        trainer.lock.release()  # after the last write into the run directory
+    return 0
+
+
+def _summary(trainer, cfg, history: list[dict]) -> None:
+    """Rank 0: the run's summary on stdout and in summary.json, over every step of the run (metrics.jsonl), so a
+    resume with nothing left to train still writes it."""
+    from .train import summarize
+
+    summary = summarize(_run_history(trainer.out) or history)
+    if summary:
         print(
             f"\n== jagg-train summary ({cfg.run.output_dir}) ==\n"
             f"  mode {cfg.jagg.mode}, window {cfg.jagg.window}, jagg_frac {cfg.jagg.jagg_frac}\n"
@@ -54,7 +64,6 @@ def train_main(argv: list[str] | None = None) -> int:
                   f"{e0['reward_mean']:.4f} after {first} steps -> {e1['reward_mean']:.4f} after {last} steps\n"
                   f"  grids: {trainer.out / 'eval'}/step_*/grid.png")
         (trainer.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return 0
 
 
 def _run_history(out) -> list[dict]:
