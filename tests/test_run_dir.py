@@ -1,7 +1,7 @@
 """A run directory under the ways runs end and start (issue 16 items 3, 4, 5, 8), in one process: a torn last line
 of metrics.jsonl, a second job on the same directory, run.resume=auto with no valid checkpoint, run.resume and
 run.output_dir typos, a checkpoint past train.steps, and summary.json after a resume with nothing left to train.
-(Across processes and torchrun: test_run_lock.py.)"""
+(Across processes and torchrun: test_run_dir_ranks.py.)"""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
     return parse_metrics(Path(output_dir) / METRICS)
 
 
-def parse_metrics(path: Path) -> list[dict]:
+def parse_metrics(path: Path, *, warn: bool = True) -> list[dict]:
     """Every row of a metrics file. The last line may be torn (a kill mid-write: no newline, or not JSON): dropped
     with a warning. Any other line that is not a JSON object with a "step" raises MetricsFileError naming it."""
     lines = path.read_bytes().split(b"\n")
@@ -86,8 +86,9 @@ def parse_metrics(path: Path) -> list[dict]:
         if row is not None:
             rows.append(row)
         elif k == len(numbered) - 1:
-            log.warning("%s: line %d is torn (a write cut short: the run was killed or the disk was full); "
-                        "dropped: %r", path, lineno, raw[:80])
+            if warn:
+                log.warning("%s: line %d is torn (a write cut short: the run was killed or the disk was full); "
+                            "dropped: %r", path, lineno, raw[:80])
         else:
             raise MetricsFileError(f"{path}: line {lineno} is not a metrics row ({raw[:80]!r}) and "
                                    f"{len(numbered) - k - 1} line(s) follow it: the file is damaged, not torn by a "

@@ -36,6 +36,7 @@ from ..checkpoint import CheckpointError, capture_rng_state, newest_valid_checkp
 from ..checkpoint.local import STATE, _write_bytes, _write_object, save_checkpoint_dir, verify_checkpoint
 from ..checkpoint.pickles import allowed_globals, load_torch
 from .config import Config, ConfigError
+from .logging import METRICS, MetricsFileError, parse_metrics
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class RunState:
             raise ConfigError(f"config key 'train.steps' is {steps}, but the checkpoint resumed ({path}) is at step "
                               f"{step}: there is nothing to train, and its later steps would be dropped from "
                               f"metrics.jsonl. Raise train.steps to at least {step}, or resume an earlier checkpoint")
+        self._check_metrics()
         self.engine.load(path)  # verified above: not hashed again
         rng = path / f"rng_rank{self.dist.rank:05d}.pt"
         if state.get("world_size", 1) == self.dist.world_size and rng.is_file():
@@ -132,6 +134,19 @@ class RunState:
         source.load_state_dict(state["prompts"])
         log.info("resumed from %s at step %d", path, step)
         return step
+
+    def _check_metrics(self) -> None:
+        """A resumed run keeps metrics.jsonl's rows before its step (rank 0 rewrites it when training starts):
+        damage there fails every rank now, not rank 0 alone once the others wait in the first step's collective."""
+        problem = None
+        if self.dist.is_main and (self.out / METRICS).is_file():
+            try:
+                parse_metrics(self.out / METRICS, warn=False)  # a torn last line is the logger's, with its warning
+            except MetricsFileError as err:
+                problem = str(err)
+        problem = self.dist.broadcast_object(problem)
+        if problem:
+            raise MetricsFileError(problem)
 
     # ------------------------------------------------------------------ export
     def _export_dir(self) -> Path:

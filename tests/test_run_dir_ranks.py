@@ -1,9 +1,10 @@
-"""One job per run directory across processes (issue 16 item 4; train/run_lock.py), with torchrun:
+"""A run directory across processes, with torchrun (issue 16 items 3, 4; train/run_lock.py, train/logging.py):
 
 - every rank of a second 2-process job fails at once, naming the process that holds the directory, instead of
   training beside it (or one rank waiting forever in a collective);
 - a worker whose torchrun agent is killed does not train on, orphaned: it gets SIGTERM, saves its checkpoint as on
-  a preemption and exits, and a relaunch resumes from that checkpoint.
+  a preemption and exits, and a relaunch resumes from that checkpoint;
+- a damaged metrics.jsonl fails every rank of a resume with the same error naming the line, not rank 0 alone.
 """
 
 from __future__ import annotations
@@ -103,3 +104,19 @@ def test_a_worker_exits_when_its_torchrun_agent_is_killed(tmp_path):
                           capture_output=True, text=True, timeout=RUN_S)  # the lock is free again
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(done + 1))
+
+
+def test_a_damaged_metrics_file_fails_every_rank_of_a_resume(tmp_path):
+    out = tmp_path / "run"
+    first = subprocess.run(torchrun(1, out, "parallel.backend=fsdp2", "train.steps=2"), env=launcher_env(),
+                           capture_output=True, text=True, timeout=RUN_S)  # a hang guard only
+    assert first.returncode == 0, first.stderr[-3000:]
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text(lines[0] + "{not json\n" + lines[1])
+    proc = subprocess.run(torchrun(2, out, "parallel.backend=fsdp2", "train.steps=3", "run.resume=auto"),
+                          env=launcher_env(), capture_output=True, text=True, timeout=RUN_S)  # a hang guard only
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    for rank in (0, 1):
+        assert f"[rank{rank}]: jagg_scale.train.logging.MetricsFileError: {metrics}: line 2 " in log, log[-4000:]
