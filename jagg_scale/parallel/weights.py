@@ -108,7 +108,7 @@ def _read_deepspeed(directory: Path, model, trainable: set[str], ema: bool) -> d
 
     ds_dir = directory / "ds"
     # zero_to_fp32 unpickles DeepSpeed's files without restriction: each is first checked to load weights-only
-    # (tensors, plain data, DeepSpeed's two classes), so nothing in them can run
+    # (tensors, plain data, DeepSpeed's own few records), so nothing in them can run
     for f in sorted(ds_dir.glob("*.pt")):
         check_file(f, f.relative_to(directory).as_posix())
     if not ema:
