@@ -20,17 +20,25 @@ def train_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    from .parallel.ranks import discover
     from .train import ConfigError, Trainer, load_config
+    from .train.config import validate_world
 
     try:
         cfg = load_config(args.config, args.overrides)
+        validate_world(cfg, discover().world_size)  # the launch's process count, before any model is loaded
     except ConfigError as err:  # before any work: name the key and stop
         print(f"jagg-train: {err}", file=sys.stderr)
         return 2
+    from .parallel.engine import NonFiniteError
+
     trainer = Trainer(cfg)
     try:
         try:
             history = trainer.fit()
+        except NonFiniteError as err:  # diverged, or refused to checkpoint NaN weights: a failed run, said plainly
+            print(f"jagg-train: {err}", file=sys.stderr)
+            return 1
         finally:
             trainer.dist.close()
         if trainer.dist.is_main:

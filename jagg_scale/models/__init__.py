@@ -101,14 +101,46 @@ def stored_dtype(directory):
     return getattr(torch, _SAFETENSORS_DTYPES[seen.pop()])
 
 
+def safetensors_problem(path) -> str | None:
+    """Why `path` is not a safetensors file, read from its header alone (8 bytes of length, then that much JSON),
+    or None. safetensors' own error for, say, a text file is "header too large", naming no file."""
+    import json
+    import os
+    import struct
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"is not a safetensors file ({size} bytes: too short for a header): {path}"
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            return (f"is not a safetensors file (its first 8 bytes give a header of {n} bytes, the file has "
+                    f"{size}): {path}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            header = None
+    if not isinstance(header, dict):
+        return f"is not a safetensors file (its header is not a JSON object): {path}"
+    return None
+
+
 def load_pretrained(model: VelocityModel, path: str) -> None:
     """Load a safetensors state dict, naming the file and the mismatching keys on failure."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     p = resolve_path(path)
     if not p.is_file():
         raise FileNotFoundError(f"model.pretrained: no such file {p}")
-    state = load_file(str(p))
+    problem = safetensors_problem(p)
+    if problem:
+        raise ValueError(f"model.pretrained {problem}")
+    try:
+        state = load_file(str(p))
+    except SafetensorError as err:  # a damaged file past its header: name it
+        raise ValueError(f"model.pretrained {p} could not be read as safetensors: {err}") from err
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"model.pretrained {p} does not fit the configured model: missing {missing[:5]}, "
@@ -116,4 +148,4 @@ def load_pretrained(model: VelocityModel, path: str) -> None:
 
 
 __all__ = ["VelocityModel", "DiT", "DiTConfig",
-           "HashTokenizer", "build_model", "load_pretrained", "stored_dtype"]
+           "HashTokenizer", "build_model", "load_pretrained", "safetensors_problem", "stored_dtype"]

@@ -262,14 +262,24 @@ class DeepSpeedEngine(TrainEngine):
         finally:
             self.engine.set_gradient_accumulation_boundary(True)
 
-    def step(self) -> torch.Tensor:
+    def step(self, loss: torch.Tensor | None = None) -> torch.Tensor:
         """Clip (grad_clip, inside DeepSpeed), AdamW on the partitions, zero grads, EMA; the global pre-clip
-        gradient norm (0-d; DeepSpeed has read it to the host already)."""
+        gradient norm (0-d; DeepSpeed has read it to the host already). ZeRO-3 skips the update itself when that
+        norm is not finite (its overflow check, bf16 and fp32 included); `step_applied` reports it. `loss` is not
+        consulted: DeepSpeed's step cannot be withheld at the boundary, and a non-finite loss that carries a
+        gradient makes the norm non-finite anyway."""
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
+        self.step_applied = bool(self.engine.was_step_applied())
         self.update_ema()
         return torch.tensor(float("nan") if norm is None else float(norm))
+
+    def _local_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's ZeRO-3 partitions (`ds_tensor`; the parameters' own data is empty between gathers) of the
+        trainable weights, and its EMA partitions."""
+        named = [(n, getattr(p, "ds_tensor", p)) for n, p in zip(self._trainable, self.params)]
+        return named + [(f"ema.{n}", t) for n, t in (self.ema or {}).items()]
 
     # ------------------------------------------------------------------ state
     def _ema_file(self, directory: Path) -> Path:

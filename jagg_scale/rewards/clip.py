@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Reward, RewardOutput, register
+from .base import Reward, RewardOutput, register, resolve_device
 
 __all__ = [
     "ClipBackbone",
@@ -78,13 +78,6 @@ def check_model_dir(reward: str, path: str | Path | None, *, weights: bool = Tru
         present = sorted(f.name for f in p.iterdir())[:20]
         raise FileNotFoundError(f"{reward}: {p} has no {' / '.join(missing)} (it contains: {present})")
     return p
-
-
-def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda if available else cpu; anything else is passed to torch.device."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def resolve_dtype(reward: str, dtype: str) -> torch.dtype:

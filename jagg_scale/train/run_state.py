@@ -92,9 +92,10 @@ class RunState:
 
     def load(self, path: Path) -> None:
         """Engine state from a checkpoint directory, verified first (collective: each file hashed once, on one
-        rank; a problem raises the same CheckpointError on every rank)."""
+        rank; a problem raises the same CheckpointError on every rank), then loaded on every rank: any rank's
+        loading error is raised on every rank at once (no rank waits for one that failed)."""
         verify_checkpoint(path, self.dist)
-        self.engine.load(Path(path))
+        self.dist.on_every_rank(lambda: self.engine.load(Path(path)))
 
     def resume(self, source) -> int:
         """The step to start from: run.resume none -> 0; auto -> the newest complete checkpoint, 0 when there is
@@ -124,16 +125,22 @@ class RunState:
                               f"{step}: there is nothing to train, and its later steps would be dropped from "
                               f"metrics.jsonl. Raise train.steps to at least {step}, or resume an earlier checkpoint")
         self._check_metrics()
-        self.engine.load(path)  # verified above: not hashed again
-        rng = path / f"rng_rank{self.dist.rank:05d}.pt"
-        if state.get("world_size", 1) == self.dist.world_size and rng.is_file():
-            restore_rng_state(load_torch(rng, allow=allowed_globals(rng.name)))  # weights-only (pickles.py)
+        self.dist.on_every_rank(lambda: self.engine.load(path))  # verified above: not hashed again
+        if state.get("world_size", 1) == self.dist.world_size:  # the same decision on every rank
+            self.dist.on_every_rank(lambda: self._restore_rng(path))
         else:  # every draw is seeded per step/row, so only unseeded global draws (none in training) differ
             log.warning("checkpoint %s: written by %s ranks, resuming on %d: global RNG state not restored",
                         path, state.get("world_size"), self.dist.world_size)
         source.load_state_dict(state["prompts"])
         log.info("resumed from %s at step %d", path, step)
         return step
+
+    def _restore_rng(self, path: Path) -> None:
+        rng = path / f"rng_rank{self.dist.rank:05d}.pt"
+        if rng.is_file():
+            restore_rng_state(load_torch(rng, allow=allowed_globals(rng.name)))  # weights-only (pickles.py)
+        else:
+            log.warning("checkpoint %s has no %s: this rank's global RNG state not restored", path, rng.name)
 
     def _check_metrics(self) -> None:
         """A resumed run keeps metrics.jsonl's rows before its step (rank 0 rewrites it when training starts):

@@ -270,6 +270,21 @@ def single(out: Path) -> None:
     minibatch(engine, make_batch(0), slice(0, B), 1.0)
     ref1, _, _ = reference(init, 1)
     result = {"single": close(engine.full_state_dict(), ref1)}
+    # a non-finite gradient: ZeRO-3 skips the update (step_applied False), the weights stay as they were
+    applied = engine.step_applied
+    minibatch(engine, make_batch(1), slice(0, B), float("nan"))
+    result["nonfinite_skipped"] = applied and not engine.step_applied and close(engine.full_state_dict(), ref1,
+                                                                                 exact=True)
+    # and a non-finite partition is refused by save before any file is written
+    from jagg_scale.parallel.engine import NonFiniteError
+
+    engine.params[0].ds_tensor.data.view(-1)[0] = float("nan")
+    (out / "ckpt").mkdir()
+    try:
+        engine.save(out / "ckpt")
+        result["nonfinite_refused"] = False
+    except NonFiniteError as err:
+        result["nonfinite_refused"] = "refusing to save" in str(err) and not any((out / "ckpt").iterdir())
     # ZeRO-2 (a parallel.deepspeed override): its optimizer state pickles DeepSpeed's fragment records, which the
     # weights-only load admits; the round trip is exact
     zero2 = DeepSpeedEngine(make_model(0), make_spec(zero_optimization={"stage": 2}), DistContext())
