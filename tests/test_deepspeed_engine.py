@@ -116,3 +116,4 @@ def test_single_process(tmp_path):
     res = _run(lambda port: [sys.executable, str(WORKER), str(tmp_path), "--single"], tmp_path)
     assert res["single"]
     assert res["nonfinite_skipped"] and res["nonfinite_refused"]  # issue 16: ZeRO-3's own skip, save's check
+    assert res["zero2_resume"]

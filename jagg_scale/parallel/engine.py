@@ -347,7 +347,9 @@ class TrainEngine:
         if unexpected or set(state) != expected or (strict and missing):
             raise CheckpointError(f"checkpoint {directory} does not fit the model: unexpected {unexpected[:5]}, "
                                   f"missing {sorted(expected - set(state))[:5]}")
-        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=False))
+        from ..checkpoint.pickles import load_torch
+
+        self.optimizer.load_state_dict(load_torch(directory / "optimizer.pt"))  # weights-only: tensors and numbers
         if self.ema is not None:
             if not (directory / "ema.safetensors").is_file():
                 raise CheckpointError(f"checkpoint {directory} has no EMA weights but train.ema_decay > 0")

@@ -27,7 +27,8 @@ and under `every` the reduce-scatters too. `engine.comm` (comm.py) measures that
 
 Checkpoints are torch.distributed.checkpoint (DCP) directories: each rank writes its shards (the EMA shards
 too) and reports which files those were (`_ListingWriter`), and a checkpoint written by N ranks loads on M (DCP
-reshards on load).
+reshards on load). They are read through checkpoint/dcp_reader.py: DCP's metadata and non-tensor entries are
+pickles, which torch's own reader would unpickle without restriction.
 """
 
 from __future__ import annotations
@@ -215,8 +216,10 @@ class FSDP2Engine(TrainEngine):
         return [directory / "dcp" / name for name in writer.written]
 
     def _load(self, directory: Path) -> None:
+        from ..checkpoint.dcp_reader import dcp_load
+
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(directory / "dcp"))  # in place, the EMA shards included
+        dcp_load(state, directory / "dcp")  # in place, the EMA shards included; nothing unpickled but data
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=self._options)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Optional, get_args
 
 from ..jagg.backward import IntermediateMode
@@ -32,6 +33,7 @@ WandbMode = Literal["offline", "online", "disabled"]
 Device = Literal["auto", "cpu", "cuda"]
 TextEncoders = Literal["all", "no_t5"]  # sd3: no_t5 loads no T5 encoder (zero T5 embeddings, as diffusers does)
 ExportDType = Literal["float32", "bfloat16"]  # the exported weights' dtype (run.export_dtype)
+RESUME_KEYWORDS = ("none", "auto")  # run.resume: these, or the path of a checkpoint directory
 
 __all__ = [
     "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "KnotPlan", "Intermediate",
@@ -341,7 +343,9 @@ class ParallelConfig(_Section):
 class RunConfig(_Section):
     output_dir: str = "runs/default"
     seed: int = 0
-    resume: str = "none"  # none | auto | path to a checkpoint directory
+    # none: start at step 0 | auto: the newest valid checkpoint (none yet: step 0; some but none valid: refused) |
+    # the path of a checkpoint directory
+    resume: str = "none"
     checkpoint_every: int = 10
     keep_last: int = 2
     # out/lora | out/transformer: at the last step, and every export_every steps when > 0; never on preemption (the
@@ -352,6 +356,15 @@ class RunConfig(_Section):
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
 
     def check(self, prefix: str) -> None:
+        _require(bool(self.output_dir.strip()), f"{prefix}.output_dir",
+                 "must not be empty (the run directory: checkpoints, metrics.jsonl, exports)")
+        if self.resume not in RESUME_KEYWORDS:
+            # a path must exist now: a typo of a keyword ('Auto') would otherwise fail later as a missing state.json
+            # (a file check in a section's own check: the run section owns it)
+            hint = f"; did you mean '{self.resume.lower()}'?" if self.resume.lower() in RESUME_KEYWORDS else ""
+            _require(bool(self.resume.strip()) and Path(self.resume).is_dir(), f"{prefix}.resume",
+                     f"is {self.resume!r}, which is neither a keyword ({' | '.join(RESUME_KEYWORDS)}) nor an "
+                     f"existing checkpoint directory (the path does not exist){hint}")
         _require(self.checkpoint_every >= 0, f"{prefix}.checkpoint_every", "must be >= 0 (0: only at the end)")
         _require(self.export_every >= 0, f"{prefix}.export_every", "must be >= 0 (0: only at the end)")
         _require(self.keep_last >= 1, f"{prefix}.keep_last", "must be >= 1")
