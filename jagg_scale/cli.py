@@ -21,22 +21,43 @@ def train_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from .train import ConfigError, Trainer, load_config, summarize
+    from .parallel.ranks import discover
+    from .train import ConfigError, Trainer, load_config
+    from .train.config import validate_world
     from .train.preemption import follow_launcher
 
     follow_launcher(launcher)  # under torchrun: SIGTERM (checkpoint, exit) when the agent dies, never an orphan
     try:
         cfg = load_config(args.config, args.overrides)
+        validate_world(cfg, discover().world_size)  # the launch's process count, before any model is loaded
     except ConfigError as err:  # before any work: name the key and stop
         print(f"jagg-train: {err}", file=sys.stderr)
         return 2
+    from .parallel.engine import NonFiniteError
+
     trainer = Trainer(cfg)
     try:
-        history = trainer.fit()
+        try:
+            history = trainer.fit()
+        except NonFiniteError as err:  # diverged, or refused to checkpoint NaN weights: a failed run, said plainly
+            print(f"jagg-train: {err}", file=sys.stderr)
+            return 1
+        finally:
+            trainer.dist.close()
+        if trainer.dist.is_main:
+            _summary(trainer, cfg, history)
     finally:
-        trainer.dist.close()
-    summary = summarize(history)
-    if summary and trainer.dist.is_main:
+        trainer.lock.release()  # after the last write into the run directory
+    return 0
+
+
+def _summary(trainer, cfg, history: list[dict]) -> None:
+    """Rank 0: the run's summary on stdout and in summary.json, over every step of the run (metrics.jsonl), so a
+    resume with nothing left to train still writes it."""
+    from .train import summarize
+
+    summary = summarize(_run_history(trainer.out) or history)
+    if summary:
         print(
             f"\n== jagg-train summary ({cfg.run.output_dir}) ==\n"
             f"  mode {cfg.jagg.mode}, window {cfg.jagg.window}, jagg_frac {cfg.jagg.jagg_frac}\n"
@@ -54,7 +75,16 @@ def train_main(argv: list[str] | None = None) -> int:
                   f"{e0['reward_mean']:.4f} after {first} steps -> {e1['reward_mean']:.4f} after {last} steps\n"
                   f"  grids: {trainer.out / 'eval'}/step_*/grid.png")
         (trainer.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return 0
+
+
+def _run_history(out) -> list[dict]:
+    """Every step of the run from its metrics.jsonl (earlier attempts' too), non-finite values (null there) as
+    NaN again, as the trainer returned them."""
+    from .train.logging import METRICS, read_metrics
+
+    if not (out / METRICS).is_file():
+        return []
+    return [{k: float("nan") if v is None else v for k, v in row.items()} for row in read_metrics(out)]
 
 
 def eval_main(argv: list[str] | None = None) -> int:
@@ -70,7 +100,7 @@ def eval_main(argv: list[str] | None = None) -> int:
 
     from pathlib import Path
 
-    from .checkpoint import find_resume_checkpoint
+    from .checkpoint import newest_valid_checkpoint
     from .train import ConfigError, load_config
     from .train.evaluate import evaluate_checkpoint
     from .train.preemption import follow_launcher
@@ -86,9 +116,10 @@ def eval_main(argv: list[str] | None = None) -> int:
     if args.checkpoint:
         path = Path(args.checkpoint)
         if not (path / "COMPLETE").exists():
-            found = find_resume_checkpoint(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
+            found, problems = newest_valid_checkpoint(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
             if found is None:
-                print(f"jagg-eval: no complete checkpoint in {path}", file=sys.stderr)
+                why = "".join(f"\n  - {p}" for p in problems)
+                print(f"jagg-eval: no complete checkpoint in {path}{why}", file=sys.stderr)
                 return 2
             path = found
         out = Path(args.output) if args.output else path / "eval"

@@ -71,6 +71,13 @@ def test_a_truncated_shard_fails_every_rank_before_any_hashing(ranks):
     assert ranks[0]["truncated_hashed"] == ranks[1]["truncated_hashed"] == 0
 
 
+def test_a_planted_pickle_fails_every_rank_with_the_same_error_and_never_runs(ranks):
+    a, b = ranks[0]["planted"], ranks[1]["planted"]
+    assert not ranks[0]["planted_ran"] and not ranks[1]["planted_ran"]
+    assert a["type"] == b["type"] == "CheckpointError" and a["message"] == b["message"], (a, b)
+    assert "rng_rank00001.pt" in a["message"] and "refused" in a["message"] and "posix.system" in a["message"]
+
+
 def test_a_write_failing_on_one_rank_fails_every_rank(ranks):
     a, b = ranks[0]["write_fails"], ranks[1]["write_fails"]
     assert a["type"] == b["type"] == "CheckpointError" and a["message"] == b["message"]

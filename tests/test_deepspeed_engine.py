@@ -115,3 +115,5 @@ def test_reference_is_an_inference_engine_holding_one_world_th_per_rank(result):
 def test_single_process(tmp_path):
     res = _run(lambda port: [sys.executable, str(WORKER), str(tmp_path), "--single"], tmp_path)
     assert res["single"]
+    assert res["nonfinite_skipped"] and res["nonfinite_refused"]  # issue 16: ZeRO-3's own skip, save's check
+    assert res["zero2_resume"]

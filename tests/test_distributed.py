@@ -357,3 +357,32 @@ def test_micro_batches_on_two_processes_give_the_whole_minibatch_gradient(fsdp2_
     assert a["loss"] == pytest.approx(b["loss"], rel=TOLERANCE["loss"])
     local_rows = 2  # train.batch_size 4 over 2 ranks
     assert a["backward_calls"] == b["backward_calls"] * local_rows
+
+
+def test_fsdp2_bf16_samples_with_the_exact_sigma_of_one_process_bf16(tmp_path):
+    """model.dtype bfloat16: FSDP2's mixed precision leaves the model's inputs to the trainer's autocast, as backend
+    none does, so sigma reaches the timestep embedding in float32 and step 0 scores exactly the same images (its
+    cast rounded sigma to bf16: timesteps off by up to 2/1000, the reward off at the 4th digit)."""
+    bf16 = ["model.dtype=bfloat16", "train.steps=1"]
+    two = run(2, tmp_path / "fsdp2", "parallel.backend=fsdp2", *bf16)[0]
+    one = run(1, tmp_path / "none", *bf16)[0]
+    for k in ("reward_mean", "reward_std"):  # the rollout: the same bf16 matmuls on the same rows, all-gathered
+        assert two[k] == one[k], (k, two[k], one[k])
+    close([two], [one])
+
+
+def test_ranks_agree_on_non_finite_steps_and_saves(tmp_path):
+    """Issue 16: a loss non-finite on one rank skips the step on every rank (the verdict is gathered), and a NaN
+    weight shard on one rank makes every rank refuse the save before writing (nobody waits in a collective)."""
+    worker = Path(__file__).parent / "dist_workers" / "nonfinite_worker.py"
+    out = tmp_path / "nonfinite.json"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), str(worker), str(out), str(tmp_path / "ckpt")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_S)  # a hang guard only
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rank0, rank1 = json.loads(out.read_text())
+    assert rank0["good"] and rank1["good"]
+    assert not rank0["rank1_inf_loss"] and not rank1["rank1_inf_loss"] and rank0["unchanged"]
+    assert "a weight on rank 1" in rank0["refused"] and "refusing to save" in rank1["refused"]
+    assert rank0["files"] == rank1["files"] == 0

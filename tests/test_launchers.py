@@ -8,6 +8,7 @@ launcher starts two processes of a stub trainer once, to check the ranks it gets
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from hang_guard import POLL_S, RUN_S, WAIT_S
+from stand_ins import stand_in_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ROOT / "launchers"
@@ -32,6 +34,13 @@ KNOBS = {
     "JAGG_TRAIN", "TORCHRUN", "TORCHRUN_ARGS", "DRY_RUN", "HOSTFILE", "NUM_NODES", "NUM_GPUS", "DS_LAUNCHER",
     "DEEPSPEED", "DEEPSPEED_ARGS", "NP", "MPI_BIND", "MPI_EXPORT", "MPIRUN", "MPIRUN_ARGS", "GPUS", "OUTPUT_DIR",
     "RESUME", "MAX_REQUEUES", "PYTHON", "SRUN_ARGS", "CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    "REPLICATE", "COLLECTIVE_TIMEOUT",
+}
+# The NCCL / torch settings jagg.sbatch exports (and older names it reads): cleared the same way.
+NCCL_SETTINGS = {
+    "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "PYTORCH_ALLOC_CONF",
+    "PYTORCH_CUDA_ALLOC_CONF",
 }
 
 STUB_TRAIN = """#!/usr/bin/env bash
@@ -65,6 +74,7 @@ on_sig() {
 }
 case "${STUB_MODE:-}" in
     preempt) touch "$OUTPUT_DIR/PREEMPTED"; exit 138 ;;
+    env) env > "$OUTPUT_DIR/srun.env"; exit 0 ;;
     exitcode) exit "$STUB_RC" ;;
     wait)
         trap 'on_sig USR1' USR1
@@ -100,7 +110,8 @@ def stub_train(tmp_path):
 
 
 def _env(stubs: Path, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in KNOBS and not k.startswith(("SLURM_", "STUB_"))}
+    env = {k: v for k, v in os.environ.items()
+           if k not in KNOBS | NCCL_SETTINGS and not k.startswith(("SLURM_", "STUB_"))}
     env["PATH"] = f"{stubs}{os.pathsep}{env.get('PATH', '')}"
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -329,10 +340,13 @@ def test_launcher_starts_two_ranks(script, tool, stubs, stub_train):
 
 
 def _slurm_env(stubs: Path, tmp_path: Path, **extra) -> dict:
+    """A 2-node allocation. REPLICATE is given, so that the script need not read the config with Python (the
+    tests of what it reads there remove it)."""
     out = tmp_path / "run"
     out.mkdir(exist_ok=True)
-    return _env(stubs, SLURM_JOB_NODELIST="node[01-02]", SLURM_NNODES=2, SLURM_JOB_ID=123,
-                SLURM_GPUS_ON_NODE=4, STUB_LOG=tmp_path / "stub.log", OUTPUT_DIR=out, JAGG_TRAIN="jt", **extra)
+    return _env(stubs, **{**dict(SLURM_JOB_NODELIST="node[01-02]", SLURM_NNODES=2, SLURM_JOB_ID=123,
+                                 SLURM_GPUS_ON_NODE=4, STUB_LOG=tmp_path / "stub.log", OUTPUT_DIR=out,
+                                 JAGG_TRAIN="jt", REPLICATE=2), **extra})
 
 
 def _log(tmp_path: Path) -> list[str]:
@@ -363,7 +377,7 @@ def test_sbatch_dry_run(stubs, tmp_path):
     assert _opt(tr, "--rdzv-endpoint") == f"node01:{10000 + 123 % 20000}"  # the port ranks.py derives
     assert "SIGUSR1" in _opt(tr, "--signals-to-handle").split(",")
     assert _tail(argv, "jt") == [CONFIG, "train.steps=3", "data.x=a b", f"run.output_dir={env['OUTPUT_DIR']}",
-                                 "run.resume=auto"]
+                                 "parallel.replicate=2", "run.resume=auto"]
     assert _log(tmp_path) == []  # dry run: no srun, no requeue
 
 
@@ -371,12 +385,77 @@ def test_sbatch_output_dir_from_override_or_config(stubs, tmp_path):
     env = _slurm_env(stubs, tmp_path)
     del env["OUTPUT_DIR"]
     argv = _dry(SBATCH, [CONFIG, "run.output_dir=runs/x"], env)
-    assert _tail(argv, "jt") == [CONFIG, "run.output_dir=runs/x", "run.resume=auto"]
+    assert _tail(argv, "jt") == [CONFIG, "run.output_dir=runs/x", "parallel.replicate=2", "run.resume=auto"]
     # neither: read the config's run.output_dir with the venv's Python
-    r = _run(SBATCH, [CONFIG, "train.steps=2"], {**env, "DRY_RUN": "1", "PYTHON": sys.executable})
+    r = _run(SBATCH, [CONFIG, "parallel.backend=fsdp2"], {**env, "DRY_RUN": "1", "PYTHON": sys.executable})
     assert r.returncode == 0, r.stderr
     assert "output_dir=runs/tiny_cpu" in r.stderr
-    assert shlex.split(r.stdout)[-2:] == ["train.steps=2", "run.resume=auto"]
+    assert shlex.split(r.stdout)[-3:] == ["parallel.backend=fsdp2", "parallel.replicate=2", "run.resume=auto"]
+
+
+def test_sbatch_uses_hsdp_over_the_nodes_for_lora(stubs, tmp_path):
+    """LoRA on fsdp2 across nodes: parallel.replicate = the node count, unless the layout is given; a full
+    fine-tune and a one-node job keep the config's (the config is read with the venv's Python)."""
+    def replicate_overrides(config, nodes, *args):
+        env = _slurm_env(stubs, tmp_path, SLURM_NNODES=nodes, PYTHON=sys.executable)
+        del env["REPLICATE"]
+        tail = _tail(_dry(SBATCH, [config, *stand_in_paths(tmp_path), *args], env), "jt")
+        assert tail[-1] == "run.resume=auto"
+        return [a for a in tail if a.startswith("parallel.replicate=")]
+
+    assert replicate_overrides("configs/sd35m_pickscore.yaml", 4) == ["parallel.replicate=4"]
+    assert replicate_overrides("configs/sd35m_pickscore.yaml", 4, "parallel.replicate=1") == ["parallel.replicate=1"]
+    assert replicate_overrides("configs/sd35m_pickscore.yaml", 1) == []
+    assert replicate_overrides("configs/flux1_dev_hps.yaml", 4) == []
+
+
+def test_sbatch_replicate_and_collective_timeout_knobs(stubs, tmp_path):
+    env = _slurm_env(stubs, tmp_path, REPLICATE=4, COLLECTIVE_TIMEOUT=600)
+    tail = _tail(_dry(SBATCH, [CONFIG], env), "jt")
+    assert tail[-3:] == ["parallel.replicate=4", "parallel.collective_timeout_s=600", "run.resume=auto"]
+    r = _run(SBATCH, [CONFIG, "parallel.replicate=2"], {**env, "DRY_RUN": "1"})
+    assert r.returncode == 2 and "REPLICATE=4 and the override parallel.replicate=2 disagree" in r.stderr
+    r = _run(SBATCH, [CONFIG], {**env, "DRY_RUN": "1", "COLLECTIVE_TIMEOUT": "30m"})
+    assert r.returncode == 2 and "COLLECTIVE_TIMEOUT=30m must be a positive integer" in r.stderr
+
+
+def _srun_env(env: dict, tmp_path: Path) -> dict:
+    """The environment the stub srun saw (what torchrun and the workers inherit)."""
+    r = _run(SBATCH, [CONFIG], {**env, "STUB_MODE": "env"})
+    assert r.returncode == 0, r.stderr
+    lines = (Path(env["OUTPUT_DIR"]) / "srun.env").read_text().splitlines()
+    return dict(ln.split("=", 1) for ln in lines if "=" in ln)
+
+
+def test_sbatch_exports_nccl_and_torch_settings(stubs, tmp_path):
+    env = _slurm_env(stubs, tmp_path)
+    seen = _srun_env(env, tmp_path)
+    out = env["OUTPUT_DIR"]
+    assert {k: seen.get(k) for k in NCCL_SETTINGS} == {
+        "NCCL_DEBUG": "WARN",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a failed collective ends the process (torch's SkipCleanUp)
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_BUFFER_SIZE": "20000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": None,
+        "TORCH_FR_DUMP_TEMP_FILE": f"{out}/nccl_trace/rank_",  # on the shared run directory
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": None,
+        "PYTORCH_ALLOC_CONF": None,
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
+    assert (Path(out) / "nccl_trace").is_dir()
+
+
+def test_sbatch_keeps_the_submitters_nccl_and_torch_settings(stubs, tmp_path):
+    mine = {"NCCL_DEBUG": "INFO", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "500",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "fr" / "trace_"),
+            "PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}
+    seen = _srun_env(_slurm_env(stubs, tmp_path, **mine), tmp_path)
+    assert {k: seen[k] for k in mine} == mine
+    # the older names carried over to the ones torch reads first; no second allocator setting beside the user's
+    assert seen["TORCH_FR_BUFFER_SIZE"] == "500"
+    assert seen["TORCH_FR_DUMP_TEMP_FILE"] == mine["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in seen
+    assert (tmp_path / "fr").is_dir()
 
 
 def test_sbatch_outside_slurm(stubs):
@@ -472,3 +551,39 @@ wait $S
             p.wait()
     assert sorted(f.name for f in tmp_path.glob("got_usr1.*")) == ["got_usr1.0", "got_usr1.1"], out
     assert p.returncode == 1, out
+
+
+# ------------------------------------------------------------------ the documented multi-node examples
+
+DOCS = [ROOT / "README.md", ROOT / "docs" / "launchers.md", SBATCH]
+
+
+def _commands(path: Path) -> list[str]:
+    """The shell command lines of a file (continuations joined; the sbatch header's '#' stripped)."""
+    lines = [ln.removeprefix("#").strip() if path == SBATCH else ln.strip() for ln in path.read_text().splitlines()]
+    out, cur = [], ""
+    for ln in lines:
+        cur += ln
+        if ln.endswith("\\"):
+            cur = cur[:-1] + " "
+        else:
+            out.append(cur)
+            cur = ""
+    return out
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_multi_node_lora_examples_use_hsdp_over_the_nodes(path):
+    import yaml
+
+    examples = []
+    for cmd in _commands(path):
+        nodes = re.search(r"(?:--nodes[= ]|NNODES=)(\d+)", cmd)
+        config = re.search(r"(configs/\S+\.yaml)", cmd)
+        if not (nodes and config and int(nodes[1]) > 1):
+            continue
+        lora = yaml.safe_load((ROOT / config[1]).read_text()).get("model", {}).get("lora", {}).get("enabled")
+        if lora:
+            examples.append(cmd)
+            assert f"parallel.replicate={nodes[1]}" in cmd.split(), cmd
+    assert examples, f"{path.name} shows no multi-node LoRA run"

@@ -165,7 +165,7 @@ def test_the_engine_places_the_transformer_before_anything_reaches_the_device(sd
     import jagg_scale.train.trainer as trainer_module
 
     monkeypatch.setattr(trainer_module, "init_distributed",
-                        lambda device: DistContext(0, 1, 0, torch.device("meta"), "none"))
+                        lambda device, **kw: DistContext(0, 1, 0, torch.device("meta"), "none"))
     real = trainer_module.build_engine
     seen: dict = {}
 

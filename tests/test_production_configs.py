@@ -18,6 +18,7 @@ from jagg_scale.jagg import plan_windows, trained_steps
 from jagg_scale.rewards import available
 from jagg_scale.rewards.base import _REGISTRY, _check_options
 from jagg_scale.train import ConfigError, Trainer, load_config
+from stand_ins import stand_in_paths
 
 pytest.importorskip("diffusers")
 
@@ -130,3 +131,51 @@ def test_deepspeed_lora_run_exports_a_diffusers_lora(sd3_dir, tmp_path):
     before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
     pipe.load_lora_weights(str(out / "lora"))
     assert any("lora" in k for k in pipe.transformer.state_dict()) and len(pipe.transformer.state_dict()) > len(before)
+
+
+# ------------------------------------------------------------------ as shipped, under a launcher's environment
+
+
+def _torchrun_env(monkeypatch, world: int, local: int = 8) -> None:
+    """What torchrun exports to worker 0 of `world` (`local` per node)."""
+    for k, v in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=world, LOCAL_WORLD_SIZE=local, GROUP_RANK=0,
+                     MASTER_ADDR="node01", MASTER_PORT=29500).items():
+        monkeypatch.setenv(k, str(v))
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_validates_as_shipped_under_torchrun(name, nodes, tmp_path, monkeypatch):
+    """Each production config runs under torchrun with no parallel override: FSDP2 with activation checkpointing,
+    on one node of 8 GPUs and on 4 (HSDP, parallel.replicate = nodes, what slurm/jagg.sbatch sets for LoRA)."""
+    from jagg_scale.parallel.ranks import discover
+    from jagg_scale.train.config import validate_world
+
+    _torchrun_env(monkeypatch, 8 * nodes)
+    hsdp = [f"parallel.replicate={nodes}"] if nodes > 1 else []
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", stand_in_paths(tmp_path) + hsdp)
+    assert cfg.parallel.backend == "fsdp2" and cfg.parallel.activation_checkpointing
+    assert not cfg.parallel.compile and cfg.parallel.collective_timeout_s > 0
+    validate_world(cfg, discover().world_size)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("parallel.backend=none", "parallel.backend"),
+    ("parallel.replicate=3", "parallel.replicate"),  # 8 ranks are not 3 replicas
+    ("train.batch_size=12", "train.batch_size"),  # 12 rows do not split over 8 ranks
+    ("jagg.probe_every=5", "jagg.probe_every"),
+])
+def test_jagg_train_refuses_a_config_that_cannot_run_on_the_launched_ranks(override, key, tmp_path, monkeypatch,
+                                                                          capsys):
+    """Before any model is loaded (the stand-in pipeline directory holds no model): exit 2, naming the key."""
+    import jagg_scale.train
+    from jagg_scale.cli import train_main
+
+    def no_trainer(cfg):
+        raise AssertionError("jagg-train built a Trainer (and would load the models) before refusing the config")
+
+    monkeypatch.setattr(jagg_scale.train, "Trainer", no_trainer)
+    _torchrun_env(monkeypatch, 8)
+    argv = [str(ROOT / "configs" / "sd35m_pickscore.yaml"), *stand_in_paths(tmp_path), override]
+    assert train_main(argv) == 2
+    assert f"config key '{key}'" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,6 +185,240 @@ def test_wrong_paths_name_directory_and_missing_files(tiny_clip, tmp_path, head_
         build_reward("aesthetic", clip_path=str(tiny_clip), head_path=str(tmp_path / "vitl.pth"))
     with pytest.raises(ValueError, match="dtype"):
         build_reward("clip_score", path=str(tiny_clip), dtype="int8")
+
+
+# ------------------------------------------------------------------------------------------------ official files
+
+VIT_H14 = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    from hub_cache import offline_hub
+
+    return offline_hub(monkeypatch, tmp_path / "hf")
+
+
+@pytest.fixture(scope="module")
+def hps_clip(tmp_path_factory):
+    """A tiny CLIPModel shaped like open_clip ViTs (head width 64; vision and text of different widths and depths,
+    so the conversion must read each from the shapes) and the same weights as open_clip keys, saved the way the
+    HPS release is: {'state_dict': ...} in HPS_v2.1_compressed.pt."""
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(3)
+    text = dict(vocab_size=514, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=1,
+                max_position_embeddings=77, bos_token_id=512, eos_token_id=513, pad_token_id=513, hidden_act="gelu")
+    vision = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8, hidden_act="gelu")
+    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=PROJ_DIM)).eval()
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(80.0))
+    d = tmp_path_factory.mktemp("hps")
+    torch.save({"state_dict": _open_clip_layout(model)}, d / "HPS_v2.1_compressed.pt")
+    return model, d / "HPS_v2.1_compressed.pt"
+
+
+def _open_clip_layout(model) -> dict:
+    """model's weights under open_clip's CLIP key names (open_clip/model.py, transformer.py), written from
+    open_clip's side: in_proj = [q; k; v], proj / text_projection multiply from the right ([width, embed])."""
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    used = set()
+
+    def take(key):
+        used.add(key)
+        return sd[key]
+
+    oc = {"visual.conv1.weight": take("vision_model.embeddings.patch_embedding.weight"),
+          "visual.class_embedding": take("vision_model.embeddings.class_embedding"),
+          "visual.positional_embedding": take("vision_model.embeddings.position_embedding.weight"),
+          "visual.proj": take("visual_projection.weight").T.contiguous(),
+          "token_embedding.weight": take("text_model.embeddings.token_embedding.weight"),
+          "positional_embedding": take("text_model.embeddings.position_embedding.weight"),
+          "text_projection": take("text_projection.weight").T.contiguous(),
+          "logit_scale": take("logit_scale"),
+          "attn_mask": torch.full((77, 77), float("-inf")).triu(1)}  # saved by older open_clip versions
+    for p in ("weight", "bias"):
+        oc[f"visual.ln_pre.{p}"] = take(f"vision_model.pre_layrnorm.{p}")
+        oc[f"visual.ln_post.{p}"] = take(f"vision_model.post_layernorm.{p}")
+        oc[f"ln_final.{p}"] = take(f"text_model.final_layer_norm.{p}")
+    for ours, theirs, depth in (("vision_model", "visual.transformer", 2), ("text_model", "transformer", 3)):
+        for i in range(depth):
+            a, b = f"{ours}.encoder.layers.{i}.", f"{theirs}.resblocks.{i}."
+            for p in ("weight", "bias"):
+                oc[f"{b}attn.in_proj_{p}"] = torch.cat([take(f"{a}self_attn.{x}_proj.{p}") for x in "qkv"])
+                oc[f"{b}attn.out_proj.{p}"] = take(f"{a}self_attn.out_proj.{p}")
+                oc[f"{b}ln_1.{p}"] = take(f"{a}layer_norm1.{p}")
+                oc[f"{b}ln_2.{p}"] = take(f"{a}layer_norm2.{p}")
+                oc[f"{b}mlp.c_fc.{p}"] = take(f"{a}mlp.fc1.{p}")
+                oc[f"{b}mlp.c_proj.{p}"] = take(f"{a}mlp.fc2.{p}")
+    assert used == set(sd), set(sd) - used  # every weight of the model went somewhere
+    return oc
+
+
+def _embeds(model, tokenizer_dir, pixel_values, prompts):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    with torch.no_grad():
+        img = model.get_image_features(pixel_values=pixel_values)
+        txt = model.get_text_features(**tok(prompts, padding=True, return_tensors="pt"))
+    pooled = lambda out: out if isinstance(out, torch.Tensor) else out.pooler_output  # noqa: E731
+    return pooled(img), pooled(txt)
+
+
+def _processor_files(tiny_clip):
+    return {f: tiny_clip / f for f in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json")}
+
+
+def test_open_clip_conversion_reads_the_config_from_shapes(hps_clip):
+    from jagg_scale.rewards.clip_checkpoints import load_state_file, open_clip_to_transformers
+
+    model, pt = hps_clip
+    config, state = open_clip_to_transformers(load_state_file(pt, "hps"))
+    v, t = config.vision_config, config.text_config
+    assert (v.hidden_size, v.num_hidden_layers, v.num_attention_heads, v.intermediate_size, v.patch_size,
+            v.image_size) == (128, 2, 2, 256, 8, 32)
+    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.intermediate_size, t.vocab_size,
+            t.max_position_embeddings) == (64, 3, 1, 128, 514, 77)
+    assert config.projection_dim == PROJ_DIM and v.hidden_act == t.hidden_act == "gelu"
+    want = model.state_dict()
+    assert set(state) == set(want) and all(torch.equal(state[k], want[k]) for k in want)
+    # a DistributedDataParallel checkpoint ('module.' prefix) converts the same
+    ddp = {"module." + k: v for k, v in load_state_file(pt, "hps").items()}
+    assert open_clip_to_transformers(ddp)[1].keys() == state.keys()
+
+
+def test_hps_loads_the_official_open_clip_file(hps_clip, tiny_clip, hub):
+    from jagg_scale.hub import HubModelNotFoundError
+    from hub_cache import put_in_hub_cache
+
+    model, pt = hps_clip
+    r = build_reward("hps", path=str(pt), processor_path=str(tiny_clip), device="cpu", batch_size=2)
+    pixels = r.backbone.preprocess(IMAGES)
+    img, txt = _embeds(model, tiny_clip, pixels, PROMPTS)
+    torch.testing.assert_close(r.backbone.image_embeds(IMAGES), img, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r.backbone.text_embeds(PROMPTS), txt, rtol=1e-5, atol=1e-5)
+    scores = r(IMAGES, PROMPTS, META).scores
+    torch.testing.assert_close(scores, F.cosine_similarity(img, txt, dim=-1), rtol=1e-5, atol=1e-5)
+    assert abs(r.backbone.logit_scale() - 80.0) < 1e-3
+    # as published: the file from the xswu/HPSv2 repo, its processor ViT-H-14's (the default), both from the cache
+    with pytest.raises(HubModelNotFoundError, match=rf"(?s)hps: .*{VIT_H14}.*hf download {VIT_H14} --include"):
+        build_reward("hps", path=str(pt), device="cpu")
+    put_in_hub_cache(hub, "xswu/HPSv2", {"HPS_v2.1_compressed.pt": pt})
+    put_in_hub_cache(hub, VIT_H14, _processor_files(tiny_clip))
+    cached = build_reward("hps", path="xswu/HPSv2/HPS_v2.1_compressed.pt", device="cpu", batch_size=2)
+    torch.testing.assert_close(cached(IMAGES, PROMPTS, META).scores, scores, rtol=0, atol=0)
+
+
+def test_pickscore_from_the_published_hub_layout(tiny_clip, by_hand, hub):
+    from hub_cache import put_in_hub_cache
+
+    model, image, text = by_hand
+    # the model repo without a tokenizer, the processor from the ViT-H-14 repo
+    put_in_hub_cache(hub, "yuvalkirstain/PickScore_v1",
+                     {f: tiny_clip / f for f in ("config.json", "model.safetensors")})
+    put_in_hub_cache(hub, VIT_H14, _processor_files(tiny_clip))
+    r = build_reward("pickscore", path="yuvalkirstain/PickScore_v1", normalize=False, device="cpu")
+    assert r.backbone.processor_path.parent.parent.name == "models--" + VIT_H14.replace("/", "--")
+    cos = F.cosine_similarity(image(r.backbone.preprocess(IMAGES)), text(PROMPTS), dim=-1)
+    torch.testing.assert_close(r(IMAGES, PROMPTS, META).scores, model.logit_scale.exp().item() * cos,
+                               rtol=1e-5, atol=1e-4)
+    explicit = build_reward("pickscore", path="yuvalkirstain/PickScore_v1", processor_path=VIT_H14, device="cpu")
+    torch.testing.assert_close(explicit(IMAGES, PROMPTS, META).scores, r(IMAGES, PROMPTS, META).scores / 26.0,
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_aesthetic_laion_linear_head(tiny_clip, by_hand, hub, tmp_path):
+    from hub_cache import put_in_hub_cache
+
+    _, image, _ = by_hand
+    torch.manual_seed(4)
+    linear = torch.nn.Linear(PROJ_DIM, 1)
+    torch.save(linear.state_dict(), tmp_path / "sa_0_4_vit_l_14_linear.pth")  # keys 'weight', 'bias'
+    put_in_hub_cache(hub, "openai/clip-vit-large-patch14",
+                     {f: tiny_clip / f for f in ("config.json", "model.safetensors", "preprocessor_config.json")})
+    r = build_reward("aesthetic", clip_path="openai/clip-vit-large-patch14",
+                     head_path=str(tmp_path / "sa_0_4_vit_l_14_linear.pth"), device="cpu")
+    emb = image(r.backbone.preprocess(IMAGES))
+    with torch.no_grad():
+        expect = linear(emb / emb.norm(dim=-1, keepdim=True)).squeeze(-1)
+    torch.testing.assert_close(r(IMAGES, PROMPTS, META).scores, expect, rtol=1e-5, atol=1e-5)
+    torch.save(torch.nn.Linear(768, 1).state_dict(), tmp_path / "vitl.pth")
+    with pytest.raises(ValueError, match=r"expects 768-d embeddings .* projects to 16"):
+        build_reward("aesthetic", clip_path=str(tiny_clip), head_path=str(tmp_path / "vitl.pth"), device="cpu")
+
+
+class _Payload:
+    """Pickled as a call to Path.touch: a checkpoint that runs code when unpickled without weights_only."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_checkpoints_with_code_are_refused_naming_the_file(tiny_clip, hps_clip, tmp_path):
+    from jagg_scale.rewards.clip_checkpoints import CheckpointFormatError
+
+    marker = tmp_path / "ran"
+    evil_hps = tmp_path / "HPS_evil.pt"
+    torch.save({"state_dict": torch.load(hps_clip[1], weights_only=True)["state_dict"], "x": _Payload(marker)},
+               evil_hps)
+    with pytest.raises(CheckpointFormatError, match=r"hps: refusing to load .*HPS_evil\.pt.*weights_only"):
+        build_reward("hps", path=str(evil_hps), processor_path=str(tiny_clip), device="cpu")
+    evil_head = tmp_path / "head_evil.pth"
+    torch.save({"weight": torch.zeros(1, PROJ_DIM), "bias": _Payload(marker)}, evil_head)
+    with pytest.raises(CheckpointFormatError, match=r"aesthetic: refusing to load .*head_evil\.pth"):
+        build_reward("aesthetic", clip_path=str(tiny_clip), head_path=str(evil_head), device="cpu")
+    assert not marker.exists()  # never executed
+    with pytest.raises(FileNotFoundError, match=r"hps: no such checkpoint file .*HPS_v2\.1_compressed\.pt"):
+        build_reward("hps", path=str(tmp_path / "HPS_v2.1_compressed.pt"), processor_path=str(tiny_clip))
+
+
+def test_reward_allow_download_fetches_config_tokenizer_and_one_weights_file(tiny_clip, by_hand, hub, monkeypatch,
+                                                                             tmp_path):
+    import fnmatch
+
+    import huggingface_hub
+    from hub_cache import put_in_hub_cache
+
+    repo = tmp_path / "repo"  # the hub repo: the CLIPModel plus a big open_clip copy a fetch must leave out
+    repo.mkdir()
+    for f in tiny_clip.iterdir():
+        (repo / f.name).write_bytes(f.read_bytes())
+    (repo / "open_clip_pytorch_model.bin").write_bytes(b"not needed")
+    calls = []
+
+    def fake_snapshot_download(repo_id, *, cache_dir, allow_patterns=None, **kw):
+        calls.append((repo_id, tuple(allow_patterns or ())))
+        files = {f.name: f for f in repo.iterdir()
+                 if allow_patterns is None or any(fnmatch.fnmatch(f.name, p) for p in allow_patterns)}
+        return str(put_in_hub_cache(Path(cache_dir), repo_id, files))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    with pytest.raises(FileNotFoundError, match="allow_download"):
+        build_reward("clip_score", path="openai/clip-vit-base", device="cpu")
+    assert calls == []
+    r = build_reward("clip_score", path="openai/clip-vit-base", allow_download=True, device="cpu")
+    assert len(calls) == 1 and not (r.backbone.path / "open_clip_pytorch_model.bin").exists()
+    _, image, text = by_hand
+    cos = F.cosine_similarity(image(r.backbone.preprocess(IMAGES)), text(PROMPTS), dim=-1)
+    torch.testing.assert_close(r(IMAGES, PROMPTS, META).scores, cos, rtol=1e-5, atol=1e-5)
+    build_reward("clip_score", path="openai/clip-vit-base", allow_download=True, device="cpu")
+    assert len(calls) == 1  # cached now: not fetched again
+
+
+def test_missing_reward_hub_id_names_the_id_cache_and_command(hub):
+    from jagg_scale.hub import HubModelNotFoundError
+
+    with pytest.raises(HubModelNotFoundError) as err:
+        build_reward("pickscore", path="yuvalkirstain/PickScore_v1", device="cpu")
+    text = str(err.value)
+    for needed in ("pickscore", "yuvalkirstain/PickScore_v1", str(hub), "hf download yuvalkirstain/PickScore_v1",
+                   "allow_download: true"):
+        assert needed in text, (needed, text)
 
 
 # ------------------------------------------------------------------------------------------------ ImageNet

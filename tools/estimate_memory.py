@@ -343,8 +343,8 @@ def estimate(s: dict, micro: int | None = None) -> dict:
         "CUDA context + NCCL (not tensors)": s["overhead"],
     }
     gather = 0.0
-    if shard:  # root unsharded through forward + backward, current block + prefetched block (parallel/fsdp.py)
-        gather = cdt * (st["root_params"] + 2 * max(st["block_params"]))
+    if shard:  # root unsharded through forward + backward (fp32: parallel/fsdp.py), current + prefetched block
+        gather = 4 * st["root_params"] + cdt * 2 * max(st["block_params"])
     reduce = reduce_buffers(st["block_lora"] if lora else st["block_params"], cdt) if shard else None
     sync = cfg.parallel.grad_sync if cfg.parallel.grad_sync != "auto" else ("boundary" if lora else "every")
     grads = 4 * Pt if not shard or sync == "boundary" else 4 * Pt / W

@@ -11,9 +11,12 @@ manifest, sizes, hashes) because disks, copies and people break files after the 
 one rank, in parallel with the others (digests.py says who hashes what), on save and on verify.
 
 Weights go to safetensors (no pickle, mmap-able, readable by other tools); optimizer and RNG state are nested
-Python objects (tuples, numpy arrays) that only ``torch.save`` round-trips exactly. One process owns ``root``:
-stale ``.tmp_*`` dirs are deleted after every successful save. ``save_checkpoint_dir`` is the same protocol
-around any writer, collective across ranks (the engines' DCP / DeepSpeed checkpoints use it).
+containers of tensors and numbers, written with ``torch.save`` and read back with the weights-only unpickler: no
+file of a checkpoint can run code when it loads, whoever wrote it (pickles.py; the manifest cannot vouch for
+that, since whoever can write the directory can recompute it). One job owns ``root`` (the run lock,
+train/run_lock.py); temp dirs are named per attempt (pid and a random suffix), and stale ``.tmp_*`` dirs are
+deleted after every successful save. ``save_checkpoint_dir`` is the same protocol around any writer, collective
+across ranks (the engines' DCP / DeepSpeed checkpoints use it).
 
 Manifest format 1: ``{"format_version", "step", "tensors", "objects", "world_size", "files": {relative path:
 {"bytes", "sha256", "rank"}}}``; ``world_size`` and ``rank`` (who hashed the file) are newer and optional, so
@@ -38,7 +41,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import digests
+from . import digests, pickles
+from .errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +53,6 @@ FORMAT_VERSION = 1
 _TMP_PREFIX = ".tmp_"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory is incomplete or corrupt; the message names the path and the problem."""
 
 
 @dataclass
@@ -75,10 +75,11 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, tensors: Mapping[str,
                     objects: Mapping[str, Any], state: dict, keep_last: int | None = None) -> Path:
     """Atomically write ``root/step_{step:08d}/`` and return its path (see the module docstring for the protocol).
 
-    ``tensors`` maps a name to a state dict (``<name>.safetensors``), ``objects`` a name to any picklable
-    object (``<name>.pt``), ``state`` is JSON trainer state (``state.json``). An existing dir for the same step
-    (e.g. from a run that crashed after this step and is replaying it) is replaced only once the new one is
-    complete. ``keep_last`` then deletes the oldest complete checkpoints beyond that many, never this one.
+    ``tensors`` maps a name to a state dict (``<name>.safetensors``), ``objects`` a name to tensors, numbers and
+    containers of them (``<name>.pt``; read back weights-only, so nothing else loads), ``state`` is JSON trainer
+    state (``state.json``). An existing dir for the same step (e.g. from a run that crashed after this step and is
+    replaying it) is replaced only once the new one is complete. ``keep_last`` then deletes the oldest complete
+    checkpoints beyond that many, never this one.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -121,11 +122,12 @@ def save_checkpoint_dir(root: str | os.PathLike, step: int, *, write: Callable[[
 
     root = Path(root)
     final = checkpoint_dir(root, step)
-    # one name all ranks can compute; a single process adds a random suffix so concurrent savers never collide
-    tmp = root / (f"{_TMP_PREFIX}{final.name}" + ("" if dist is not None else f"_{uuid.uuid4().hex[:8]}"))
+    # unique per attempt (rank 0's pid and a random suffix, sent to the other ranks): a second job or an orphaned
+    # worker saving the same step never writes into this attempt's files (DCP's `.metadata.tmp` included)
+    tmp_name = f"{_TMP_PREFIX}{final.name}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    tmp = root / (dist.broadcast_object(tmp_name) if multi else tmp_name)
     if main:
         root.mkdir(parents=True, exist_ok=True)
-        _remove_tree(tmp)
         tmp.mkdir()
     barrier()
     try:
@@ -317,6 +319,8 @@ def _verify(path: Path, dist=None) -> dict:
                 raise CheckpointError(f"checkpoint {path}: cannot read {name} ({err})") from err
             if not same:
                 raise CheckpointError(f"checkpoint {path}: {name} sha256 mismatch (corrupted)")
+            if pickles.is_pickle(name):  # the hash says nothing about what a pickle runs: pickles.py
+                pickles.check_file(path / name, name)
     except (CheckpointError, OSError) as err:
         if not multi:
             raise
@@ -372,17 +376,16 @@ def _read_manifest(path: Path) -> dict:
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Checkpoint:
     """Verify, then load everything ``save_checkpoint`` wrote.
 
-    ``torch.load(weights_only=False)`` is deliberate: the ``.pt`` files hold our own optimizer and RNG state
-    (numpy arrays, tuples) that the weights-only unpickler rejects, and the sha256 check above guarantees
-    they are the bytes this code wrote. Never point this at checkpoints from an untrusted source.
+    The ``.pt`` files load with the weights-only unpickler (pickles.py): tensors and plain data, never code. The
+    sha256 manifest cannot vouch for that (whoever can write the directory can recompute it).
     """
     path = Path(path)
     manifest = _verify(path)
     # safetensors takes a device string; torch.load also accepts dict/callable map_locations.
     device = str(map_location) if isinstance(map_location, (str, torch.device)) else "cpu"
     tensors = {n: load_file(path / f"{n}.safetensors", device=device) for n in manifest["tensors"]}
-    objects = {n: torch.load(path / f"{n}.pt", map_location=map_location, weights_only=False)
-               for n in manifest["objects"]}
+    objects = {n: pickles.load_torch(path / f"{n}.pt", map_location=map_location,
+                                     allow=pickles.allowed_globals(f"{n}.pt")) for n in manifest["objects"]}
     state = json.loads((path / STATE).read_text())
     return Checkpoint(step=int(manifest["step"]), tensors=tensors, objects=objects, state=state, path=path)
 
@@ -390,33 +393,54 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Check
 def find_resume_checkpoint(root: str | os.PathLike, dist=None) -> Path | None:
     """Newest checkpoint that verifies; newer broken ones are skipped with a warning saying why. With a `dist`
     context collective (verify_checkpoint): every rank gets the same answer, each file hashed once."""
+    return newest_valid_checkpoint(root, dist)[0]
+
+
+def newest_valid_checkpoint(root: str | os.PathLike, dist=None) -> tuple[Path | None, list[str]]:
+    """(newest checkpoint under `root` that verifies or None, why each newer one does not): every checkpoint is
+    named in the second part when none verifies, so that a caller can refuse to start over silently."""
     found = list_checkpoints(root)
     if dist is not None and dist.active:  # rank 0's listing, so that every rank tries the same candidates
         found = [Path(p) for p in dist.broadcast_object([str(p) for p in found])]
+    problems = []
     for path in reversed(found):
         try:
             _verify(path, dist)
         except CheckpointError as e:
             if dist is None or dist.is_main:
                 log.warning("skipping checkpoint for resume: %s", e)
+            problems.append(str(e))
             continue
-        return path
-    return None
+        return path, problems
+    return None, problems
 
 
 def capture_rng_state() -> dict:
-    """Global RNG states (python, numpy, torch CPU, every CUDA device) so a resumed run draws the same numbers."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Global RNG states (python, numpy, torch CPU, every CUDA device) so a resumed run draws the same numbers; as
+    tensors and numbers only, so that a weights-only load reads them back."""
+    version, internal, gauss = random.getstate()
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+             "numpy": {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(cached)},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Inverse of ``capture_rng_state``; tolerates tensors loaded onto a GPU and a different CUDA device count."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np.random.set_state(state["numpy"])
+    """Inverse of ``capture_rng_state`` (and of its older form: python and numpy states as tuples); tolerates
+    tensors loaded onto a GPU and a different CUDA device count."""
+    py, npy = state["python"], state["numpy"]
+    if isinstance(py, Mapping):
+        random.setstate((int(py["version"]), tuple(py["state"].tolist()), py["gauss"]))
+        np.random.set_state((npy["kind"], npy["key"].cpu().numpy().astype(np.uint32), int(npy["pos"]),
+                             int(npy["has_gauss"]), float(npy["gauss"])))
+    else:
+        version, internal, gauss = py
+        random.setstate((version, tuple(internal), gauss))
+        np.random.set_state(npy)
     torch.set_rng_state(state["torch"].cpu())
     cuda = state.get("cuda") or []
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0

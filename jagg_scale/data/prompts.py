@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PromptRecord", "PromptSet", "load_prompts"]
+__all__ = ["PromptRecord", "PromptSet", "load_prompts", "prompt_file_problem"]
 
 #: per-line warnings logged for one file before the rest are summarized in a single line
 _MAX_LINE_WARNINGS = 20
@@ -140,6 +140,17 @@ class LineReader:
         return cls(records=self.records, skipped=self.skipped, source=self.path, **extra)
 
 
+def prompt_file_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be a prompt file (an unsupported extension, no non-blank line), or None: the cheap checks
+    the config runs before any work (train.config.validate); bad lines are still found by `load_prompts`."""
+    path = Path(path)
+    if path.suffix.lower() not in _PARSERS:
+        return (f"has the unsupported extension {path.suffix!r} ({path}); prompt files are "
+                f"{' or '.join(sorted(_PARSERS))} (CSV/TSV sets: jagg_scale.data.prompt_sets)")
+    with path.open("rb") as f:
+        if any(line.strip() for line in f):
+            return None
+    return f"names a file with no prompt in it (empty or only blank lines): {path}"
 
 
 def load_prompts(path: str | Path) -> PromptSet:

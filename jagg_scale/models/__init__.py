@@ -13,6 +13,7 @@ shard on the device.
 
 from __future__ import annotations
 
+from ..hub import resolve_model_path
 from ..paths import resolve_path
 from .base import VelocityModel
 from .dit import DiT, DiTConfig
@@ -32,7 +33,7 @@ def build_model(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
         raise ValueError(f"model.kind {cfg.kind!r} is not supported")
     model = DiT(cfg.dit)
     if cfg.pretrained:
-        load_pretrained(model, cfg.pretrained)
+        load_pretrained(model, str(pretrained_path(cfg)))
     else:
         # GRPO needs a policy that already draws something; with no weights given we start from a random
         # (not zero-output) DiT so velocities, and therefore rewards, vary between samples from step 0.
@@ -40,15 +41,35 @@ def build_model(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     return model
 
 
+def pretrained_path(cfg, *, allow_download: bool | None = None):
+    """`model.pretrained` as a local path: the path itself, or a hub id (ORG/NAME for an sd3/flux pipeline,
+    ORG/NAME/FILE.safetensors for the dit) from the local hub cache (jagg_scale/hub.py), downloaded only with
+    `model.allow_download: true` (`allow_download` overrides it: config validation looks without downloading)."""
+    download = cfg.allow_download if allow_download is None else allow_download
+    pipeline = cfg.kind in ("sd3", "flux")
+    return resolve_model_path(cfg.pretrained, what="model.pretrained", allow_download=download,
+                              markers=("model_index.json",) if pipeline else (),
+                              fetch=_fetch_pipeline if pipeline else None,
+                              download_option="model.allow_download: true")
+
+
+def _fetch_pipeline(repo_id: str, cache_dir) -> None:
+    """A pipeline's own files only: diffusers reads model_index.json and skips what the repo holds besides the
+    components (single-file checkpoints of 10-24 GB next to them in FLUX.1-dev and SD3.5)."""
+    from diffusers import DiffusionPipeline
+
+    DiffusionPipeline.download(repo_id, cache_dir=str(cache_dir))
+
+
 def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
-    """SD3 / FLUX from a local pipeline directory, with the config's LoRA, checkpointing, attention and text-encoder
-    options. Every component is loaded straight in the dtype it will be used in (diffusers' per-component
+    """SD3 / FLUX from a local pipeline directory (or a hub id in the local hub cache: pretrained_path), with the
+    config's LoRA, checkpointing, attention and text-encoder options. Every component is loaded straight in the dtype it will be used in (diffusers' per-component
     `dtype=` at from_pretrained time, never float32 then cast): the frozen VAE and text encoders in bf16 when
     model.dtype is bfloat16 (they never feed a gradient), float32 otherwise; the transformer in float32 (master
     weights; bf16 is autocast), or with `keep_stored_dtype` in its checkpoint's bf16 (see build_model)."""
     import torch
 
-    path = resolve_path(cfg.pretrained)
+    path = pretrained_path(cfg)
     bf16 = cfg.dtype == "bfloat16"
     frozen = torch.bfloat16 if bf16 else torch.float32
     transformer = torch.float32
@@ -101,14 +122,46 @@ def stored_dtype(directory):
     return getattr(torch, _SAFETENSORS_DTYPES[seen.pop()])
 
 
+def safetensors_problem(path) -> str | None:
+    """Why `path` is not a safetensors file, read from its header alone (8 bytes of length, then that much JSON),
+    or None. safetensors' own error for, say, a text file is "header too large", naming no file."""
+    import json
+    import os
+    import struct
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"is not a safetensors file ({size} bytes: too short for a header): {path}"
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            return (f"is not a safetensors file (its first 8 bytes give a header of {n} bytes, the file has "
+                    f"{size}): {path}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            header = None
+    if not isinstance(header, dict):
+        return f"is not a safetensors file (its header is not a JSON object): {path}"
+    return None
+
+
 def load_pretrained(model: VelocityModel, path: str) -> None:
     """Load a safetensors state dict, naming the file and the mismatching keys on failure."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     p = resolve_path(path)
     if not p.is_file():
         raise FileNotFoundError(f"model.pretrained: no such file {p}")
-    state = load_file(str(p))
+    problem = safetensors_problem(p)
+    if problem:
+        raise ValueError(f"model.pretrained {problem}")
+    try:
+        state = load_file(str(p))
+    except SafetensorError as err:  # a damaged file past its header: name it
+        raise ValueError(f"model.pretrained {p} could not be read as safetensors: {err}") from err
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"model.pretrained {p} does not fit the configured model: missing {missing[:5]}, "
@@ -116,4 +169,4 @@ def load_pretrained(model: VelocityModel, path: str) -> None:
 
 
 __all__ = ["VelocityModel", "DiT", "DiTConfig",
-           "HashTokenizer", "build_model", "load_pretrained", "stored_dtype"]
+           "HashTokenizer", "build_model", "load_pretrained", "pretrained_path", "safetensors_problem", "stored_dtype"]

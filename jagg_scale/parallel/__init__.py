@@ -4,7 +4,8 @@
     dist.py              `init_distributed` -> `DistContext` (rank, device, the trainer's few collectives)
     engine.py            the `TrainEngine` contract, its `EngineSpec`, and the single-process reference engine
     build.py             `build_engine(model, spec, dist)`: the engine `spec.backend` names
-    fsdp.py              FSDP2: the block finder and mesh shared by training and reward sharding, `FSDP2Engine`
+    blocks.py            the transformer blocks: the units FSDP2 shards and `parallel.compile` compiles
+    fsdp.py              FSDP2: the mesh and sharding shared by training and reward sharding, `FSDP2Engine`
     deepspeed_engine.py  DeepSpeed ZeRO-3 `DeepSpeedEngine`
     comm.py              `CommCounter` (and `NullCounter`): collectives and bytes per phase of a step
     weights.py           `load_trained_weights`: a checkpoint's weights into a plain model, no engine (jagg-eval)

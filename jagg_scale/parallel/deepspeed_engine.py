@@ -36,7 +36,8 @@ NVMe offload (partitions swapped out) and ZeRO stages other than 3 have no EMA h
 State: `save`/`load` are DeepSpeed checkpoints (`save_checkpoint(dir, tag="ds")`: per rank a model-states file
 and its fp32-master + optimizer partition under dir/ds; collective; resume on the same world size), written only
 inside `dir`, plus per rank its EMA partition (`ema_rank<r>.safetensors`); `save` returns this rank's files (it
-hashes them for the manifest). `full_state_dict()` consolidates the
+hashes them for the manifest). `load` reads DeepSpeed's files weights-only (they are torch pickles; DeepSpeed's
+own reader would unpickle anything in them). `full_state_dict()` consolidates the
 16-bit (fp32 without bf16) weights on rank 0 with `_zero3_consolidated_16bit_state_dict` (keys of the plain
 model's `state_dict()`; {} on other ranks; LoRA: the trainable ones).
 
@@ -261,14 +262,24 @@ class DeepSpeedEngine(TrainEngine):
         finally:
             self.engine.set_gradient_accumulation_boundary(True)
 
-    def step(self) -> torch.Tensor:
+    def step(self, loss: torch.Tensor | None = None) -> torch.Tensor:
         """Clip (grad_clip, inside DeepSpeed), AdamW on the partitions, zero grads, EMA; the global pre-clip
-        gradient norm (0-d; DeepSpeed has read it to the host already)."""
+        gradient norm (0-d; DeepSpeed has read it to the host already). ZeRO-3 skips the update itself when that
+        norm is not finite (its overflow check, bf16 and fp32 included); `step_applied` reports it. `loss` is not
+        consulted: DeepSpeed's step cannot be withheld at the boundary, and a non-finite loss that carries a
+        gradient makes the norm non-finite anyway."""
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
+        self.step_applied = bool(self.engine.was_step_applied())
         self.update_ema()
         return torch.tensor(float("nan") if norm is None else float(norm))
+
+    def _local_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's ZeRO-3 partitions (`ds_tensor`; the parameters' own data is empty between gathers) of the
+        trainable weights, and its EMA partitions."""
+        named = [(n, getattr(p, "ds_tensor", p)) for n, p in zip(self._trainable, self.params)]
+        return named + [(f"ema.{n}", t) for n, t in (self.ema or {}).items()]
 
     # ------------------------------------------------------------------ state
     def _ema_file(self, directory: Path) -> Path:
@@ -299,8 +310,10 @@ class DeepSpeedEngine(TrainEngine):
     def _load(self, directory: Path) -> None:
         from ..checkpoint import CheckpointError
 
-        path, _ = self.engine.load_checkpoint(str(directory), tag=TAG, load_module_strict=not self.spec.frozen_base,
-                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        with self._weights_only_loads(directory):
+            path, _ = self.engine.load_checkpoint(str(directory), tag=TAG,
+                                                  load_module_strict=not self.spec.frozen_base,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise CheckpointError(f"no DeepSpeed checkpoint (tag {TAG!r}) in {directory}")
         if self.ema is not None:
@@ -316,6 +329,26 @@ class DeepSpeedEngine(TrainEngine):
                                       "fit this engine (DeepSpeed resumes on the world size that wrote it)")
             for name, value in saved.items():
                 self.ema[name].copy_(value)
+
+    @contextmanager
+    def _weights_only_loads(self, directory: Path):
+        """DeepSpeed reads its files through its checkpoint engine's `load`, a torch.load with weights_only=False:
+        for this load it is the weights-only one (checkpoint/pickles.py), which admits DeepSpeed's own few classes
+        and refuses, naming the file, anything that would run code."""
+        from ..checkpoint.pickles import allowed_globals, load_torch
+
+        ckpt = self.engine.checkpoint_engine
+
+        def load(path, map_location=None):
+            path = Path(path)
+            name = path.relative_to(directory).as_posix() if path.is_relative_to(directory) else path.name
+            return load_torch(path, map_location=map_location, allow=allowed_globals(name))
+
+        ckpt.load = load  # an instance attribute: shadows the class's method, for this engine and this load only
+        try:
+            yield
+        finally:
+            del ckpt.load
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Trainable weights, consolidated on rank 0 as CPU tensors (collective; other ranks get {})."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,7 +22,31 @@ from .ranks import default_backend, discover, export_env
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DistContext", "init_distributed"]
+__all__ = ["DistContext", "RankFailedError", "TooManyLocalRanksError", "init_distributed", "local_device_index"]
+
+T = TypeVar("T")
+
+
+class RankFailedError(RuntimeError):
+    """Another rank's error, raised here too, when it cannot be rebuilt as its own type."""
+
+
+class TooManyLocalRanksError(RuntimeError):
+    """More processes on a node than GPUs visible to them."""
+
+
+def local_device_index(local_rank: int, local_world_size: int) -> int:
+    """The GPU of a process: its local rank. A node running more processes than it has visible GPUs is refused:
+    wrapping around (local_rank % device_count) would put two ranks on one GPU, silently, each with half the
+    memory it was sized for."""
+    count = torch.cuda.device_count()
+    if local_world_size > count or local_rank >= count:
+        raise TooManyLocalRanksError(
+            f"LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE={local_world_size} processes on this node, but "
+            f"torch.cuda.device_count()={count} GPU(s) are visible (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): start at most {count} processes per node "
+            f"(torchrun --nproc_per_node, srun --ntasks-per-node) or make more GPUs visible")
+    return local_rank
 
 
 @dataclass
@@ -68,6 +94,46 @@ class DistContext:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    # ---------------------------------------------------------------- failing together
+    # A rank that raises while the others go on to a collective leaves them waiting until the process group's
+    # timeout (30 min under NCCL). Around a step that can fail on some ranks only, these make every rank raise
+    # the same error at once instead.
+
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """`fn()` on rank 0 alone, its (picklable) result sent to every rank; if it raises, every rank raises
+        that error (e.g. rank 0 verifies a checkpoint the others then load)."""
+        if not self.active:
+            return fn()
+        error, outcome = None, None
+        if self.is_main:
+            try:
+                outcome = (True, fn())
+            except Exception as e:  # noqa: BLE001 - every error must reach the other ranks
+                error, outcome = e, (False, _portable(e))
+        ok, value = self.broadcast_object(outcome)
+        if ok:
+            return value
+        raise error if error is not None else _rebuild(value, 0)
+
+    def on_every_rank(self, fn: Callable[[], T]) -> T:
+        """`fn()` on every rank, then one all-gather of the outcomes: if it raised anywhere, every rank raises
+        the error of the lowest rank it raised on. A collective `fn` must fail on all ranks or none (DCP's load
+        does), since the others would wait inside it."""
+        if not self.active:
+            return fn()
+        error, result = None, None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - every error must reach the other ranks
+            error = e
+        reports = self.all_gather_object(None if error is None else _portable(error))
+        failed = [r for r, report in enumerate(reports) if report is not None]
+        if not failed:
+            return result
+        if failed[0] == self.rank:
+            raise error
+        raise _rebuild(reports[failed[0]], failed[0]) from error
+
     def mean_over_ranks(self, metrics: dict[str, float], keep_extremes: dict[str, str] | None = None) -> dict:
         """Average scalar metrics over ranks (max/min for names listed in keep_extremes) with one all-gather."""
         if not self.active:
@@ -100,17 +166,43 @@ class DistContext:
         self.owns_group = False
 
 
+def _portable(exc: Exception) -> tuple[bytes | None, str, str]:
+    """An exception as it travels to the other ranks: pickled when it survives the round trip, its type's name and
+    its message (what is left when it does not)."""
+    try:
+        blob = pickle.dumps(exc)
+        pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - an exception class that does not pickle: its name and message travel
+        blob = None
+    return blob, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc)
+
+
+def _rebuild(report: tuple[bytes | None, str, str], rank: int) -> Exception:
+    """Rank `rank`'s error (see _portable) raised on this rank: its own type and message where possible."""
+    blob, kind, message = report
+    exc = None
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+        except Exception:  # noqa: BLE001 - e.g. its class is not importable here
+            exc = None
+    if not isinstance(exc, Exception):
+        exc = RankFailedError(f"{kind}: {message}")
+    exc.add_note(f"raised on rank {rank}; every rank stops with it")
+    return exc
+
+
 def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistContext:
     """Discover ranks and start the process group when there is more than one process.
 
     device: auto | cpu | cuda. With CUDA each process takes GPU `local_rank` (the launcher decides how many
-    processes a node runs)."""
+    processes a node runs; more than it has visible GPUs is refused, see local_device_index)."""
     info = discover()
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("run.device=cuda but no CUDA device is available")
     if use_cuda:
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(local_device_index(info.local_rank, info.local_world_size))
         dev = torch.device("cuda", torch.cuda.current_device())
     else:
         dev = torch.device("cpu")

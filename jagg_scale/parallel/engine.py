@@ -21,34 +21,45 @@ reverse. The contract, in the order a training step uses it:
                                         backward callable); gradients accumulate, and are synchronised across
                                         ranks when `last` is True (the minibatch's accumulation boundary), or at
                                         every backward under grad_sync every (resolve_grad_sync)
-    engine.step() -> grad_norm (0-d)    clip (grad_clip) and step the optimizer, zero grads, update the EMA;
-                                        returns the global gradient norm before clipping
+    engine.step(loss=) -> grad_norm     clip (grad_clip) and step the optimizer, zero grads, update the EMA;
+                                        returns the global gradient norm before clipping (0-d). A non-finite
+                                        norm (or `loss`, on any rank) skips the update: `step_applied` says
+                                        whether it was taken
     engine.comm                         the collective counter (comm.py): a CommCounter on engines that issue
                                         collectives, a NullCounter (same phase()/take()) here
     engine.ema / ema_weights()          ema_decay > 0: the EMA of the trainable weights (None when off), and a
                                         context with it swapped into the model (evaluation, export)
     engine.save(dir) / load(dir)        model + optimizer (+ EMA) state into / from a checkpoint directory
                                         (collective); save returns the files this rank wrote (each rank hashes
-                                        its own, checkpoint/digests.py); load refuses another engine's checkpoint
+                                        its own, checkpoint/digests.py) and refuses non-finite weights
+                                        (NonFiniteError on every rank); load refuses another engine's checkpoint
     engine.full_state_dict()            the trainable weights gathered on rank 0 for export (others get {})
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .blocks import compile_blocks
 from .comm import NullCounter
 from .dist import DistContext
 from .types import Backend, GradSync
 
-__all__ = ["ENGINE_MARKER", "EngineSpec", "TrainEngine", "make_optimizer", "place_"]
+__all__ = ["ENGINE_MARKER", "EngineSpec", "NonFiniteError", "TrainEngine", "make_optimizer", "place_"]
 
 ENGINE_MARKER = "engine.json"  # {"engine": name}, written into every checkpoint directory by rank 0
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced non-finite values it cannot go on from: weights that would be checkpointed, or too many
+    optimizer steps in a row skipped for a non-finite loss or gradient (train.max_nonfinite_steps)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,7 @@ class EngineSpec:
     replicate: int = 1  # HSDP replica groups
     deepspeed: dict = field(default_factory=dict)  # merged over the built-in ZeRO-3 config
     grad_sync: GradSync = "auto"  # when gradients are reduced across ranks (parallel/types.py)
+    compile: bool = False  # none / fsdp2: torch.compile each transformer block (blocks.compile_blocks)
 
 
 def resolve_grad_sync(spec: EngineSpec) -> str:
@@ -122,6 +134,28 @@ def make_optimizer(params, spec: EngineSpec) -> torch.optim.Optimizer:
                              eps=spec.adam_eps)
 
 
+def _disk_full(err: BaseException, directory: Path) -> OSError | None:
+    """An ENOSPC OSError naming `directory` and its free space when `err` came from a full disk, else None. The
+    writers hide it: torch.save raises "unexpected pos N vs M" with the ENOSPC only in its __context__, and
+    safetensors a SafetensorError that merely mentions it (StorageFull)."""
+    chain, e = [], err
+    while e is not None and e not in chain and len(chain) < 16:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    full = any((isinstance(e, OSError) and e.errno == errno.ENOSPC)
+               or "No space left on device" in str(e) or "StorageFull" in str(e) for e in chain)
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    if not full and (free is None or free >= 1 << 20):  # under 1 MiB free after a failed write: full, whatever it said
+        return None
+    there = f"{free / 2**30:.2f} GiB free there now" if free is not None else "free space unknown"
+    return OSError(errno.ENOSPC, f"no space left on device while writing checkpoint {directory} ({there}; the "
+                                 f"failure was {type(err).__name__}: {err}); free disk space or lower run.keep_last",
+                   str(directory))
+
+
 class TrainEngine:
     """A single process: plain autograd, gradients accumulate in .grad, torch AdamW."""
 
@@ -133,6 +167,8 @@ class TrainEngine:
                              "use parallel.backend fsdp2 or deepspeed")
         self.spec, self.dist = spec, dist
         self.comm = NullCounter()  # one process: no collectives to count
+        if spec.compile:
+            compile_blocks(model)
         self.model = place_(model, dist.device, getattr(model, "master_dtype", None))
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, spec)
@@ -189,14 +225,32 @@ class TrainEngine:
         max_norm = self.spec.grad_clip if self.spec.grad_clip > 0 else float("inf")
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm).detach()
 
-    def step(self) -> torch.Tensor:
+    step_applied = True  # whether the last step() updated the weights
+
+    def step(self, loss: torch.Tensor | None = None) -> torch.Tensor:
         """Clip, optimizer step, zero grads, EMA update; returns the global gradient norm before clipping (a 0-d
-        tensor: reading it is a host synchronisation, left to the caller)."""
+        tensor, read by the caller with its other metrics). The update is skipped, and `step_applied` is False,
+        when the norm or `loss` (this rank's loss of the minibatch, when given) is not finite on any rank."""
         norm = self._clip_grads()
-        self.optimizer.step()
+        self.step_applied = self._finite(norm, loss)
+        if self.step_applied:
+            self.optimizer.step()
+            self.update_ema()
         self.optimizer.zero_grad(set_to_none=True)
-        self.update_ema()
         return norm
+
+    def _finite(self, norm: torch.Tensor, loss: torch.Tensor | None) -> bool:
+        """Whether the update may be taken: one host read per optimizer step. A NaN gradient would make every
+        weight and AdamW's moments NaN, and no mask on the device keeps AdamW's state and step count as they were,
+        so a bad update is not taken at all. The norm is global already; the losses are per rank, so their
+        verdict is gathered (one tiny collective, counted as control traffic) for every rank to decide alike."""
+        ok = torch.isfinite(norm)
+        if loss is not None:
+            ok = ok & torch.isfinite(loss.detach()).all()
+            if self.dist.active:
+                with self.comm.phase("control"):
+                    ok = self.dist.all_gather_tensor(ok.reshape(1).to(torch.int32)).min() > 0
+        return bool(ok)
 
     # ------------------------------------------------------------------ state
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
@@ -215,12 +269,43 @@ class TrainEngine:
         """This engine's state into `directory` (collective: every rank calls it) and the engine marker (rank 0);
         returns the files this rank wrote, which this rank then hashes for the manifest. A file left out is not
         lost: rank 0 hashes whatever no rank reported, only slower."""
-        files = list(self._save(directory))
-        if self.dist.is_main:
-            from ..checkpoint.local import _write_bytes
+        self.check_finite(directory)
+        try:
+            files = list(self._save(directory))
+            if self.dist.is_main:
+                from ..checkpoint.local import _write_bytes
 
-            files.append(_write_bytes(directory / ENGINE_MARKER, json.dumps({"engine": self.name}).encode()))
+                files.append(_write_bytes(directory / ENGINE_MARKER, json.dumps({"engine": self.name}).encode()))
+        except Exception as err:
+            full = _disk_full(err, directory)
+            if full is None:
+                raise
+            raise full from err
         return files
+
+    def _local_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor): this rank's part (its shards, where sharded) of the trainable weights and of their EMA."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        named += [(f"ema.{n}", t) for n, t in (self.ema or {}).items()]
+        return [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in named]
+
+    @torch.no_grad()
+    def check_finite(self, directory: Path) -> None:
+        """NonFiniteError on every rank unless every trainable weight (and its EMA) is finite on every rank:
+        checked before any rank writes, so a checkpoint of NaN weights is never sealed as complete, and no rank
+        leaves the others waiting in the save's collectives. One host read per save."""
+        tensors = self._local_weights()
+        device = self.dist.device
+        bad = torch.stack([~torch.isfinite(t).all().to(device) for _, t in tensors]
+                          or [torch.zeros((), dtype=torch.bool, device=device)])
+        first = torch.where(bad.any(), bad.to(torch.int64).argmax(), -1).reshape(1)  # the first bad one, or -1
+        verdicts = (self.dist.all_gather_tensor(first) if self.dist.active else first).tolist()
+        if max(verdicts) < 0:
+            return
+        mine, rank = verdicts[self.dist.rank], next(r for r, v in enumerate(verdicts) if v >= 0)
+        what = f"'{tensors[mine][0]}'" if mine >= 0 else f"a weight on rank {rank}"
+        raise NonFiniteError(f"refusing to save checkpoint {directory}: the trainable weights are not finite "
+                             f"({what} has NaN or inf values); the newest complete checkpoint is the last good state")
 
     def load(self, directory: Path) -> None:
         """State from a checkpoint `directory` written by the same engine (CheckpointError otherwise)."""
@@ -262,7 +347,9 @@ class TrainEngine:
         if unexpected or set(state) != expected or (strict and missing):
             raise CheckpointError(f"checkpoint {directory} does not fit the model: unexpected {unexpected[:5]}, "
                                   f"missing {sorted(expected - set(state))[:5]}")
-        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=False))
+        from ..checkpoint.pickles import load_torch
+
+        self.optimizer.load_state_dict(load_torch(directory / "optimizer.pt"))  # weights-only: tensors and numbers
         if self.ema is not None:
             if not (directory / "ema.safetensors").is_file():
                 raise CheckpointError(f"checkpoint {directory} has no EMA weights but train.ema_decay > 0")

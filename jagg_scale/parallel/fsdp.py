@@ -2,14 +2,17 @@
 
 The helpers both uses share:
 
-    block_slots(module)     the FSDP units: every item with parameters of every outermost nn.ModuleList (the DiT's
-                            `blocks`, SD3's `transformer_blocks`, FLUX's `transformer_blocks` and
+    block_slots(module)     the FSDP units (blocks.py): every item with parameters of every outermost nn.ModuleList
+                            (the DiT's `blocks`, SD3's `transformer_blocks`, FLUX's `transformer_blocks` and
                             `single_transformer_blocks`, a CLIP's text and vision encoder layers)
     build_mesh(...)         the device mesh: 1-D over all ranks, or HSDP (replicate x shard) when replicate > 1
     parallelize(model)      training: activation checkpointing per block (optional), fully_shard on every block,
-                            then on the root; mixed precision (bf16 params in compute, fp32 gradient reduction);
+                            then on the root; mixed precision (the blocks' params gathered in bf16, the root's in
+                            fp32, fp32 gradient reduction, inputs left to the caller's bf16 autocast);
                             explicit prefetch: block i gathers block i+1 in forward and block i-1 in backward;
                             `reshard_after_forward` configurable (as torchtitan does)
+                            compile (parallel.compile): every block torch.compile-d first, so that checkpointing
+                            and fully_shard wrap compiled blocks (blocks.compile_blocks)
     shard_for_inference(m)  a frozen module (a reward model) sharded the same way in eval mode, no mixed precision,
                             0-d parameters left replicated, other entry points than forward registered
 
@@ -24,7 +27,8 @@ and under `every` the reduce-scatters too. `engine.comm` (comm.py) measures that
 
 Checkpoints are torch.distributed.checkpoint (DCP) directories: each rank writes its shards (the EMA shards
 too) and reports which files those were (`_ListingWriter`), and a checkpoint written by N ranks loads on M (DCP
-reshards on load).
+reshards on load). They are read through checkpoint/dcp_reader.py: DCP's metadata and non-tensor entries are
+pickles, which torch's own reader would unpickle without restriction.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from .blocks import block_slots, compile_blocks, repeated_layers
 from .comm import CommCounter
 from .dist import DistContext
 from .engine import EngineSpec, TrainEngine, make_optimizer, place_, resolve_grad_sync
@@ -53,26 +58,6 @@ __all__ = ["FSDP2Engine", "block_slots", "build_mesh", "parallelize", "repeated_
 
 
 # ------------------------------------------------------------------------------------------ shared helpers
-
-
-def block_slots(module: nn.Module) -> list[tuple[nn.ModuleList, int]]:
-    """(list, index) of every item with parameters of every outermost nn.ModuleList under `module`, in pre-order
-    (lists nested inside an item already taken are skipped, since that item is sharded as one unit)."""
-    taken: list[str] = []
-    slots: list[tuple[nn.ModuleList, int]] = []
-    for name, child in module.named_modules():
-        if not isinstance(child, nn.ModuleList) or any(name.startswith(t + ".") for t in taken):
-            continue
-        for i, item in enumerate(child):
-            if isinstance(item, nn.Module) and any(True for _ in item.parameters()):
-                taken.append(f"{name}.{i}" if name else str(i))
-                slots.append((child, i))
-    return slots
-
-
-def repeated_layers(module: nn.Module) -> list[nn.Module]:
-    """The modules of `block_slots`: the units fully_shard is applied to before the root."""
-    return [blocks[i] for blocks, i in block_slots(module)]
 
 
 def build_mesh(device_type: str, world_size: int, replicate: int = 1) -> DeviceMesh:
@@ -86,8 +71,14 @@ def build_mesh(device_type: str, world_size: int, replicate: int = 1) -> DeviceM
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, activation_checkpointing: bool,
                 reshard_after_forward: bool = True, prefetch: bool = True, device: torch.device | None = None,
-                master_dtype: torch.dtype | None = None) -> nn.Module:
+                master_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
     """Shard `model` in place for training (blocks, then root) and return it.
+
+    `compile` (parallel.compile): each block torch.compile-d in place first (blocks.compile_blocks), so that the
+    activation checkpointing and fully_shard applied next wrap compiled blocks. That order is the one both
+    checkpointing paths can have: diffusers' own checkpointing calls each block from the model's forward, so it
+    always wraps the block as it is; checkpoint_wrapper then does the same, and a recompute re-runs the compiled
+    block. FSDP2's hooks on a compiled block run outside its graph (dynamo skips FSDP hooks by default).
 
     Placement: the model may arrive on the host. Unit by unit (each block, then the root's remaining parameters),
     the unit is placed on `device` (upcast from 16 bits to `master_dtype` on the way when given) and sharded right
@@ -96,6 +87,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, activation_ch
     slots = block_slots(model)
     if not slots:
         raise ValueError(f"parallel.backend fsdp2: no transformer blocks found on {type(model).__name__}")
+    if compile:
+        compile_blocks(model)
     if activation_checkpointing:
         if hasattr(model, "enable_gradient_checkpointing"):  # diffusers' own per-block checkpointing
             model.enable_gradient_checkpointing()
@@ -104,15 +97,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, activation_ch
 
             for blocks, i in slots:
                 blocks[i] = checkpoint_wrapper(blocks[i])
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # bf16 is the trainer's autocast (train/policy.py), as on backend none; FSDP2 adds bf16 gathers of the blocks
+    # alone. Its input cast stays off: it would round every floating input of a unit to bf16 (the root's sigma:
+    # timesteps off by up to 2/1000; FLUX's float32 rotary embeddings at each block). The root's own parameters
+    # (embedders, final layer: under 1% of the weights) stay float32, so what autocast leaves in float32 there
+    # (token embeddings and their pooling, sigma's path) is computed as backend none computes it.
+    blocks_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32,
+                                     cast_forward_inputs=False)
+    root_mp = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     units = []
     for blocks, i in slots:
         place_(blocks[i], device, master_dtype)
-        fully_shard(blocks[i], **kwargs)
+        fully_shard(blocks[i], mp_policy=blocks_mp, **kwargs)
         units.append(blocks[i])
     place_(model, device, master_dtype)  # the root's own parameters (the blocks' are DTensors now: skipped)
-    fully_shard(model, **kwargs)
+    fully_shard(model, mp_policy=root_mp, **kwargs)
     if prefetch:
         for prev, nxt in zip(units, units[1:]):
             prev.set_modules_to_forward_prefetch([nxt])
@@ -172,18 +172,19 @@ class FSDP2Engine(TrainEngine):
         self.spec, self.dist = spec, dist_ctx
         self.grad_sync = resolve_grad_sync(spec)
         self.mesh = build_mesh(dist_ctx.device.type, dist_ctx.world_size, spec.replicate)
-        self.model = self._parallelize(model, spec.activation_checkpointing, getattr(model, "master_dtype", None))
+        self.model = self._parallelize(model, spec.activation_checkpointing, getattr(model, "master_dtype", None),
+                                       compile=spec.compile)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, spec)
         self.init_ema()
         self._options = StateDictOptions(ignore_frozen_params=spec.frozen_base)
 
     def _parallelize(self, module: nn.Module, activation_checkpointing: bool,
-                     master_dtype: torch.dtype | None = None) -> nn.Module:
+                     master_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
         s = self.spec
         return parallelize(module, self.mesh, bf16=s.bf16, activation_checkpointing=activation_checkpointing,
                            reshard_after_forward=s.reshard_after_forward, prefetch=s.prefetch,
-                           device=self.dist.device, master_dtype=master_dtype)
+                           device=self.dist.device, master_dtype=master_dtype, compile=compile)
 
     def shard_frozen(self, module: nn.Module) -> nn.Module:
         """A frozen copy (the KL reference of a full fine-tune, on the host) sharded the same way, unit by unit onto
@@ -215,8 +216,10 @@ class FSDP2Engine(TrainEngine):
         return [directory / "dcp" / name for name in writer.written]
 
     def _load(self, directory: Path) -> None:
+        from ..checkpoint.dcp_reader import dcp_load
+
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(directory / "dcp"))  # in place, the EMA shards included
+        dcp_load(state, directory / "dcp")  # in place, the EMA shards included; nothing unpickled but data
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=self._options)
 

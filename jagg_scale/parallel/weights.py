@@ -10,7 +10,12 @@ marker (engine.ENGINE_MARKER; `state.json`'s "backend" in older checkpoints) nam
                tensors; names written through an activation-checkpointing wrapper are mapped back
     deepspeed  the fp32 weights reassembled from the ZeRO-3 partitions (deepspeed.utils.zero_to_fp32); the EMA
                from the per-rank EMA partitions (ema_rank<r>.safetensors, deepspeed_engine.py), reassembled
-               the same way (DeepSpeed's own files are pickles: read them only from runs you trust)
+               the same way. DeepSpeed's own files are torch pickles, which zero_to_fp32 unpickles without
+               restriction: each is checked first to load weights-only (checkpoint/pickles.py)
+
+No file is unpickled beyond data (tensors, numbers, containers): DCP's metadata and entries go through
+checkpoint/dcp_reader.py, and nothing here reads optimizer state (but DeepSpeed's fp32 weights, which live in its
+optimizer-state files).
 
 Only the trainable weights are in a LoRA checkpoint; the frozen base comes from the model as built.
 """
@@ -76,11 +81,11 @@ def _read_local(directory: Path, model, trainable: set[str], ema: bool) -> dict[
 
 
 def _read_dcp(directory: Path, model, trainable: set[str], ema: bool) -> dict[str, torch.Tensor]:
-    import torch.distributed.checkpoint as dcp
+    from ..checkpoint.dcp_reader import dcp_load, read_metadata
 
     path = directory / "dcp"
     section = "ema" if ema else "model"
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_metadata(path).state_dict_metadata
     names = {key[len(section) + 1:]: key for key in saved if key.startswith(section + ".")}
     if not names:
         raise _checkpoint_error(f"checkpoint {directory} holds no {section!r} weights")
@@ -92,14 +97,20 @@ def _read_dcp(directory: Path, model, trainable: set[str], ema: bool) -> dict[st
     shapes = {name: saved[f"{section}.{plain[name]}"].size for name in plain}
     wanted = {name: torch.empty(shape, dtype=params[name].dtype) for name, shape in shapes.items()}
     request = {section: {plain[name]: tensor for name, tensor in wanted.items()}}
-    dcp.load(request, checkpoint_id=str(path), no_dist=True)
+    dcp_load(request, path, no_dist=True)
     return wanted
 
 
 def _read_deepspeed(directory: Path, model, trainable: set[str], ema: bool) -> dict[str, torch.Tensor]:
     from deepspeed.utils import zero_to_fp32 as z
 
+    from ..checkpoint.pickles import check_file
+
     ds_dir = directory / "ds"
+    # zero_to_fp32 unpickles DeepSpeed's files without restriction: each is first checked to load weights-only
+    # (tensors, plain data, DeepSpeed's own few records), so nothing in them can run
+    for f in sorted(ds_dir.glob("*.pt")):
+        check_file(f, f.relative_to(directory).as_posix())
     if not ema:
         weights = z.get_fp32_state_dict_from_zero_checkpoint(str(directory), tag="ds")
         return {k: v for k, v in weights.items() if k in trainable}

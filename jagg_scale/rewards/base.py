@@ -24,8 +24,10 @@ __all__ = [
     "UnknownRewardError",
     "register",
     "build_reward",
+    "check_reward",
     "available",
     "score_safely",
+    "resolve_device",
 ]
 
 
@@ -98,8 +100,8 @@ def available() -> list[str]:
 
 
 def _check_options(name: str, cls: type, kwargs: dict) -> None:
-    """Raise a TypeError naming options the reward's constructor does not take (before calling it, so
-    the message is about the config rather than a Python signature)."""
+    """Raise a TypeError naming options the reward's constructor does not take, or required ones not given
+    (before calling it, so the message is about the config rather than a Python signature)."""
     params = inspect.signature(cls).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return
@@ -109,18 +111,44 @@ def _check_options(name: str, cls: type, kwargs: dict) -> None:
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise TypeError(f"reward {name!r} got unknown option(s) {unknown}; accepted options: {sorted(accepted)}")
+    required = sorted(p.name for p in params if p.name in accepted and p.default is inspect.Parameter.empty)
+    missing = [n for n in required if n not in kwargs]
+    if missing:
+        raise TypeError(f"reward {name!r} needs option(s) {missing}; accepted options: {sorted(accepted)}")
+
+
+def check_reward(name: str, options: dict) -> type[Reward]:
+    """The registered class of reward `name`, after checking it takes `options` (nothing is built): the config
+    runs this before any work. UnknownRewardError / TypeError as build_reward raises them."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise UnknownRewardError(f"unknown reward {name!r}; available rewards: {available()}")
+    _check_options(name, cls, options)
+    return cls
 
 
 def build_reward(name: str, **kwargs) -> Reward:
     """Instantiate a registered reward by name with constructor options from the config."""
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise UnknownRewardError(f"unknown reward {name!r}; available rewards: {available()}")
-    _check_options(name, cls, kwargs)
+    cls = check_reward(name, kwargs)
     try:
         return cls(**kwargs)
     except TypeError as e:  # e.g. a missing required option: keep Python's detail, add the reward name
         raise TypeError(f"could not build reward {name!r} with options {sorted(kwargs)}: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------ device
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A reward's `device` option: "auto" -> this process's current CUDA device with its index (`cuda:k`, the
+    trainer's rank device, set by parallel.dist.init_distributed), else the CPU; anything else -> torch.device.
+
+    Never a bare "cuda": that means "the calling thread's current device", which is cuda:0 in a worker thread
+    (reward.background) whatever the rank's device, so a rank k > 0 would move its images to cuda:0 while its
+    reward model sits on cuda:k."""
+    if device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
 
 
 # ------------------------------------------------------------------------------------------ safe scoring

@@ -1,22 +1,29 @@
 """CLIP-family rewards: clip_score, pickscore, hps, aesthetic.
 
-All four embed images with a transformers `CLIPModel` loaded from a LOCAL directory (`local_files_only=True`):
-nothing is downloaded at run time, so a missing or wrong path must fail when the reward is built, with a message
-naming the directory and the files it lacks, not an hour into a run with a hub timeout.
+All four embed images with a transformers `CLIPModel`, from a local directory, a hub id in the local hub cache, or
+an open_clip checkpoint file (HPS's; a LAION-trained, gelu ViT) converted on load (clip_checkpoints.py). Nothing is downloaded at
+run time unless the reward's `allow_download: true`, so a missing or wrong path fails when the reward is built,
+with a message naming the directory and the files it lacks (or the hub id, the cache and the command that fetches
+it), not an hour into a run with a hub timeout.
 
 Image preprocessing is done in torch on the float images we already have (no PIL round-trip, works on GPU):
 shorter side resized to the model's image size (bicubic, antialiased), center crop, normalization with the
-mean/std of the directory's preprocessor_config.json (CLIP's defaults when there is none). This mirrors
+mean/std of the processor directory's preprocessor_config.json (CLIP's defaults when there is none). This mirrors
 CLIPImageProcessor up to uint8 quantization, which the original pipelines apply and we skip.
 
-    clip_score   scale * cos(image_embed, text_embed)                            any CLIPModel directory
-    pickscore    logit_scale.exp() * cos(...)  [/ 26 with normalize=True]        PickScore_v1 (+ processor dir)
-    hps          cos(...)                                                        HPSv2(.1) in transformers layout
-    aesthetic    LAION improved-aesthetic-predictor MLP on the L2-normalized image embedding
+    clip_score   scale * cos(image_embed, text_embed)                       any CLIPModel directory / open_clip file
+    pickscore    logit_scale.exp() * cos(...)  [/ 26 with normalize=True]   yuvalkirstain/PickScore_v1 (+ processor)
+    hps          cos(...)                                                   HPS_v2.1_compressed.pt (open_clip ViT-H-14)
+    aesthetic    LAION aesthetic head on the L2-normalized image embedding  openai/clip-vit-large-patch14 + head file
 
-`hps`: HPSv2 is distributed as an open_clip checkpoint (ViT-H-14); the user must first convert it to the
-transformers CLIPModel layout (config.json + model.safetensors, plus tokenizer files) by mapping open_clip's
-state-dict keys onto CLIPModel's and calling save_pretrained; this module does not read open_clip files.
+The official files, as published (paths may be hub ids: ORG/NAME for a directory, ORG/NAME/FILE for a file):
+
+    pickscore   path: yuvalkirstain/PickScore_v1 (a transformers CLIPModel), processor_path (default when `path`
+                has no tokenizer): laion/CLIP-ViT-H-14-laion2B-s32B-b79K
+    hps         path: HPS_v2.1_compressed.pt (an open_clip ViT-H-14 state dict; hub: xswu/HPSv2), processor_path
+                default laion/CLIP-ViT-H-14-laion2B-s32B-b79K (HPS's tokenizer and preprocessing are ViT-H-14's)
+    aesthetic   clip_path: openai/clip-vit-large-patch14, head_path: sa_0_4_vit_l_14_linear.pth (LAION-AI/
+                aesthetic-predictor: one Linear(768, 1)) or the improved predictor's MLP (sac+logos+ava1-l14-linearMSE)
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Reward, RewardOutput, register
+from ..hub import resolve_model_path
+from .base import Reward, RewardOutput, register, resolve_device
 
 __all__ = [
     "ClipBackbone",
@@ -40,14 +48,21 @@ __all__ = [
     "AestheticMLP",
     "preprocess_images",
     "check_model_dir",
+    "resolve_model",
+    "aesthetic_head",
 ]
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 PICKSCORE_NORM = 26.0  # Flow-GRPO's divisor: puts PickScore (~18-24 for typical images) near [0, 1]
+VIT_H14_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"  # PickScore's and HPS's tokenizer + preprocessing
 
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")  # a single file: an open_clip checkpoint
+# the top-level files that make a cached hub snapshot a model / a tokenizer-and-preprocessor directory
+_MODEL_MARKERS = ("config.json",)
+_PROCESSOR_MARKERS = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "preprocessor_config.json")
 
 # ------------------------------------------------------------------------------------------------ checks
 
@@ -80,11 +95,35 @@ def check_model_dir(reward: str, path: str | Path | None, *, weights: bool = Tru
     return p
 
 
-def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda if available else cpu; anything else is passed to torch.device."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+def _fetch_model(repo_id: str, cache_dir: Path) -> None:
+    """allow_download: a CLIPModel's config, tokenizer and one weights file, not the repo's other formats
+    (open_clip, flax, tf copies of several GB each in the LAION repos)."""
+    from huggingface_hub import snapshot_download
+
+    snap = Path(snapshot_download(repo_id, cache_dir=str(cache_dir),
+                                  allow_patterns=["*.json", "*.txt", "model.safetensors", "model-*.safetensors"]))
+    if not any(snap.glob("model*.safetensors")):  # an older repo with pytorch_model.bin (or its shards) only
+        snapshot_download(repo_id, cache_dir=str(cache_dir), allow_patterns=["pytorch_model*.bin"])
+
+
+def _fetch_processor(repo_id: str, cache_dir: Path) -> None:
+    """allow_download: tokenizer and preprocessor files only."""
+    from huggingface_hub import snapshot_download
+
+    snapshot_download(repo_id, cache_dir=str(cache_dir), allow_patterns=["*.json", "*.txt"])
+
+
+def resolve_model(reward: str, path, *, processor: bool = False, allow_download: bool = False) -> Path:
+    """A reward's model path as a local Path: a local directory or file, or a hub id (ORG/NAME, ORG/NAME/FILE)
+    from the local hub cache (jagg_scale/hub.py), fetched only with the reward's `allow_download: true`."""
+    if path is None or str(path) == "":
+        raise ValueError(f"{reward}: no model directory given (set the reward's path option to a local directory "
+                         "or a hub id)")
+    return resolve_model_path(path, what=reward, allow_download=allow_download,
+                              markers=_PROCESSOR_MARKERS if processor else _MODEL_MARKERS,
+                              fetch=_fetch_processor if processor else _fetch_model,
+                              download_option=f"the {reward} reward's option allow_download: true",
+                              fetch_args='--include "*.json" --include "*.txt"' if processor else "")
 
 
 def resolve_dtype(reward: str, dtype: str) -> torch.dtype:
@@ -132,10 +171,12 @@ def _pooled(out) -> torch.Tensor:
 
 
 class ClipBackbone:
-    """A CLIPModel (+ tokenizer) from local directories, embedding images and prompts in batches.
+    """A CLIPModel (+ tokenizer) from local directories or cached hub ids, embedding images and prompts in batches.
 
-    `processor_path` holds the tokenizer and preprocessor_config.json (PickScore keeps them in a separate
-    directory from the model); it defaults to `path`. `tokenizer=False` skips the tokenizer (image-only rewards).
+    `path`: a transformers CLIPModel directory, or an open_clip checkpoint file (.pt/.pth/.bin/.safetensors),
+    converted on load (clip_checkpoints.py). `processor_path` holds the tokenizer and preprocessor_config.json
+    (PickScore and HPS take them from the ViT-H-14 repo); by default `path` when it holds them, else
+    `default_processor`. `tokenizer=False` skips the tokenizer (image-only rewards).
     """
 
     def __init__(
@@ -144,28 +185,54 @@ class ClipBackbone:
         path: str | Path,
         *,
         processor_path: str | Path | None = None,
+        default_processor: str | None = None,
         tokenizer: bool = True,
+        allow_download: bool = False,
         device: str = "auto",
         dtype: str = "float32",
         batch_size: int = 16,
     ):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"{reward}: batch_size must be a positive int, got {batch_size!r}")
-        self.path = check_model_dir(reward, path, weights=True)
-        proc = processor_path if processor_path not in (None, "") else path
-        self.processor_path = check_model_dir(reward, proc, weights=False, tokenizer=tokenizer)
+        found = resolve_model(reward, path, allow_download=allow_download)
+        open_clip = found.suffix in _CHECKPOINT_SUFFIXES and not found.is_dir()
+        self.path = found if open_clip else check_model_dir(reward, found, weights=True)
+        self.processor_path = self._processor(reward, processor_path, default_processor, tokenizer, open_clip,
+                                              allow_download)
         self.device, self.dtype, self.batch_size = resolve_device(device), resolve_dtype(reward, dtype), batch_size
 
         from transformers import AutoTokenizer, CLIPModel  # heavy: imported only when a CLIP reward is built
 
-        model = CLIPModel.from_pretrained(str(self.path), local_files_only=True)
+        if open_clip:
+            from .clip_checkpoints import clip_model_from_open_clip, load_state_file
+
+            model = clip_model_from_open_clip(load_state_file(self.path, reward))
+        else:
+            model = CLIPModel.from_pretrained(str(self.path), local_files_only=True)
         self.model = model.eval().requires_grad_(False).to(device=self.device, dtype=self.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.processor_path), local_files_only=True) if tokenizer else None
         cfg = self.model.config
         self.image_size = int(cfg.vision_config.image_size)
         self.embed_dim = int(cfg.projection_dim)
         self.max_length = min(int(getattr(self.tokenizer, "model_max_length", 77) or 77), int(cfg.text_config.max_position_embeddings))
-        self.mean, self.std = read_norm_stats(self.processor_path)
+        self.mean, self.std = read_norm_stats(self.processor_path) if self.processor_path else (CLIP_MEAN, CLIP_STD)
+
+    def _processor(self, reward, processor_path, default_processor, tokenizer, open_clip, allow_download):
+        """The tokenizer / preprocessor directory (see the class docstring), checked; None when an open_clip
+        file needs neither (image-only: CLIP's mean/std)."""
+        if processor_path in (None, ""):
+            if not open_clip and not _missing_files(self.path, weights=False, tokenizer=tokenizer):
+                return self.path
+            if default_processor is None:
+                if not open_clip:
+                    return check_model_dir(reward, self.path, weights=False, tokenizer=tokenizer)  # names what lacks
+                if not tokenizer:
+                    return None
+                raise ValueError(f"{reward}: {self.path} is an open_clip checkpoint, which carries no tokenizer: set "
+                                 "processor_path to the directory (or hub id) of its tokenizer and preprocessor_config.json")
+            processor_path = default_processor
+        found = resolve_model(reward, processor_path, processor=True, allow_download=allow_download)
+        return check_model_dir(reward, found, weights=False, tokenizer=tokenizer)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """Float [B, 3, H, W] in [0, 1] -> the model's pixel_values (float32, on the CPU/input device)."""
@@ -230,13 +297,16 @@ class _ClipTextImage(Reward):
 
 @register("clip_score")
 class ClipScore(_ClipTextImage):
-    """Score = scale * cos(CLIP image embedding, CLIP text embedding) for any CLIPModel directory `path`.
+    """Score = scale * cos(CLIP image embedding, CLIP text embedding) for any CLIPModel directory (or hub id) `path`,
+    or an open_clip checkpoint file with `processor_path` naming its tokenizer directory.
 
     `scale` (default 1.0) only rescales, e.g. 100 for the "CLIPScore"-paper convention or 2.5 for its w=2.5.
     """
 
-    def __init__(self, *, path: str, scale: float = 1.0, device: str = "auto", dtype: str = "float32", batch_size: int = 16):
-        super().__init__(ClipBackbone("clip_score", path, device=device, dtype=dtype, batch_size=batch_size))
+    def __init__(self, *, path: str, processor_path: str | None = None, scale: float = 1.0,
+                 allow_download: bool = False, device: str = "auto", dtype: str = "float32", batch_size: int = 16):
+        super().__init__(ClipBackbone("clip_score", path, processor_path=processor_path, allow_download=allow_download,
+                                      device=device, dtype=dtype, batch_size=batch_size))
         self.scale = float(scale)
 
     def transform(self, cos: torch.Tensor) -> torch.Tensor:
@@ -247,8 +317,9 @@ class ClipScore(_ClipTextImage):
 class PickScore(_ClipTextImage):
     """PickScore (Kirstain et al., 2023): logit_scale.exp() * cos(image, text) with the PickScore_v1 CLIP-H model.
 
-    `path`: the PickScore_v1 model directory (yuvalkirstain/PickScore_v1 layout); `processor_path`: the directory
-    with its tokenizer / preprocessor_config.json (laion/CLIP-ViT-H-14-laion2B-s32B-b79K layout), default `path`.
+    `path`: the PickScore_v1 model (yuvalkirstain/PickScore_v1: a transformers CLIPModel; a local directory or the
+    hub id); `processor_path`: the directory or hub id with its tokenizer / preprocessor_config.json, by default
+    `path` when it holds them, else laion/CLIP-ViT-H-14-laion2B-s32B-b79K (the processor PickScore publishes).
     `normalize=True` (default) divides by 26 as Flow-GRPO does, so rewards sit near [0, 1] and the KL/clip
     coefficients tuned there carry over; set False for raw PickScore (~18-24), e.g. to compare with the paper.
     """
@@ -259,12 +330,14 @@ class PickScore(_ClipTextImage):
         path: str,
         processor_path: str | None = None,
         normalize: bool = True,
+        allow_download: bool = False,
         device: str = "auto",
         dtype: str = "float32",
         batch_size: int = 16,
     ):
         super().__init__(
-            ClipBackbone("pickscore", path, processor_path=processor_path, device=device, dtype=dtype, batch_size=batch_size)
+            ClipBackbone("pickscore", path, processor_path=processor_path, default_processor=VIT_H14_PROCESSOR,
+                         allow_download=allow_download, device=device, dtype=dtype, batch_size=batch_size)
         )
         self.normalize = bool(normalize)
 
@@ -277,11 +350,11 @@ class PickScore(_ClipTextImage):
 class HPS(_ClipTextImage):
     """HPSv2-style score: cos(image, text) of an HPS-finetuned CLIP (HPSv2 reports this raw cosine, ~0.2-0.35).
 
-    `path` must be a transformers CLIPModel directory (config.json, model.safetensors, tokenizer files). The
-    official HPSv2/HPSv2.1 release is an open_clip ViT-H-14 checkpoint: convert it to the transformers layout
-    yourself first (map open_clip keys onto CLIPModel and save_pretrained, with the ViT-H-14 tokenizer and
-    preprocessor_config.json); open_clip files are not read here, to keep open_clip out of the dependencies.
-    `processor_path` (default `path`) may point to a separate tokenizer/preprocessor directory.
+    `path`: the official checkpoint file as published (HPS_v2.1_compressed.pt or HPS_v2_compressed.pt, an
+    open_clip ViT-H-14 state dict, possibly under 'state_dict'; hub id xswu/HPSv2/HPS_v2.1_compressed.pt), read
+    weights-only and converted to a transformers CLIPModel on load (clip_checkpoints.py), or a CLIPModel directory
+    already in the transformers layout. `processor_path`: its tokenizer / preprocessor_config.json, by default
+    `path` when it is a directory holding them, else laion/CLIP-ViT-H-14-laion2B-s32B-b79K (HPS uses ViT-H-14's).
     """
 
     def __init__(
@@ -289,11 +362,14 @@ class HPS(_ClipTextImage):
         *,
         path: str,
         processor_path: str | None = None,
+        allow_download: bool = False,
         device: str = "auto",
         dtype: str = "float32",
         batch_size: int = 16,
     ):
-        super().__init__(ClipBackbone("hps", path, processor_path=processor_path, device=device, dtype=dtype, batch_size=batch_size))
+        super().__init__(ClipBackbone("hps", path, processor_path=processor_path, default_processor=VIT_H14_PROCESSOR,
+                                      allow_download=allow_download, device=device, dtype=dtype,
+                                      batch_size=batch_size))
 
     def transform(self, cos: torch.Tensor) -> torch.Tensor:
         return cos
@@ -324,26 +400,42 @@ class AestheticMLP(nn.Module):
 
 
 def load_head_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """State dict from a .safetensors or a (weights-only) .pth/.pt/.bin file."""
+    """State dict from a .safetensors or a weights-only .pth/.pt/.bin file (a pickle with code is refused)."""
+    from .clip_checkpoints import load_state_file
+
     p = Path(path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(f"aesthetic: head file {p} does not exist (expected a .pth or .safetensors state dict)")
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    return load_state_file(p, "aesthetic")
 
-        return load_file(str(p))
-    state = torch.load(p, map_location="cpu", weights_only=True)
-    return state.get("state_dict", state) if isinstance(state, dict) else state
+
+def aesthetic_head(state: dict[str, torch.Tensor], embed_dim: int, head_path, clip_path) -> nn.Module:
+    """The head a state dict is: LAION-AI/aesthetic-predictor's linear one (sa_0_4_vit_l_14_linear.pth: 'weight'
+    [1, D], 'bias' [1]) or the improved predictor's MLP (`layers.*`), checked against the CLIP's width."""
+    linear = set(state) == {"weight", "bias"}
+    w0 = state.get("weight" if linear else "layers.0.weight")
+    if w0 is not None and w0.ndim == 2 and w0.shape[1] != embed_dim:
+        raise ValueError(f"aesthetic: head {head_path} expects {w0.shape[1]}-d embeddings but the CLIP at {clip_path} "
+                         f"projects to {embed_dim}")
+    head = nn.Linear(embed_dim, 1) if linear else AestheticMLP(embed_dim)
+    try:
+        head.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"aesthetic: {head_path} is neither a LAION aesthetic linear head (weight [1, {embed_dim}], "
+                         f"bias [1]) nor an improved-aesthetic-predictor MLP state dict: {e}") from e
+    return head
 
 
 @register("aesthetic")
 class Aesthetic(Reward):
-    """LAION aesthetic score (~1-10): MLP head on the L2-normalized CLIP ViT-L/14 image embedding, as DDPO and
+    """LAION aesthetic score (~1-10): a head on the L2-normalized CLIP ViT-L/14 image embedding, as DDPO and
     Flow-GRPO use. The prompt is ignored.
 
-    `clip_path`: CLIPModel directory (openai/clip-vit-large-patch14 layout); `head_path`: the head's state dict
-    (.pth or .safetensors). The head's input width is the CLIP projection dim (768 for ViT-L/14), so a head and a
-    CLIP that do not belong together fail at construction with both widths named.
+    `clip_path`: CLIPModel directory or hub id (openai/clip-vit-large-patch14); `head_path`: the head's state dict
+    (.pth or .safetensors; a hub id ORG/NAME/FILE works too): LAION-AI/aesthetic-predictor's
+    sa_0_4_vit_l_14_linear.pth (one Linear(768, 1)) or the improved predictor's MLP. The head's input width is the
+    CLIP projection dim (768 for ViT-L/14), so a head and a CLIP that do not belong together fail at construction
+    with both widths named.
     """
 
     def __init__(
@@ -351,23 +443,16 @@ class Aesthetic(Reward):
         *,
         clip_path: str,
         head_path: str,
+        allow_download: bool = False,
         device: str = "auto",
         dtype: str = "float32",
         batch_size: int = 16,
     ):
-        self.backbone = ClipBackbone("aesthetic", clip_path, tokenizer=False, device=device, dtype=dtype, batch_size=batch_size)
-        state = load_head_state(head_path)
-        head = AestheticMLP(self.backbone.embed_dim)
-        w0 = state.get("layers.0.weight")
-        if w0 is not None and w0.shape[1] != self.backbone.embed_dim:
-            raise ValueError(
-                f"aesthetic: head {head_path} expects {w0.shape[1]}-d embeddings but the CLIP at {clip_path} "
-                f"projects to {self.backbone.embed_dim}"
-            )
-        try:
-            head.load_state_dict(state, strict=True)
-        except RuntimeError as e:
-            raise ValueError(f"aesthetic: {head_path} is not an improved-aesthetic-predictor head state dict: {e}") from e
+        self.backbone = ClipBackbone("aesthetic", clip_path, tokenizer=False, allow_download=allow_download,
+                                     device=device, dtype=dtype, batch_size=batch_size)
+        head_file = resolve_model_path(head_path, what="aesthetic", allow_download=allow_download,
+                                       download_option="the aesthetic reward's option allow_download: true")
+        head = aesthetic_head(load_head_state(head_file), self.backbone.embed_dim, head_path, clip_path)
         self.head = head.eval().requires_grad_(False).to(self.backbone.device)  # float32: tiny, keeps scores exact
 
     def torch_modules(self) -> list[nn.Module]:

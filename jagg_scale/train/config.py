@@ -9,6 +9,7 @@ in config_sections.py; this module builds them (`_check_type`), checks across se
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import types
 import typing
@@ -16,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 
+from ..jagg import trained_steps
 from ..parallel.engine import EngineSpec
 from ..paths import resolve_path
 from .config_sections import *  # noqa: F403 - the sections, their choices and ConfigError are this module's API
@@ -25,7 +28,9 @@ from .config_sections import (ConfigError, DataConfig, EvalConfig, GRPOConfig, J
                               ParallelConfig, RewardConfig, RunConfig, SamplingConfig, TrainConfig, _require)
 from .config_sections import __all__ as _sections_all
 
-__all__ = [*_sections_all, "Config", "load_config", "config_from_dict", "parse_override", "validate"]
+log = logging.getLogger(__name__)
+
+__all__ = [*_sections_all, "Config", "load_config", "config_from_dict", "parse_override", "validate", "validate_world"]
 
 
 @dataclass
@@ -174,12 +179,23 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _yaml(text: str, where: str) -> Any:
+    """yaml.safe_load, with a YAML syntax error as a ConfigError naming `where` and the line and column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{where} is not valid YAML{at}: {problem}") from None
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """'a.b=value' -> ('a.b', YAML-parsed value)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    return key.strip(), _yaml(raw, f"the value of override {text!r}") if raw.strip() else None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -189,7 +205,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _yaml(path.read_text(), f"config file {path}") or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
     for item in overrides or []:
@@ -208,7 +224,7 @@ def engine_spec(cfg: Config) -> EngineSpec:
                       bf16=cfg.model.dtype == "bfloat16", frozen_base=cfg.model.lora.enabled,
                       activation_checkpointing=p.activation_checkpointing,
                       reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch, replicate=p.replicate,
-                      deepspeed=dict(p.deepspeed or {}), grad_sync=p.grad_sync)
+                      deepspeed=dict(p.deepspeed or {}), grad_sync=p.grad_sync, compile=p.compile)
 
 
 def config_from_dict(data: dict) -> Config:
@@ -228,14 +244,84 @@ def validate(cfg: Config) -> None:
              "must be 1.0 with sampling.sde_window (the window decides which steps are trained)")
     _require((t.prompts_per_step * g.group_size) % t.batch_size == 0, "train.batch_size",
              f"must divide train.prompts_per_step * grpo.group_size = {t.prompts_per_step * g.group_size}")
+    _warn_window(cfg)
+    _check_rewards(cfg.reward)
+    _require(cfg.run.device != "cuda" or torch.cuda.is_available(), "run.device",
+             "is cuda, but torch sees no CUDA device here (use auto or cpu, or run on a GPU node)")
     _check_files(cfg)
 
 
+def validate_world(cfg: Config, world_size: int) -> None:
+    """The checks that need the launch's process count (jagg-train runs them before building anything, with the
+    world size the launcher's environment gives: parallel.ranks.discover). Without them a config that cannot run
+    on this many ranks fails only after every rank has loaded its models, or at the first step."""
+    p = cfg.parallel
+    if world_size > 1:
+        _require(p.backend != "none", "parallel.backend",
+                 f"none runs one process, but the launcher started {world_size}: use fsdp2 (or deepspeed)")
+        _require(cfg.jagg.probe_every == 0, "jagg.probe_every",
+                 f"(the exact-gradient probe) runs on one process, not {world_size}: set it to 0")
+    _require(cfg.train.batch_size % world_size == 0, "train.batch_size",
+             f"{cfg.train.batch_size} must be divisible by the world size {world_size} (each rank trains its share)")
+    _require(p.backend != "fsdp2" or world_size % p.replicate == 0, "parallel.replicate",
+             f"{p.replicate} must divide the world size {world_size} (HSDP: replicas x shards; the node count on "
+             "several nodes)")
+
+
+def _warn_window(cfg: Config) -> None:
+    """A uniform JAGG window longer than the steps trained per training step is one window of all of them: legal,
+    but likely not what was meant (say, after lowering sampling.num_steps), so say so."""
+    j, s = cfg.jagg, cfg.sampling
+    trained = s.sde_window or len(trained_steps(s.num_steps, cfg.grpo.timestep_fraction))
+    if j.mode == "jagg" and j.plan == "uniform" and j.window > trained:
+        log.warning("config key 'jagg.window' is %d, more than the %d steps trained per training step "
+                    "(sampling.num_steps, grpo.timestep_fraction, sampling.sde_window): one window of all %d is used",
+                    j.window, trained, trained)
+
+
+def _check_rewards(r: RewardConfig) -> None:
+    """Every reward named exists and takes the options given, checked without building it (models load later)."""
+    from .. import rewards  # noqa: F401  (importing the package registers the built-in rewards)
+    from ..rewards.base import check_reward
+
+    named = ([(f"reward.components.{n}",) * 2 + (n, {k: v for k, v in (spec or {}).items() if k != "weight"})
+              for n, spec in r.components.items()] if r.components else [("reward.name", "reward.options", r.name,
+                                                                           r.options)])
+    for name_key, options_key, name, options in named:
+        try:
+            check_reward(name, options)
+        except KeyError as err:  # UnknownRewardError
+            raise ConfigError(f"config key '{name_key}': {err}") from None
+        except TypeError as err:
+            raise ConfigError(f"config key '{options_key}': {err}") from None
+
+
+def _pretrained_path(cfg: Config):
+    """model.pretrained as a local path (a hub id: from the hub cache, nothing downloaded here), or None when it
+    is a hub id not cached yet that model.allow_download will fetch when the model is built."""
+    from ..hub import HubModelNotFoundError
+    from ..models import pretrained_path
+
+    try:
+        return pretrained_path(cfg.model, allow_download=False)
+    except HubModelNotFoundError as err:
+        if cfg.model.allow_download:
+            return None
+        raise ConfigError(f"config key 'model.pretrained': {err}") from None
+
+
 def _check_files(cfg: Config) -> None:
+    from ..data.prompts import prompt_file_problem
+    from ..models import safetensors_problem
+
+    pretrained = _pretrained_path(cfg) if cfg.model.pretrained else None
     for key, value in (("data.prompt_file", cfg.data.prompt_file),
                        ("eval.prompt_file", cfg.eval.prompt_file if cfg.eval.enabled else None),
-                       ("model.pretrained", cfg.model.pretrained if cfg.model.kind == "dit" else None)):
+                       ("model.pretrained", pretrained if cfg.model.kind == "dit" else None)):
         _require(value is None or resolve_path(value).is_file(), key, f"names a file that does not exist: {value}")
-    if cfg.model.kind != "dit" and cfg.model.pretrained:
-        _require((resolve_path(cfg.model.pretrained) / "model_index.json").is_file(), "model.pretrained",
+        if value is not None:
+            problem = (safetensors_problem if key == "model.pretrained" else prompt_file_problem)(resolve_path(value))
+            _require(problem is None, key, problem)
+    if cfg.model.kind != "dit" and pretrained is not None:
+        _require((pretrained / "model_index.json").is_file(), "model.pretrained",
                  f"is not a diffusers pipeline directory (no model_index.json): {cfg.model.pretrained}")

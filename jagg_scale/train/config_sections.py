@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Optional, get_args
 
 from ..jagg.backward import IntermediateMode
@@ -32,6 +33,7 @@ WandbMode = Literal["offline", "online", "disabled"]
 Device = Literal["auto", "cpu", "cuda"]
 TextEncoders = Literal["all", "no_t5"]  # sd3: no_t5 loads no T5 encoder (zero T5 embeddings, as diffusers does)
 ExportDType = Literal["float32", "bfloat16"]  # the exported weights' dtype (run.export_dtype)
+RESUME_KEYWORDS = ("none", "auto")  # run.resume: these, or the path of a checkpoint directory
 
 __all__ = [
     "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "KnotPlan", "Intermediate",
@@ -81,6 +83,9 @@ def _check_dit(d: DiTConfig, prefix: str) -> None:
 class ModelConfig(_Section):
     kind: ModelKind = "dit"  # sd3/flux: a diffusers pipeline directory
     pretrained: Optional[str] = None  # dit: a safetensors state dict; sd3/flux: the pipeline directory (required)
+    # pretrained may be a hub id (ORG/NAME, dit: ORG/NAME/FILE) found in the local hub cache; true: fetch it when
+    # it is not there (false: a missing id fails at once, naming the command that fetches it)
+    allow_download: bool = False
     dtype: DType = "float32"  # autocast for the model; SDE math stays float32
     dit: DiTConfig = field(default_factory=DiTConfig)  # shape of the built-in DiT
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # sd3/flux: train a LoRA adapter instead of all weights
@@ -136,8 +141,11 @@ class SamplingConfig(_Section):
     def check(self, prefix: str) -> None:
         _require(self.num_steps >= 1, f"{prefix}.num_steps", f"must be >= 1, got {self.num_steps}")
         _require(self.eval_num_steps >= 1, f"{prefix}.eval_num_steps", "must be >= 1")
-        _require(self.noise_level > 0, f"{prefix}.noise_level", f"must be > 0, got {self.noise_level}")
-        _require(self.guidance >= 1.0, f"{prefix}.guidance", f"must be >= 1 (1 disables CFG), got {self.guidance}")
+        # upper bounds: past them the SDE's std (noise_level) or the CFG extrapolation overflow float32 math
+        _require(0 < self.noise_level <= 10, f"{prefix}.noise_level",
+                 f"must be in (0, 10] (Flow-GRPO uses 0.7), got {self.noise_level}")
+        _require(1.0 <= self.guidance <= 100, f"{prefix}.guidance",
+                 f"must be in [1, 100] (1 disables CFG), got {self.guidance}")
         _require(self.shift is None or self.shift > 0, f"{prefix}.shift", f"must be > 0, got {self.shift}")
         _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
         _require(0 <= self.sde_window <= self.num_steps, f"{prefix}.sde_window",
@@ -213,6 +221,9 @@ class TrainConfig(_Section):
     # rows per forward/backward chunk on each rank; 0 = the rank's whole share of a minibatch in one chunk. The
     # minibatch's gradient is accumulated over its chunks (a JAGG joint pass then holds 2 x micro_batch_size rows)
     micro_batch_size: int = 0
+    # optimizer steps with a non-finite loss or gradient norm are skipped (counted as nonfinite_steps); this many
+    # in a row stop the run: the model or the data is broken, and skipping forever would train on nothing
+    max_nonfinite_steps: int = 10
 
     def check(self, prefix: str) -> None:
         _require(self.steps >= 1, f"{prefix}.steps", f"must be >= 1, got {self.steps}")
@@ -220,12 +231,18 @@ class TrainConfig(_Section):
                  f"must be >= 0 (0: the whole minibatch share per chunk), got {self.micro_batch_size}")
         _require(self.prompts_per_step >= 1, f"{prefix}.prompts_per_step", "must be >= 1")
         _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
-        _require(self.lr > 0, f"{prefix}.lr", "must be > 0")
+        _require(0 < self.lr <= 1, f"{prefix}.lr", f"must be in (0, 1], got {self.lr}")
         _require(self.weight_decay >= 0, f"{prefix}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        # AdamW's decoupled decay multiplies every weight by 1 - lr * weight_decay per step: at >= 1 it zeroes them
+        _require(self.lr * self.weight_decay < 1, f"{prefix}.weight_decay",
+                 f"times {prefix}.lr must be < 1 (each step scales the weights by 1 - lr * weight_decay), got "
+                 f"{self.weight_decay} * {self.lr}")
         _require(all(0 <= b < 1 for b in self.adam_betas), f"{prefix}.adam_betas", "must be two numbers in [0, 1)")
         _require(self.adam_eps >= 0, f"{prefix}.adam_eps", f"must be >= 0, got {self.adam_eps}")
         _require(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0 (0 disables clipping)")
         _require(0.0 <= self.ema_decay < 1.0, f"{prefix}.ema_decay", f"must be in [0, 1), got {self.ema_decay}")
+        _require(self.max_nonfinite_steps >= 1, f"{prefix}.max_nonfinite_steps",
+                 f"must be >= 1, got {self.max_nonfinite_steps}")
 
 
 @dataclass
@@ -298,19 +315,37 @@ class ParallelConfig(_Section):
     reshard_after_forward: bool = True  # fsdp2: free gathered params after forward (gather again in backward)
     activation_checkpointing: bool = False  # fsdp2/deepspeed: recompute each transformer block in backward
     prefetch: bool = True  # fsdp2: gather block i+1 (forward) / i-1 (backward) while block i computes
-    replicate: int = 1  # fsdp2 HSDP: replica groups x shards (e.g. nodes x GPUs per node); 1 = plain FSDP
+    # fsdp2 HSDP: replica groups x shards. On several nodes set it to the node count for LoRA runs: each node
+    # shards the frozen base over its own GPUs, so the per-block all-gathers stay on the node and only the
+    # adapter's gradient crosses the network (slurm/jagg.sbatch does). 1 = plain FSDP over every rank
+    replicate: int = 1
     deepspeed: dict[str, Any] = field(default_factory=dict)  # deepspeed: merged over the built-in ZeRO-3 config
     grad_sync: GradSync = "auto"  # boundary | every | auto (parallel/types.py)
+    # none / fsdp2: torch.compile each transformer block in place before checkpointing and sharding wrap it
+    # (parallel/blocks.py). Compiles at the first step. Meant for CUDA: on CPU, torch 2.13's vectorised inductor
+    # code gets the DiT block's backward 0.1-0.8% wrong (tests/test_engines.py pins scalar code)
+    compile: bool = False
+    # seconds a collective may wait before the process group's watchdog aborts the job (init_process_group's
+    # timeout); longer than the longest work one rank does while the others wait (a checkpoint save, rank 0's export)
+    collective_timeout_s: int = 1800
 
     def check(self, prefix: str) -> None:
         _require(self.replicate >= 1, f"{prefix}.replicate", "must be >= 1")
+        _require(self.replicate == 1 or self.backend == "fsdp2", f"{prefix}.replicate",
+                 f"is HSDP, an fsdp2 layout: leave it at 1 with {prefix}.backend {self.backend}")
+        _require(not self.compile or self.backend in ("none", "fsdp2"), f"{prefix}.compile",
+                 f"is supported for {prefix}.backend none and fsdp2, not {self.backend}")
+        _require(self.collective_timeout_s >= 1, f"{prefix}.collective_timeout_s",
+                 f"must be >= 1 second, got {self.collective_timeout_s}")
 
 
 @dataclass
 class RunConfig(_Section):
     output_dir: str = "runs/default"
     seed: int = 0
-    resume: str = "none"  # none | auto | path to a checkpoint directory
+    # none: start at step 0 | auto: the newest valid checkpoint (none yet: step 0; some but none valid: refused) |
+    # the path of a checkpoint directory
+    resume: str = "none"
     checkpoint_every: int = 10
     keep_last: int = 2
     # out/lora | out/transformer: at the last step, and every export_every steps when > 0; never on preemption (the
@@ -321,6 +356,15 @@ class RunConfig(_Section):
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
 
     def check(self, prefix: str) -> None:
+        _require(bool(self.output_dir.strip()), f"{prefix}.output_dir",
+                 "must not be empty (the run directory: checkpoints, metrics.jsonl, exports)")
+        if self.resume not in RESUME_KEYWORDS:
+            # a path must exist now: a typo of a keyword ('Auto') would otherwise fail later as a missing state.json
+            # (a file check in a section's own check: the run section owns it)
+            hint = f"; did you mean '{self.resume.lower()}'?" if self.resume.lower() in RESUME_KEYWORDS else ""
+            _require(bool(self.resume.strip()) and Path(self.resume).is_dir(), f"{prefix}.resume",
+                     f"is {self.resume!r}, which is neither a keyword ({' | '.join(RESUME_KEYWORDS)}) nor an "
+                     f"existing checkpoint directory (the path does not exist){hint}")
         _require(self.checkpoint_every >= 0, f"{prefix}.checkpoint_every", "must be >= 0 (0: only at the end)")
         _require(self.export_every >= 0, f"{prefix}.export_every", "must be >= 0 (0: only at the end)")
         _require(self.keep_last >= 1, f"{prefix}.keep_last", "must be >= 1")

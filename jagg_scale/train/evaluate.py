@@ -167,7 +167,7 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
         scores_t = dist.all_gather_tensor(scores_t.to(dist.device)).cpu()
         valid_t = dist.all_gather_tensor(valid_t.to(dist.device)).cpu()
     scores_t, valid_t = scores_t[:n], valid_t[:n]  # rank-major shares: the gathered rows are the images in order
-    ok = scores_t[valid_t]
+    ok = scores_t[valid_t].double()  # float32 sums overflow for rewards on a 1e38 scale
     result = {
         "reward": getattr(reward, "name", type(reward).__name__),
         "reward_mean": float(ok.mean()) if len(ok) else float("nan"),
@@ -206,9 +206,10 @@ def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> 
     from ..rewards.multi import build_reward_mix
     from .policy import Policy
 
-    prompts, reward = eval_prompts(cfg), build_reward_mix(cfg.reward)  # inputs first: fail before a model is built
-    dist = init_distributed(cfg.run.device)
+    prompts = eval_prompts(cfg)  # inputs first: fail before a model is built
+    dist = init_distributed(cfg.run.device, timeout_s=cfg.parallel.collective_timeout_s)
     try:
+        reward = build_reward_mix(cfg.reward)  # after the rank's device is set: a reward's "auto" is that device
         torch.manual_seed(cfg.run.seed)
         model = build_model(cfg.model).to(dist.device)
         if checkpoint is not None:

@@ -1,20 +1,36 @@
 """Where a run reports: metrics.jsonl (one line per step), a progress bar with the live reward, and wandb
-(offline by default, so a cluster node without internet never blocks on it)."""
+(offline by default, so a cluster node without internet never blocks on it).
+
+metrics.jsonl survives the ways a run ends. A kill or a full disk in the middle of a write leaves a torn last line:
+reading the file (a resume, `read_metrics`) drops it with a warning naming the file and the line, and a resume
+rewrites the file without it (atomically: a crash while rewriting leaves the old file). A line that does not parse
+with lines after it is not a torn write but damage: MetricsFileError names it, and nothing is rewritten.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
+log = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+
+
+class MetricsFileError(RuntimeError):
+    """metrics.jsonl is damaged before its last line; the message names the file and the line."""
+
 
 class RunLogger:
     def __init__(self, output_dir: Path, *, total_steps: int, start_step: int, progress: bool, wandb_cfg: dict | None,
                  config: dict):
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = Path(output_dir) / METRICS
         self._truncate_after(start_step)
         self.bar = tqdm(total=total_steps, initial=start_step, desc="jagg-train", disable=not progress,
                         file=sys.stderr, dynamic_ncols=True)
@@ -26,11 +42,17 @@ class RunLogger:
                                     config=config, resume="allow")
 
     def _truncate_after(self, start_step: int) -> None:
-        """A resumed run rewrites the steps after its checkpoint: drop lines a crashed run wrote past it."""
+        """A resumed run rewrites the steps after its checkpoint: drop lines a crashed run wrote past it (and a
+        torn last line); a fresh run (step 0) starts an empty file."""
         if not self.path.exists():
             return
-        keep = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start_step]
-        self.path.write_text("".join(line + "\n" for line in keep))
+        keep = [row for row in parse_metrics(self.path) if row["step"] < start_step] if start_step > 0 else []
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write("".join(json.dumps(row) + "\n" for row in keep))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
     def log(self, metrics: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
@@ -49,5 +71,36 @@ class RunLogger:
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:
-    path = Path(output_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of a run's metrics.jsonl (a torn last line dropped with a warning)."""
+    return parse_metrics(Path(output_dir) / METRICS)
+
+
+def parse_metrics(path: Path, *, warn: bool = True) -> list[dict]:
+    """Every row of a metrics file. The last line may be torn (a kill mid-write: no newline, or not JSON): dropped
+    with a warning. Any other line that is not a JSON object with a "step" raises MetricsFileError naming it."""
+    lines = path.read_bytes().split(b"\n")
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip(b" \t\r")]
+    rows = []
+    for k, (lineno, raw) in enumerate(numbered):
+        row = _row(raw)
+        if row is not None:
+            rows.append(row)
+        elif k == len(numbered) - 1:
+            if warn:
+                log.warning("%s: line %d is torn (a write cut short: the run was killed or the disk was full); "
+                            "dropped: %r", path, lineno, raw[:80])
+        else:
+            raise MetricsFileError(f"{path}: line {lineno} is not a metrics row ({raw[:80]!r}) and "
+                                   f"{len(numbered) - k - 1} line(s) follow it: the file is damaged, not torn by a "
+                                   "crash. Repair or remove that line (or move the file away) and start again")
+    return rows
+
+
+def _row(raw: bytes) -> dict | None:
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    # a number (averaged over ranks, a distributed run logs it as a float)
+    return row if isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step) else None

@@ -12,8 +12,14 @@ preemption has only the signal's lead time (docs/launchers.md), and the export o
 in fp32) is the checkpoint's weights again in another format. `finish` writes the final export when the loop did
 not (a run preempted at its last step, resumed with nothing left to train).
 
+Resume (run.resume): none starts at step 0; auto takes the newest checkpoint that verifies, starts at 0 when
+there is none, and refuses to start when there are some but none verifies (each named with its problem: starting
+over would silently rewrite the run's metrics); a path resumes that checkpoint. A checkpoint past train.steps is
+refused too (nothing to train). Every file is loaded as data only (checkpoint/pickles.py): resuming someone
+else's checkpoint runs none of their code.
+
 Every random draw of step t is seeded by (run.seed, t[, row]), so a run resumed at step t draws exactly what the
-uninterrupted run drew; the RNG state is saved for the few unseeded global draws.
+uninterrupted run drew; the RNG state (tensors and numbers) is saved for the few unseeded global draws.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointError, capture_rng_state, find_resume_checkpoint, restore_rng_state
+from ..checkpoint import CheckpointError, capture_rng_state, newest_valid_checkpoint, restore_rng_state
 from ..checkpoint.local import STATE, _write_bytes, _write_object, save_checkpoint_dir, verify_checkpoint
-from .config import Config
+from ..checkpoint.pickles import allowed_globals, load_torch
+from .config import Config, ConfigError
+from .logging import METRICS, MetricsFileError, parse_metrics
 
 log = logging.getLogger(__name__)
 
@@ -84,21 +92,25 @@ class RunState:
 
     def load(self, path: Path) -> None:
         """Engine state from a checkpoint directory, verified first (collective: each file hashed once, on one
-        rank; a problem raises the same CheckpointError on every rank)."""
+        rank; a problem raises the same CheckpointError on every rank), then loaded on every rank: any rank's
+        loading error is raised on every rank at once (no rank waits for one that failed)."""
         verify_checkpoint(path, self.dist)
-        self.engine.load(Path(path))
+        self.dist.on_every_rank(lambda: self.engine.load(Path(path)))
 
     def resume(self, source) -> int:
-        """The step to start from: run.resume none -> 0; auto -> the newest complete checkpoint, if any; a path ->
-        that checkpoint. Verified once, by all ranks together; restores the engine, the RNG state (same world size)
-        and the prompt source."""
+        """The step to start from: run.resume none -> 0; auto -> the newest complete checkpoint, 0 when there is
+        none, CheckpointError (naming each one and why) when there are some but none verifies; a path -> that
+        checkpoint. Verified once, by all ranks together; restores the engine, the RNG state (same world size) and
+        the prompt source."""
         setting = self.cfg.run.resume
         if setting == "none":
             return 0
         if setting == "auto":
-            path = find_resume_checkpoint(self.ckpt_root, self.dist)  # verifies (collective)
+            path, problems = newest_valid_checkpoint(self.ckpt_root, self.dist)  # verifies (collective)
+            if path is None and problems:
+                raise CheckpointError(no_valid_checkpoint(self.ckpt_root, problems))
             if path is None:
-                log.info("run.resume=auto: no complete checkpoint under %s, starting fresh", self.ckpt_root)
+                log.info("run.resume=auto: no checkpoint under %s, starting fresh", self.ckpt_root)
                 return 0
         else:
             path = Path(setting)
@@ -107,16 +119,41 @@ class RunState:
         saved_model = state.get("config", {}).get("model")
         if saved_model is not None and saved_model != self.cfg.to_dict()["model"]:
             raise CheckpointError(f"checkpoint {path} was written for a different `model` section: {saved_model}")
-        self.engine.load(path)  # verified above: not hashed again
-        rng = path / f"rng_rank{self.dist.rank:05d}.pt"
-        if state.get("world_size", 1) == self.dist.world_size and rng.is_file():
-            restore_rng_state(torch.load(rng, weights_only=False))
+        step, steps = int(state["step"]), self.cfg.train.steps
+        if step > steps:
+            raise ConfigError(f"config key 'train.steps' is {steps}, but the checkpoint resumed ({path}) is at step "
+                              f"{step}: there is nothing to train, and its later steps would be dropped from "
+                              f"metrics.jsonl. Raise train.steps to at least {step}, or resume an earlier checkpoint")
+        self._check_metrics()
+        self.dist.on_every_rank(lambda: self.engine.load(path))  # verified above: not hashed again
+        if state.get("world_size", 1) == self.dist.world_size:  # the same decision on every rank
+            self.dist.on_every_rank(lambda: self._restore_rng(path))
         else:  # every draw is seeded per step/row, so only unseeded global draws (none in training) differ
             log.warning("checkpoint %s: written by %s ranks, resuming on %d: global RNG state not restored",
                         path, state.get("world_size"), self.dist.world_size)
         source.load_state_dict(state["prompts"])
-        log.info("resumed from %s at step %d", path, int(state["step"]))
-        return int(state["step"])
+        log.info("resumed from %s at step %d", path, step)
+        return step
+
+    def _restore_rng(self, path: Path) -> None:
+        rng = path / f"rng_rank{self.dist.rank:05d}.pt"
+        if rng.is_file():
+            restore_rng_state(load_torch(rng, allow=allowed_globals(rng.name)))  # weights-only (pickles.py)
+        else:
+            log.warning("checkpoint %s has no %s: this rank's global RNG state not restored", path, rng.name)
+
+    def _check_metrics(self) -> None:
+        """A resumed run keeps metrics.jsonl's rows before its step (rank 0 rewrites it when training starts):
+        damage there fails every rank now, not rank 0 alone once the others wait in the first step's collective."""
+        problem = None
+        if self.dist.is_main and (self.out / METRICS).is_file():
+            try:
+                parse_metrics(self.out / METRICS, warn=False)  # a torn last line is the logger's, with its warning
+            except MetricsFileError as err:
+                problem = str(err)
+        problem = self.dist.broadcast_object(problem)
+        if problem:
+            raise MetricsFileError(problem)
 
     # ------------------------------------------------------------------ export
     def _export_dir(self) -> Path:
@@ -148,6 +185,15 @@ class RunState:
         self.exported_step = step
         log.info("exported %s weights of step %s to %s", dtype, step, final)
         return final
+
+
+def no_valid_checkpoint(root: Path, problems: list[str]) -> str:
+    """Why run.resume=auto refuses to start: every checkpoint under `root` and what is wrong with it. Starting over
+    would rewrite metrics.jsonl and, in time, the checkpoints: the user decides that, not a fallback."""
+    listed = "\n".join(f"  - {p}" for p in problems)
+    return (f"run.resume=auto: {len(problems)} checkpoint{'s' if len(problems) > 1 else ''} under {root}, none "
+            f"valid:\n{listed}\nNothing was resumed or overwritten. To start over from step 0, set run.resume=none "
+            "(this run directory's metrics.jsonl is then rewritten) or move the checkpoints away.")
 
 
 def _cast_floats_(state: dict, dtype: torch.dtype) -> None:

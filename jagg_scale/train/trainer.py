@@ -36,6 +36,7 @@ from ..jagg import trained_steps
 from ..models import build_model
 from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
+from ..parallel.engine import NonFiniteError
 from ..paths import resolve_path
 from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
 from .config import Config, engine_spec
@@ -44,6 +45,7 @@ from .logging import RunLogger
 from .policy import Policy
 from .preemption import Preemption
 from .rows import StepRows, step_seed
+from .run_lock import RunLock, exit_with_parent
 from .run_state import RunState
 from .update import BackwardStats, backward_minibatch, probe_minibatch
 
@@ -58,7 +60,9 @@ class Trainer:
         self.out = Path(cfg.run.output_dir)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.dist = init_distributed(cfg.run.device)
+        exit_with_parent()  # a worker never outlives its torchrun agent (run_lock.py)
+        self.dist = init_distributed(cfg.run.device, timeout_s=cfg.parallel.collective_timeout_s)
+        self.lock = RunLock.acquire(self.out, self.dist)  # one job per run directory: fails on every rank if taken
         self.device = self.dist.device
         if self.dist.world_size > 1 and cfg.jagg.probe_every:
             raise ValueError("jagg.probe_every (the exact-gradient probe) runs on one process; set it to 0")
@@ -91,6 +95,7 @@ class Trainer:
             for _, _, component in self.reward.components:
                 shard_reward(component)
         self.steps = trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction)
+        self.nonfinite_run = 0  # optimizer steps skipped in a row (train.max_nonfinite_steps stops the run)
         self.preemption = Preemption()
         self.run_state = RunState(cfg, self.dist, self.engine, self.out)
         self.start_step = self.run_state.resume(self.source)
@@ -131,7 +136,7 @@ class Trainer:
         steps = self.trained_steps_at(step)
         self.model.eval()
         background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
-        scorer = ChunkScorer(self.reward, self.model.decode, background=background)
+        scorer = ChunkScorer(self.reward, self.model.decode, background=background, device=self.device)
         on_chunk = lambda chunk, final: scorer.add(final, prompts[chunk], metadata[chunk])  # noqa: E731
         with self._comm("rollout"):
             traj = self.policy.rollout(cond, rows.mine, step, on_chunk=on_chunk,
@@ -190,7 +195,8 @@ class Trainer:
         cached ones until the first optimizer step on this rollout, fresh forwards after it. With CFG the model is
         trained on the conditional rows alone; the unconditional predictions are the rollout's until the first
         optimizer step, then one no-grad forward per trained step (constants for the gradient either way). Each
-        minibatch runs in micro-batches of train.micro_batch_size rows (update.backward_minibatch)."""
+        minibatch runs in micro-batches of train.micro_batch_size rows (update.backward_minibatch). A minibatch
+        whose loss or gradient norm is not finite is not applied (engine.step; counted in nonfinite_steps)."""
         cfg, j = self.cfg, self.cfg.jagg
         # host -> device once per step, asynchronously (advantages are computed on the host, in float64)
         adv_values, adv_mask = to_device(adv.values[rows.mine], self.device), to_device(adv.mask[rows.mine], self.device)
@@ -198,7 +204,7 @@ class Trainer:
         metrics: dict[str, list] = {}
         predict = self.policy.model_fn()
         cond, uncond = self.policy.split_cond(cond)
-        optimizer_steps = 0
+        optimizer_steps = applied = 0
         probe = j.probe_every > 0 and step % j.probe_every == 0
         probe_metrics: dict = {}
         for epoch in range(cfg.grpo.inner_epochs):
@@ -210,7 +216,7 @@ class Trainer:
                 loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
                                     beta=cfg.grpo.beta, scale=1.0 / len(steps), denominator=denom,
                                     guidance=self.policy.guidance)
-                mb_cond, on_policy = index_cond(cond, local), optimizer_steps == 0
+                mb_cond, on_policy = index_cond(cond, local), applied == 0  # a skipped step changed nothing
                 prepare = None
                 if uncond is not None and not on_policy:  # the rollout's uncond is stale: recompute, chunk by chunk
                     mb_uncond = index_cond(uncond, local)
@@ -224,14 +230,34 @@ class Trainer:
                                            backward=self.engine.backward, reduce=self._route_reduce,
                                            micro_batch_size=cfg.train.micro_batch_size, prepare=prepare)
                 stats.uncond_forward_passes = len(steps) if uncond is not None and not on_policy else 0
-                grad_norm = self.engine.step()
+                grad_norm = self.engine.step(loss=stats.loss if torch.is_tensor(stats.loss) else None)
                 optimizer_steps += 1
+                applied += self._after_optimizer_step(step)
                 total.add(stats)
                 for key, value in {**loss.summary(), "grad_norm": grad_norm}.items():
                     metrics.setdefault(key, []).append(value)
         summary = reduce_metrics(metrics)  # 0-d tensors: train_step reads every metric at once
         summary["optimizer_steps"] = optimizer_steps
+        summary["nonfinite_steps"] = optimizer_steps - applied
         return total, {**summary, **probe_metrics}
+
+    def _after_optimizer_step(self, step: int) -> bool:
+        """Whether the engine applied the step; a skipped one is counted and warned about, and
+        train.max_nonfinite_steps of them in a row stop the run (NonFiniteError: jagg-train exits 1)."""
+        if self.engine.step_applied:
+            self.nonfinite_run = 0
+            return True
+        self.nonfinite_run += 1
+        limit = self.cfg.train.max_nonfinite_steps
+        if self.dist.is_main:
+            log.warning("training step %d: optimizer step skipped, the loss or gradient norm is not finite (%d in a "
+                        "row, the run stops at train.max_nonfinite_steps=%d)", step, self.nonfinite_run, limit)
+        if self.nonfinite_run >= limit:
+            raise NonFiniteError(f"{self.nonfinite_run} optimizer steps in a row had a non-finite loss or gradient "
+                                 f"norm (train.max_nonfinite_steps={limit}), the last at training step {step}: "
+                                 "stopping; the weights were not updated by them, the newest complete checkpoint "
+                                 "holds the last saved state (lower train.lr, check the reward and the data)")
+        return False
 
     def _route_reduce(self, values: list[float], how: str) -> list[float]:
         """Routing statistics combined over ranks so that every rank runs the same window plan."""

@@ -12,6 +12,8 @@ OUT_DIR/result_rank<r>.json:
   corrupt       a same-size corruption of one shard that only rank 1 hashes: the error each rank raised and how
                 long it took; then resume auto falls back to the previous checkpoint on both ranks
   truncated     a truncated shard: the error each rank raised and the hashes computed (none: sizes come first)
+  planted       a pickle that runs code, planted in rank 1's RNG file with the manifest recomputed: the error each
+                rank raised, and whether the code ran
   write_fails   rank 1's write raises: the error each rank raised, and nothing was published
 
 TIMEOUT_S is the process group's timeout: a rank left waiting in a collective fails after it instead of hanging.
@@ -19,6 +21,7 @@ TIMEOUT_S is the process group's timeout: a rank left waiting in a collective fa
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -151,6 +154,16 @@ def main(out: Path, timeout_s: int) -> None:
     result["truncated"] = expect_error(lambda: run_state(str(bad)).resume(Source()))
     result["truncated_hashed"] = len(calls)
 
+    # a pickle planted in rank 1's RNG file, the manifest and marker recomputed: refused on both ranks, never run
+    planted, marker = out / "run" / "checkpoints" / "step_00000004", out / "PWNED"
+    if rank == 0:
+        shutil.copytree(step2, planted)
+        torch.save({"payload": Payload(marker)}, planted / "rng_rank00001.pt")
+        reseal(planted, step=4)
+    ctx.barrier()
+    result["planted"] = expect_error(lambda: run_state(str(planted)).resume(Source()))
+    result["planted_ran"] = marker.exists()
+
     # a write that fails on rank 1 only: both ranks raise the same error, nothing is published
     state = run_state("none")
     real_save = engine.save
@@ -170,6 +183,29 @@ def main(out: Path, timeout_s: int) -> None:
     (out / f"result_rank{rank}.json").write_text(json.dumps(result, indent=1))
     ctx.barrier()
     ctx.close()
+
+
+class Payload:
+    """Unpickled by the general unpickler, it creates `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.marker}'",)
+
+
+def reseal(ckpt: Path, step: int) -> None:
+    """A tamperer's manifest: every file's size and sha256, its hash in COMPLETE."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["step"] = step
+    files = [p for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name not in ("manifest.json", "COMPLETE")]
+    manifest["files"] = {p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size,
+                                                          "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                         for p in files}
+    raw = json.dumps(manifest, indent=2, sort_keys=True).encode()
+    (ckpt / "manifest.json").write_bytes(raw)
+    (ckpt / "COMPLETE").write_text(hashlib.sha256(raw).hexdigest() + "\n")
 
 
 def expect_error(fn) -> dict:

@@ -17,7 +17,8 @@ engine against the single-process reference `TrainEngine`, in one launch.
   reference   shard_frozen(frozen copy): an inference-only ZeRO-3 engine holding 1/world of the copy's bytes per
               rank (as the policy engine does), whose forward equals the unsharded copy's
 
-`python deepspeed_worker.py <out> --single` (no launcher): one process, the engine's own trivial process group.
+`python deepspeed_worker.py <out> --single` (no launcher): one process, the engine's own trivial process group;
+and a ZeRO-2 engine's checkpoint resumes exactly (its optimizer state holds DeepSpeed's own records).
 
 Writes <out>/result.json on rank 0: {check: true/false, ...details}.
 """
@@ -269,6 +270,31 @@ def single(out: Path) -> None:
     minibatch(engine, make_batch(0), slice(0, B), 1.0)
     ref1, _, _ = reference(init, 1)
     result = {"single": close(engine.full_state_dict(), ref1)}
+    # a non-finite gradient: ZeRO-3 skips the update (step_applied False), the weights stay as they were
+    applied = engine.step_applied
+    minibatch(engine, make_batch(1), slice(0, B), float("nan"))
+    result["nonfinite_skipped"] = applied and not engine.step_applied and close(engine.full_state_dict(), ref1,
+                                                                                 exact=True)
+    # and a non-finite partition is refused by save before any file is written
+    from jagg_scale.parallel.engine import NonFiniteError
+
+    engine.params[0].ds_tensor.data.view(-1)[0] = float("nan")
+    (out / "ckpt").mkdir()
+    try:
+        engine.save(out / "ckpt")
+        result["nonfinite_refused"] = False
+    except NonFiniteError as err:
+        result["nonfinite_refused"] = "refusing to save" in str(err) and not any((out / "ckpt").iterdir())
+    # ZeRO-2 (a parallel.deepspeed override): its optimizer state pickles DeepSpeed's fragment records, which the
+    # weights-only load admits; the round trip is exact
+    zero2 = DeepSpeedEngine(make_model(0), make_spec(zero_optimization={"stage": 2}), DistContext())
+    minibatch(zero2, make_batch(0), slice(0, B), 1.0)
+    zero2.save(out / "zero2")
+    weights = lambda e: {k: v.detach().clone() for k, v in e.module.state_dict().items()}  # noqa: E731 (whole)
+    saved = weights(zero2)
+    fresh = DeepSpeedEngine(make_model(1), make_spec(zero_optimization={"stage": 2}), DistContext())
+    fresh.load(out / "zero2")
+    result["zero2_resume"] = close(weights(fresh), saved, exact=True)
     (out / "result.json").write_text(json.dumps(result))
     print(json.dumps(result))
 

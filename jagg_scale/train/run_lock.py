@@ -1,0 +1,169 @@
+"""One job per run directory, and no worker outliving its launcher.
+
+Two jobs writing one run directory log every step twice and race on its checkpoints. It happens without anyone
+meaning it: kill only the torchrun agent and its workers train on, orphaned; a relaunch (or a requeued Slurm job)
+then runs beside them. So:
+
+    RunLock.acquire(out, dist)  rank 0 takes an exclusive flock on out/.lock, without waiting, and writes who holds
+                                it (pid, host, start time, Slurm job) into the file; every rank learns the outcome
+                                in one broadcast, so all ranks of a second job fail at once with RunDirLocked
+                                naming the holder, before any model is built. The lock lives as long as the
+                                descriptor: release(), or the end of the process, however it ends (the kernel
+                                drops a flock with its process, SIGKILL included: no stale lock to clean up).
+                                Acquiring again in the same process (a second Trainer on the same directory,
+                                e.g. a test that trains, then resumes) shares the held lock.
+    exit_with_parent()          a worker started by torchrun (TORCHELASTIC_RUN_ID or LOCAL_RANK set) gets SIGTERM
+                                when its agent dies: PR_SET_PDEATHSIG on Linux, else a thread watching the parent
+                                pid. SIGTERM, not SIGKILL: inside the training loop it is a preemption (a checkpoint,
+                                then exit 143), and a signal that arrives while one is being saved is tolerated.
+
+The file stays after the run (removing it would let a third job lock a new file while a second still holds the
+old one); its content is the last holder's.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LOCK_FILE", "RunDirLocked", "RunLock", "exit_with_parent"]
+
+LOCK_FILE = ".lock"
+
+
+class RunDirLocked(RuntimeError):
+    """Another job holds the run directory's lock; the message names it (pid, host)."""
+
+
+@dataclass
+class _Held:
+    fd: int
+    count: int
+
+
+_HELD: dict[str, _Held] = {}  # this process's locks, by lock file path
+_GUARD = threading.Lock()
+
+
+class RunLock:
+    def __init__(self, path: Path | None):
+        self.path = path  # None: not held by this rank (ranks > 0, or a filesystem without flock)
+
+    @classmethod
+    def acquire(cls, out: str | os.PathLike, dist=None) -> "RunLock":
+        """The lock of run directory `out` on rank 0 (collective with `dist`); RunDirLocked on every rank when
+        another process holds it."""
+        main = dist is None or dist.is_main
+        lock, problem = cls(None), None
+        if main:
+            try:
+                lock = cls(_lock(Path(out) / LOCK_FILE))
+            except RunDirLocked as err:
+                problem = str(err)
+        if dist is not None:
+            problem = dist.broadcast_object(problem)
+        if problem:
+            raise RunDirLocked(problem)
+        return lock
+
+    def release(self) -> None:
+        if self.path is None:
+            return
+        key, self.path = str(self.path), None
+        with _GUARD:
+            held = _HELD.get(key)
+            if held is None:
+                return
+            held.count -= 1
+            if held.count == 0:
+                del _HELD[key]
+                os.close(held.fd)  # drops the flock
+
+
+def _lock(path: Path) -> Path | None:
+    import fcntl
+
+    key = str(path.resolve())
+    with _GUARD:
+        if key in _HELD:  # this process holds it already
+            _HELD[key].count += 1
+            return Path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunDirLocked(f"run directory {path.parent} is in use by {_holder(path)} (lock {path}): "
+                                   "another job is writing it. Wait for it to end, stop it, or set another "
+                                   "run.output_dir") from None
+            # e.g. a network filesystem mounted without flock support: run, but say what is not guarded
+            log.warning("cannot lock %s (%s): a second job on this run directory will not be detected", path, err)
+            return None
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                **({"slurm_job": os.environ["SLURM_JOB_ID"]} if "SLURM_JOB_ID" in os.environ else {})}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        _HELD[key] = _Held(fd, 1)
+        return Path(key)
+
+
+def _holder(path: Path) -> str:
+    """Who holds the lock, from what it wrote into the file."""
+    try:
+        info = json.loads(path.read_text())
+        who = f"pid {info['pid']} on host {info['host']}"
+        extra = [f"since {info['started']}"] if "started" in info else []
+        extra += [f"Slurm job {info['slurm_job']}"] if "slurm_job" in info else []
+        return who + (f" ({', '.join(extra)})" if extra else "")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (it has not written its pid yet)"
+
+
+# ------------------------------------------------------------------------------------------ workers and their agent
+
+_WATCHING = False
+
+
+def exit_with_parent(poll_s: float = 5.0) -> bool:
+    """Under torchrun (or another launcher that sets LOCAL_RANK): SIGTERM this process when its parent (the agent)
+    dies. Returns whether it was armed."""
+    global _WATCHING
+    if not ({"TORCHELASTIC_RUN_ID", "LOCAL_RANK"} & set(os.environ)) or _WATCHING:
+        return _WATCHING
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): watching the parent pid instead",
+                        ctypes.get_errno())
+        else:
+            _WATCHING = True
+    if not _WATCHING:
+        threading.Thread(target=_watch_parent, args=(parent, poll_s), name="exit-with-parent", daemon=True).start()
+        _WATCHING = True
+    if os.getppid() != parent:  # the parent died before the signal was armed: nobody would send it
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
+def _watch_parent(parent: int, poll_s: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    log.warning("the launcher (pid %d) is gone: stopping", parent)
+    os.kill(os.getpid(), signal.SIGTERM)
