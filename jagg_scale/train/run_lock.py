@@ -1,4 +1,4 @@
-"""One job per run directory, and no worker outliving its launcher.
+"""One job per run directory.
 
 Two jobs writing one run directory log every step twice and race on its checkpoints. It happens without anyone
 meaning it: kill only the torchrun agent and its workers train on, orphaned; a relaunch (or a requeued Slurm job)
@@ -12,10 +12,9 @@ then runs beside them. So:
                                 drops a flock with its process, SIGKILL included: no stale lock to clean up).
                                 Acquiring again in the same process (a second Trainer on the same directory,
                                 e.g. a test that trains, then resumes) shares the held lock.
-    exit_with_parent()          a worker started by torchrun (TORCHELASTIC_RUN_ID or LOCAL_RANK set) gets SIGTERM
-                                when its agent dies: PR_SET_PDEATHSIG on Linux, else a thread watching the parent
-                                pid. SIGTERM, not SIGKILL: inside the training loop it is a preemption (a checkpoint,
-                                then exit 143), and a signal that arrives while one is being saved is tolerated.
+
+No worker outlives its torchrun agent either: train/preemption.py `follow_launcher` (the other half of the
+orphaned-workers problem).
 
 The file stays after the run (removing it would let a third job lock a new file while a second still holds the
 old one); its content is the last holder's.
@@ -27,9 +26,7 @@ import errno
 import json
 import logging
 import os
-import signal
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,7 +34,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCK_FILE", "RunDirLocked", "RunLock", "exit_with_parent"]
+__all__ = ["LOCK_FILE", "RunDirLocked", "RunLock"]
 
 LOCK_FILE = ".lock"
 
@@ -130,40 +127,3 @@ def _holder(path: Path) -> str:
         return who + (f" ({', '.join(extra)})" if extra else "")
     except (OSError, ValueError, KeyError, TypeError):
         return "another process (it has not written its pid yet)"
-
-
-# ------------------------------------------------------------------------------------------ workers and their agent
-
-_WATCHING = False
-
-
-def exit_with_parent(poll_s: float = 5.0) -> bool:
-    """Under torchrun (or another launcher that sets LOCAL_RANK): SIGTERM this process when its parent (the agent)
-    dies. Returns whether it was armed."""
-    global _WATCHING
-    if not ({"TORCHELASTIC_RUN_ID", "LOCAL_RANK"} & set(os.environ)) or _WATCHING:
-        return _WATCHING
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-            log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): watching the parent pid instead",
-                        ctypes.get_errno())
-        else:
-            _WATCHING = True
-    if not _WATCHING:
-        threading.Thread(target=_watch_parent, args=(parent, poll_s), name="exit-with-parent", daemon=True).start()
-        _WATCHING = True
-    if os.getppid() != parent:  # the parent died before the signal was armed: nobody would send it
-        os.kill(os.getpid(), signal.SIGTERM)
-    return True
-
-
-def _watch_parent(parent: int, poll_s: float) -> None:
-    while os.getppid() == parent:
-        time.sleep(poll_s)
-    log.warning("the launcher (pid %d) is gone: stopping", parent)
-    os.kill(os.getpid(), signal.SIGTERM)

@@ -45,7 +45,7 @@ from .logging import RunLogger
 from .policy import Policy
 from .preemption import Preemption
 from .rows import StepRows, step_seed
-from .run_lock import RunLock, exit_with_parent
+from .run_lock import RunLock
 from .run_state import RunState
 from .update import BackwardStats, backward_minibatch, probe_minibatch
 
@@ -60,7 +60,6 @@ class Trainer:
         self.out = Path(cfg.run.output_dir)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        exit_with_parent()  # a worker never outlives its torchrun agent (run_lock.py)
         self.dist = init_distributed(cfg.run.device, timeout_s=cfg.parallel.collective_timeout_s)
         self.lock = RunLock.acquire(self.out, self.dist)  # one job per run directory: fails on every rank if taken
         self.device = self.dist.device
