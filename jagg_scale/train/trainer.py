@@ -46,7 +46,7 @@ from .policy import Policy
 from .preemption import Preemption
 from .rows import StepRows, step_seed
 from .run_lock import RunLock, exit_with_parent
-from .run_state import RunState
+from .run_state import RunDirExistsError, RunState, check_fresh_start, clear_earlier_run
 from .update import BackwardStats, backward_minibatch, probe_minibatch
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,12 @@ class Trainer:
         exit_with_parent()  # a worker never outlives its torchrun agent (run_lock.py)
         self.dist = init_distributed(cfg.run.device, timeout_s=cfg.parallel.collective_timeout_s)
         self.lock = RunLock.acquire(self.out, self.dist)  # one job per run directory: fails on every rank if taken
+        try:  # run.resume none into an earlier run: refused (unless run.overwrite), before any model is built
+            self.dist.on_main(lambda: check_fresh_start(cfg, self.out))
+        except RunDirExistsError:
+            self.lock.release()
+            self.dist.close()
+            raise
         self.device = self.dist.device
         if self.dist.world_size > 1 and cfg.jagg.probe_every:
             raise ValueError("jagg.probe_every (the exact-gradient probe) runs on one process; set it to 0")
@@ -290,6 +296,8 @@ class Trainer:
         cfg = self.cfg
         main = self.dist.is_main
         if main:
+            if cfg.run.overwrite and self.start_step == 0:
+                clear_earlier_run(self.out)  # what check_fresh_start found: the user said to replace it
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             (self.out / "PREEMPTED").unlink(missing_ok=True)
