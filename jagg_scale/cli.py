@@ -125,6 +125,10 @@ def eval_main(argv: list[str] | None = None) -> int:
     path = None
     if args.checkpoint:
         path = Path(args.checkpoint)
+        if not path.is_dir():
+            print(f"jagg-eval: --checkpoint {path} is not a directory (a run directory or a checkpoint in its "
+                  "checkpoints/)", file=sys.stderr)
+            return 2
         if not (path / "COMPLETE").exists():
             found, problems = newest_valid_checkpoint(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
             if found is None:
@@ -133,7 +137,11 @@ def eval_main(argv: list[str] | None = None) -> int:
                 return 2
             path = found
         out = Path(args.output) if args.output else eval_dir_beside(path)
-    result = evaluate_checkpoint(cfg, path, out)  # under a launcher of N processes: each its share, rank 0 writes
+    try:
+        result = evaluate_checkpoint(cfg, path, out)  # under a launcher of N processes: each its share, rank 0 writes
+    except ConfigError as err:  # a prompt file whose every line is a bad record
+        print(f"jagg-eval: {err}", file=sys.stderr)
+        return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=2))
         print(f"wrote {out / 'eval.json'}" + (f" and {out / 'grid.png'}" if cfg.eval.grid_images else ""))

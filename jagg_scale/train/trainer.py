@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from ..cond import index_cond
-from ..data import ListPromptSource, PromptSet, StreamPromptSource, load_prompts
+from ..data import ListPromptSource, PromptSet, StreamPromptSource
 from ..grpo import GRPOStepLoss, Trajectories, read_metrics, reduce_metrics
 from ..grpo.rollout import to_device
 from ..jagg import trained_steps
@@ -37,9 +37,8 @@ from ..models import build_model
 from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
 from ..parallel.engine import NonFiniteError
-from ..paths import resolve_path
 from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
-from .config import Config, engine_spec
+from .config import Config, engine_spec, load_prompt_file
 from .evaluate import eval_prompts, evaluate
 from .logging import RunLogger
 from .policy import Policy
@@ -120,7 +119,7 @@ class Trainer:
         if cfg.data.source == "wds":
             return StreamPromptSource(cfg.data.shards, cfg.train.prompts_per_step, cfg.run.seed, self.dist,
                                       num_workers=cfg.data.num_workers)
-        prompts = (load_prompts(resolve_path(cfg.data.prompt_file)) if cfg.data.prompt_file
+        prompts = (load_prompt_file("data.prompt_file", cfg.data.prompt_file) if cfg.data.prompt_file
                    else PromptSet.from_list(cfg.data.prompts))
         return ListPromptSource(prompts, cfg.train.prompts_per_step, cfg.run.seed)
 
