@@ -75,7 +75,7 @@ def test_a_damaged_metrics_line_before_the_last_is_a_named_error_and_nothing_is_
     ('{"step": 2, "x": [1,', [0, 1]),
     ("\x00\x00\x00\x00", [0, 1]),  # a crash that extended the file with zeros
     ('{"step": 2, "x": 1}\n\n', [0, 1, 2]),  # blank lines are not rows
-    ('{"step": 2.0}\n', [0, 1, 2]),  # a distributed run's step: averaged over ranks, a float
+    ('{"step": 2.0}\n', [0, 1, 2]),  # an older distributed run's step: averaged over ranks as a float
 ])
 def test_parse_metrics_tolerates_a_torn_last_line_only(tmp_path, tail, rows):
     path = tmp_path / "metrics.jsonl"
