@@ -59,8 +59,9 @@ def earlier_run(out: Path) -> list[str]:
     """What an earlier run left in `out` that a fresh start would replace (empty: nothing worth keeping)."""
     out, found = Path(out), []
     metrics = out / METRICS
-    if metrics.is_file() and metrics.read_bytes().strip():
-        found.append(f"{METRICS} ({sum(1 for line in metrics.read_bytes().splitlines() if line.strip())} rows)")
+    rows = [line for line in metrics.read_bytes().splitlines() if line.strip()] if metrics.is_file() else []
+    if rows:
+        found.append(f"{METRICS} ({len(rows)} rows)")
     steps = sorted(p.name for p in (out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
     if steps:
         found.append(f"checkpoints/{steps[0]}" + (f" .. {steps[-1]} ({len(steps)})" if len(steps) > 1 else ""))
