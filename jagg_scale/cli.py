@@ -17,6 +17,7 @@ import sys
 
 
 def train_main(argv: list[str] | None = None) -> int:
+    launcher = os.getppid()  # before the slow imports: the agent (under torchrun) for follow_launcher
     parser = argparse.ArgumentParser(prog="jagg-train", description="GRPO fine-tuning with JAGG")
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=2 jagg.window=4")
@@ -26,7 +27,9 @@ def train_main(argv: list[str] | None = None) -> int:
     from .parallel.ranks import discover
     from .train import ConfigError, Trainer, load_config
     from .train.config import validate_world
+    from .train.preemption import follow_launcher
 
+    follow_launcher(launcher)  # under torchrun: SIGTERM (checkpoint, exit) when the agent dies, never an orphan
     try:
         cfg = load_config(args.config, args.overrides)
         validate_world(cfg, discover().world_size)  # the launch's process count, before any model is loaded
@@ -92,6 +95,7 @@ def _run_history(out) -> list[dict]:
 
 
 def eval_main(argv: list[str] | None = None) -> int:
+    launcher = os.getppid()
     parser = argparse.ArgumentParser(prog="jagg-eval", description="deterministic ODE evaluation on held-out prompts")
     parser.add_argument("config", help="YAML config file (its eval section names the prompts)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.prompt_file=heldout.txt")
@@ -107,7 +111,9 @@ def eval_main(argv: list[str] | None = None) -> int:
     from .checkpoint import newest_valid_checkpoint
     from .train import ConfigError, load_config
     from .train.evaluate import evaluate_checkpoint
+    from .train.preemption import follow_launcher
 
+    follow_launcher(launcher)  # under torchrun: ends with its agent (SIGTERM), never an orphan
     try:
         # a training config may have no eval section: say how to give prompts, not that eval.prompt_file is required
         # by an eval.enabled the user never set (jagg-eval sets it)

@@ -13,6 +13,7 @@ from jagg_scale.jagg.routing import RouteBy
 from jagg_scale.parallel.types import Backend
 from jagg_scale.train.config import (Config, ConfigError, JAGGConfig, ParallelConfig, config_from_dict, load_config,
                                      validate)
+from stand_ins import stand_in_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -111,15 +112,6 @@ def test_strings_still_read_as_floats_and_resume_stays_a_string():
     assert cfg.train.lr == 1e-4 and cfg.run.resume == "auto" and cfg.reward.options == {"quality": 50}
 
 
-def _fake_paths(tmp_path):
-    pipe = tmp_path / "pipe"
-    pipe.mkdir()
-    (pipe / "model_index.json").write_text("{}")
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red apple\na dog\n")
-    return [f"model.pretrained={pipe}", f"data.prompt_file={prompts}", f"eval.prompt_file={prompts}"]
-
-
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_every_shipped_config_loads_and_round_trips(path, tmp_path):
     try:
@@ -127,7 +119,7 @@ def test_every_shipped_config_loads_and_round_trips(path, tmp_path):
     except ConfigError as err:  # the diffusers configs name a model directory (and prompt files) not on this machine
         assert "config key 'model.pretrained'" in str(err) or "config key 'data.prompt_file'" in str(err), err
         assert yaml.safe_load(path.read_text())["model"]["kind"] in ("sd3", "flux")
-        cfg = load_config(path, _fake_paths(tmp_path))
+        cfg = load_config(path, stand_in_paths(tmp_path))
     data = cfg.to_dict()
     assert yaml.safe_load(yaml.safe_dump(data, sort_keys=False)) == data  # config.yaml holds plain types
     assert config_from_dict(data) == cfg

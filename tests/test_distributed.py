@@ -10,7 +10,10 @@ What must hold, and is checked here against real process groups (no mocks):
 - a run killed with SIGKILL and resumed with run.resume=auto writes the metrics of an uninterrupted run;
 - a sharded (DCP) checkpoint written by 2 processes resumes on 1;
 - a truncated checkpoint is refused and the previous one is used;
-- SIGTERM checkpoints, leaves a PREEMPTED marker and exits 143.
+- SIGTERM checkpoints, leaves a PREEMPTED marker and exits 143;
+- through plain `torchrun` (torch's defaults): SIGTERM to the agent reaches the workers, which checkpoint, and the run
+  resumes; SIGUSR1, which plain torchrun does not handle, kills the agent at once, and the workers still checkpoint
+  (their parent-death signal is SIGTERM) instead of training on as orphans.
 """
 
 from __future__ import annotations
@@ -114,6 +117,57 @@ def test_collective_counter_shows_one_gather_cycle_per_jagg_window(tmp_path):
     assert every["grad_norm"] == pytest.approx(j["grad_norm"], rel=1e-5)
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is pid (torchrun's workers: each in a session of its own, so not in its group)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    except OSError:
+        return True
+
+
+def _wait_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + WAIT_S  # a hang guard: a checkpoint save, then exit
+    while not all(_gone(p) for p in pids):
+        assert time.monotonic() < deadline, f"workers {pids} still running"
+        time.sleep(POLL_S)
+
+
+def _kill(pids: list[int]) -> None:
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _start_plain_torchrun(out: Path, *overrides: str) -> tuple[subprocess.Popen, list[int]]:
+    """2 workers under plain torchrun (no --signals-to-handle); returns once step 0 is logged, with the worker pids.
+    torchrun's shutdown grace (30 s by default) is raised so that a slow machine cannot turn the save into a kill."""
+    env = {**launcher_env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(WAIT_S)}
+    proc = subprocess.Popen(_cmd(2, out, "parallel.backend=fsdp2", *overrides), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + RUN_S  # a hang guard: polls for the first metrics line
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
+        assert proc.poll() is None, proc.communicate()[0][-5000:]
+        assert time.monotonic() < deadline
+        time.sleep(POLL_S)
+    workers = _children(proc.pid)
+    assert len(workers) == 2, workers
+    return proc, workers
+
+
 def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(fsdp2_run, tmp_path):
     ref_out, ref = fsdp2_run
     out = tmp_path / "killed"
@@ -124,8 +178,11 @@ def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(fsdp2_run, tmp_p
     deadline = time.monotonic() + RUN_S  # a hang guard: the run writes its first checkpoint after one step
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers, mid-run, no chance to clean up
+    workers = _children(proc.pid)  # in sessions of their own: killpg does not reach them
+    _kill(workers)  # both workers and torchrun, mid-run, no chance to clean up
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    _wait_gone(workers)
     assert marker.exists()
     resumed = run(2, out, "parallel.backend=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3",
                   EMA, "run.resume=auto")
@@ -180,6 +237,44 @@ def test_sigterm_checkpoints_marks_preempted_and_exits_143(tmp_path):
     resumed = run(1, out, "train.steps=" + str(done + 1), "run.checkpoint_every=0", "run.resume=auto")
     assert [r["step"] for r in resumed] == list(range(done + 1))
     assert not (out / "PREEMPTED").exists()
+
+
+def test_sigterm_to_plain_torchrun_reaches_the_workers_which_checkpoint_and_resume(tmp_path):
+    """Plain torchrun forwards SIGTERM (SIGINT, SIGHUP, SIGQUIT) to its workers: the preemption signal to send it."""
+    out = tmp_path / "term"
+    proc, workers = _start_plain_torchrun(out, "train.steps=200", "run.checkpoint_every=0")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=WAIT_S)[0]  # a hang guard: one step, one save, then exit
+        _wait_gone(workers)
+    finally:
+        _kill(workers)
+    assert "received signal 15: will checkpoint" in log, log[-5000:]
+    assert (out / "PREEMPTED").read_text().startswith("signal 15;")
+    done = len(metrics(out))
+    assert 1 <= done < 200
+    assert (out / "checkpoints" / f"step_{done:08d}" / "COMPLETE").is_file()
+    resumed = run(2, out, "parallel.backend=fsdp2", f"train.steps={done + 1}", "run.checkpoint_every=0",
+                  "run.resume=auto")
+    assert [r["step"] for r in resumed] == list(range(done + 1))
+
+
+def test_sigusr1_kills_plain_torchrun_and_its_workers_still_checkpoint(tmp_path):
+    """Plain torchrun does not handle SIGUSR1 (Slurm's usual warning signal): the agent dies at once and forwards
+    nothing. The workers used to train on as orphans to the last step; now the agent's death sends them SIGTERM."""
+    out = tmp_path / "usr1"
+    proc, workers = _start_plain_torchrun(out, "train.steps=200", "run.checkpoint_every=0")
+    try:
+        proc.send_signal(signal.SIGUSR1)
+        proc.communicate(timeout=WAIT_S)  # a hang guard: the agent dies at once
+        assert proc.returncode == -signal.SIGUSR1
+        _wait_gone(workers)
+    finally:
+        _kill(workers)  # on failure: no orphan left training
+    assert (out / "PREEMPTED").read_text().startswith("signal 15;")
+    done = len(metrics(out))
+    assert 1 <= done < 200
+    assert (out / "checkpoints" / f"step_{done:08d}" / "COMPLETE").is_file()
 
 
 def test_deepspeed_zero3_two_processes_match_one_process(fsdp2_run, tmp_path):

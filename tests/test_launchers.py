@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from hang_guard import POLL_S, RUN_S, WAIT_S
+from stand_ins import stand_in_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ROOT / "launchers"
@@ -392,23 +393,13 @@ def test_sbatch_output_dir_from_override_or_config(stubs, tmp_path):
     assert shlex.split(r.stdout)[-3:] == ["parallel.backend=fsdp2", "parallel.replicate=2", "run.resume=auto"]
 
 
-def _stand_ins(tmp_path: Path) -> list[str]:
-    """Overrides pointing a production config's paths at stand-ins its checks accept (no model is read)."""
-    pipe = tmp_path / "pipe"
-    pipe.mkdir(exist_ok=True)
-    (pipe / "model_index.json").write_text("{}")
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a cat\n")
-    return [f"model.pretrained={pipe}", f"data.prompt_file={prompts}", f"eval.prompt_file={prompts}"]
-
-
 def test_sbatch_uses_hsdp_over_the_nodes_for_lora(stubs, tmp_path):
     """LoRA on fsdp2 across nodes: parallel.replicate = the node count, unless the layout is given; a full
     fine-tune and a one-node job keep the config's (the config is read with the venv's Python)."""
     def replicate_overrides(config, nodes, *args):
         env = _slurm_env(stubs, tmp_path, SLURM_NNODES=nodes, PYTHON=sys.executable)
         del env["REPLICATE"]
-        tail = _tail(_dry(SBATCH, [config, *_stand_ins(tmp_path), *args], env), "jt")
+        tail = _tail(_dry(SBATCH, [config, *stand_in_paths(tmp_path), *args], env), "jt")
         assert tail[-1] == "run.resume=auto"
         return [a for a in tail if a.startswith("parallel.replicate=")]
 

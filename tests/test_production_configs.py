@@ -18,6 +18,7 @@ from jagg_scale.jagg import plan_windows, trained_steps
 from jagg_scale.rewards import available
 from jagg_scale.rewards.base import _REGISTRY, _check_options
 from jagg_scale.train import ConfigError, Trainer, load_config
+from stand_ins import stand_in_paths
 
 pytest.importorskip("diffusers")
 
@@ -142,16 +143,6 @@ def _torchrun_env(monkeypatch, world: int, local: int = 8) -> None:
         monkeypatch.setenv(k, str(v))
 
 
-def _stand_ins(tmp_path) -> list[str]:
-    """Paths the configs name, as stand-ins the config checks accept: no model weights are read."""
-    pipe = tmp_path / "pipe"
-    pipe.mkdir()
-    (pipe / "model_index.json").write_text("{}")
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a cat\n")
-    return [f"model.pretrained={pipe}", f"data.prompt_file={prompts}", f"eval.prompt_file={prompts}"]
-
-
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("nodes", [1, 4])
 def test_validates_as_shipped_under_torchrun(name, nodes, tmp_path, monkeypatch):
@@ -162,7 +153,7 @@ def test_validates_as_shipped_under_torchrun(name, nodes, tmp_path, monkeypatch)
 
     _torchrun_env(monkeypatch, 8 * nodes)
     hsdp = [f"parallel.replicate={nodes}"] if nodes > 1 else []
-    cfg = load_config(ROOT / "configs" / f"{name}.yaml", _stand_ins(tmp_path) + hsdp)
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", stand_in_paths(tmp_path) + hsdp)
     assert cfg.parallel.backend == "fsdp2" and cfg.parallel.activation_checkpointing
     assert not cfg.parallel.compile and cfg.parallel.collective_timeout_s > 0
     validate_world(cfg, discover().world_size)
@@ -185,6 +176,6 @@ def test_jagg_train_refuses_a_config_that_cannot_run_on_the_launched_ranks(overr
 
     monkeypatch.setattr(jagg_scale.train, "Trainer", no_trainer)
     _torchrun_env(monkeypatch, 8)
-    argv = [str(ROOT / "configs" / "sd35m_pickscore.yaml"), *_stand_ins(tmp_path), override]
+    argv = [str(ROOT / "configs" / "sd35m_pickscore.yaml"), *stand_in_paths(tmp_path), override]
     assert train_main(argv) == 2
     assert f"config key '{key}'" in capsys.readouterr().err

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from jagg_scale.parallel.dist import DistContext
 from jagg_scale.train import ConfigError, Trainer, load_config
 from jagg_scale.train.logging import MetricsFileError, parse_metrics, read_metrics
 from jagg_scale.train.run_state import RunDirExistsError
+from stand_ins import sigterm_at_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -175,14 +175,7 @@ def test_a_checkpoint_past_train_steps_is_refused(tmp_path):
 
 def test_a_sigterm_in_the_last_step_still_gets_a_summary_after_the_resume(tmp_path):
     trainer = Trainer(cfg(tmp_path, "train.steps=2"))
-    real_step = trainer.train_step
-
-    def signalled_at_the_last_step(step):
-        if step == 1:
-            trainer.preemption.signal_number = signal.SIGTERM
-        return real_step(step)
-
-    trainer.train_step = signalled_at_the_last_step
+    sigterm_at_step(trainer, 1)
     with pytest.raises(SystemExit):
         trainer.fit()
     assert not (tmp_path / "summary.json").exists()

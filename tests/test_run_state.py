@@ -17,6 +17,7 @@ from jagg_scale.parallel.dist import DistContext
 from jagg_scale.parallel.engine import EngineSpec, TrainEngine
 from jagg_scale.train import Trainer, load_config
 from jagg_scale.train.run_state import EXPORT_RECORD, RunState
+from stand_ins import sigterm_at_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -97,14 +98,7 @@ def test_a_sigterm_in_the_trainer_saves_without_exporting_and_the_resumed_run_ex
     overrides = SMALL + [f"run.output_dir={tmp_path}", "train.steps=2", "run.export_every=1"]
     trainer = Trainer(load_config(TINY, overrides))
     trainer.model.save_full = trainer.model.save_lora = fake_save  # a backbone with a diffusers export
-    real_step = trainer.train_step
-
-    def signalled_at_the_last_step(step):
-        if step == 1:
-            trainer.preemption.signal_number = signal.SIGTERM
-        return real_step(step)
-
-    trainer.train_step = signalled_at_the_last_step
+    sigterm_at_step(trainer, 1)
     with pytest.raises(SystemExit) as code:
         trainer.fit()
     assert code.value.code == 128 + signal.SIGTERM
