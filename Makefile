@@ -17,8 +17,11 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 
 setup: $(BIN)/.installed
 
+# run.resume=auto: a second `make run` continues the run in the config's output_dir (a finished one just prints its
+# summary again) instead of being refused for replacing it; ARGS come after, so they can override it
+# (ARGS="run.resume=none run.overwrite=true" trains it again from step 0).
 run: setup
-	$(BIN)/jagg-train $(CONFIG) $(ARGS)
+	$(BIN)/jagg-train $(CONFIG) run.resume=auto $(ARGS)
 
 # The whole suite (what CI runs). Markers (pyproject.toml): slow = >= ~5 s alone, dist = several processes or DeepSpeed.
 test: setup

@@ -2,6 +2,9 @@
 
     jagg-train CONFIG [section.key=value ...]
     jagg-eval  CONFIG [--checkpoint DIR] [--output DIR] [section.key=value ...]
+
+Overrides may come before, between or after the options. A configuration error (a bad key or value, a file that
+is not there, a run directory that already holds a run) is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ def train_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jagg-train", description="GRPO fine-tuning with JAGG")
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=2 jagg.window=4")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from .parallel.ranks import discover
@@ -35,7 +38,11 @@ def train_main(argv: list[str] | None = None) -> int:
         return 2
     from .parallel.engine import NonFiniteError
 
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except ConfigError as err:  # found once the run directory is read: an earlier run there, a checkpoint past steps
+        print(f"jagg-train: {err}", file=sys.stderr)
+        return 2
     try:
         try:
             history = trainer.fit()
@@ -91,11 +98,12 @@ def eval_main(argv: list[str] | None = None) -> int:
     launcher = os.getppid()
     parser = argparse.ArgumentParser(prog="jagg-eval", description="deterministic ODE evaluation on held-out prompts")
     parser.add_argument("config", help="YAML config file (its eval section names the prompts)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.prompt_file=heldout.txt")
     parser.add_argument("--checkpoint", help="a checkpoint dir, or a run dir (its newest complete checkpoint); "
                                              "default: the model the config builds")
-    parser.add_argument("--output", help="where eval.json and grid.png go (default: CHECKPOINT/eval or ./eval)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--output", help="where eval.json and grid.png go (default: RUN/jagg-eval/step_XXXXXXXX "
+                                         "beside the checkpoints, or ./eval without --checkpoint)")
+    args = parser.parse_intermixed_args(argv)  # overrides anywhere, as jagg-train takes them
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from pathlib import Path
@@ -107,6 +115,14 @@ def eval_main(argv: list[str] | None = None) -> int:
 
     follow_launcher(launcher)  # under torchrun: ends with its agent (SIGTERM), never an orphan
     try:
+        # a training config may have no eval section: say how to give prompts, not that eval.prompt_file is required
+        # by an eval.enabled the user never set (jagg-eval sets it)
+        plain = load_config(args.config, args.overrides + ["eval.enabled=false", "run.resume=none"])
+        if not plain.eval.prompt_file and not plain.eval.prompts:
+            print(f"jagg-eval: {args.config} names no held-out prompts (no eval.prompt_file or eval.prompts): give "
+                  "them on the command line, e.g. eval.prompt_file=heldout.txt (.txt or .jsonl, one prompt a line) "
+                  "or eval.prompts='[\"a red car\", \"a cat\"]'", file=sys.stderr)
+            return 2
         cfg = load_config(args.config, args.overrides + ["eval.enabled=true", "run.resume=none"])
     except ConfigError as err:
         print(f"jagg-eval: {err}", file=sys.stderr)
@@ -115,6 +131,10 @@ def eval_main(argv: list[str] | None = None) -> int:
     path = None
     if args.checkpoint:
         path = Path(args.checkpoint)
+        if not path.is_dir():
+            print(f"jagg-eval: --checkpoint {path} is not a directory (a run directory or a checkpoint in its "
+                  "checkpoints/)", file=sys.stderr)
+            return 2
         if not (path / "COMPLETE").exists():
             found, problems = newest_valid_checkpoint(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
             if found is None:
@@ -122,12 +142,25 @@ def eval_main(argv: list[str] | None = None) -> int:
                 print(f"jagg-eval: no complete checkpoint in {path}{why}", file=sys.stderr)
                 return 2
             path = found
-        out = Path(args.output) if args.output else path / "eval"
-    result = evaluate_checkpoint(cfg, path, out)  # under a launcher of N processes: each its share, rank 0 writes
+        out = Path(args.output) if args.output else eval_dir_beside(path)
+    try:
+        result = evaluate_checkpoint(cfg, path, out)  # under a launcher of N processes: each its share, rank 0 writes
+    except ConfigError as err:  # a prompt file whose every line is a bad record
+        print(f"jagg-eval: {err}", file=sys.stderr)
+        return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=2))
         print(f"wrote {out / 'eval.json'}" + (f" and {out / 'grid.png'}" if cfg.eval.grid_images else ""))
     return 0
+
+
+def eval_dir_beside(checkpoint):
+    """jagg-eval's default output for a checkpoint: RUN/jagg-eval/<checkpoint name> for RUN/checkpoints/<name>
+    (else a jagg-eval/ beside the checkpoint). Never inside the checkpoint: run.keep_last deletes checkpoint
+    directories whole, and a verified checkpoint's files are its manifest's."""
+    parent = checkpoint.parent
+    run = parent.parent if parent.name == "checkpoints" else parent
+    return run / "jagg-eval" / checkpoint.name
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Classifier-free guidance in training, against Flow-GRPO's recipe (design contract section 1): the unconditional
+"""Classifier-free guidance in training, against Flow-GRPO's recipe (docs/algorithm.md, section 1): the unconditional
 prediction is a constant for the gradient (scripts/train_sd3.py detaches it), the rollout's unconditional
 predictions are reused while the parameters are the rollout's, and a JAGG joint pass holds the conditional rows
 only."""

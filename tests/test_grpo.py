@@ -21,7 +21,7 @@ def test_sigma_schedule_is_shifted_and_ends_at_zero():
 
 
 def _reference_step(x, v, s, s_next, a, sigma_max):
-    """The design doc's formulas written out independently, in float64."""
+    """docs/algorithm.md's formulas (section 1) written out independently, in float64."""
     x, v = x.double(), v.double()
     dt = s_next - s
     std = a * math.sqrt(s / (1 - (sigma_max if s == 1.0 else s)))

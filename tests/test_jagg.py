@@ -1,4 +1,4 @@
-"""The JAGG engine against its contract (design doc sections 2-4)."""
+"""The JAGG engine against its contract (docs/algorithm.md, sections 2-4 and 6)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Knot plans and the budgeted planner (jagg_scale/jagg/knots.py) against their contract (design doc 2 and 5).
+"""Knot plans and the budgeted planner (jagg_scale/jagg/knots.py) against docs/algorithm.md (sections 3, 5).
 
 The toy models (tests/toy_velocity.py) and the collinear construction are those of tests/test_jagg.py, over all T
 steps of a batch instead of one window."""

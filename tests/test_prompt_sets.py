@@ -1,7 +1,13 @@
-"""Readers for shared/prompts: record counts against MANIFEST.md, metadata, blocklist, bad rows."""
+"""The prompt-set readers on real files: record counts against each set's MANIFEST.md, metadata, blocklist, bad rows.
+
+They run on the samples committed in data/prompts/ (tools/make_prompt_samples.py: licensed excerpts of the sets,
+and a DrawBench-format file written for this repository), so in any clone; and on the full sets as well when they
+are present (`shared_prompts_dir()`, optional).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -18,46 +24,55 @@ from jagg_scale.data import (
     shared_prompts_dir,
 )
 
+SAMPLES = Path(__file__).resolve().parents[1] / "data" / "prompts"
 SHARED = shared_prompts_dir()
+ROOTS = {"samples": SAMPLES, **({"shared": SHARED} if SHARED.is_dir() else {})}
 
-# Expected record counts. MANIFEST.md lists `wc -l` (newline count); checked against the files:
+# name -> reader, (file, records) in the full sets, (file, records) in the samples. MANIFEST.md lists `wc -l`
+# (newline count); records, checked against the files:
 #  - pickscore train/test, geneval_official: every line ends in "\n", no header, no blank lines -> wc -l.
-#  - flow_grpo geneval: 2211 newlines + 1 last line without "\n" = 2212 records.
-#  - ocr: 1017 newlines + 1 last line without "\n" = 1018 records (every line has quoted text).
-#  - parti: 1633 lines = 1 header + 1632 prompts (last line ends in "\n").
-#  - drawbench: 200 newlines + 1 last line without "\n" = 201 rows = 1 header + 200 prompts.
-CASES = [
-    ("flow_grpo/dataset/pickscore/train.txt", read_pickapic, 25432, 25432),
-    ("flow_grpo/dataset/pickscore/test.txt", read_pickapic, 2048, 2048),
-    ("flow_grpo/dataset/geneval/test_metadata.jsonl", read_geneval, 2211, 2211 + 1),
-    ("geneval_official/prompts/evaluation_metadata.jsonl", read_geneval, 553, 553),
-    ("flow_grpo/dataset/ocr/test.txt", read_ocr, 1017, 1017 + 1),
-    ("parti/PartiPrompts.tsv", read_parti, 1633, 1633 - 1),
-    ("drawbench/DrawBench.csv", read_drawbench, 200, (200 + 1) - 1),
-]
+#  - flow_grpo geneval and ocr: the last line has no "\n" (the samples keep that): wc -l + 1 records.
+#  - parti: 1 header line, the last line ends in "\n": wc -l - 1.
+#  - drawbench: 1 header, the last line without "\n": wc -l + 1 - 1. The samples' file is not DrawBench's prompts
+#    (their licence is unknown) but one in its layout, written for this repository.
+FILES = {
+    "pickscore-train": (read_pickapic, ("flow_grpo/dataset/pickscore/train.txt", 25432),
+                        ("flow_grpo/dataset/pickscore/train.txt", 40)),
+    "pickscore-test": (read_pickapic, ("flow_grpo/dataset/pickscore/test.txt", 2048),
+                       ("flow_grpo/dataset/pickscore/test.txt", 30)),
+    "geneval-flow_grpo": (read_geneval, ("flow_grpo/dataset/geneval/test_metadata.jsonl", 2211 + 1),
+                          ("flow_grpo/dataset/geneval/test_metadata.jsonl", 29 + 1)),
+    "geneval-official": (read_geneval, ("geneval_official/prompts/evaluation_metadata.jsonl", 553),
+                         ("geneval_official/prompts/evaluation_metadata.jsonl", 20)),
+    "ocr": (read_ocr, ("flow_grpo/dataset/ocr/test.txt", 1017 + 1), ("flow_grpo/dataset/ocr/test.txt", 29 + 1)),
+    "parti": (read_parti, ("parti/PartiPrompts.tsv", 1633 - 1), ("parti/PartiPrompts.tsv", 27 - 1)),
+    "drawbench": (read_drawbench, ("drawbench/DrawBench.csv", 200 + 1 - 1), ("drawbench_format/example.csv", 8 + 1 - 1)),
+}
+CASES = [pytest.param(root, name, id=f"{root}-{name}") for root in ROOTS for name in FILES]
 
 
-def _shared(rel: str) -> Path:
-    if not SHARED.is_dir():
-        pytest.skip(f"shared prompts dir absent: {SHARED}")
-    return SHARED / rel
+def _file(root: str, name: str) -> tuple[Path, int]:
+    reader, full, sample = FILES[name]
+    rel, records = full if root == "shared" else sample
+    return ROOTS[root] / rel, records
 
 
-def _manifest_lines(rel: str) -> int:
-    for line in (SHARED / "MANIFEST.md").read_text().splitlines():
+def _manifest_row(root: str, path: Path) -> list[str]:
+    rel = path.relative_to(ROOTS[root]).as_posix()
+    for line in (ROOTS[root] / "MANIFEST.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if cells and cells[0] == rel:
-            return int(cells[2])
-    raise AssertionError(f"{rel} not in MANIFEST.md")
+            return cells
+    raise AssertionError(f"{rel} not in {ROOTS[root] / 'MANIFEST.md'}")
 
 
-@pytest.mark.parametrize("rel,reader,wc_lines,expected", CASES, ids=[c[0] for c in CASES])
-def test_counts_match_manifest(rel, reader, wc_lines, expected):
-    path = _shared(rel)
-    assert _manifest_lines(rel) == wc_lines
+@pytest.mark.parametrize("root,name", CASES)
+def test_counts_match_manifest(root, name):
+    path, expected = _file(root, name)
+    _, size, wc_lines, sha = _manifest_row(root, path)
     raw = path.read_bytes()
-    assert raw.count(b"\n") == wc_lines  # the file is the one the manifest describes
-    ps = reader(path)
+    assert (len(raw), raw.count(b"\n"), hashlib.sha256(raw).hexdigest()[:16]) == (int(size), int(wc_lines), sha)
+    ps = FILES[name][0](path)
     assert isinstance(ps, PromptSet)
     assert ps.skipped == 0
     assert len(ps) == expected
@@ -65,25 +80,34 @@ def test_counts_match_manifest(rel, reader, wc_lines, expected):
     assert all(r.prompt and r.prompt == r.prompt.strip() for r in ps)
 
 
-def test_geneval_metadata():
-    for rel in ("flow_grpo/dataset/geneval/test_metadata.jsonl", "geneval_official/prompts/evaluation_metadata.jsonl"):
-        ps = read_geneval(_shared(rel))
+def test_samples_carry_their_licences():
+    for source in ("flow_grpo", "geneval_official", "parti"):
+        assert (SAMPLES / source / "LICENSE").is_file(), source
+        assert f"- {source}/ :" in (SAMPLES / "MANIFEST.md").read_text()
+
+
+@pytest.mark.parametrize("root", ROOTS)
+def test_geneval_metadata(root):
+    for name in ("geneval-flow_grpo", "geneval-official"):
+        ps = read_geneval(_file(root, name)[0])
         assert all(isinstance(r.metadata.get("tag"), str) and "include" in r.metadata for r in ps)
         assert all("prompt" not in r.metadata for r in ps)
-    first = read_geneval(_shared("flow_grpo/dataset/geneval/test_metadata.jsonl"))[0]
+    first = read_geneval(_file(root, "geneval-flow_grpo")[0])[0]
     assert first.prompt == "a photo of two wine glasses"
     assert first.metadata["exclude"] == [{"class": "wine glass", "count": 3}]
 
 
-def test_ocr_metadata():
-    ps = read_ocr(_shared("flow_grpo/dataset/ocr/test.txt"))
+@pytest.mark.parametrize("root", ROOTS)
+def test_ocr_metadata(root):
+    ps = read_ocr(_file(root, "ocr")[0])
     for r in ps:
         assert r.metadata["text"] and f'"{r.metadata["text"]}"' in r.prompt
     assert ps[0].metadata == {"text": "Spring Collection 2024"}
 
 
-def test_parti_metadata():
-    ps = read_parti(_shared("parti/PartiPrompts.tsv"))
+@pytest.mark.parametrize("root", ROOTS)
+def test_parti_metadata(root):
+    ps = read_parti(_file(root, "parti")[0])
     assert all(set(r.metadata) == {"Category", "Challenge", "Note"} and r.metadata["Category"] for r in ps)
     assert ps[0].prompt == "bond" and ps[0].metadata["Category"] == "Abstract"
     assert not any(r.prompt.endswith("\r") or r.metadata["Note"].endswith("\r") for r in ps)  # CRLF rows
@@ -91,10 +115,12 @@ def test_parti_metadata():
     assert quoted and quoted[0].metadata["Note"] == 'Description of "Dogs Playing Poker"'
 
 
-def test_drawbench_metadata():
-    ps = read_drawbench(_shared("drawbench/DrawBench.csv"))
+@pytest.mark.parametrize("root", ROOTS)
+def test_drawbench_metadata(root):
+    ps = read_drawbench(_file(root, "drawbench")[0])
     assert all(set(r.metadata) == {"Category"} and r.metadata["Category"] for r in ps)
-    assert ps[0].prompt == "A red colored car." and ps[0].metadata == {"Category": "Colors"}
+    first = "A red colored car." if root == "shared" else "A yellow kite above a green hill."
+    assert ps[0].prompt == first and ps[0].metadata == {"Category": "Colors"}
     assert any("," in r.prompt for r in ps)  # quoted fields with commas parsed as one column
 
 

@@ -1,7 +1,8 @@
 """A run directory under the ways runs end and start (issue 16 items 3, 4, 5, 8), in one process: a torn last line
 of metrics.jsonl, a second job on the same directory, run.resume=auto with no valid checkpoint, run.resume and
-run.output_dir typos, a checkpoint past train.steps, and summary.json after a resume with nothing left to train.
-(Across processes and torchrun: test_run_dir_ranks.py.)"""
+run.output_dir typos, a checkpoint past train.steps, and summary.json after a resume with nothing left to train;
+a fresh start into an earlier run's directory (issue 17 item 6). (Across processes and torchrun:
+test_run_dir_ranks.py.)"""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from jagg_scale.cli import train_main
 from jagg_scale.parallel.dist import DistContext
 from jagg_scale.train import ConfigError, Trainer, load_config
 from jagg_scale.train.logging import MetricsFileError, parse_metrics, read_metrics
+from jagg_scale.train.run_state import RunDirExistsError
 from stand_ins import sigterm_at_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +75,7 @@ def test_a_damaged_metrics_line_before_the_last_is_a_named_error_and_nothing_is_
     ('{"step": 2, "x": [1,', [0, 1]),
     ("\x00\x00\x00\x00", [0, 1]),  # a crash that extended the file with zeros
     ('{"step": 2, "x": 1}\n\n', [0, 1, 2]),  # blank lines are not rows
-    ('{"step": 2.0}\n', [0, 1, 2]),  # a distributed run's step: averaged over ranks, a float
+    ('{"step": 2.0}\n', [0, 1, 2]),  # an older distributed run's step: averaged over ranks as a float
 ])
 def test_parse_metrics_tolerates_a_torn_last_line_only(tmp_path, tail, rows):
     path = tmp_path / "metrics.jsonl"
@@ -144,9 +146,11 @@ def test_resume_auto_refuses_when_checkpoints_exist_but_none_is_valid(tmp_path):
         Trainer(cfg(tmp_path, "train.steps=3", "run.resume=auto"))
     for step in (1, 2):
         assert f"step_{step:08d}: model.safetensors is" in str(err.value)
-    assert "run.resume=none" in str(err.value)
+    assert "run.resume=none run.overwrite=true" in str(err.value)
     assert (tmp_path / "metrics.jsonl").read_text() == metrics  # nothing rewritten
-    assert Trainer(cfg(tmp_path, "train.steps=3", "run.resume=none")).start_step == 0  # asked for: starts over
+    with pytest.raises(RunDirExistsError):  # none alone would replace the run: refused too
+        Trainer(cfg(tmp_path, "train.steps=3", "run.resume=none"))
+    assert Trainer(cfg(tmp_path, "train.steps=3", "run.resume=none", "run.overwrite=true")).start_step == 0
 
 
 @pytest.mark.parametrize("override,message", [
@@ -178,3 +182,46 @@ def test_a_sigterm_in_the_last_step_still_gets_a_summary_after_the_resume(tmp_pa
     assert train_main([TINY, *SMALL, f"run.output_dir={tmp_path}", "train.steps=2", "run.resume=auto"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 2  # the whole run's steps, from metrics.jsonl
+
+
+# ------------------------------------------------------------------------------ a fresh start over an earlier run
+
+
+def test_a_fresh_start_into_an_earlier_run_is_refused_naming_it(tmp_path, capsys):
+    train(tmp_path, "train.steps=2", "run.checkpoint_every=1", "run.keep_last=3")
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises(RunDirExistsError, match=rf"{tmp_path} already holds a run \(metrics\.jsonl \(2 rows\), "
+                                                r"checkpoints/step_00000001 \.\. step_00000002 \(2\)\)") as err:
+        Trainer(cfg(tmp_path, "train.steps=2"))  # run.resume: none, the default
+    for way in ("run.resume=auto", "new run.output_dir", "run.overwrite=true"):
+        assert way in str(err.value)
+    assert isinstance(err.value, ConfigError)
+    # jagg-train: one line, exit 2, nothing touched
+    assert train_main([TINY, *SMALL, f"run.output_dir={tmp_path}", "train.steps=2"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == checkpoints
+    # the ways on: continue it, or a directory with nothing in it yet (a failed start leaves no run behind)
+    assert Trainer(cfg(tmp_path, "train.steps=2", "run.resume=auto")).start_step == 2
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "metrics.jsonl").write_text("\n")
+    assert Trainer(cfg(tmp_path / "other", "train.steps=1")).start_step == 0
+
+
+def test_overwrite_replaces_the_earlier_run(tmp_path):
+    train(tmp_path, "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3")
+    (tmp_path / "eval" / "step_00000003").mkdir(parents=True)
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    rows = train(tmp_path, "train.steps=1", "run.overwrite=true")
+    assert [r["step"] for r in rows] == [0]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0]
+    # the old run's later checkpoints are gone: run.resume=auto cannot mistake step 3 for this run's
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001"]
+    assert not (tmp_path / "eval").exists()
+    assert (tmp_path / "notes.txt").read_text() == "the user's own file"  # only what a run writes is replaced
+
+
+def test_overwrite_with_a_resume_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"'run\.overwrite' is true .* while run\.resume is 'auto'"):
+        load_config(TINY, [f"run.output_dir={tmp_path}", "run.resume=auto", "run.overwrite=true"])

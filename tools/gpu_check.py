@@ -286,7 +286,8 @@ def tiny_pipeline(work: Path) -> Path:
 
 def train_overrides(pipe: Path, out: Path, device: torch.device) -> list[str]:
     return [f"model.pretrained={pipe}", f"run.output_dir={out}", f"run.device={device.type}", "train.steps=2",
-            "run.checkpoint_every=0", "log.wandb=false", "log.progress=false", "run.resume=none"]
+            "run.checkpoint_every=0", "log.wandb=false", "log.progress=false", "run.resume=none",
+            "run.overwrite=true"]  # a rerun in the same work dir measures afresh
 
 
 def section_syncs(args, device, state) -> dict:

@@ -47,6 +47,7 @@ ARMS = {
 def run_arm(config: str, name: str, seed: int, out: Path, args) -> dict:
     overrides = ARMS[name] + [
         f"run.seed={seed}", f"run.output_dir={out}", "run.checkpoint_every=0", "log.progress=false",
+        "run.overwrite=true",  # each arm is measured from scratch: a rerun replaces the previous one's directory
         "eval.enabled=true", f"eval.every={args.eval_every}",
         f"jagg.probe_every={0 if name == 'exact' else args.probe_every}",
     ] + (["train.steps=" + str(args.steps)] if args.steps else []) + args.set

@@ -2,7 +2,7 @@
 least. The plans themselves, and how a plan's gradient is formed, are in plans.py.
 
 Error model of the planner (cheap, from the rollout, before any backward; errors of different steps add
-coherently, so norms are summed, not squared, as the design doc measured):
+coherently, so norms are summed, not squared, as measured: docs/algorithm.md, section 5):
 
     cost(a, b) = sum_{a<k<b} |g_k| e(a, b, k),      e = (1 - vcos(a, b)) a_k (1 - a_k),
 

@@ -12,7 +12,7 @@ what a training engine shards and places on the device, upcast to `master_dtype`
 `reference_copy()` is the KL reference of a full fine-tune: a frozen copy of the trained part alone.
 
 `cond` is a tensor or a (nested) tuple/list/dict of tensors with the batch in dim 0, so the JAGG joint batch
-can repeat it along dim 0 (`jagg_scale.cond`). Sigma follows the rectified-flow convention of the design doc:
+can repeat it along dim 0 (`jagg_scale.cond`). Sigma follows the rectified-flow convention of docs/algorithm.md:
 x_s = (1 - s) x_0 + s e, s = 1 is pure noise, and the model predicts v = e - x_0.
 """
 

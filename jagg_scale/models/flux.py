@@ -1,6 +1,6 @@
 """FLUX.1 (diffusers) as a `VelocityModel`: the transformer is the policy, the rest is frozen.
 
-How diffusers' FLUX maps onto the interface of base.py (the design doc's rectified flow, x_s = (1 - s) x_0 + s e):
+How diffusers' FLUX maps onto the interface of base.py (docs/algorithm.md's rectified flow, x_s = (1 - s) x_0 + s e):
 
     cond = encode_prompts(prompts)     FluxPipeline.encode_prompt (no grad):
                                        (prompt_embeds [B, L_t5, joint_attention_dim]  -- T5,
@@ -25,7 +25,7 @@ the pipeline does. It is not CFG: the trainer normally runs FLUX with sampling.g
 pair (cond, uncond) through `grpo.rollout.guided_velocity` still works (uncond = `encode_prompts([""] * N)`).
 
 Sign: the FLUX transformer predicts v = e - x_0, the scheduler's Euler step is x_next = x + (s_next - s) v on the
-packed latents, i.e. dx/ds = v: the design doc's convention, so the velocity is passed through unchanged
+packed latents, i.e. dx/ds = v: docs/algorithm.md's convention, so the velocity is passed through unchanged
 (tests/test_flux_adapter.py checks it against scheduler.step and the pipeline's own sampling loop).
 
 Schedule: FLUX shifts sigmas dynamically (mu from the image sequence length); `pipeline_sigmas(num_steps)`

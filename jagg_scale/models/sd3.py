@@ -1,6 +1,6 @@
 """Stable Diffusion 3 / 3.5 (diffusers) as a `VelocityModel`: the transformer is the policy, the rest is frozen.
 
-How diffusers' SD3 maps onto the interface of base.py (the design doc's rectified flow, x_s = (1 - s) x_0 + s e):
+How diffusers' SD3 maps onto the interface of base.py (docs/algorithm.md's rectified flow, x_s = (1 - s) x_0 + s e):
 
     cond = encode_prompts(prompts)     StableDiffusion3Pipeline.encode_prompt (no CFG, no grad):
                                        (prompt_embeds [B, L_clip + L_t5, joint_attention_dim],
@@ -13,7 +13,7 @@ Timestep: FlowMatchEulerDiscreteScheduler sets timesteps = sigmas * num_train_ti
 feeds those to the transformer, so sigma in [0, 1] becomes timestep 1000 * sigma here.
 
 Sign: the SD3 transformer predicts v = e - x_0 (noise minus data), the scheduler's Euler step is
-x_next = x + (s_next - s) v, i.e. dx/ds = v for x_s = (1 - s) x_0 + s e: the same convention as the design doc,
+x_next = x + (s_next - s) v, i.e. dx/ds = v for x_s = (1 - s) x_0 + s e: the same convention as docs/algorithm.md,
 so the velocity is passed through unchanged (tests/test_sd3_adapter.py checks it against scheduler.step and
 the pipeline's own sampling loop).
 

@@ -22,7 +22,8 @@ from .ranks import default_backend, discover, export_env
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DistContext", "RankFailedError", "TooManyLocalRanksError", "init_distributed", "local_device_index"]
+__all__ = ["DistContext", "RankFailedError", "TooManyLocalRanksError", "init_distributed", "local_device_index",
+           "reduce_over_ranks"]
 
 T = TypeVar("T")
 
@@ -138,20 +139,7 @@ class DistContext:
         """Average scalar metrics over ranks (max/min for names listed in keep_extremes) with one all-gather."""
         if not self.active:
             return metrics
-        rows = self.all_gather_object(metrics)
-        keys = sorted(set().union(*rows))
-        reduce = {"max": max, "min": min}
-        out = {}
-        for k in keys:
-            vals = [r[k] for r in rows if k in r and r[k] is not None]
-            if not vals:
-                continue
-            how = (keep_extremes or {}).get(k)
-            if not all(isinstance(v, (int, float)) for v in vals):
-                out[k] = vals[0]  # non-numeric (e.g. the knot plan): identical on every rank by construction
-            else:
-                out[k] = reduce[how](vals) if how else sum(vals) / len(vals)
-        return out
+        return reduce_over_ranks(self.all_gather_object(metrics), keep_extremes)
 
     def ensure_group(self) -> None:
         """FSDP2 and DeepSpeed need a process group even for one process: a trivial in-memory one."""
@@ -164,6 +152,28 @@ class DistContext:
         if (self.active or self.owns_group) and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
+
+
+def reduce_over_ranks(rows: list[dict], keep_extremes: dict[str, str] | None = None) -> dict:
+    """One metrics dict from every rank's: the mean (max/min for names in keep_extremes). A count that is an int on
+    every rank stays an int when the mean is whole (the step, backward passes: the same on every rank), so a
+    distributed run logs `"step": 3` and `bwd=6/10` as one process does, not 3.0 and 6.0/10.0."""
+    reduce = {"max": max, "min": min}
+    out = {}
+    for k in sorted(set().union(*rows)):
+        vals = [r[k] for r in rows if k in r and r[k] is not None]
+        if not vals:
+            continue
+        how = (keep_extremes or {}).get(k)
+        if not all(isinstance(v, (int, float)) for v in vals):
+            out[k] = vals[0]  # non-numeric (e.g. the knot plan): identical on every rank by construction
+        elif how:
+            out[k] = reduce[how](vals)
+        elif all(type(v) is int for v in vals) and sum(vals) % len(vals) == 0:
+            out[k] = sum(vals) // len(vals)
+        else:
+            out[k] = sum(vals) / len(vals)
+    return out
 
 
 def _portable(exc: Exception) -> tuple[bytes | None, str, str]:

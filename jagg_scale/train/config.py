@@ -30,7 +30,8 @@ from .config_sections import __all__ as _sections_all
 
 log = logging.getLogger(__name__)
 
-__all__ = [*_sections_all, "Config", "load_config", "config_from_dict", "parse_override", "validate", "validate_world"]
+__all__ = [*_sections_all, "Config", "load_config", "config_from_dict", "parse_override", "validate", "validate_world",
+           "load_prompt_file"]
 
 
 @dataclass
@@ -325,3 +326,14 @@ def _check_files(cfg: Config) -> None:
     if cfg.model.kind != "dit" and pretrained is not None:
         _require((pretrained / "model_index.json").is_file(), "model.pretrained",
                  f"is not a diffusers pipeline directory (no model_index.json): {cfg.model.pretrained}")
+
+
+def load_prompt_file(key: str, value: str):
+    """The prompts of the file config key `key` names. One whose lines are all bad records (not JSON, no `prompt`)
+    passes the cheap checks of `validate` but holds no prompt: a ConfigError naming the key, as an empty one is."""
+    from ..data import load_prompts
+
+    try:
+        return load_prompts(resolve_path(value))
+    except ValueError as err:
+        raise ConfigError(f"config key '{key}': {err}") from None

@@ -346,6 +346,9 @@ class RunConfig(_Section):
     # none: start at step 0 | auto: the newest valid checkpoint (none yet: step 0; some but none valid: refused) |
     # the path of a checkpoint directory
     resume: str = "none"
+    # with resume none, a run directory that already holds a run (metrics rows, checkpoints, an export) is refused:
+    # true replaces that run (its outputs are deleted when training starts)
+    overwrite: bool = False
     checkpoint_every: int = 10
     keep_last: int = 2
     # out/lora | out/transformer: at the last step, and every export_every steps when > 0; never on preemption (the
@@ -365,6 +368,9 @@ class RunConfig(_Section):
             _require(bool(self.resume.strip()) and Path(self.resume).is_dir(), f"{prefix}.resume",
                      f"is {self.resume!r}, which is neither a keyword ({' | '.join(RESUME_KEYWORDS)}) nor an "
                      f"existing checkpoint directory (the path does not exist){hint}")
+        _require(not self.overwrite or self.resume == "none", f"{prefix}.overwrite",
+                 f"is true (start over at step 0, replacing the run in {prefix}.output_dir) while {prefix}.resume is "
+                 f"{self.resume!r} (continue it): set {prefix}.resume=none to start over, or drop {prefix}.overwrite")
         _require(self.checkpoint_every >= 0, f"{prefix}.checkpoint_every", "must be >= 0 (0: only at the end)")
         _require(self.export_every >= 0, f"{prefix}.export_every", "must be >= 0 (0: only at the end)")
         _require(self.keep_last >= 1, f"{prefix}.keep_last", "must be >= 1")

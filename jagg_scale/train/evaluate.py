@@ -29,18 +29,17 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..data import PromptSet, load_prompts
+from ..data import PromptSet
 from ..grpo import model_schedule, sample_ode
-from ..paths import resolve_path
 from ..rewards import score_safely
-from .config import Config
+from .config import Config, load_prompt_file
 
 __all__ = ["EvalNoise", "eval_prompts", "eval_share", "evaluate", "evaluate_checkpoint", "image_grid"]
 
 
 def eval_prompts(cfg: Config) -> PromptSet:
     e = cfg.eval
-    return load_prompts(resolve_path(e.prompt_file)) if e.prompt_file else PromptSet.from_list(e.prompts)
+    return load_prompt_file("eval.prompt_file", e.prompt_file) if e.prompt_file else PromptSet.from_list(e.prompts)
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:

@@ -102,5 +102,5 @@ def _row(raw: bytes) -> dict | None:
     except (UnicodeDecodeError, ValueError):
         return None
     step = row.get("step") if isinstance(row, dict) else None
-    # a number (averaged over ranks, a distributed run logs it as a float)
+    # a number (distributed runs before issue 17 logged it averaged over ranks, as a float)
     return row if isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step) else None

@@ -12,6 +12,12 @@ preemption has only the signal's lead time (docs/launchers.md), and the export o
 in fp32) is the checkpoint's weights again in another format. `finish` writes the final export when the loop did
 not (a run preempted at its last step, resumed with nothing left to train).
 
+A fresh start (run.resume none) into a directory that already holds a run (metrics rows, checkpoints, an export) is
+refused, naming what is there (`check_fresh_start`, RunDirExistsError, a ConfigError: jagg-train exits 2): starting
+over would replace its metrics.jsonl and, in time, its checkpoints. run.overwrite=true says to replace it: the
+earlier run's outputs are deleted when training starts (`clear_earlier_run`), so none of its checkpoints can be
+taken for the new run's by a later run.resume=auto.
+
 Resume (run.resume): none starts at step 0; auto takes the newest checkpoint that verifies, starts at 0 when
 there is none, and refuses to start when there are some but none verifies (each named with its problem: starting
 over would silently rewrite the run's metrics); a path resumes that checkpoint. A checkpoint past train.steps is
@@ -41,6 +47,50 @@ from .logging import METRICS, MetricsFileError, parse_metrics
 log = logging.getLogger(__name__)
 
 EXPORT_RECORD = "jagg_export.json"  # inside the export directory: which step and dtype it holds
+# what a run writes into its directory (jagg-eval's default output too): what run.overwrite replaces
+RUN_OUTPUTS = (METRICS, "summary.json", "checkpoints", "eval", "jagg-eval", "lora", "transformer", "PREEMPTED")
+
+
+class RunDirExistsError(ConfigError):
+    """run.resume is none but run.output_dir holds an earlier run; the message names it and the ways on."""
+
+
+def earlier_run(out: Path) -> list[str]:
+    """What an earlier run left in `out` that a fresh start would replace (empty: nothing worth keeping)."""
+    out, found = Path(out), []
+    metrics = out / METRICS
+    rows = [line for line in metrics.read_bytes().splitlines() if line.strip()] if metrics.is_file() else []
+    if rows:
+        found.append(f"{METRICS} ({len(rows)} rows)")
+    steps = sorted(p.name for p in (out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
+    if steps:
+        found.append(f"checkpoints/{steps[0]}" + (f" .. {steps[-1]} ({len(steps)})" if len(steps) > 1 else ""))
+    found += [f"{name}/ (export)" for name in ("lora", "transformer") if (out / name).is_dir()]
+    return found
+
+
+def check_fresh_start(cfg: Config, out: Path) -> None:
+    """run.resume none into a directory holding a run: RunDirExistsError unless run.overwrite (then a warning)."""
+    found = earlier_run(out) if cfg.run.resume == "none" else []
+    if not found:
+        return
+    if cfg.run.overwrite:
+        log.warning("run.overwrite=true: the earlier run in %s (%s) is replaced", out, ", ".join(found))
+        return
+    raise RunDirExistsError(
+        f"config key 'run.output_dir': {out} already holds a run ({', '.join(found)}) and run.resume is none: "
+        "starting over would replace it. Continue it with run.resume=auto, train into a new run.output_dir, or "
+        "replace it with run.overwrite=true")
+
+
+def clear_earlier_run(out: Path) -> None:
+    """run.overwrite: delete what an earlier run wrote into `out` (RUN_OUTPUTS; nothing else in it)."""
+    for name in RUN_OUTPUTS:
+        path = Path(out) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 class RunState:
@@ -193,7 +243,8 @@ def no_valid_checkpoint(root: Path, problems: list[str]) -> str:
     listed = "\n".join(f"  - {p}" for p in problems)
     return (f"run.resume=auto: {len(problems)} checkpoint{'s' if len(problems) > 1 else ''} under {root}, none "
             f"valid:\n{listed}\nNothing was resumed or overwritten. To start over from step 0, set run.resume=none "
-            "(this run directory's metrics.jsonl is then rewritten) or move the checkpoints away.")
+            "run.overwrite=true (this run directory's metrics.jsonl and checkpoints are then replaced) or move the "
+            "checkpoints away.")
 
 
 def _cast_floats_(state: dict, dtype: torch.dtype) -> None:

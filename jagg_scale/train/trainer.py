@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from ..cond import index_cond
-from ..data import ListPromptSource, PromptSet, StreamPromptSource, load_prompts
+from ..data import ListPromptSource, PromptSet, StreamPromptSource
 from ..grpo import GRPOStepLoss, Trajectories, read_metrics, reduce_metrics
 from ..grpo.rollout import to_device
 from ..jagg import trained_steps
@@ -37,16 +37,15 @@ from ..models import build_model
 from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
 from ..parallel.engine import NonFiniteError
-from ..paths import resolve_path
 from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
-from .config import Config, engine_spec
+from .config import Config, engine_spec, load_prompt_file
 from .evaluate import eval_prompts, evaluate
 from .logging import RunLogger
 from .policy import Policy
 from .preemption import Preemption
 from .rows import StepRows, step_seed
 from .run_lock import RunLock
-from .run_state import RunState
+from .run_state import RunDirExistsError, RunState, check_fresh_start, clear_earlier_run
 from .update import BackwardStats, backward_minibatch, probe_minibatch
 
 log = logging.getLogger(__name__)
@@ -62,6 +61,12 @@ class Trainer:
             torch.set_num_threads(cfg.run.threads)
         self.dist = init_distributed(cfg.run.device, timeout_s=cfg.parallel.collective_timeout_s)
         self.lock = RunLock.acquire(self.out, self.dist)  # one job per run directory: fails on every rank if taken
+        try:  # run.resume none into an earlier run: refused (unless run.overwrite), before any model is built
+            self.dist.on_main(lambda: check_fresh_start(cfg, self.out))
+        except RunDirExistsError:
+            self.lock.release()
+            self.dist.close()
+            raise
         self.device = self.dist.device
         if self.dist.world_size > 1 and cfg.jagg.probe_every:
             raise ValueError("jagg.probe_every (the exact-gradient probe) runs on one process; set it to 0")
@@ -113,7 +118,7 @@ class Trainer:
         if cfg.data.source == "wds":
             return StreamPromptSource(cfg.data.shards, cfg.train.prompts_per_step, cfg.run.seed, self.dist,
                                       num_workers=cfg.data.num_workers)
-        prompts = (load_prompts(resolve_path(cfg.data.prompt_file)) if cfg.data.prompt_file
+        prompts = (load_prompt_file("data.prompt_file", cfg.data.prompt_file) if cfg.data.prompt_file
                    else PromptSet.from_list(cfg.data.prompts))
         return ListPromptSource(prompts, cfg.train.prompts_per_step, cfg.run.seed)
 
@@ -289,6 +294,8 @@ class Trainer:
         cfg = self.cfg
         main = self.dist.is_main
         if main:
+            if cfg.run.overwrite and self.start_step == 0:
+                clear_earlier_run(self.out)  # what check_fresh_start found: the user said to replace it
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             (self.out / "PREEMPTED").unlink(missing_ok=True)

@@ -230,7 +230,7 @@ def write_markdown(results: dict, out: Path, plots: dict[str, str]) -> Path:
         "- CPU results do not carry over to GPUs: a small batch does not saturate a GPU, so there the 2B-row pass "
         "can cost well under 2 B-row passes (speedups above W/2), and under FSDP/ZeRO-3 the saved all-gathers "
         "are network time that this CPU run only counts.",
-        "- Speed only: the quality of the JAGG gradient is in docs/parity.md and the design doc.",
+        "- Speed only: the quality of the JAGG gradient is in docs/parity.md and docs/algorithm.md.",
         "",
     ]
     path = out.parent / f"{out.name}.md"
