@@ -297,8 +297,9 @@ def section_syncs(args, device, state) -> dict:
     from test_host_syncs import LAYOUT  # sd35m_pickscore's per-rank loop on the tiny pipeline (the CPU test's)
 
     work = Path(state["work"])
-    cfg = load_config(ROOT / "configs" / "sd3_tiny_cpu.yaml",
-                      [*LAYOUT, *train_overrides(tiny_pipeline(work), work / "syncs_run", device)])
+    shrink = ["train.prompts_per_step=1", "train.batch_size=12", "train.micro_batch_size=12"] if args.tiny else []
+    cfg = load_config(ROOT / "configs" / "sd3_tiny_cpu.yaml",  # --tiny: the same loop on 24 rows, not 144
+                      [*LAYOUT, *shrink, *train_overrides(tiny_pipeline(work), work / "syncs_run", device)])
     trainer = Trainer(cfg)
     try:
         trainer.train_step(0)  # warm-up: allocator, kernels, lazy init
