@@ -27,6 +27,7 @@ def train_main(argv: list[str] | None = None) -> int:
     from .parallel.ranks import discover
     from .train import ConfigError, Trainer, load_config
     from .train.config import validate_world
+    from .train.diversity import diversity_summary
     from .train.preemption import follow_launcher
 
     follow_launcher(launcher)  # under torchrun: SIGTERM (checkpoint, exit) when the agent dies, never an orphan
@@ -78,8 +79,11 @@ def _summary(trainer, cfg, history: list[dict]) -> None:
             first, last = min(trainer.evals), max(trainer.evals)
             e0, e1 = trainer.evals[first], trainer.evals[last]
             summary["eval_before"], summary["eval_after"] = e0["reward_mean"], e1["reward_mean"]
+            diversity, line = diversity_summary(e1)  # vs the base model's (step-0) evaluation
+            summary.update(diversity)
             print(f"  held-out eval ({e1['reward']}, ODE, {e1['num_images']} images): "
                   f"{e0['reward_mean']:.4f} after {first} steps -> {e1['reward_mean']:.4f} after {last} steps\n"
+                  f"{line}\n"
                   f"  grids: {trainer.out / 'eval'}/step_*/grid.png")
         (trainer.out / "summary.json").write_text(json.dumps(summary, indent=2))
 
@@ -149,7 +153,7 @@ def eval_main(argv: list[str] | None = None) -> int:
         print(f"jagg-eval: {err}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=2))
+        print(json.dumps({k: v for k, v in result.items() if k not in ("per_prompt", "grid")}, indent=2))
         print(f"wrote {out / 'eval.json'}" + (f" and {out / 'grid.png'}" if cfg.eval.grid_images else ""))
     return 0
 

@@ -31,6 +31,7 @@ from jagg_scale.rewards.multi import build_reward_mix
 from jagg_scale.train import Trainer, load_config
 from jagg_scale.train import evaluate as evaluate_mod
 from jagg_scale.train.evaluate import EvalNoise, eval_prompts, eval_share, evaluate
+from jagg_scale.train.grid import LABEL_WIDTH
 from jagg_scale.train.policy import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,8 +125,8 @@ def test_grid_shows_the_first_grid_images(tmp_path):
     evaluate(model, policy.velocity_fn(), policy.encode, reward, cfg, eval_prompts(cfg), tmp_path / "five")
     cfg0 = load_config(TINY, SMALL + ["eval.enabled=true", _prompts(6), "eval.num_per_prompt=2", "eval.grid_images=0"])
     evaluate(model, policy.velocity_fn(), policy.encode, reward, cfg0, eval_prompts(cfg0), tmp_path / "none")
-    # 8 px images shown at 64 px, 2 px gaps; 16 columns (8 prompts' pairs) per row: 5 images -> one row of 16
-    assert Image.open(tmp_path / "five" / "grid.png").size == (16 * 66 + 2, 66 + 2)
+    # 8 px images shown at 64 px, 2 px gaps; one row per prompt after its label: 5 images -> rows of 2, 2, 1
+    assert Image.open(tmp_path / "five" / "grid.png").size == (LABEL_WIDTH + 2 * 66 + 2, 3 * 66 + 2)
     assert not (tmp_path / "none" / "grid.png").exists() and (tmp_path / "none" / "eval.json").exists()
 
 

@@ -58,6 +58,12 @@ class Reward:
     ) -> RewardOutput:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def image_features(self, images: torch.Tensor) -> torch.Tensor | None:
+        """Float [B, D] features of the reward's own image backbone, or None when it has none. The evaluation's
+        diversity compares images in this space (cosine distance; pixels when None): a reward model tells apart
+        what it scores on."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 

@@ -285,6 +285,10 @@ class _ClipTextImage(Reward):
     def transform(self, cos: torch.Tensor) -> torch.Tensor:  # pragma: no cover - overridden
         return cos
 
+    def image_features(self, images: torch.Tensor) -> torch.Tensor:
+        """CLIP image embeddings (eval diversity's feature space)."""
+        return self.backbone.image_embeds(images)
+
     def torch_modules(self) -> list[nn.Module]:
         """The modules this reward scores with (what `rewards.sharded.shard_reward` shards)."""
         return [self.backbone.model]
@@ -458,6 +462,10 @@ class Aesthetic(Reward):
     def torch_modules(self) -> list[nn.Module]:
         """The CLIP model, for `rewards.sharded.shard_reward`; the ~1M-parameter head stays replicated."""
         return [self.backbone.model]
+
+    def image_features(self, images: torch.Tensor) -> torch.Tensor:
+        """CLIP image embeddings (eval diversity's feature space)."""
+        return self.backbone.image_embeds(images)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> RewardOutput:

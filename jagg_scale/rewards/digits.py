@@ -116,6 +116,13 @@ class DigitMatch(Reward):
         self.model = load_classifier(self.classifier_path)
 
     @torch.no_grad()
+    def image_features(self, images: torch.Tensor) -> torch.Tensor:
+        """The classifier's penultimate features (the 1024 inputs of its head) [B, 1024], on the CPU."""
+        if next(self.model.parameters()).device != images.device:
+            self.model.to(images.device)
+        return self.model.features(self.model.preprocess(images)).flatten(1).float().cpu()
+
+    @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> RewardOutput:
         b = int(images.shape[0])
         if len(prompts) != b or len(metadata) != b:

@@ -79,6 +79,15 @@ class RewardMix(Reward):
                 for n, p in parts.items()}
         return RewardOutput(scores=torch.where(valid, total, torch.full_like(total, float("nan"))), info=info)
 
+    def image_features(self, images: torch.Tensor) -> torch.Tensor | None:
+        """The first component's backbone features that has any (eval diversity), else None."""
+        for _, _, reward in self.components:
+            hook = getattr(reward, "image_features", None)
+            feats = hook(images) if callable(hook) else None
+            if feats is not None:
+                return feats
+        return None
+
     def weighted_sum(self, parts: dict[str, ComponentScores]) -> tuple[torch.Tensor, torch.Tensor]:
         """sum_c w_c r_c in float64 (float32 overflows for rewards on a 1e38 scale) and where all succeeded."""
         total = sum(self.weights[n] * p.scores.double() for n, p in parts.items())

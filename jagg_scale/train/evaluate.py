@@ -10,13 +10,18 @@ At scale (thousands of held-out images, several ranks):
                (a sharded model needs every rank in each forward, a sharded reward in each call): a rank short of S
                images pads its share with copies of the last image, sampled, decoded, scored and dropped
     bounded    per rank, eval.batch_size images at a time are encoded, sampled, decoded and scored: memory does not
-               grow with N (only the scores and the first eval.grid_images images are kept)
+               grow with N (only the scores, a feature row per image and the first eval.grid_images images are kept)
     noise      image i starts from row i of torch.randn(N, *latent_shape) drawn from a generator seeded by
                eval.seed (the tensor this evaluation has always used), produced in chunks of about eval.batch_size
                rows (`EvalNoise`): the same noise for image i whatever the rank or the world size, never the whole
                tensor at once
     gather     the scores are all-gathered (every rank returns the same result); the grid's images are gathered to
                rank 0, which writes eval.json and grid.png
+    diversity  per image a feature row (the reward backbone's features, else pooled pixels: diversity.py) is kept
+               and all-gathered like the scores; each prompt's diversity is the mean pairwise distance of its rows
+
+The grid has one row per prompt, labelled with the prompt, its mean reward and its diversity (grid.py); eval.json
+lists the rows' prompts under "grid".
 """
 
 from __future__ import annotations
@@ -25,42 +30,21 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 from ..data import PromptSet
 from ..grpo import model_schedule, sample_ode
 from ..rewards import score_safely
 from .config import Config, load_prompt_file
+from .diversity import compare_to_base, diversity_features, mean_pairwise_distance
+from .grid import image_grid, to_uint8
 
-__all__ = ["EvalNoise", "eval_prompts", "eval_share", "evaluate", "evaluate_checkpoint", "image_grid"]
+__all__ = ["EvalNoise", "eval_prompts", "eval_share", "evaluate", "evaluate_checkpoint", "image_grid", "load_eval"]
 
 
 def eval_prompts(cfg: Config) -> PromptSet:
     e = cfg.eval
     return load_prompt_file("eval.prompt_file", e.prompt_file) if e.prompt_file else PromptSet.from_list(e.prompts)
-
-
-def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """[N, 3, H, W] float in [0, 1] -> uint8 on the CPU (what a grid shows: a quarter of float32's bytes)."""
-    return (images.clamp(0, 1) * 255).round().to(torch.uint8).cpu()
-
-
-def image_grid(images: torch.Tensor, ncols: int, min_size: int = 64) -> Image.Image:
-    """[N, 3, H, W] in [0, 1] (or uint8 from `to_uint8`) -> one PIL image, ncols per row; small images are upscaled
-    (nearest) for viewing."""
-    n, _, h, w = images.shape
-    scale = max(1, min_size // max(h, w))
-    arr = (images if images.dtype == torch.uint8 else to_uint8(images)).permute(0, 2, 3, 1).cpu().numpy()
-    arr = arr.repeat(scale, axis=1).repeat(scale, axis=2)
-    nrows = (n + ncols - 1) // ncols
-    h, w, pad = h * scale, w * scale, 2
-    grid = np.full((nrows * (h + pad) + pad, ncols * (w + pad) + pad, 3), 255, dtype=np.uint8)
-    for i in range(n):
-        r, c = divmod(i, ncols)
-        grid[pad + r * (h + pad): pad + r * (h + pad) + h, pad + c * (w + pad): pad + c * (w + pad) + w] = arr[i]
-    return Image.fromarray(grid)
 
 
 class EvalNoise:
@@ -127,12 +111,14 @@ def _gather_to_main(dist, obj) -> list | None:
 
 @torch.no_grad()
 def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet, out_dir: Path | None,
-             dist=None) -> dict:
-    """Sample eval.num_per_prompt images per prompt with the ODE, score them, write eval.json and grid.png.
+             dist=None, base: dict | None = None) -> dict:
+    """Sample eval.num_per_prompt images per prompt with the ODE, score them, measure each prompt's diversity, write
+    eval.json and grid.png.
 
     With a DistContext `dist` of several ranks each samples its share (module docstring); every rank must call this
     (the same number of forwards), every rank returns the same result, and `out_dir` is written where it is given
-    (the trainer gives it to rank 0 only)."""
+    (the trainer gives it to rank 0 only). `base`: the base model's result of the same protocol (the step-0
+    evaluation), reported beside this one with the diversity ratio."""
     e = cfg.eval
     active = dist is not None and dist.active
     rank, world = (dist.rank, dist.world_size) if active else (0, 1)
@@ -143,7 +129,8 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
     noise = EvalNoise(e.seed, model.latent_shape, n, e.batch_size)
     sigmas = model_schedule(model, cfg.sampling.eval_num_steps, cfg.sampling.shift).to(device)
     grid_n = min(e.grid_images, n)
-    scores, valid, grid = [], [], []
+    scores, valid, feats, grid = [], [], [], []
+    space = None
     was_training = model.training
     model.eval()
     try:
@@ -155,18 +142,28 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
             s, v, _ = score_safely(reward, images, texts, [r.metadata for r in batch], max_fail_frac=1.0)
             scores.append(s.cpu())
             valid.append(v.cpu())
+            f, space = diversity_features(reward, images)
+            feats.append(f)
             shown = (mine & (rows < grid_n)).nonzero().flatten()
             if len(shown):
                 grid.append(to_uint8(images[shown.to(images.device)]))
             del final, images
     finally:
         model.train(was_training)
-    scores_t, valid_t = torch.cat(scores), torch.cat(valid)
+    scores_t, valid_t, feats_t = torch.cat(scores), torch.cat(valid), torch.cat(feats)
     if active:
         scores_t = dist.all_gather_tensor(scores_t.to(dist.device)).cpu()
         valid_t = dist.all_gather_tensor(valid_t.to(dist.device)).cpu()
-    scores_t, valid_t = scores_t[:n], valid_t[:n]  # rank-major shares: the gathered rows are the images in order
+        feats_t = dist.all_gather_tensor(feats_t.to(dist.device)).cpu()
+    # rank-major shares: the gathered rows are the images in order
+    scores_t, valid_t, feats_t = scores_t[:n], valid_t[:n], feats_t[:n]
     ok = scores_t[valid_t].double()  # float32 sums overflow for rewards on a 1e38 scale
+    k = e.num_per_prompt
+    per_prompt = [{"prompt": prompts.records[i].prompt,
+                   "scores": [float(s) for s in scores_t[i * k:(i + 1) * k]],
+                   "diversity": mean_pairwise_distance(feats_t[i * k:(i + 1) * k], space)}
+                  for i in range(len(prompts))]
+    diversities = [p["diversity"] for p in per_prompt if p["diversity"] is not None]
     result = {
         "reward": getattr(reward, "name", type(reward).__name__),
         "reward_mean": float(ok.mean()) if len(ok) else float("nan"),
@@ -176,22 +173,37 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
         "num_failed": int(n - int(valid_t.sum())),
         "num_steps": cfg.sampling.eval_num_steps,
         "seed": e.seed,
-        "per_prompt": [
-            {"prompt": prompts.records[i].prompt,
-             "scores": [float(s) for s in scores_t[i * e.num_per_prompt:(i + 1) * e.num_per_prompt]]}
-            for i in range(len(prompts))
-        ],
+        "diversity": sum(diversities) / len(diversities) if diversities else None,
+        "diversity_space": space,
+        "per_prompt": per_prompt,
     }
+    compare_to_base(result, base)
+    if grid_n:  # grid.png's legend: row r shows the images of prompt r
+        shown = per_prompt[:-(-grid_n // k)]
+        result["grid"] = {"file": "grid.png", "images_per_row": k, "rows": [p["prompt"] for p in shown]}
     parts = _gather_to_main(dist, torch.cat(grid) if grid else None) if grid_n else None
     if out_dir is not None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         images = [p for p in parts or [] if p is not None]
         if images:
-            image_grid(torch.cat(images), ncols=e.num_per_prompt * max(1, 16 // e.num_per_prompt)).save(
-                out_dir / "grid.png")
+            labels = [_row_label(p) for p in per_prompt]
+            image_grid(torch.cat(images), ncols=k, labels=labels).save(out_dir / "grid.png")
         (out_dir / "eval.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def _row_label(p: dict) -> str:
+    """A grid row's label: the prompt, then its mean reward and diversity (grid.py wraps the prompt)."""
+    mean = sum(p["scores"]) / len(p["scores"])
+    diversity = "-" if p["diversity"] is None else f"{p['diversity']:.3f}"
+    return f"{p['prompt']}\nreward {mean:.3f}\ndiversity {diversity}"
+
+
+def load_eval(out_dir: Path) -> dict | None:
+    """A written evaluation's eval.json (None when there is none): e.g. the base model's, for a resumed run."""
+    path = Path(out_dir) / "eval.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> dict:

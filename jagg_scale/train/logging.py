@@ -1,5 +1,7 @@
 """Where a run reports: metrics.jsonl (one line per step), a progress bar with the live reward, and wandb
-(offline by default, so a cluster node without internet never blocks on it).
+(offline by default, so a cluster node without internet never blocks on it): the run config, the step scalars,
+and per evaluation its scalars, its grid and one panel per prompt, captioned with the prompt and its scores (a
+reward mean cannot show a collapse of the samples; the images can).
 
 metrics.jsonl survives the ways a run ends. A kill or a full disk in the middle of a write leaves a torn last line:
 reading the file (a resume, `read_metrics`) drops it with a warning naming the file and the line, and a resume
@@ -64,10 +66,42 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=metrics["step"])
 
+    def log_eval(self, step: int, result: dict, eval_dir: Path) -> None:
+        """wandb only (eval.json already holds the evaluation): eval/ scalars, eval/grid and eval/prompts."""
+        if self.wandb is None:
+            return
+        import wandb
+        from PIL import Image
+
+        from .grid import grid_rows
+
+        data = {f"eval/{k}": result.get(k) for k in ("reward_mean", "reward_std", "diversity", "diversity_ratio")}
+        data["eval/diversity_base"] = (result.get("base") or {}).get("diversity")
+        data = {k: v for k, v in data.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        grid_file = Path(eval_dir) / "grid.png"
+        if result.get("grid") and grid_file.is_file():
+            with Image.open(grid_file) as grid:
+                grid.load()
+            data["eval/grid"] = wandb.Image(grid, caption=f"step {step}: {_caption(result)}")
+            rows = grid_rows(grid, len(result["grid"]["rows"]))
+            data["eval/prompts"] = [wandb.Image(row, caption=f"{p['prompt']}: {_caption(p)}")
+                                    for row, p in zip(rows, result["per_prompt"])]
+        self.wandb.log(data, step=step)
+
     def close(self) -> None:
         self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _caption(scored: dict) -> str:
+    """'reward 0.812, diversity 0.214' for an evaluation or one of its prompts."""
+    if "reward_mean" in scored:
+        reward = scored["reward_mean"]
+    else:
+        reward = sum(scored["scores"]) / len(scored["scores"])
+    diversity = scored.get("diversity")
+    return f"reward {reward:.3f}, diversity " + ("-" if diversity is None else f"{diversity:.3f}")
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:

@@ -39,7 +39,7 @@ from ..parallel.dist import init_distributed
 from ..parallel.engine import NonFiniteError
 from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
 from .config import Config, engine_spec, load_prompt_file
-from .evaluate import eval_prompts, evaluate
+from .evaluate import eval_prompts, evaluate, load_eval
 from .logging import RunLogger
 from .policy import Policy
 from .preemption import Preemption
@@ -303,10 +303,16 @@ class Trainer:
         logger = RunLogger(self.out, total_steps=cfg.train.steps, start_step=self.start_step,
                            progress=cfg.log.progress, wandb_cfg=wandb_cfg, config=cfg.to_dict()) if main else None
         history = []
+
+        def evaluate_and_log(step: int) -> None:  # every rank evaluates; rank 0 also shows it on wandb
+            result = self.evaluate(step)
+            if logger is not None:
+                logger.log_eval(step, result, self.eval_dir(step))
+
         try:
             with self.preemption.armed():
                 if self.eval_prompts is not None and self.start_step == 0 and cfg.eval.at_start:
-                    self.evaluate(0)
+                    evaluate_and_log(0)
                 for step in range(self.start_step, cfg.train.steps):
                     metrics = self.train_step(step)
                     if logger is not None:
@@ -318,7 +324,7 @@ class Trainer:
                     if preempted:
                         self._exit_preempted(step + 1)
                     if self.eval_prompts is not None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
-                        self.evaluate(step + 1)
+                        evaluate_and_log(step + 1)
                 self.run_state.finish(self.model, cfg.train.steps)  # the final export, if the loop did not write it
         finally:
             if logger is not None:
@@ -345,15 +351,20 @@ class Trainer:
     def evaluate(self, step: int) -> dict:
         """ODE samples on the held-out prompts after `step` updates -> out/eval/step_XXXXXXXX/{eval.json,grid.png}.
         Each rank samples its share of the images, eval.batch_size at a time, in the same number of forwards (a
-        sharded model needs all ranks in each); the scores are gathered to every rank, rank 0 writes."""
-        out_dir = self.out / "eval" / f"step_{step:08d}"
+        sharded model needs all ranks in each); the scores are gathered to every rank, rank 0 writes. After step 0
+        the step-0 evaluation (the base model; read back from its eval.json in a resumed run) is reported beside it."""
+        out_dir = self.eval_dir(step)
+        base = None if step == 0 else self.evals.get(0) or load_eval(self.eval_dir(0))
         with self.engine.ema_weights():  # the EMA weights when train.ema_decay > 0
             result = evaluate(self.model, self.policy.velocity_fn(), self.policy.encode, self.reward, self.cfg,
-                              self.eval_prompts, out_dir if self.dist.is_main else None, self.dist)
+                              self.eval_prompts, out_dir if self.dist.is_main else None, self.dist, base=base)
         self.evals[step] = result
-        log.info("eval after %d steps: %s %.4f +- %.4f over %d images", step, result["reward"],
-                 result["reward_mean"], result["reward_std"], result["num_images"])
+        log.info("eval after %d steps: %s %.4f +- %.4f over %d images, diversity %s", step, result["reward"],
+                 result["reward_mean"], result["reward_std"], result["num_images"], result["diversity"])
         return result
+
+    def eval_dir(self, step: int) -> Path:
+        return self.out / "eval" / f"step_{step:08d}"
 
 
 def _backward_metrics(stats: BackwardStats) -> dict:
