@@ -58,10 +58,13 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
 
 
 REFERENCE = "Flow-GRPO"
+PARTIAL = Path(tempfile.gettempdir()) / "jagg_time_to_reward_partial.json"
 TARGET_FRAC, TARGET_TIME, TARGET_FINAL = 0.95, 0.5, 0.95
 COMMON = ["eval.enabled=true", "eval.every=0", "eval.at_start=false", "run.checkpoint_every=0",
           "log.progress=false", "log.wandb=false", "jagg.probe_every=0", "run.resume=none"]
-FULL = {"steps": 60, "eval_every": 10, "seeds": [0, 1, 2], "num_steps": 16, "extra": []}
+# Sized to about an hour on a 2-core CPU with 1 torch thread (18 trainers x 40 steps, ~70 s per round of all of
+# them, ~75 s per round of evaluations)
+FULL = {"steps": 40, "eval_every": 8, "seeds": [0, 1, 2], "num_steps": 16, "extra": []}
 QUICK = {"steps": 2, "eval_every": 1, "seeds": [0, 1], "num_steps": 8,
          "extra": ["sampling.num_steps=8", "sampling.eval_num_steps=8", "train.prompts_per_step=1",
                    "train.batch_size=8", "sampling.batch_size=8", "eval.num_per_prompt=1"]}
@@ -111,8 +114,7 @@ def run(quick: bool, steps: int | None = None, eval_every: int | None = None, se
             line = ", ".join(f"{a} {statistics.mean(runs[(a, s)]['step_seconds'][-1] for s in seeds):.2f}s"
                              for a in arms)
             print(f"    step {step + 1}/{steps} ({done / 60:.1f} min): {line}", flush=True)
-            if work:  # a long study keeps what it has measured so far
-                (work_dir / "time_to_reward_partial.json").write_text(json.dumps(list(runs.values())))
+            PARTIAL.write_text(json.dumps(list(runs.values())))  # a long study keeps what it has measured so far
         for t in trainers.values():
             t.dist.close()
     cfg = first.cfg
@@ -216,8 +218,9 @@ def markdown(res: dict) -> str:
         f"{s['steps']} steps per arm (the same prompts for every arm), seeds {s['seeds']}; held-out reward on "
         f"{s['eval_images']} images (deterministic ODE, Euler, the config's eval) every {s['eval_every']} steps. "
         f"Whole-step wall-clock (rollout + reward + training phase), all {len(rows)} x {len(s['seeds'])} trainers "
-        f"round-robin in one process. Run it: `python -m tools.bench --parts time_to_reward --merge --out "
-        f"docs/benchmarks`.",
+        f"round-robin in one process. Run it: `python -m tools.bench --parts time_to_reward --threads 1 --merge "
+        f"--out docs/benchmarks` (one torch thread: with other work on a 2-core machine two OpenMP threads spin at "
+        f"every barrier and a step ran 6x slower).",
         "",
         "| arm | rollout forwards / sample | backward passes / sample (per-step equiv) | step s (median: rollout + "
         "reward + train) | wall-clock s (mean +- std) | held-out final (mean +- std) | gain (mean +- seed std) | "
