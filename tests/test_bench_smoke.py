@@ -68,3 +68,26 @@ def test_bench_quick_writes_every_part(tmp_path):
         png = out.parent / f"benchmarks_{part}.png"
         assert png.exists() and png.stat().st_size > 1000
         assert png.name in md
+
+
+@pytest.mark.slow
+def test_time_to_reward_study_quick_writes_its_table_plot_and_target(tmp_path):
+    """The study (not in the default parts) at toy sizes: every arm's curve, the table, the plot, the target row."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench" / "benchmarks"
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--quick", "--parts", "time_to_reward", "--out", str(out)],
+                          cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+                          timeout=RUN_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    res = json.loads(out.with_suffix(".json").read_text())["parts"]["time_to_reward"]
+    assert "error" not in res and set(res["rows"]) == {
+        "Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JAGG in SDE k4 + dpm2"}
+    for key, value in res["summary"].items():
+        assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (key, value)
+    for run in res["runs"]:  # 2 steps, evaluated at 0, 1, 2; whole-step times measured
+        assert run["eval_steps"] == [0, 1, 2] and len(run["step_seconds"]) == 2 and min(run["step_seconds"]) > 0
+    assert res["rows"]["JAGG in SDE k4 + dpm2"]["per_step_equiv_per_step"] == 4
+    assert res["rows"]["Fast k2"]["per_step_equiv_per_step"] == 2
+    md = (out.parent / "benchmarks.md").read_text()
+    assert "7. time_to_reward" in md and "benchmarks_time_to_reward.png" in md and "best arm" in md
+    assert (out.parent / "benchmarks_time_to_reward.png").stat().st_size > 1000

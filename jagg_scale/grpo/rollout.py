@@ -14,13 +14,14 @@ rollout's, training reuses these u_k and needs no unconditional forward at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection
+from typing import Callable, Collection, Sequence
 
 import torch
 
 from ..cond import Cond, cat_cond
 from .loss import StepBatch
 from .sde import ode_step, sde_step_with_logprob, standard_normal
+from .solver import OdeSolverState, window_grids
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
 
@@ -114,49 +115,101 @@ def sample_sde(
     ref_velocity_fn: VelocityFn | None = None,
     sde_steps: Collection[int] | None = None,
     guidance: float = 1.0,
+    ode_solver: str = "euler",
+    ode_steps: int = 0,
+    host_sigmas: Sequence[float] | None = None,
 ) -> Trajectories:
     """Run the sampler from `noise` (= x_0 at s_0 = 1) through all T steps of `sigmas`: the SDE (with log-probs)
     on `sde_steps` (all when None), the deterministic ODE elsewhere (Flow-GRPO-Fast / MixGRPO: only the SDE
     steps are explored and trained; their log-probs are 0 elsewhere and never used). With guidance != 1 the
-    model is called with `cond` = (cond, uncond) through `cfg_predictions` and both predictions are kept."""
+    model is called with `cond` = (cond, uncond) through `cfg_predictions` and both predictions are kept.
+
+    Compressed rollout (MixGRPO-Flash; `sde_steps` one window of consecutive steps): `ode_solver` (euler | dpm2)
+    steps the deterministic parts, on `ode_steps` steps in all around the window (0: the schedule's own grid
+    points), re-spaced as grpo/solver.py describes; the window's SDE steps are unchanged. The trajectory keeps the
+    schedule's layout, so trained steps index it as before: latents, velocities and log-probs of the window at
+    their own indices, x_T the final sample; grid points the compressed parts do not visit hold zeros (training
+    never reads them). The solver's coefficients are Python floats computed from `host_sigmas` (the schedule's
+    values as a list; read from `sigmas` when not given: one read of the device), never per step on the device."""
     x = noise.float()
     n = x.shape[0]
+    T = len(sigmas) - 1
+    compressed = sde_steps is not None and (ode_solver != "euler" or ode_steps > 0)
+    if compressed and host_sigmas is None:
+        host_sigmas = sigmas.tolist()
     sigmas = sigmas.to(x.device)  # once: the per-step scalars below are views of it, never host reads
     sigma_max = sigmas[1]
-    trained = [k for k in range(len(sigmas) - 1) if sde_steps is None or k in sde_steps]
+    trained = [k for k in range(T) if sde_steps is None or k in sde_steps]
     step_noise = draw_step_noise(generator, x.shape, len(trained), x.device)
-    latents, velocities, log_probs, ref_vs, uncond_vs = [x], [], [], [], []
-    for k in range(len(sigmas) - 1):
-        s = sigmas[k].expand(n)
+
+    def predict(x, s):
+        """(the guided velocity the sampler moves along, the stored prediction, the unconditional one or None)."""
         if guidance == 1.0:
             v = velocity_fn(x, s, cond).float()
-            prediction = v
-        else:
-            c, u = cfg_predictions(velocity_fn, x, s, cond)
-            v = guide(c, u, guidance).float()  # the very ops of guided_velocity: the same trajectory
-            prediction = c.float()
-            uncond_vs.append(u.float())
-        stochastic = sde_steps is None or k in sde_steps
-        if stochastic:
-            step = sde_step_with_logprob(x, v, sigmas[k], sigmas[k + 1], noise_level=noise_level, sigma_max=sigma_max,
-                                         noise=step_noise[trained.index(k)])
-            x_next, log_prob = step.prev_sample, step.log_prob
-        else:
-            x_next, log_prob = ode_step(x, v, sigmas[k], sigmas[k + 1]), torch.zeros(n, device=x.device)
+            return v, v, None
+        c, u = cfg_predictions(velocity_fn, x, s, cond)
+        return guide(c, u, guidance).float(), c.float(), u.float()  # the very ops of guided_velocity
+
+    latents: list = [x] + [None] * T
+    velocities: list = [None] * T
+    uncond_vs: list = [None] * T
+    ref_vs: list = [None] * T
+    log_probs: list = [None] * T
+
+    def sde(k, x):
+        s = sigmas[k].expand(n)
+        v, velocities[k], uncond_vs[k] = predict(x, s)
+        step = sde_step_with_logprob(x, v, sigmas[k], sigmas[k + 1], noise_level=noise_level, sigma_max=sigma_max,
+                                     noise=step_noise[trained.index(k)])
         if ref_velocity_fn is not None:  # the KL term is evaluated on the trained (SDE) steps only
-            ref_vs.append(ref_velocity_fn(x, s, cond).float() if stochastic else torch.zeros_like(v))
-        x = x_next
-        latents.append(x)
-        velocities.append(prediction)
-        log_probs.append(log_prob)
+            ref_vs[k] = ref_velocity_fn(x, s, cond).float()
+        latents[k + 1], log_probs[k] = step.prev_sample, step.log_prob
+        return step.prev_sample
+
+    if not compressed:
+        for k in range(T):
+            if sde_steps is None or k in sde_steps:
+                x = sde(k, x)
+                continue
+            v, velocities[k], uncond_vs[k] = predict(x, sigmas[k].expand(n))
+            x = latents[k + 1] = ode_step(x, v, sigmas[k], sigmas[k + 1])
+    else:
+        window = sorted(sde_steps)
+        start = window[0] if window else T
+        if window != list(range(start, start + len(window))):
+            raise ValueError(f"a compressed rollout needs one window of consecutive SDE steps, got {window}")
+        before, after = window_grids(host_sigmas, start, len(window), ode_steps)
+        x = _ode_segment(predict, x, before, OdeSolverState(ode_solver), n, latents, velocities, uncond_vs)
+        for k in window:
+            x = sde(k, x)
+        _ode_segment(predict, x, after, OdeSolverState(ode_solver), n, latents, velocities, uncond_vs)
+
+    def stack(ts: list, like: torch.Tensor) -> torch.Tensor:  # zeros where nothing was computed (see above)
+        return torch.stack([t if t is not None else torch.zeros_like(like) for t in ts])
+
+    no_log_prob = torch.zeros(n, device=x.device)
     return Trajectories(
-        latents=torch.stack(latents),
-        velocities=torch.stack(velocities),
-        log_probs=torch.stack(log_probs),
+        latents=stack(latents, x),
+        velocities=stack(velocities, x),
+        log_probs=stack(log_probs, no_log_prob),
         sigmas=sigmas.clone(),
-        ref_velocities=torch.stack(ref_vs) if ref_vs else None,
-        uncond_velocities=torch.stack(uncond_vs) if uncond_vs else None,
+        ref_velocities=None if ref_velocity_fn is None else stack(ref_vs, x),
+        uncond_velocities=None if guidance == 1.0 else stack(uncond_vs, x),
     )
+
+
+def _ode_segment(predict, x, grid, solver: OdeSolverState, n: int, latents: list, velocities: list,
+                 uncond_vs: list) -> torch.Tensor:
+    """The deterministic steps of `grid` ((sigma, grid index or None) points) from x; the latents and
+    predictions that fall on the schedule's grid points are stored at their indices."""
+    for (s, k), (t, k_next) in zip(grid[:-1], grid[1:]):
+        v, prediction, u = predict(x, torch.full((n,), s, dtype=torch.float32, device=x.device))
+        if k is not None:
+            velocities[k], uncond_vs[k] = prediction, u
+        x = solver.step(x, v, s, t)
+        if k_next is not None:
+            latents[k_next] = x
+    return x
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, get_args
 
+from ..grpo.solver import OdeSolver
 from ..jagg.backward import IntermediateMode
 from ..jagg.knots import ErrorModel
 from ..jagg.routing import RouteBy
@@ -38,7 +39,7 @@ RESUME_KEYWORDS = ("none", "auto")  # run.resume: these, or the path of a checkp
 __all__ = [
     "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "KnotPlan", "Intermediate",
     "DataSource", "RewardAggregate", "WandbMode", "Device", "Backend", "GradSync", "ErrorModel", "IntermediateMode", "RouteBy",
-    "TextEncoders", "ExportDType",
+    "TextEncoders", "ExportDType", "OdeSolver",
     "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
     "DataConfig", "RewardConfig", "LogConfig", "EvalConfig", "ParallelConfig", "RunConfig",
 ]
@@ -137,6 +138,12 @@ class SamplingConfig(_Section):
     sde_window_range: list[int] = field(default_factory=list)
     sde_window_mode: SdeWindowMode = "random"
     sde_window_every: int = 1
+    # The deterministic steps outside the SDE window (MixGRPO-Flash): `ode_solver` euler, or dpm2 (DPM-Solver++(2M)
+    # for flow matching, second order), on `ode_steps` steps in all before and after the window (0: the schedule's
+    # own num_steps - sde_window steps), shared out in proportion to the steps each side had and re-spaced there
+    # (grpo/solver.py); the window keeps its sigmas, log-probs and training are unchanged. Evaluation stays Euler.
+    ode_solver: OdeSolver = "euler"
+    ode_steps: int = 0
 
     def check(self, prefix: str) -> None:
         _require(self.num_steps >= 1, f"{prefix}.num_steps", f"must be >= 1, got {self.num_steps}")
@@ -156,6 +163,13 @@ class SamplingConfig(_Section):
                  "must be [lo, hi] with 0 <= lo < hi <= num_steps and hi - lo >= sde_window, "
                  f"got {self.sde_window_range}")
         _require(self.sde_window_every >= 1, f"{prefix}.sde_window_every", "must be >= 1")
+        _require(0 <= self.ode_steps <= self.num_steps - self.sde_window, f"{prefix}.ode_steps",
+                 f"must be in [0, num_steps - sde_window] = [0, {self.num_steps - self.sde_window}] (0: the "
+                 f"schedule's own steps), got {self.ode_steps}")
+        for key, default in (("ode_solver", "euler"), ("ode_steps", 0)):
+            _require(self.sde_window > 0 or getattr(self, key) == default, f"{prefix}.{key}",
+                     f"acts on the ODE steps outside the SDE window: it needs {prefix}.sde_window > 0 (with "
+                     f"sde_window 0 every step is SDE)")
 
 
 @dataclass

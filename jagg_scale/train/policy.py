@@ -8,7 +8,8 @@
     policy.reference_fn()    the KL reference's velocity, or None when grpo.beta = 0
     policy.encode(prompts)   the conditioning; with guidance != 1 the pair (cond, uncond) of the prompts and of ""
     policy.rollout(...)      SDE trajectories of given global rows on the training schedule `policy.sigmas`,
-                             every draw seeded per (run seed, step, row)
+                             every draw seeded per (run seed, step, row); outside an SDE window the ODE runs
+                             sampling.ode_solver on sampling.ode_steps (grpo/solver.py)
 
 Used by the trainer and by `jagg-eval` (which needs only velocity_fn and encode: no optimizer, no engine).
 """
@@ -33,7 +34,9 @@ class Policy:
         """`model` is what to call for velocities (an engine's wrapped module when sharded). The KL reference is
         `ref_model` (a frozen copy, full fine-tune) or, with LoRA, the same model with its adapter off."""
         self.model, self.ref_model, self.cfg, self.device = model, ref_model, cfg, device
-        self.sigmas = model_schedule(model, cfg.sampling.num_steps, cfg.sampling.shift).to(device)
+        sigmas = model_schedule(model, cfg.sampling.num_steps, cfg.sampling.shift)
+        self.host_sigmas = sigmas.tolist()  # the rollout's ODE solver computes its coefficients from these
+        self.sigmas = sigmas.to(device)
         self._uncond = None  # the empty prompt's conditioning (CFG), encoded on first use
 
     @property
@@ -107,7 +110,9 @@ class Policy:
             noise = torch.stack([torch.randn(self.model.latent_shape, generator=g) for g in gens[chunk]])
             parts.append(sample_sde(predict, index_cond(cond, chunk), to_device(noise, self.device), self.sigmas,
                                     noise_level=cfg.sampling.noise_level, generator=gens[chunk],
-                                    ref_velocity_fn=ref, sde_steps=sde_steps, guidance=self.guidance))
+                                    ref_velocity_fn=ref, sde_steps=sde_steps, guidance=self.guidance,
+                                    ode_solver=cfg.sampling.ode_solver, ode_steps=cfg.sampling.ode_steps,
+                                    host_sigmas=self.host_sigmas))
             if on_chunk is not None:
                 on_chunk(chunk, parts[-1].final)
         return Trajectories.cat(parts)

@@ -13,7 +13,14 @@ Parts (one module each; every figure is a ratio of two measurements from the sam
     subsampling   JAGG composed with SDE-window subsampling (Flow-GRPO-Fast, MixGRPO), backward cost per sample
     cfg           training under CFG 4.5: Flow-GRPO's batched cond+uncond step vs the cached uncond, per-step and JAGG
 
+Studies (run only when named in --parts; they train for longer than the whole default run):
+
+    time_to_reward  held-out reward vs wall-clock on digits: Flow-GRPO, JAGG, the planner, SDE windows, the
+                    compressed ODE rollout (python -m tools.bench --parts time_to_reward --merge --out docs/benchmarks)
+
 Outputs: OUT.md (generated report), OUT.json (every number), OUT_<part>.png (plots).
 """
 
-PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling", "cfg")
+DEFAULT_PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling", "cfg")
+STUDIES = ("time_to_reward",)
+PARTS = DEFAULT_PARTS + STUDIES

@@ -1,0 +1,277 @@
+"""Part time_to_reward (a study, not in the default run): held-out reward against wall-clock on the digits task.
+
+Users buy held-out reward per GPU-hour, so this part times whole GRPO steps (rollout + reward + training phase;
+the gradient probe is off and the evaluations are not counted) and evaluates the held-out reward along the way.
+Every arm trains `configs/digits_cpu.yaml` from the same starting weights with the same seeds, so each sees the
+same prompts for the same number of steps (the same prompt budget); only how the rollout and the gradient are
+computed differs:
+
+    Flow-GRPO          jagg.mode=exact: every step SDE and trained, one backward per step (the reference)
+    JAGG W4            jagg.window=4, jagg_frac 1: one joint backward per window of 4 steps
+    budget S2.67       jagg.plan=budget, jagg.speedup=2.67: the knot planner, T / 2.67 exact rows per sample
+    Fast k2            Flow-GRPO-Fast: a 2-step SDE window (random start in the first half), per-step backward
+    JAGG in SDE k4     a 4-step SDE window (same draw), JAGG W4 on it: one joint backward per sample
+    ... + dpm2         the same with the compressed rollout: DPM-Solver++(2M) on 4 ODE steps outside the window
+                       (MixGRPO-Flash), 8 model forwards per sample instead of 16
+
+All arms x seeds live in this one process as separate trainers and step round-robin (one training step of each,
+the order rotated every step), so the machine's drifts and the other jobs on it hit every arm alike. The held-out
+reward (deterministic ODE evaluation, the config's eval section) is measured every `eval_every` steps; every
+trainer starts from the same weights and the evaluation is deterministic, so the step-0 value is measured once.
+
+Reported per arm: the held-out gain (final - start, mean and seed std), the gain as a fraction of Flow-GRPO's
+(mean +- std over seeds, each seed's gain over Flow-GRPO's mean gain), the wall-clock of whole steps (mean over
+seeds), and the wall-clock at which the seed-mean curve first reaches 95% of Flow-GRPO's final mean gain (linear
+interpolation between evaluations), also as a fraction of Flow-GRPO's whole wall-clock.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from .common import ROOT, matmul_gflops, median  # noqa: I001 (sets sys.path)
+
+from jagg_scale.train import Trainer, load_config
+
+ARMS = ("Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JAGG in SDE k4 + dpm2")
+
+
+def arm_overrides(arm: str, num_steps: int) -> list[str]:
+    """The arm's config overrides for a schedule of `num_steps` steps. SDE windows start in the first half of the
+    trajectory (Flow-GRPO-Fast's choice); the compressed rollout runs num_steps / 4 ODE steps around the window
+    (4 of the 12 outside a 4-step window of 16)."""
+    half = f"sampling.sde_window_range=[0, {num_steps // 2}]"
+    window4 = ["jagg.mode=jagg", "jagg.window=4", "sampling.sde_window=4", half]
+    return {
+        "Flow-GRPO": ["jagg.mode=exact"],
+        "JAGG W4": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"],
+        "budget S2.67": ["jagg.mode=jagg", "jagg.plan=budget", "jagg.speedup=2.67"],
+        "Fast k2": ["jagg.mode=exact", "sampling.sde_window=2", half],
+        "JAGG in SDE k4": window4,
+        "JAGG in SDE k4 + dpm2": window4 + ["sampling.ode_solver=dpm2", f"sampling.ode_steps={num_steps // 4}"],
+    }[arm]
+
+
+REFERENCE = "Flow-GRPO"
+PARTIAL = Path(tempfile.gettempdir()) / "jagg_time_to_reward_partial.json"
+TARGET_FRAC, TARGET_TIME, TARGET_FINAL = 0.95, 0.5, 0.95
+COMMON = ["eval.enabled=true", "eval.every=0", "eval.at_start=false", "run.checkpoint_every=0",
+          "log.progress=false", "log.wandb=false", "jagg.probe_every=0", "run.resume=none"]
+# Sized to about an hour on a 2-core CPU with 1 torch thread (18 trainers x 40 steps, ~70 s per round of all of
+# them, ~75 s per round of evaluations)
+FULL = {"steps": 40, "eval_every": 8, "seeds": [0, 1, 2], "num_steps": 16, "extra": []}
+QUICK = {"steps": 2, "eval_every": 1, "seeds": [0, 1], "num_steps": 8,
+         "extra": ["sampling.num_steps=8", "sampling.eval_num_steps=8", "train.prompts_per_step=1",
+                   "train.batch_size=8", "sampling.batch_size=8", "eval.num_per_prompt=1"]}
+
+
+def build(overrides: list[str], seed: int, steps: int, out: Path) -> Trainer:
+    return Trainer(load_config(str(ROOT / "configs" / "digits_cpu.yaml"),
+                               COMMON + overrides + [f"run.seed={seed}", f"train.steps={steps}", f"run.output_dir={out}"]))
+
+
+def run(quick: bool, steps: int | None = None, eval_every: int | None = None, seeds: list[int] | None = None,
+        arms: list[str] | None = None, work: str | None = None) -> dict:
+    size = QUICK if quick else FULL
+    steps, eval_every = steps or size["steps"], eval_every or size["eval_every"]
+    seeds, arms = seeds or size["seeds"], arms or list(ARMS)
+    if REFERENCE not in arms:
+        arms = [REFERENCE, *arms]
+    overrides = {a: size["extra"] + arm_overrides(a, size["num_steps"]) for a in arms}
+    with tempfile.TemporaryDirectory(prefix="jagg_bench_ttr_") as tmp:
+        work_dir = Path(work or tmp)
+        trainers = {(a, s): build(overrides[a], s, steps, work_dir / f"{_tag(a)}_s{s}") for a in arms for s in seeds}
+        first = trainers[(arms[0], seeds[0])]
+        t0 = time.perf_counter()
+        start = first.evaluate(0)["reward_mean"]  # the same weights, the same deterministic evaluation for all
+        eval_s = time.perf_counter() - t0
+        print(f"    held-out reward at step 0: {start:.4f} ({eval_s:.1f} s per evaluation)", flush=True)
+        keys = list(trainers)
+        runs = {k: {"arm": k[0], "seed": k[1], "step_seconds": [], "eval_steps": [0], "eval_reward": [start],
+                    "phases": [], "backward_passes": 0, "per_step_equiv": 0} for k in keys}
+        gflops = []
+        t_all = time.perf_counter()
+        for step in range(steps):
+            order = keys[step % len(keys):] + keys[: step % len(keys)]
+            for key in order:
+                t = time.perf_counter()
+                m = trainers[key].train_step(step)
+                runs[key]["step_seconds"].append(time.perf_counter() - t)
+                runs[key]["phases"].append([m["time_rollout"], m["time_reward"], m["time_train"]])
+                runs[key]["backward_passes"] += m["backward_passes"]
+                runs[key]["per_step_equiv"] += m["per_step_equiv"]
+            if (step + 1) % eval_every == 0 or step + 1 == steps:
+                for key in keys:
+                    runs[key]["eval_steps"].append(step + 1)
+                    runs[key]["eval_reward"].append(trainers[key].evaluate(step + 1)["reward_mean"])
+                gflops.append(matmul_gflops(512, 5))
+            done = time.perf_counter() - t_all
+            line = ", ".join(f"{a} {statistics.mean(runs[(a, s)]['step_seconds'][-1] for s in seeds):.2f}s"
+                             for a in arms)
+            print(f"    step {step + 1}/{steps} ({done / 60:.1f} min): {line}", flush=True)
+            PARTIAL.write_text(json.dumps(list(runs.values())))  # a long study keeps what it has measured so far
+        for t in trainers.values():
+            t.dist.close()
+    cfg = first.cfg
+    rows = summarize(list(runs.values()), arms)
+    setup = {"config": "configs/digits_cpu.yaml", "overrides": size["extra"], "steps": steps, "eval_every": eval_every,
+             "seeds": seeds, "num_steps": cfg.sampling.num_steps, "samples_per_step": cfg.train.prompts_per_step
+             * cfg.grpo.group_size, "eval_images": len(first.eval_prompts.records) * cfg.eval.num_per_prompt,
+             "arms": {a: arm_overrides(a, size["num_steps"]) for a in arms}, "reference": REFERENCE}
+    ref = rows[REFERENCE]
+    summary = {"reference_wall_seconds": ref["wall"][0], "reference_step_seconds": ref["step_seconds"]}
+    for a in arms:
+        if a != REFERENCE:
+            summary[f"step_speedup_{_tag(a)}"] = ref["step_seconds"] / rows[a]["step_seconds"]
+    return {"setup": setup, "runs": list(runs.values()), "rows": rows, "summary": summary,
+            "target": target(rows), "matmul_gflops_per_eval": gflops, "start_reward": start}
+
+
+def _tag(arm: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in arm.replace("+", "plus")).strip("_")
+
+
+def _mean_std(xs: list[float]) -> list[float]:
+    return [statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0]
+
+
+def curve(rs: list[dict]) -> tuple[list[float], list[float], list[float]]:
+    """(mean cumulative wall-clock, mean held-out reward, its seed std) at each evaluation of one arm's seeds."""
+    times, means, stds = [], [], []
+    for i, step in enumerate(rs[0]["eval_steps"]):
+        times.append(statistics.mean(sum(r["step_seconds"][:step]) for r in rs))
+        m, s = _mean_std([r["eval_reward"][i] for r in rs])
+        means.append(m)
+        stds.append(s)
+    return times, means, stds
+
+
+def time_to(times: list[float], values: list[float], level: float) -> float | None:
+    """The first time the piecewise-linear curve reaches `level` (None: never)."""
+    for i, v in enumerate(values):
+        if v >= level:
+            if i == 0:
+                return times[0]
+            t0, t1, v0 = times[i - 1], times[i], values[i - 1]
+            return t0 + (t1 - t0) * (level - v0) / (v - v0)
+    return None
+
+
+def summarize(runs: list[dict], arms: list[str]) -> dict:
+    by_arm = {a: [r for r in runs if r["arm"] == a] for a in arms}
+    ref_gains = [r["eval_reward"][-1] - r["eval_reward"][0] for r in by_arm[REFERENCE]]
+    ref_gain = statistics.mean(ref_gains)
+    ref_wall = statistics.mean(sum(r["step_seconds"]) for r in by_arm[REFERENCE])
+    rows = {}
+    for a, rs in by_arm.items():
+        gains = [r["eval_reward"][-1] - r["eval_reward"][0] for r in rs]
+        times, means, stds = curve(rs)
+        level = means[0] + TARGET_FRAC * ref_gain
+        t95 = time_to(times, means, level) if ref_gain > 0 else None
+        wall = _mean_std([sum(r["step_seconds"]) for r in rs])
+        rows[a] = {
+            "start": means[0], "final": [means[-1], stds[-1]], "gain": _mean_std(gains),
+            "gain_frac": _mean_std([g / ref_gain for g in gains]) if ref_gain else [math.nan, math.nan],
+            "wall": wall, "step_seconds": median([s for r in rs for s in r["step_seconds"]]),
+            "phases": [median([p[i] for r in rs for p in r["phases"]]) for i in range(3)],
+            # transformer backward passes per sample and step (B-row units: a JAGG joint pass counts 2)
+            "backward_passes_per_step": statistics.mean(r["backward_passes"] for r in rs) / len(rs[0]["step_seconds"]),
+            "per_step_equiv_per_step": statistics.mean(r["per_step_equiv"] for r in rs) / len(rs[0]["step_seconds"]),
+            "t95": t95, "t95_frac": None if t95 is None else t95 / ref_wall,
+            "curve": {"seconds": times, "reward": means, "reward_std": stds, "steps": rs[0]["eval_steps"]},
+        }
+    rows[REFERENCE]["gain_over_seed_std"] = (ref_gain / rows[REFERENCE]["gain"][1]
+                                             if rows[REFERENCE]["gain"][1] > 0 else None)
+    return rows
+
+
+def target(rows: dict) -> dict:
+    """The best arm: the earliest to 95% of the reference's final gain among those whose final gain is >= 0.95x
+    the reference's (any arm, when none is)."""
+    others = {a: r for a, r in rows.items() if a != REFERENCE}
+    good = {a: r for a, r in others.items() if r["gain_frac"][0] >= TARGET_FINAL}
+    pool = {a: r for a, r in (good or others).items() if r["t95_frac"] is not None} or (good or others)
+    best = min(pool, key=lambda a: pool[a]["t95_frac"] if pool[a]["t95_frac"] is not None else math.inf)
+    r = pool[best]
+    return {"name": f"an arm reaches {TARGET_FRAC:.0%} of {REFERENCE}'s final held-out gain in <= "
+                    f"{TARGET_TIME}x its wall-clock, final gain >= {TARGET_FINAL}x",
+            "best_arm": best, "t95_frac": r["t95_frac"], "gain_frac": r["gain_frac"],
+            "met": r["t95_frac"] is not None and r["t95_frac"] <= TARGET_TIME and r["gain_frac"][0] >= TARGET_FINAL,
+            "reference_gain_over_seed_std": rows[REFERENCE]["gain_over_seed_std"]}
+
+
+def _fmt(x, f="{:.2f}", none="never"):
+    return none if x is None or (isinstance(x, float) and not math.isfinite(x)) else f.format(x)
+
+
+def markdown(res: dict) -> str:
+    s, rows, t = res["setup"], res["rows"], res["target"]
+    ref = rows[REFERENCE]
+    extra = f" `{' '.join(s['overrides'])}`" if s["overrides"] else ""
+    lines = [
+        f"`{s['config']}`{extra}: {s['num_steps']} sampling steps, {s['samples_per_step']} samples per step, "
+        f"{s['steps']} steps per arm (the same prompts for every arm), seeds {s['seeds']}; held-out reward on "
+        f"{s['eval_images']} images (deterministic ODE, Euler, the config's eval) every {s['eval_every']} steps. "
+        f"Whole-step wall-clock (rollout + reward + training phase), all {len(rows)} x {len(s['seeds'])} trainers "
+        f"round-robin in one process. Run it: `python -m tools.bench --parts time_to_reward --threads 1 --merge "
+        f"--out docs/benchmarks` (one torch thread: with other work on a 2-core machine two OpenMP threads spin at "
+        f"every barrier and a step ran 6x slower).",
+        "",
+        "| arm | rollout forwards / sample | backward passes / sample (per-step equiv) | step s (median: rollout + "
+        "reward + train) | wall-clock s (mean +- std) | held-out final (mean +- std) | gain (mean +- seed std) | "
+        f"gain / {REFERENCE}'s | s to 95% of {REFERENCE}'s gain | that / {REFERENCE}'s wall-clock |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a, r in rows.items():
+        overrides = s["arms"][a]
+        nfe = _forwards(overrides, s["num_steps"])
+        lines.append(
+            f"| {a} | {nfe} | {r['backward_passes_per_step']:.1f} ({r['per_step_equiv_per_step']:.0f}) | "
+            f"{r['step_seconds']:.2f} ({r['phases'][0]:.2f} + {r['phases'][1]:.2f} + {r['phases'][2]:.2f}) | "
+            f"{r['wall'][0]:.0f} +- {r['wall'][1]:.0f} | {r['final'][0]:.3f} +- {r['final'][1]:.3f} | "
+            f"{r['gain'][0]:+.3f} +- {r['gain'][1]:.3f} | {r['gain_frac'][0]:.2f} +- {r['gain_frac'][1]:.2f} | "
+            f"{_fmt(r['t95'], '{:.0f}')} | {_fmt(r['t95_frac'])} |")
+    ratio = ref.get("gain_over_seed_std")
+    lines += [
+        "",
+        f"Held-out reward at step 0: {res['start_reward']:.3f}. {REFERENCE}'s gain is "
+        f"{_fmt(ratio, '{:.1f}', 'n/a')}x its seed std (the study asks for >= 5x). Best arm: **{t['best_arm']}**, "
+        f"95% of {REFERENCE}'s final gain at **{_fmt(t['t95_frac'])}x** its wall-clock, final gain "
+        f"**{t['gain_frac'][0]:.2f} +- {t['gain_frac'][1]:.2f}x** {REFERENCE}'s: "
+        + ("target met." if t["met"] else "target missed (see the notes)."),
+        "",
+        "Wall-clock = the sum of the arm's whole training steps (mean over seeds); the 95% time is read off the "
+        "seed-mean curve, linearly interpolated between evaluations.",
+    ]
+    if res.get("notes"):
+        lines += ["", *res["notes"]]
+    return "\n".join(lines)
+
+
+def _forwards(overrides: list[str], num_steps: int) -> int:
+    kv = dict(o.split("=", 1) for o in overrides)
+    window = int(kv.get("sampling.sde_window", 0))
+    ode = int(kv.get("sampling.ode_steps", 0))
+    return window + ode if window and ode else num_steps
+
+
+def plot(res: dict, ax) -> None:
+    for i, (a, r) in enumerate(res["rows"].items()):
+        c = r["curve"]
+        lo = [m - s for m, s in zip(c["reward"], c["reward_std"])]
+        hi = [m + s for m, s in zip(c["reward"], c["reward_std"])]
+        line, = ax.plot(c["seconds"], c["reward"], marker="o", ms=3, label=a, color=f"C{i}",
+                        lw=2.2 if a == REFERENCE or a == res["target"]["best_arm"] else 1.3)
+        ax.fill_between(c["seconds"], lo, hi, alpha=0.12, color=line.get_color())
+    ref = res["rows"][REFERENCE]
+    level = ref["start"] + TARGET_FRAC * ref["gain"][0]
+    ax.axhline(level, color="gray", ls="--", lw=0.8, label=f"95% of {REFERENCE}'s gain")
+    ax.set(xlabel="wall-clock of whole GRPO steps, s (mean over seeds)", ylabel="held-out reward (mean +- seed std)",
+           title=f"digits: held-out reward vs wall-clock ({len(res['setup']['seeds'])} seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
