@@ -27,7 +27,6 @@ def train_main(argv: list[str] | None = None) -> int:
     from .parallel.ranks import discover
     from .train import ConfigError, Trainer, load_config
     from .train.config import validate_world
-    from .train.diversity import diversity_summary
     from .train.preemption import follow_launcher
 
     follow_launcher(launcher)  # under torchrun: SIGTERM (checkpoint, exit) when the agent dies, never an orphan
@@ -63,6 +62,7 @@ def _summary(trainer, cfg, history: list[dict]) -> None:
     """Rank 0: the run's summary on stdout and in summary.json, over every step of the run (metrics.jsonl), so a
     resume with nothing left to train still writes it."""
     from .train import summarize
+    from .train.diversity import diversity_summary
 
     summary = summarize(_run_history(trainer.out) or history)
     if summary:

@@ -139,6 +139,7 @@ class DeepSpeedEngine(TrainEngine):
         else:  # ZeRO-1/2 (parallel.deepspeed override): DeepSpeed casts and moves the whole module, as it always did
             place_(model, None, getattr(model, "master_dtype", None))
         params = [p for p in model.parameters() if p.requires_grad]
+        _forget_stale_world_group()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=params, config=self.ds_config, dist_init_required=False)
         self.model = self.engine  # forward through the engine; other attributes fall through to the module
@@ -362,3 +363,15 @@ class DeepSpeedEngine(TrainEngine):
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return self.full_state_dict()
+
+
+def _forget_stale_world_group() -> None:
+    """DeepSpeed caches its clone of the world group in a module global (deepspeed.utils.groups._WORLD_GROUP). A
+    second engine in the same process, after the first one's process group was destroyed (a test that trains, then
+    evaluates; a resumed run in a notebook), would get that dead group; drop it so DeepSpeed clones the live one."""
+    import torch.distributed as tdist
+    from deepspeed.utils import groups
+
+    group = getattr(groups, "_WORLD_GROUP", None)
+    if group is not None and group not in tdist.distributed_c10d._world.pg_group_ranks:
+        groups._WORLD_GROUP = None
