@@ -105,7 +105,7 @@ def test_readme_training_commands_each_train_into_their_own_run_directory():
 
 
 def test_make_run_continues_the_run_and_lets_args_override():
-    proc = subprocess.run(["make", "-n", "run", "ARGS=run.resume=none run.overwrite=true"], cwd=ROOT,
+    proc = subprocess.run(["make", "--no-print-directory", "-n", "run", "ARGS=run.resume=none run.overwrite=true"], cwd=ROOT,
                           capture_output=True, text=True, check=True)
     line = proc.stdout.strip().splitlines()[-1].split()
     assert line[-4:] == ["configs/digits_cpu.yaml", "run.resume=auto", "run.resume=none", "run.overwrite=true"]

@@ -326,6 +326,9 @@ class Trainer:
                     if self.eval_prompts is not None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
                         evaluate_and_log(step + 1)
                 self.run_state.finish(self.model, cfg.train.steps)  # the final export, if the loop did not write it
+                # every rank leaves together: rank 0 may still be sealing the last checkpoint, and a rank that tore
+                # its process group down meanwhile aborted at exit under load (gloo, 2 processes)
+                self.dist.barrier()
         finally:
             if logger is not None:
                 logger.close()
