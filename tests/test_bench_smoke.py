@@ -75,9 +75,9 @@ def test_time_to_reward_study_quick_writes_its_table_plot_and_target(tmp_path):
     """The study (not in the default parts) at toy sizes: every arm's curve, the table, the plot, the target row."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench" / "benchmarks"
-    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--quick", "--parts", "time_to_reward", "--out", str(out)],
-                          cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
-                          timeout=RUN_S)
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--quick", "--parts", "time_to_reward",
+                           "--out", str(out)], cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                          capture_output=True, text=True, timeout=RUN_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     res = json.loads(out.with_suffix(".json").read_text())["parts"]["time_to_reward"]
     assert "error" not in res and set(res["rows"]) == {

@@ -74,7 +74,10 @@ WHAT = {
         "step SDE and trained per step; JAGG W4 and the knot planner (S = 2.67) change only the backward; Fast k2 "
         "(Flow-GRPO-Fast) samples and trains a 2-step SDE window, per step; `JAGG in SDE k4` a 4-step window with "
         "one JAGG joint pass; `+ dpm2` also compresses the ODE outside the window (`sampling.ode_solver: dpm2`, "
-        "DPM-Solver++(2M), on `sampling.ode_steps` steps: MixGRPO-Flash). A study, not in the default run."),
+        "DPM-Solver++(2M), on `sampling.ode_steps` steps: MixGRPO-Flash; the steps are shared between the parts "
+        "before and after the window in proportion to the schedule's steps there, at least one on a non-empty "
+        "side, and re-spaced evenly in the schedule's step index; the window keeps its own sigmas, log-probs and "
+        "JAGG windows). A study, not in the default run."),
 }
 
 
