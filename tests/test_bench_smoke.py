@@ -84,6 +84,9 @@ def test_time_to_reward_study_quick_writes_its_table_plot_and_target(tmp_path):
         "Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JAGG in SDE k4 + dpm2"}
     for key, value in res["summary"].items():
         assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (key, value)
+    # two worker processes, one seed each, every one training all six arms
+    assert res["setup"]["workers"] == 2 and sorted((r["seed"], r["arm"]) for r in res["runs"]) == sorted(
+        (s, a) for s in (0, 1) for a in res["rows"])
     for run in res["runs"]:  # 2 steps, evaluated at 0, 1, 2; whole-step times measured
         assert run["eval_steps"] == [0, 1, 2] and len(run["step_seconds"]) == 2 and min(run["step_seconds"]) > 0
     assert res["rows"]["JAGG in SDE k4 + dpm2"]["per_step_equiv_per_step"] == 4

@@ -1,4 +1,5 @@
-"""The digits CPU default end to end: a 2-step run and jagg-eval on the committed generator."""
+"""The digits CPU default end to end: a 2-step run and jagg-eval on the committed generator (its reward, and its
+within-prompt diversity in the digit classifier's feature space)."""
 
 import json
 import re
@@ -8,6 +9,7 @@ import pytest
 
 from jagg_scale.cli import eval_main
 from jagg_scale.train import Trainer, load_config
+from jagg_scale.train.diversity import FEATURES
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "configs" / "digits_cpu.yaml")
@@ -16,7 +18,7 @@ FAST = ["train.prompts_per_step=2", "grpo.group_size=4", "train.batch_size=8", "
 
 @pytest.mark.slow  # two GRPO steps with an exact-vs-JAGG probe, two evaluations, a re-evaluation
 def test_two_step_digits_run(tmp_path):
-    cfg = load_config(DIGITS, FAST + ["train.steps=2", f"run.output_dir={tmp_path}", "eval.num_per_prompt=1",
+    cfg = load_config(DIGITS, FAST + ["train.steps=2", f"run.output_dir={tmp_path}", "eval.num_per_prompt=2",
                                       "jagg.probe_every=1"])
     trainer = Trainer(cfg)
     history = trainer.fit()
@@ -27,11 +29,16 @@ def test_two_step_digits_run(tmp_path):
         assert 0.0 < row["probe_cos"] <= 1.0
     assert sorted(trainer.evals) == [0, 2]
     assert (tmp_path / "eval" / "step_00000002" / "grid.png").exists()
+    # diversity in the classifier's feature space, the base model's (step 0) beside the trained one's
+    after = trainer.evals[2]
+    assert after["diversity_space"] == FEATURES and after["base"]["diversity"] == trainer.evals[0]["diversity"] > 0
+    assert after["diversity_ratio"] == pytest.approx(after["diversity"] / trainer.evals[0]["diversity"])
     # jagg-eval on the run directory loads its newest checkpoint and measures what the trainer measured
     out = tmp_path / "re_eval"
-    assert eval_main([DIGITS, *FAST, "eval.num_per_prompt=1", "--checkpoint", str(tmp_path), "--output", str(out)]) == 0
-    assert json.loads((out / "eval.json").read_text())["reward_mean"] == pytest.approx(trainer.evals[2]["reward_mean"],
-                                                                                       abs=1e-6)
+    assert eval_main([DIGITS, *FAST, "eval.num_per_prompt=2", "--checkpoint", str(tmp_path), "--output", str(out)]) == 0
+    again = json.loads((out / "eval.json").read_text())
+    assert again["reward_mean"] == pytest.approx(after["reward_mean"], abs=1e-6)
+    assert again["diversity"] == pytest.approx(after["diversity"], abs=1e-6)
 
 
 def test_jagg_eval_on_the_committed_generator_reproduces_its_card(tmp_path):

@@ -80,8 +80,8 @@ class RunLogger:
         data = {k: v for k, v in data.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         grid_file = Path(eval_dir) / "grid.png"
         if result.get("grid") and grid_file.is_file():
-            with Image.open(grid_file) as grid:
-                grid.load()
+            with Image.open(grid_file) as png:
+                grid = png.convert("RGB")  # a copy in memory: the file is closed here
             data["eval/grid"] = wandb.Image(grid, caption=f"step {step}: {_caption(result)}")
             rows = grid_rows(grid, len(result["grid"]["rows"]))
             data["eval/prompts"] = [wandb.Image(row, caption=f"{p['prompt']}: {_caption(p)}")
