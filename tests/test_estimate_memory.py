@@ -82,3 +82,19 @@ def test_the_cli_prints_the_table_and_the_chosen_micro_batch(capsys):
     E.main([str(ROOT / "configs" / "sd35m_ocr.yaml"), "--world-size", "32", "--gpu-mem", "139.8"])
     out = capsys.readouterr().out
     assert "largest train.micro_batch_size that fits:" in out and "| **total** |" in out and "fits with >= 10%" in out
+
+
+@pytest.mark.parametrize("name", [n for n in PRODUCTION if n.startswith("sd35m")])
+def test_hsdp_on_four_nodes_shards_within_a_node_and_still_fits(name):
+    """slurm/jagg.sbatch runs LoRA configs on several nodes with parallel.replicate = the node count: each node
+    holds a whole sharded copy, so the per-rank states are those of 8 ranks, not of 32."""
+    path = ROOT / "configs" / f"{name}.yaml"
+    node = E.estimate(E.prepare(E.load_run_config(path), 8))
+    fsdp32 = E.estimate(E.prepare(E.load_run_config(path), 32))
+    s = E.prepare(E.load_run_config(path, ["parallel.replicate=4"]), 32)
+    hsdp = E.estimate(s)
+    static = lambda est, c: est["phases"]["update"]["components"][c]  # noqa: E731
+    for c in ("transformer weights", "optimizer states"):
+        assert static(hsdp, c) == pytest.approx(static(node, c)) and static(hsdp, c) > static(fsdp32, c)
+    assert hsdp["total"] <= (1 - HEADROOM) * GPU_80GB * E.GiB, E.report(s, hsdp, GPU_80GB)
+    assert "HSDP: 4 replicas of 8" in E.report(s, hsdp, GPU_80GB)

@@ -314,11 +314,19 @@ def rows_per_pass(cfg) -> int:
     return 2 if uniform else j.rows_per_pass
 
 
+def shard_group(cfg, world: int) -> int:
+    """Ranks one parameter is sharded over: all of them, or world / parallel.replicate under HSDP (fsdp2 only)."""
+    replicate = cfg.parallel.replicate if cfg.parallel.backend == "fsdp2" else 1
+    if replicate < 1 or world % replicate:
+        raise SystemExit(f"parallel.replicate={replicate} must divide the world size {world}")
+    return world // replicate
+
+
 def estimate(s: dict, micro: int | None = None) -> dict:
     """{phase: {component: bytes}} per rank; `micro` overrides train.micro_batch_size (0 / None: whole share)."""
     cfg, W = s["cfg"], s["world"]
     st, shard = s["stats"], s["sharded"]
-    div = W if shard else 1
+    div = shard_group(cfg, W) if shard else 1  # HSDP: the states are sharded within a replica group only
     R, B = local_rows(cfg, W)
     m = min(micro or cfg.train.micro_batch_size or B, B)
     lora = s["lora_rank"] > 0
@@ -347,9 +355,9 @@ def estimate(s: dict, micro: int | None = None) -> dict:
         gather = 4 * st["root_params"] + cdt * 2 * max(st["block_params"])
     reduce = reduce_buffers(st["block_lora"] if lora else st["block_params"], cdt) if shard else None
     sync = cfg.parallel.grad_sync if cfg.parallel.grad_sync != "auto" else ("boundary" if lora else "every")
-    grads = 4 * Pt if not shard or sync == "boundary" else 4 * Pt / W
+    grads = 4 * Pt if not shard or sync == "boundary" else 4 * Pt / div
     if shard and sync == "boundary":
-        grads += 4 * Pt / W  # the reduced shard next to the unsharded accumulation at the boundary
+        grads += 4 * Pt / div  # the reduced shard next to the unsharded accumulation at the boundary
     row = 4 * lat * ((S + 1) + S * (1 + cfgg + ref)) + 4 * S  # latents, velocities, uncond, ref, log-probs
     store, cond_all = R * row, R * cond * (1 + cfgg)
     steps_per_rollout = (R // B) * cfg.grpo.inner_epochs
@@ -432,7 +440,9 @@ def choose_micro(s: dict, gpu_gib: float, headroom: float = 0.10) -> tuple[int |
 def report(s: dict, est: dict, gpu_gib: float | None = None, headroom: float = 0.10) -> str:
     cfg = s["cfg"]
     train = f"LoRA r{s['lora_rank']}" if s["lora_rank"] else "full fine-tune"
-    head = (f"{s['shapes']} ({s['kind']}), {s['precision']}, {train}, backend {cfg.parallel.backend} x {s['world']} ranks, "
+    group = shard_group(cfg, s["world"]) if s["sharded"] else s["world"]
+    hsdp = f" (HSDP: {s['world'] // group} replicas of {group})" if group != s["world"] else ""
+    head = (f"{s['shapes']} ({s['kind']}), {s['precision']}, {train}, backend {cfg.parallel.backend} x {s['world']} ranks{hsdp}, "
             f"grad_sync {est['grad_sync'] if s['sharded'] else '-'}, checkpointing {'on' if est['checkpointing'] else 'off'}"
             f"\nrows per rank: {est['local_rows']} sampled, {est['local_batch']} per minibatch, micro-batch "
             f"{est['micro_batch_size']} -> {est['pass_rows']} rows per with-grad pass ({s['image_tokens']} image + "
