@@ -237,3 +237,15 @@ def test_log_eval_sends_the_scalars_the_grid_and_captioned_prompt_panels(tmp_pat
     assert f"reward {mean0:.3f}" in panels[0].caption
     assert f"diversity {result['per_prompt'][0]['diversity']:.3f}" in panels[0].caption
     assert all(p.data.height == 64 for p in panels)
+
+
+def test_real_digits_of_one_class_are_closer_in_the_classifier_space_than_mixed_classes():
+    """tools/digits_diversity_reference.py, the yardstick in docs/digits_cpu.md: real digits of one class are less
+    diverse in the reward's feature space than a mix of classes (the space separates classes), yet far from 0."""
+    pytest.importorskip("sklearn")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tools.digits_diversity_reference import reference
+
+    ref = reference(groups=3)
+    assert ref["groups"] == 30 and ref["space"] == FEATURES
+    assert 0.1 < ref["one_class"] < 0.8 * ref["any_class"] < 0.8
