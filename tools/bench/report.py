@@ -68,8 +68,9 @@ WHAT = {
         "(c) of this part)."),
     "time_to_reward": (
         "Held-out reward per wall-clock on the digits task (`tools/bench/time_to_reward.py`): every arm trains the "
-        "same config from the same weights and seeds for the same steps (the same prompts), all arms x seeds as "
-        "trainers in one process stepping round-robin, so the machine's noise hits every arm alike. Wall-clock is "
+        "same config (the study's pinned recipe) from the same weights and seeds for the same steps (the same "
+        "prompts); the seeds are split over worker processes, each holding every arm as a trainer and stepping them "
+        "round-robin, so the machine's noise hits every arm alike. Wall-clock is "
         "whole steps (rollout + reward + training phase; no probe, evaluations not counted). Flow-GRPO is every "
         "step SDE and trained per step; JAGG W4 and the knot planner (S = 2.67) change only the backward; Fast k2 "
         "(Flow-GRPO-Fast) samples and trains a 2-step SDE window, per step; `JAGG in SDE k4` a 4-step window with "
