@@ -27,7 +27,7 @@ run: setup
 test: setup
 	$(BIN)/python -m pytest -q tests
 
-# The inner loop: everything but slow and dist tests (714 of 785; about 2-4 min on a 2-core machine).
+# The inner loop: everything but slow and dist tests (718 of 789; about 2-4 min on a 2-core machine).
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not dist" tests
 
