@@ -25,6 +25,15 @@
 #
 # The console script runs directly (--no_python) and without DeepSpeed's --local_rank argument
 # (--no_local_rank): ranks come from the RANK/LOCAL_RANK/WORLD_SIZE environment DeepSpeed sets.
+#
+# Signals: DeepSpeed's `deepspeed` process forwards none, and its per-node launch.py kills the workers 30 s after
+# a SIGTERM, too soon for a checkpoint of a large model. So this script does not exec the launcher: it runs it in
+# a process group of its own and, on the first SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGQUIT, sends SIGUSR1 (the trainer's
+# preemption signal: checkpoint, PREEMPTED marker, exit 138) to that whole group. Every local worker gets it
+# directly; DeepSpeed's own processes die of it (SIGUSR1's default action) before they can kill anyone. The script
+# then waits until every process of the group has exited and exits 128 + the number of the signal it got.
+# Later signals are logged, not forwarded. Workers on other hosts (HOSTFILE) are reached through pdsh/ssh only:
+# for preemptible multi-node jobs use slurm/jagg.sbatch (torchrun) with parallel.backend=deepspeed.
 # Environment for remote nodes: DeepSpeed exports the variables listed in ./.deepspeed_env (NAME=value lines).
 set -euo pipefail
 
@@ -59,4 +68,40 @@ cmd+=(--master_port "$MASTER_PORT")
 append_extra_args "${DEEPSPEED_ARGS:-}"
 cmd+=(--no_python --no_local_rank "$JAGG_TRAIN" "$CONFIG" "$@" parallel.backend=deepspeed)
 
-run_cmd "${cmd[@]}"
+if dry_run; then quote_cmd "${cmd[@]}"; exit 0; fi
+command -v "${cmd[0]}" >/dev/null 2>&1 || { echo "$PROG: ${cmd[0]}: not found" >&2; exit 127; }
+
+LAUNCH_PID=""
+SIGNALLED=""  # the first signal this script got; SIGUSR1 went to the launch's process group for it
+on_signal() {
+    if [[ -n "$SIGNALLED" ]]; then
+        echo "$PROG: got SIG$1 after SIG$SIGNALLED: not forwarded (the workers are checkpointing)" >&2
+        return 0
+    fi
+    SIGNALLED=$1
+    if [[ -n "$LAUNCH_PID" ]]; then
+        echo "$PROG: got SIG$1: sending SIGUSR1 to the launch's processes (group $LAUNCH_PID): the trainer" \
+            "checkpoints and exits" >&2
+        kill -s USR1 -- "-$LAUNCH_PID" 2>/dev/null || true
+    fi
+}
+for sig in TERM INT HUP USR1 QUIT; do trap "on_signal $sig" "$sig"; done
+
+set -m  # job control: the launch gets a process group of its own (pgid = its pid), one kill reaches all of it
+"${cmd[@]}" &
+LAUNCH_PID=$!
+set +m
+[[ -n "$SIGNALLED" ]] && kill -s USR1 -- "-$LAUNCH_PID" 2>/dev/null  # a signal before the launch started
+
+rc=0
+while :; do
+    rc=0
+    wait "$LAUNCH_PID" || rc=$?
+    kill -0 "$LAUNCH_PID" 2>/dev/null || break  # a trapped signal cuts wait short while the launcher still runs
+done
+if [[ -n "$SIGNALLED" ]]; then
+    # the workers outlive DeepSpeed's processes while they checkpoint: the job ends when the last one has
+    while kill -0 -- "-$LAUNCH_PID" 2>/dev/null; do sleep 1; done
+    exit $((128 + $(kill -l "$SIGNALLED")))
+fi
+exit "$rc"

@@ -553,6 +553,40 @@ wait $S
     assert p.returncode == 1, out
 
 
+@pytest.mark.dist
+@pytest.mark.slow  # DeepSpeed's launcher imports for a while
+def test_deepspeed_signal_reaches_every_worker_and_the_script_waits_for_their_save(stubs, tmp_path):
+    """DeepSpeed forwards no signal on one node (docs/signal_matrix.jsonl: the workers were orphaned). deepspeed.sh
+    turns SIGTERM into SIGUSR1 to the launch's process group: both workers get it, and the script exits (143) only
+    after both have finished their 'checkpoint'."""
+    if not (VENV_BIN / "deepspeed").exists():
+        pytest.skip(f"deepspeed is not installed next to {sys.executable}")
+    worker = _stub(tmp_path / "worker", f"""#!/usr/bin/env bash
+trap 'touch {tmp_path}/got_usr1.$RANK; kill $S; sleep 2; touch {tmp_path}/saved.$RANK; exit 138' USR1
+trap 'touch {tmp_path}/got_term.$RANK' TERM
+sleep {WAIT_S} & S=$!
+touch {tmp_path}/started.$RANK
+wait $S
+""")
+    env = _env(stubs, JAGG_TRAIN=worker)
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env['PATH']}"
+    p = subprocess.Popen(["bash", str(LAUNCHERS / "deepspeed.sh"), CONFIG], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: all((tmp_path / f"started.{r}").exists() for r in (0, 1)), p, "workers did not start")
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=WAIT_S)  # a hang guard only
+        saved_when_done = sorted(f.name for f in tmp_path.glob("saved.*"))
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert sorted(f.name for f in tmp_path.glob("got_usr1.*")) == ["got_usr1.0", "got_usr1.1"], out
+    assert saved_when_done == ["saved.0", "saved.1"], out  # the script outlived the workers' save
+    assert not list(tmp_path.glob("got_term.*")), out  # DeepSpeed's launch.py never got to SIGTERM them
+    assert p.returncode == 143 and "sending SIGUSR1" in out, out
+
+
 # ------------------------------------------------------------------ the documented multi-node examples
 
 DOCS = [ROOT / "README.md", ROOT / "docs" / "launchers.md", SBATCH]
