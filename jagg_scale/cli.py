@@ -17,6 +17,16 @@ import sys
 
 
 def train_main(argv: list[str] | None = None) -> int:
+    """The `jagg-train` console script (argv None: the command line), or a call from Python with argv."""
+    rc = _train(argv)
+    if argv is None:
+        from .parallel.dist import leave_launch
+
+        leave_launch(rc)  # one rank of several: no interpreter teardown (parallel/dist.py says why)
+    return rc
+
+
+def _train(argv: list[str] | None) -> int:
     launcher = os.getppid()  # before the slow imports: the agent (under torchrun) for follow_launcher
     parser = argparse.ArgumentParser(prog="jagg-train", description="GRPO fine-tuning with JAGG")
     parser.add_argument("config", help="YAML config file")
@@ -99,6 +109,16 @@ def _run_history(out) -> list[dict]:
 
 
 def eval_main(argv: list[str] | None = None) -> int:
+    """The `jagg-eval` console script (argv None: the command line), or a call from Python with argv."""
+    rc = _eval(argv)
+    if argv is None:
+        from .parallel.dist import leave_launch
+
+        leave_launch(rc)  # one rank of several: no interpreter teardown (parallel/dist.py says why)
+    return rc
+
+
+def _eval(argv: list[str] | None) -> int:
     launcher = os.getppid()
     parser = argparse.ArgumentParser(prog="jagg-eval", description="deterministic ODE evaluation on held-out prompts")
     parser.add_argument("config", help="YAML config file (its eval section names the prompts)")

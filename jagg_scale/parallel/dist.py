@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, TypeVar
@@ -230,3 +231,24 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistContext
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, info.local_world_size)))
     assert default_backend() in ("nccl", "gloo")
     return DistContext(info.rank, info.world_size, info.local_rank, dev, library)
+
+
+def leave_launch(code: int = 0) -> None:
+    """End a process that was one rank of a multi-process launch with exit code `code`, skipping the interpreter's
+    teardown; a single process returns and exits normally.
+
+    Call it last: its process group destroyed (DistContext.close) and every file written and closed. FSDP's device
+    meshes and the checkpoint planners still hold the communication backend then, and its C++ threads were left to
+    the process's static destructors: a rank that had finished cleanly aborted there ("terminate called without an
+    active exception", exit -6) in about 1 run in 4 of 2-process gloo runs on a loaded 2-core machine, and the
+    launcher turned the finished run into a failed one (torchrun stops the other ranks and exits 1; a Slurm job
+    would be requeued)."""
+    try:
+        if discover().world_size <= 1:
+            return
+    except ValueError:  # a malformed launch environment: named when the run started, nothing to skip here
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

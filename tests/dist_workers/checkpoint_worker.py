@@ -31,7 +31,7 @@ import torch
 
 from jagg_scale.checkpoint import CheckpointError, digests
 from jagg_scale.models.dit import DiT, DiTConfig
-from jagg_scale.parallel.dist import init_distributed
+from jagg_scale.parallel.dist import init_distributed, leave_launch
 from jagg_scale.parallel.engine import EngineSpec
 from jagg_scale.parallel.fsdp import FSDP2Engine
 from jagg_scale.train.config import load_config
@@ -221,3 +221,4 @@ def expect_error(fn) -> dict:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), int(sys.argv[2]))
+    leave_launch(0)  # no interpreter teardown under the launcher (jagg_scale/parallel/dist.py)

@@ -35,7 +35,7 @@ import torch
 from jagg_scale.jagg import exact_backward, jagg_backward
 from jagg_scale.models.dit import DiT, DiTConfig
 from jagg_scale.parallel.deepspeed_engine import DeepSpeedEngine
-from jagg_scale.parallel.dist import DistContext, init_distributed
+from jagg_scale.parallel.dist import DistContext, init_distributed, leave_launch
 from jagg_scale.parallel.engine import EngineSpec, TrainEngine
 from jagg_scale.train.config import Config, engine_spec
 
@@ -301,3 +301,4 @@ def single(out: Path) -> None:
 
 if __name__ == "__main__":
     (single if "--single" in sys.argv[2:] else main)(Path(sys.argv[1]))
+    leave_launch(0)  # no interpreter teardown under the launcher (jagg_scale/parallel/dist.py)

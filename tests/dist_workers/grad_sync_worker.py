@@ -12,7 +12,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from jagg_scale.models.dit import DiT, DiTConfig
-from jagg_scale.parallel.dist import init_distributed
+from jagg_scale.parallel.dist import init_distributed, leave_launch
 from jagg_scale.parallel.engine import EngineSpec
 from jagg_scale.parallel.fsdp import FSDP2Engine
 
@@ -62,3 +62,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_launch(0)  # no interpreter teardown under the launcher (jagg_scale/parallel/dist.py)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from jagg_scale.models.dit import DiT, DiTConfig
-from jagg_scale.parallel.dist import init_distributed
+from jagg_scale.parallel.dist import init_distributed, leave_launch
 from jagg_scale.parallel.engine import EngineSpec, NonFiniteError
 from jagg_scale.parallel.fsdp import FSDP2Engine
 
@@ -58,3 +58,4 @@ def main(out_path: str, ckpt: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    leave_launch(0)  # no interpreter teardown under the launcher (jagg_scale/parallel/dist.py)

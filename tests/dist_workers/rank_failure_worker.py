@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from jagg_scale.parallel.dist import init_distributed
+from jagg_scale.parallel.dist import init_distributed, leave_launch
 from jagg_scale.train.run_state import RunState
 
 
@@ -55,3 +55,4 @@ def main(corrupt: str, sound: str, out_dir: str, timeout_s: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    leave_launch(0)  # no interpreter teardown under the launcher (jagg_scale/parallel/dist.py)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from jagg_scale.parallel.dist import init_distributed
+from jagg_scale.parallel.dist import init_distributed, leave_launch
 from jagg_scale.rewards import build_reward
 from jagg_scale.rewards.base import Reward, RewardOutput
 from jagg_scale.rewards.sharded import shard_reward
@@ -157,3 +157,4 @@ def layout(model: torch.nn.Module, world: int) -> dict:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    leave_launch(0)  # no interpreter teardown under the launcher (jagg_scale/parallel/dist.py)
