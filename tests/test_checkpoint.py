@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,6 +98,16 @@ def test_manifest_records_size_and_sha256_of_every_file(tmp_path):
         assert entry["sha256"] == hashlib.sha256(data).hexdigest()
     assert (path / "COMPLETE").read_text().strip() == hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
     verify_checkpoint(path)
+
+
+def test_a_run_directory_relative_to_the_working_directory_saves_and_verifies(tmp_path, monkeypatch):
+    """make run writes into runs/digits_cpu, a relative path: the writers' reported files were once read against
+    the temp dir a second time (runs/.../runs/...) and the first save of the CPU default job failed."""
+    monkeypatch.chdir(tmp_path)
+    path = _save(Path("runs") / "job" / "checkpoints", 20, keep_last=2)
+    assert path == tmp_path / "runs" / "job" / "checkpoints" / "step_00000020"
+    verify_checkpoint(path)
+    assert find_resume_checkpoint(Path("runs") / "job" / "checkpoints") is not None
 
 
 def test_truncated_tensor_file_fails_verify_and_resume_falls_back(tmp_path, caplog):

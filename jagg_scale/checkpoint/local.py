@@ -120,7 +120,9 @@ def save_checkpoint_dir(root: str | os.PathLike, step: int, *, write: Callable[[
     main = dist is None or dist.is_main
     barrier = dist.barrier if dist is not None else (lambda: None)
 
-    root = Path(root)
+    # absolute: writers report the paths they built from the temp dir, and a relative run directory (make run's
+    # runs/digits_cpu) made those relative to the working directory, not to the temp dir they are read against
+    root = Path(root).absolute()
     final = checkpoint_dir(root, step)
     # unique per attempt (rank 0's pid and a random suffix, sent to the other ranks): a second job or an orphaned
     # worker saving the same step never writes into this attempt's files (DCP's `.metadata.tmp` included)
