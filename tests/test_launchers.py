@@ -539,18 +539,25 @@ wait $S
     # once) before it SIGKILLs them: a hang guard here
     env = _env(stubs, JAGG_TRAIN=worker, NPROC_PER_NODE=2, SHUTDOWN_TIMEOUT=WAIT_S)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env['PATH']}"
-    p = subprocess.Popen(["bash", str(LAUNCHERS / "torchrun.sh"), CONFIG], cwd=ROOT, env=env,
+    out, rc = _signal_two_workers("torchrun.sh", env, signal.SIGUSR1, tmp_path)
+    assert sorted(f.name for f in tmp_path.glob("got_usr1.*")) == ["got_usr1.0", "got_usr1.1"], out
+    assert rc == 1, out
+
+
+def _signal_two_workers(script: str, env: dict, sig: int, tmp_path: Path) -> tuple[str, int]:
+    """Start launchers/SCRIPT on CONFIG, wait until both stub workers have touched tmp_path/started.RANK, send
+    `sig` to the launcher and return (its output, its exit code) once it has exited (WAIT_S: a hang guard only)."""
+    p = subprocess.Popen(["bash", str(LAUNCHERS / script), CONFIG], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for(lambda: all((tmp_path / f"started.{r}").exists() for r in (0, 1)), p, "workers did not start")
-        p.send_signal(signal.SIGUSR1)
-        out, _ = p.communicate(timeout=WAIT_S)  # a hang guard only
+        p.send_signal(sig)
+        out, _ = p.communicate(timeout=WAIT_S)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    assert sorted(f.name for f in tmp_path.glob("got_usr1.*")) == ["got_usr1.0", "got_usr1.1"], out
-    assert p.returncode == 1, out
+    return out, p.returncode
 
 
 @pytest.mark.dist
@@ -570,21 +577,12 @@ wait $S
 """)
     env = _env(stubs, JAGG_TRAIN=worker)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env['PATH']}"
-    p = subprocess.Popen(["bash", str(LAUNCHERS / "deepspeed.sh"), CONFIG], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_for(lambda: all((tmp_path / f"started.{r}").exists() for r in (0, 1)), p, "workers did not start")
-        p.send_signal(signal.SIGTERM)
-        out, _ = p.communicate(timeout=WAIT_S)  # a hang guard only
-        saved_when_done = sorted(f.name for f in tmp_path.glob("saved.*"))
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    out, rc = _signal_two_workers("deepspeed.sh", env, signal.SIGTERM, tmp_path)
+    saved_when_done = sorted(f.name for f in tmp_path.glob("saved.*"))
     assert sorted(f.name for f in tmp_path.glob("got_usr1.*")) == ["got_usr1.0", "got_usr1.1"], out
     assert saved_when_done == ["saved.0", "saved.1"], out  # the script outlived the workers' save
     assert not list(tmp_path.glob("got_term.*")), out  # DeepSpeed's launch.py never got to SIGTERM them
-    assert p.returncode == 143 and "sending SIGUSR1" in out, out
+    assert rc == 143 and "sending SIGUSR1" in out, out
 
 
 # ------------------------------------------------------------------ the documented multi-node examples
