@@ -16,8 +16,8 @@ computed differs:
 
 All arms of a seed subset live in one process as separate trainers and step round-robin (one training step of
 each, the order rotated every step), so the machine's drifts and the other jobs on it hit every arm alike; the seed
-subsets run in parallel worker processes (`workers`, one torch thread each), every one holding all the arms. The held-out
-reward (deterministic ODE evaluation, the config's eval section) is measured every `eval_every` steps; every
+subsets run in parallel worker processes (`workers`, one torch thread each), every one holding all the arms. The
+held-out reward (deterministic ODE evaluation, the config's eval section) is measured every `eval_every` steps; every
 trainer starts from the same weights and the evaluation is deterministic, so the step-0 value is measured once.
 
 Reported per arm: the held-out gain (final - start, mean and seed std), the gain as a fraction of Flow-GRPO's
