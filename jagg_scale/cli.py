@@ -54,17 +54,14 @@ def _train(argv: list[str] | None) -> int:
         print(f"jagg-train: {err}", file=sys.stderr)
         return 2
     try:
-        try:
-            history = trainer.fit()
-        except NonFiniteError as err:  # diverged, or refused to checkpoint NaN weights: a failed run, said plainly
-            print(f"jagg-train: {err}", file=sys.stderr)
-            return 1
-        finally:
-            trainer.dist.close()
-        if trainer.dist.is_main:
+        history = trainer.fit()
+        if trainer.is_main:
             _summary(trainer, cfg, history)
+    except NonFiniteError as err:  # diverged, or refused to checkpoint NaN weights: a failed run, said plainly
+        print(f"jagg-train: {err}", file=sys.stderr)
+        return 1
     finally:
-        trainer.lock.release()  # after the last write into the run directory
+        trainer.close()  # the process group, then the run lock (after the last write into the run directory)
     return 0
 
 
@@ -78,7 +75,7 @@ def _summary(trainer, cfg, history: list[dict]) -> None:
     if summary:
         print(
             f"\n== jagg-train summary ({cfg.run.output_dir}) ==\n"
-            f"  mode {cfg.jagg.mode}, window {cfg.jagg.window}, jagg_frac {cfg.jagg.jagg_frac}\n"
+            f"  {cfg.jagg.planner()}\n"
             f"  reward: first {summary['reward_first']:.4f} -> last {summary['reward_last']:.4f} "
             f"(mean of first/last {min(3, summary['steps'])} steps)\n"
             f"  transformer backward passes: {summary['backward_passes']} vs {summary['backward_passes_per_step_baseline']} "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start jagg-train under DeepSpeed's launcher (parallel.backend=deepspeed is appended to the overrides).
+# Start jagg-train under DeepSpeed's launcher (parallel.engine=deepspeed is appended to the overrides).
 #
 #   launchers/deepspeed.sh CONFIG [section.key=value ...]
 #
@@ -33,7 +33,7 @@
 # directly; DeepSpeed's own processes die of it (SIGUSR1's default action) before they can kill anyone. The script
 # then waits until every process of the group has exited and exits 128 + the number of the signal it got.
 # Later signals are logged, not forwarded. Workers on other hosts (HOSTFILE) are reached through pdsh/ssh only:
-# for preemptible multi-node jobs use slurm/jagg.sbatch (torchrun) with parallel.backend=deepspeed.
+# for preemptible multi-node jobs use slurm/jagg.sbatch (torchrun) with parallel.engine=deepspeed.
 # Environment for remote nodes: DeepSpeed exports the variables listed in ./.deepspeed_env (NAME=value lines).
 set -euo pipefail
 
@@ -44,8 +44,8 @@ USAGE_ENV="  env: HOSTFILE NUM_NODES NUM_GPUS MASTER_ADDR MASTER_PORT DS_LAUNCHE
 parse_config "$@"; shift
 for o in "$@"; do
     case "$o" in
-        parallel.backend=deepspeed) ;;
-        parallel.backend=*) die "$o contradicts this launcher (it appends parallel.backend=deepspeed)" ;;
+        parallel.engine=deepspeed) ;;
+        parallel.engine=*) die "$o contradicts this launcher (it appends parallel.engine=deepspeed)" ;;
     esac
 done
 
@@ -66,7 +66,7 @@ if [[ -n "${NUM_GPUS:-}" ]]; then posint NUM_GPUS "$NUM_GPUS"; cmd+=(--num_gpus 
 cmd+=(--master_port "$MASTER_PORT")
 [[ -n "${DS_LAUNCHER:-}" ]] && cmd+=(--launcher "$DS_LAUNCHER")
 append_extra_args "${DEEPSPEED_ARGS:-}"
-cmd+=(--no_python --no_local_rank "$JAGG_TRAIN" "$CONFIG" "$@" parallel.backend=deepspeed)
+cmd+=(--no_python --no_local_rank "$JAGG_TRAIN" "$CONFIG" "$@" parallel.engine=deepspeed)
 
 if dry_run; then quote_cmd "${cmd[@]}"; exit 0; fi
 command -v "${cmd[0]}" >/dev/null 2>&1 || { echo "$PROG: ${cmd[0]}: not found" >&2; exit 127; }

@@ -4,7 +4,7 @@
 #   launchers/mpirun.sh CONFIG [section.key=value ...]
 #
 # Single node (one rank per visible GPU; 2 on a CPU-only machine):
-#   launchers/mpirun.sh configs/tiny_cpu.yaml parallel.backend=fsdp2
+#   launchers/mpirun.sh configs/tiny_cpu.yaml parallel.engine=fsdp2
 # Several nodes: a hostfile with "HOSTNAME slots=N" per line (launchers/hostfile.example); NP defaults to the
 # sum of the slots and MASTER_ADDR to the first host:
 #   HOSTFILE=launchers/hostfile.example launchers/mpirun.sh CONFIG ...

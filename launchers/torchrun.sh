@@ -4,7 +4,7 @@
 #   launchers/torchrun.sh CONFIG [section.key=value ...]
 #
 # Single node (default: one worker per visible GPU, 2 workers on a CPU-only machine):
-#   launchers/torchrun.sh configs/tiny_cpu.yaml parallel.backend=fsdp2
+#   launchers/torchrun.sh configs/tiny_cpu.yaml parallel.engine=fsdp2
 # Multi-node, c10d rendezvous (run the same line on every node; the rendezvous assigns node ranks):
 #   NNODES=2 MASTER_ADDR=node01 MASTER_PORT=29500 JOB_ID=exp1 launchers/torchrun.sh CONFIG ...
 #

@@ -13,3 +13,11 @@ def rollout_minibatch(trainer, step: int = 0):
     traj = trainer.policy.rollout(cond, torch.arange(len(prompts)), step)
     n = len(prompts)
     return cond, traj.step_batch(torch.arange(n), torch.linspace(-1.5, 1.5, n), torch.ones(n, dtype=torch.bool))
+
+
+def plan_of(**jagg_keys) -> dict:
+    """backward_minibatch's planner and intermediate setting for `jagg` section keys (as a config would give them)."""
+    from jagg_scale.train.config import JAGGConfig
+
+    cfg = JAGGConfig(**jagg_keys)
+    return {"planner": cfg.planner(), "intermediate": cfg.intermediate}

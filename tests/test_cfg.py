@@ -12,8 +12,7 @@ from jagg_scale.cond import cat_cond
 from jagg_scale.grpo import GRPOStepLoss, guided_velocity, sample_sde, sigma_schedule
 from jagg_scale.train import Trainer, load_config
 from jagg_scale.train import update as update_mod
-from jagg_scale.train.config import JAGGConfig
-from minibatch import rollout_minibatch
+from minibatch import plan_of, rollout_minibatch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -38,7 +37,7 @@ def _ours(trainer, cond, batch, guidance, jagg_cfg, on_policy=True):
     if uc is not None and not on_policy:
         batch = trainer.policy.fresh_uncond(batch, trainer.steps, uc)
     loss = GRPOStepLoss(**LOSS, scale=1 / len(trainer.steps), guidance=guidance)
-    update_mod.backward_minibatch(trainer.policy.model_fn(), batch, c, loss, trainer.steps, jagg_cfg,
+    update_mod.backward_minibatch(trainer.policy.model_fn(), batch, c, loss, trainer.steps, **plan_of(**jagg_cfg),
                                   on_policy=on_policy)
     return _grad(trainer.model)
 
@@ -72,7 +71,7 @@ def _cos(a, b):
 def test_cfg_gradient_is_flow_grpo_detached_uncond_exact_and_jagg_w2(tmp_path, guidance):
     trainer, cond, batch = _setup(tmp_path, guidance)
     ref = _flow_grpo(trainer, cond, batch, guidance)
-    for jagg_cfg in (JAGGConfig(mode="exact"), JAGGConfig(window=2, intermediate="cached")):
+    for jagg_cfg in (dict(mode="exact"), dict(window=2, intermediate="cached")):
         assert _cos(_ours(trainer, cond, batch, guidance, jagg_cfg), ref) > 0.99999
     if guidance != 1.0:  # what the project did before: the gradient through both halves is another direction
         assert _cos(_flow_grpo(trainer, cond, batch, guidance, detach=False), ref) < 0.99
@@ -85,8 +84,8 @@ def test_after_an_optimizer_step_the_uncond_is_recomputed_at_the_new_weights(tmp
         for p in trainer.model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     ref = _flow_grpo(trainer, cond, batch, guidance)
-    fresh = _ours(trainer, cond, batch, guidance, JAGGConfig(mode="exact"), on_policy=False)
-    stale = _ours(trainer, cond, batch, guidance, JAGGConfig(mode="exact"), on_policy=True)
+    fresh = _ours(trainer, cond, batch, guidance, dict(mode="exact"), on_policy=False)
+    stale = _ours(trainer, cond, batch, guidance, dict(mode="exact"), on_policy=True)
     assert _cos(fresh, ref) > 0.99999
     assert _cos(stale, ref) < _cos(fresh, ref)  # the cached values are what off-policy would get wrong
 
@@ -141,7 +140,7 @@ def test_off_policy_cfg_in_micro_batches_recomputes_the_uncond_per_chunk(tmp_pat
         chunk_rows.append(b.latents.shape[1])
         return trainer.policy.fresh_uncond(b, trainer.steps, uc[rows])
 
-    update_mod.backward_minibatch(trainer.policy.model_fn(), batch, c, loss, trainer.steps, JAGGConfig(window=2),
+    update_mod.backward_minibatch(trainer.policy.model_fn(), batch, c, loss, trainer.steps, **plan_of(window=2),
                                   on_policy=False, micro_batch_size=4, prepare=prepare)
     assert chunk_rows == [4, 2]
     assert _cos(_grad(trainer.model), ref) > 0.99999

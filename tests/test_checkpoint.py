@@ -19,8 +19,8 @@ import jagg_scale.checkpoint.local as local
 from jagg_scale.checkpoint import (
     CheckpointError,
     capture_rng_state,
-    find_resume_checkpoint,
     list_checkpoints,
+    newest_valid_checkpoint,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
@@ -107,7 +107,7 @@ def test_a_run_directory_relative_to_the_working_directory_saves_and_verifies(tm
     path = _save(Path("runs") / "job" / "checkpoints", 20, keep_last=2)
     assert path == tmp_path / "runs" / "job" / "checkpoints" / "step_00000020"
     verify_checkpoint(path)
-    assert find_resume_checkpoint(Path("runs") / "job" / "checkpoints") is not None
+    assert newest_valid_checkpoint(Path("runs") / "job" / "checkpoints")[0] is not None
 
 
 def test_truncated_tensor_file_fails_verify_and_resume_falls_back(tmp_path, caplog):
@@ -122,7 +122,7 @@ def test_truncated_tensor_file_fails_verify_and_resume_falls_back(tmp_path, capl
         load_checkpoint(second)
 
     with caplog.at_level(logging.WARNING, logger=local.__name__):
-        assert find_resume_checkpoint(tmp_path) == first
+        assert newest_valid_checkpoint(tmp_path)[0] == first
     assert "step_00000002" in caplog.text and "model.safetensors" in caplog.text
     assert torch.equal(load_checkpoint(first).tensors["model"]["w"], torch.full((16,), 1.0))
 
@@ -158,7 +158,7 @@ def test_dir_without_complete_marker_is_skipped(tmp_path, caplog):
     with pytest.raises(CheckpointError, match="missing COMPLETE marker"):
         verify_checkpoint(second)
     with caplog.at_level(logging.WARNING, logger=local.__name__):
-        assert find_resume_checkpoint(tmp_path) == first
+        assert newest_valid_checkpoint(tmp_path)[0] == first
     assert "step_00000002" in caplog.text and "step_00000003" in caplog.text
 
 
@@ -168,7 +168,7 @@ def test_list_checkpoints_sorts_by_step_and_ignores_other_entries(tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "step_abc").mkdir()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000010", "step_00000100"]
-    assert list_checkpoints(tmp_path / "missing") == [] and find_resume_checkpoint(tmp_path / "missing") is None
+    assert list_checkpoints(tmp_path / "missing") == [] and newest_valid_checkpoint(tmp_path / "missing")[0] is None
 
 
 def test_keep_last_keeps_newest_and_never_the_one_just_written(tmp_path):
@@ -222,7 +222,7 @@ def test_crash_mid_save_leaves_nothing_complete_looking(tmp_path, monkeypatch, c
     monkeypatch.undo()
 
     assert list_checkpoints(tmp_path) == [first]
-    assert find_resume_checkpoint(tmp_path) == first
+    assert newest_valid_checkpoint(tmp_path)[0] == first
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp_")]
     assert bool(leftovers) == hard
     assert torch.equal(load_checkpoint(first).tensors["model"]["w"], torch.full((16,), 1.0))
@@ -246,7 +246,7 @@ def test_crash_while_replacing_existing_step_keeps_the_old_one(tmp_path, monkeyp
     with pytest.raises(OSError):
         _save(tmp_path, 1, 2.0)
     monkeypatch.undo()
-    assert find_resume_checkpoint(tmp_path) == path
+    assert newest_valid_checkpoint(tmp_path)[0] == path
     assert torch.equal(load_checkpoint(path).tensors["model"]["w"], torch.full((16,), 1.0))
 
 

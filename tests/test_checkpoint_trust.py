@@ -110,7 +110,7 @@ PLANTS = {
 
 
 def overrides(backend: str, out: Path, *extra: str) -> list[str]:
-    return [*SMALL, f"parallel.backend={backend}", f"run.output_dir={out}", *extra]
+    return [*SMALL, f"parallel.engine={backend}", f"run.output_dir={out}", *extra]
 
 
 def trainer(backend: str, out: Path, *extra: str) -> Trainer:

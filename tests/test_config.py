@@ -10,7 +10,7 @@ import yaml
 from jagg_scale.jagg.backward import INTERMEDIATE_MODES, IntermediateMode
 from jagg_scale.jagg.knots import ErrorModel
 from jagg_scale.jagg.routing import RouteBy
-from jagg_scale.parallel.types import Backend
+from jagg_scale.parallel.types import EngineName
 from jagg_scale.train.config import (Config, ConfigError, JAGGConfig, ParallelConfig, config_from_dict, load_config,
                                      validate)
 from stand_ins import stand_in_paths
@@ -40,7 +40,7 @@ def _err(*overrides):
     ("data.source", "list, wds"),
     ("reward.aggregate", "sum, advantage"),
     ("log.wandb_mode", "offline, online, disabled"),
-    ("parallel.backend", "none, fsdp2, deepspeed"),
+    ("parallel.engine", "none, fsdp2, deepspeed"),
     ("run.device", "auto, cpu, cuda"),
     ("run.export_dtype", "float32, bfloat16"),
 ])
@@ -51,10 +51,11 @@ def test_a_bad_choice_names_the_key_and_the_choices(key, choices):
 
 def test_choices_have_one_source():
     hints = typing.get_type_hints(JAGGConfig)
-    assert hints["route_by"] is RouteBy and hints["error_model"] is ErrorModel
+    # planner settings are optional (null: the chosen planner's default), of the planner's own choices
+    assert hints["route_by"] == typing.Optional[RouteBy] and hints["error_model"] == typing.Optional[ErrorModel]
     assert typing.get_args(hints["intermediate"]) == ("auto", *typing.get_args(IntermediateMode))
     assert typing.get_args(hints["intermediate"])[1:] == INTERMEDIATE_MODES
-    assert typing.get_type_hints(ParallelConfig)["backend"] is Backend
+    assert typing.get_type_hints(ParallelConfig)["engine"] is EngineName
 
 
 def test_adam_betas_is_a_typed_pair():

@@ -67,23 +67,27 @@ def strip(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
-# Same rows, same noise: rewards agree to float rounding. Gradients are reduced in a different order (and the
-# loss of ~1e-5 sums terms of +-1e-4 with the 1e-4 clip), so after updates they agree to a looser tolerance.
+# Where N ranks differ from 1 by float order. Step 0: the same rows, the same noise and the same weights, so rewards
+# agree to float rounding. Gradients are reduced in another order (and the loss of ~1e-5 sums terms of +-1e-4 with
+# the 1e-4 clip), so after an update the weights, and the rewards sampled from them, agree to looser tolerances (a
+# reward 4e-4 apart after one update of the budget plan on AMD EPYC).
 TOLERANCE = {"reward_mean": 1e-4, "reward_std": 1e-3, "grad_norm": 1e-2, "loss": 5e-2, "ratio_mean": 1e-5}
+AFTER_UPDATES = {"reward_mean": (1e-3, 1e-7), "reward_std": (1e-3, 1e-3)}  # (rel, abs): the std is of rewards 1e-3 apart
 
 
 def close(a: list[dict], b: list[dict]):
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         for k, rel in TOLERANCE.items():
-            assert ra[k] == pytest.approx(rb[k], rel=rel, abs=1e-7), (ra["step"], k, ra[k], rb[k])
+            rel, abs_ = AFTER_UPDATES.get(k, (rel, 1e-7)) if ra["step"] > 0 else (rel, 1e-7)
+            assert ra[k] == pytest.approx(rb[k], rel=rel, abs=abs_), (ra["step"], k, ra[k], rb[k])
 
 
 @pytest.fixture(scope="module")
 def fsdp2_run(tmp_path_factory):
     """The reference 2-process fsdp2 run: 3 steps, a checkpoint after every step."""
     out = tmp_path_factory.mktemp("fsdp2") / "run"
-    rows = run(2, out, "parallel.backend=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3", EMA)
+    rows = run(2, out, "parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3", EMA)
     return out, rows
 
 
@@ -95,7 +99,7 @@ def test_fsdp2_two_processes_match_one_process(fsdp2_run, tmp_path):
 
 
 def test_collective_counter_shows_one_gather_cycle_per_jagg_window(tmp_path):
-    common = ["parallel.backend=fsdp2", "train.steps=1", "jagg.intermediate=cached", "parallel.grad_sync=boundary"]
+    common = ["parallel.engine=fsdp2", "train.steps=1", "jagg.intermediate=cached", "parallel.grad_sync=boundary"]
     e = run(2, tmp_path / "exact", *common, "jagg.mode=exact")[0]
     j = run(2, tmp_path / "jagg", *common)[0]
     # per step: 2 minibatches x 8 trained steps; JAGG: 2 minibatches x 2 windows of 4 steps
@@ -156,7 +160,7 @@ def _start_plain_torchrun(out: Path, *overrides: str) -> tuple[subprocess.Popen,
     """2 workers under plain torchrun (no --signals-to-handle); returns once step 0 is logged, with the worker pids.
     torchrun's shutdown grace (30 s by default) is raised so that a slow machine cannot turn the save into a kill."""
     env = {**launcher_env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(WAIT_S)}
-    proc = subprocess.Popen(_cmd(2, out, "parallel.backend=fsdp2", *overrides), env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_cmd(2, out, "parallel.engine=fsdp2", *overrides), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + RUN_S  # a hang guard: polls for the first metrics line
     while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
@@ -171,7 +175,7 @@ def _start_plain_torchrun(out: Path, *overrides: str) -> tuple[subprocess.Popen,
 def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(fsdp2_run, tmp_path):
     ref_out, ref = fsdp2_run
     out = tmp_path / "killed"
-    cmd = _cmd(2, out, "parallel.backend=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3", EMA)
+    cmd = _cmd(2, out, "parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3", EMA)
     proc = subprocess.Popen(cmd, env=launcher_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     marker = out / "checkpoints" / "step_00000001" / "COMPLETE"
@@ -184,7 +188,7 @@ def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(fsdp2_run, tmp_p
     proc.wait()
     _wait_gone(workers)
     assert marker.exists()
-    resumed = run(2, out, "parallel.backend=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3",
+    resumed = run(2, out, "parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3",
                   EMA, "run.resume=auto")
     assert [r["step"] for r in resumed] == [0, 1, 2]
     assert strip(resumed) == strip(ref)
@@ -198,7 +202,7 @@ def test_dcp_checkpoint_of_two_processes_resumes_on_one(fsdp2_run, tmp_path):
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(ref_out / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref[:2]))
-    rows = run(1, out, "parallel.backend=fsdp2", "train.steps=3", EMA, "run.resume=auto")
+    rows = run(1, out, "parallel.engine=fsdp2", "train.steps=3", EMA, "run.resume=auto")
     assert [r["step"] for r in rows] == [0, 1, 2]
     close(rows[2:], ref[2:])  # step 2 trained by one process from the 2-process shards = the 2-process step 2
 
@@ -206,7 +210,7 @@ def test_dcp_checkpoint_of_two_processes_resumes_on_one(fsdp2_run, tmp_path):
 def test_truncated_checkpoint_is_refused_and_the_previous_one_used(fsdp2_run, tmp_path, caplog):
     import shutil
 
-    from jagg_scale.checkpoint import find_resume_checkpoint
+    from jagg_scale.checkpoint import newest_valid_checkpoint
 
     ref_out, _ = fsdp2_run
     root = tmp_path / "ckpts"
@@ -214,7 +218,7 @@ def test_truncated_checkpoint_is_refused_and_the_previous_one_used(fsdp2_run, tm
     newest = root / "step_00000003"
     shard = sorted((newest / "dcp").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:-100])  # a partial copy / a full disk
-    assert find_resume_checkpoint(root) == root / "step_00000002"
+    assert newest_valid_checkpoint(root)[0] == root / "step_00000002"
     assert any("step_00000003" in r.getMessage() and "truncated" in r.getMessage() for r in caplog.records)
 
 
@@ -254,7 +258,7 @@ def test_sigterm_to_plain_torchrun_reaches_the_workers_which_checkpoint_and_resu
     done = len(metrics(out))
     assert 1 <= done < 200
     assert (out / "checkpoints" / f"step_{done:08d}" / "COMPLETE").is_file()
-    resumed = run(2, out, "parallel.backend=fsdp2", f"train.steps={done + 1}", "run.checkpoint_every=0",
+    resumed = run(2, out, "parallel.engine=fsdp2", f"train.steps={done + 1}", "run.checkpoint_every=0",
                   "run.resume=auto")
     assert [r["step"] for r in resumed] == list(range(done + 1))
 
@@ -280,7 +284,7 @@ def test_sigusr1_kills_plain_torchrun_and_its_workers_still_checkpoint(tmp_path)
 def test_deepspeed_zero3_two_processes_match_one_process(fsdp2_run, tmp_path):
     pytest.importorskip("deepspeed")
     _, fsdp2 = fsdp2_run
-    ds = run(2, tmp_path / "ds", "parallel.backend=deepspeed", "train.steps=3", "run.checkpoint_every=3", EMA)
+    ds = run(2, tmp_path / "ds", "parallel.engine=deepspeed", "train.steps=3", "run.checkpoint_every=3", EMA)
     close(ds, fsdp2)  # the same rows and gradients as fsdp2 (and so as one process)
     ckpt = tmp_path / "ds" / "checkpoints" / "step_00000003"
     assert (ckpt / "COMPLETE").is_file() and any((ckpt / "ds").iterdir())  # DeepSpeed's own checkpoint inside
@@ -296,7 +300,7 @@ def test_mpirun_launch_discovers_ranks_through_mpi(fsdp2_run, tmp_path):
     out = tmp_path / "mpi"
     env = dict(launcher_env(), PATH=f"{BIN}:{os.environ.get('PATH', '')}", MASTER_PORT=str(free_port()), NP="2")
     proc = subprocess.run([str(ROOT / "launchers" / "mpirun.sh"), TINY, *SMALL, f"run.output_dir={out}",
-                           "parallel.backend=fsdp2", "train.steps=1"], env=env, capture_output=True, text=True,
+                           "parallel.engine=fsdp2", "train.steps=1"], env=env, capture_output=True, text=True,
                           timeout=RUN_S)  # a hang guard only
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "(local 1, mpi)" in proc.stdout + proc.stderr
@@ -306,8 +310,8 @@ def test_mpirun_launch_discovers_ranks_through_mpi(fsdp2_run, tmp_path):
 def test_knot_planner_agrees_across_ranks(tmp_path):
     """Each rank plans from its own rows; the cost tables are averaged so both run the same knots (a different
     plan per rank would deadlock FSDP2), and the result is the 1-process plan and update."""
-    common = ["train.steps=2", "jagg.plan=budget", "jagg.speedup=2"]
-    two = run(2, tmp_path / "two", "parallel.backend=fsdp2", *common)
+    common = ["train.steps=2", "jagg.plan=budget", "jagg.window=null", "jagg.speedup=2"]
+    two = run(2, tmp_path / "two", "parallel.engine=fsdp2", *common)
     one = run(1, tmp_path / "one", *common)
     assert [r["knots"] for r in two] == [r["knots"] for r in one]
     close(two, one)
@@ -318,7 +322,7 @@ def test_hsdp_replicas_match_and_reduce_by_all_reduce(fsdp2_run, tmp_path):
     parameter all-gathers; gradients are all-reduced across the replicas once per unit per minibatch (grad_sync
     boundary, auto's choice for LoRA, the usual HSDP run)."""
     _, ref = fsdp2_run
-    rows = run(2, tmp_path / "hsdp", "parallel.backend=fsdp2", "parallel.replicate=2", "train.steps=2",
+    rows = run(2, tmp_path / "hsdp", "parallel.engine=fsdp2", "parallel.replicate=2", "train.steps=2",
                "parallel.grad_sync=boundary")
     close(rows, ref[:2])
     for r in rows:
@@ -349,7 +353,7 @@ def test_micro_batches_on_two_processes_give_the_whole_minibatch_gradient(fsdp2_
     """train.micro_batch_size=1: every rank runs its minibatch share one row at a time; the step's gradient (its
     norm) and loss are the whole minibatch's, and there are that many more backward calls."""
     _, whole = fsdp2_run
-    micro = run(2, tmp_path / "micro", "parallel.backend=fsdp2", "train.steps=1", EMA, "train.micro_batch_size=1")
+    micro = run(2, tmp_path / "micro", "parallel.engine=fsdp2", "train.steps=1", EMA, "train.micro_batch_size=1")
     a, b = micro[0], whole[0]
     assert a["reward_mean"] == b["reward_mean"]
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
@@ -364,7 +368,7 @@ def test_fsdp2_bf16_samples_with_the_exact_sigma_of_one_process_bf16(tmp_path):
     none does, so sigma reaches the timestep embedding in float32 and step 0 scores exactly the same images (its
     cast rounded sigma to bf16: timesteps off by up to 2/1000, the reward off at the 4th digit)."""
     bf16 = ["model.dtype=bfloat16", "train.steps=1"]
-    two = run(2, tmp_path / "fsdp2", "parallel.backend=fsdp2", *bf16)[0]
+    two = run(2, tmp_path / "fsdp2", "parallel.engine=fsdp2", *bf16)[0]
     one = run(1, tmp_path / "none", *bf16)[0]
     for k in ("reward_mean", "reward_std"):  # the rollout: the same bf16 matmuls on the same rows, all-gathered
         assert two[k] == one[k], (k, two[k], one[k])

@@ -50,4 +50,4 @@ def test_ema_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.ema_decay"):
         load_config(TINY, SMALL + ["train.ema_decay=1.0"])
     # every engine keeps an EMA (DeepSpeed: of each rank's fp32 partitions, tests/test_deepspeed_engine.py)
-    assert load_config(TINY, SMALL + ["parallel.backend=deepspeed"]).train.ema_decay == 0.5
+    assert load_config(TINY, SMALL + ["parallel.engine=deepspeed"]).train.ema_decay == 0.5

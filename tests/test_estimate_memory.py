@@ -1,20 +1,24 @@
-"""The memory estimator (tools/estimate_memory.py) on the shipped production configs, from the committed shapes and
-measured coefficients (nothing is measured here): every config fits 8 GPUs of 80 GB with >= 10% headroom as
-shipped, each phase's components add up to its total, and the shapes count the published parameter numbers."""
+"""The memory estimator (jagg-estimate, jagg_scale/estimate/) on the shipped production configs, from the committed
+shapes and measured coefficients (nothing is measured here): every config fits 8 GPUs of 80 GB with >= 10% headroom
+as shipped (the command's exit status says so), each phase's components add up to its total, the trainer's own
+planner decides the rows of a pass, and the shapes count the published parameter numbers."""
 
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("diffusers")
-pytest.importorskip("transformers")
+from jagg_scale.estimate import memory as E
+from jagg_scale.estimate import shapes as S
+from jagg_scale.estimate.cli import main
+from jagg_scale.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from tools import estimate_memory as E  # noqa: E402
+
+def load(path, overrides=()):
+    return load_config(path, list(overrides), check_files=False)  # the production paths do not exist here
 
 PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps"]
 GPU_80GB = 79.2  # GiB torch reports for an 80 GB H100 / A100
@@ -25,7 +29,7 @@ HEADROOM = 0.10
 def estimates():
     out = {}
     for name in PRODUCTION:
-        s = E.prepare(E.load_run_config(ROOT / "configs" / f"{name}.yaml"), 8)
+        s = E.prepare(load(ROOT / "configs" / f"{name}.yaml"), 8)
         out[name] = (s, E.estimate(s))
     return out
 
@@ -34,7 +38,7 @@ def estimates():
 def test_shipped_config_fits_8_gpus_of_80gb_with_headroom(name, estimates):
     s, est = estimates[name]
     cfg = s["cfg"]
-    assert cfg.parallel.backend == "fsdp2" and cfg.parallel.activation_checkpointing
+    assert cfg.parallel.engine == "fsdp2" and cfg.parallel.activation_checkpointing
     assert cfg.train.micro_batch_size >= 1 and est["micro_batch_size"] == min(cfg.train.micro_batch_size,
                                                                                 est["local_batch"])
     assert est["total"] <= (1 - HEADROOM) * GPU_80GB * E.GiB, E.report(s, est, GPU_80GB)
@@ -71,17 +75,49 @@ def test_a_larger_micro_batch_costs_more_and_the_chosen_one_is_the_largest_that_
     ("flux1_dev", "vae", 83.8e6, None),
 ])
 def test_shapes_count_the_published_parameters(shape, component, published, extra):
-    comp = E.pipeline_shapes(None, shape)["components"][component]
-    n = E.component_params(comp)
+    comp = S.pipeline_shapes(None, shape)["components"][component]
+    n = S.component_params(comp)
     if extra:
-        n += E.transformer_stats(comp)["buffers"] // 4  # SD3's fp32 pos_embed table, a buffer here
+        n += S.transformer_stats(comp)["buffers"] // 4  # SD3's fp32 pos_embed table, a buffer here
     assert n == pytest.approx(published, rel=0.01)
 
 
 def test_the_cli_prints_the_table_and_the_chosen_micro_batch(capsys):
-    E.main([str(ROOT / "configs" / "sd35m_ocr.yaml"), "--world-size", "32", "--gpu-mem", "139.8"])
+    assert main([str(ROOT / "configs" / "sd35m_ocr.yaml"), "--world-size", "32", "--gpu-mem", "139.8"]) == 0
     out = capsys.readouterr().out
     assert "largest train.micro_batch_size that fits:" in out and "| **total** |" in out and "fits with >= 10%" in out
+
+
+@pytest.mark.parametrize("name", PRODUCTION)
+def test_the_jagg_estimate_command_passes_every_production_config_as_shipped(name):
+    """The installed command, as a user runs it: exit 0, the planner and the fit said."""
+    proc = subprocess.run([sys.executable, "-m", "jagg_scale.estimate.cli", str(ROOT / "configs" / f"{name}.yaml"),
+                           "--world-size", "8", "--gpu-mem", str(GPU_80GB)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "WindowPlanner(window=4" in proc.stdout and "(fits with >= 10%)" in proc.stdout
+
+
+def test_a_config_that_does_not_fit_exits_1_and_a_bad_one_2(tmp_path, capsys):
+    config = str(ROOT / "configs" / "flux1_dev_hps.yaml")
+    assert main([config, "--world-size", "8", "--gpu-mem", "40"]) == 1
+    assert "does not fit 40 GiB per GPU" in capsys.readouterr().err
+    assert main([config, "jagg.widow=4", "--world-size", "8"]) == 2
+    assert "config key 'jagg.widow'" in capsys.readouterr().err
+    assert main([config, "--world-size", "7"]) == 2  # 96 rows per minibatch over 7 ranks
+    assert "world size 7" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides,knots", [
+    ([], 2),  # the window planner: a joint pass over a window's two endpoints
+    (["jagg.mode=exact"], 1),
+    (["jagg.share_knots=true", "jagg.jagg_frac=null", "jagg.route_by=null", "jagg.rows_per_pass=3"], 3),
+    (["jagg.plan=budget", "jagg.window=null", "jagg.jagg_frac=null", "jagg.route_by=null", "jagg.rows_per_pass=4"], 4),
+])
+def test_the_rows_of_a_pass_are_the_trainers_planners(overrides, knots):
+    s = E.prepare(load(ROOT / "configs" / "sd35m_pickscore.yaml", overrides), 8)
+    est = E.estimate(s)
+    assert est["pass_rows"] == knots * est["micro_batch_size"]
+    assert est["planner"] == repr(s["cfg"].jagg.planner())
 
 
 @pytest.mark.parametrize("name", [n for n in PRODUCTION if n.startswith("sd35m")])
@@ -89,9 +125,9 @@ def test_hsdp_on_four_nodes_shards_within_a_node_and_still_fits(name):
     """slurm/jagg.sbatch runs LoRA configs on several nodes with parallel.replicate = the node count: each node
     holds a whole sharded copy, so the per-rank states are those of 8 ranks, not of 32."""
     path = ROOT / "configs" / f"{name}.yaml"
-    node = E.estimate(E.prepare(E.load_run_config(path), 8))
-    fsdp32 = E.estimate(E.prepare(E.load_run_config(path), 32))
-    s = E.prepare(E.load_run_config(path, ["parallel.replicate=4"]), 32)
+    node = E.estimate(E.prepare(load(path), 8))
+    fsdp32 = E.estimate(E.prepare(load(path), 32))
+    s = E.prepare(load(path, ["parallel.replicate=4"]), 32)
     hsdp = E.estimate(s)
     static = lambda est, c: est["phases"]["update"]["components"][c]  # noqa: E731
     for c in ("transformer weights", "optimizer states"):

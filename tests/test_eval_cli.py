@@ -24,18 +24,18 @@ pytestmark = pytest.mark.slow  # each test trains a run and evaluates it twice (
 @pytest.mark.parametrize("extra", [
     [],
     ["train.ema_decay=0.5"],
-    ["parallel.backend=fsdp2", "train.ema_decay=0.5"],
-    ["parallel.backend=fsdp2", "parallel.activation_checkpointing=true"],
-    pytest.param(["parallel.backend=deepspeed", "train.ema_decay=0.5"], marks=pytest.mark.dist),  # DeepSpeed's JIT op
+    ["parallel.engine=fsdp2", "train.ema_decay=0.5"],
+    ["parallel.engine=fsdp2", "parallel.activation_checkpointing=true"],
+    pytest.param(["parallel.engine=deepspeed", "train.ema_decay=0.5"], marks=pytest.mark.dist),  # DeepSpeed's JIT op
 ], ids=["none", "none-ema", "fsdp2-ema", "fsdp2-checkpointed", "deepspeed-ema"])
 def test_jagg_eval_reproduces_the_in_run_evaluation(tmp_path, monkeypatch, extra):
-    deepspeed = "parallel.backend=deepspeed" in extra
+    deepspeed = "parallel.engine=deepspeed" in extra
     run = tmp_path / "run"
     trainer = Trainer(load_config(TINY, SMALL + EVAL + extra + [f"run.output_dir={run}"]))
     try:
         trainer.fit()
     finally:
-        trainer.dist.close()
+        trainer.close()
     expected = trainer.evals[2]
     assert expected["reward_mean"] != trainer.evals[0]["reward_mean"]  # training moved the weights
 

@@ -221,8 +221,8 @@ def test_two_process_eval_matches_one_process_and_jagg_eval_reproduces_it(tmp_pa
     try:
         trainer.fit()
     finally:
-        trainer.dist.close()
-    _torchrun("jagg-train", TINY, *SMALL, *DIST_EVAL, "parallel.backend=fsdp2", f"run.output_dir={two}")
+        trainer.close()
+    _torchrun("jagg-train", TINY, *SMALL, *DIST_EVAL, "parallel.engine=fsdp2", f"run.output_dir={two}")
     step0 = "eval/step_00000000"
     # before training the weights are the same: the same score for every image, the same grid
     _same_scores(_eval(two / step0), _eval(one / step0))

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+
+from jagg_scale.train.metrics import reduce_metrics
 from torch.distributions import Normal
 
 from jagg_scale.grpo import (GRPOStepLoss, StepBatch, compute_advantages, kl_to_reference, ode_step, sample_sde,
@@ -157,17 +159,24 @@ def _step_batch(B=4, T=3, seed=0):
                      ref_velocities=velocities + 0.1)
 
 
+def summary(loss: GRPOStepLoss) -> dict:
+    """The loss's recorded statistics reduced as the Updater reduces them (train/metrics.py), then cleared."""
+    out = reduce_metrics(loss.metrics)
+    loss.metrics.clear()
+    return out
+
+
 def test_grpo_loss_on_policy_ratio_one_and_clipping():
     batch = _step_batch()
     loss = GRPOStepLoss(noise_level=0.7, clip_range=1e-4, beta=0.0)
     val = loss(batch, 1, batch.velocities[1])
     # on-policy: ratio 1, loss = mean(-A) = 0 for these advantages
     assert abs(float(val)) < 1e-6
-    m = loss.summary()
+    m = summary(loss)
     assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m["clipfrac"] == 0.0
     # off-policy by a lot: every ratio leaves the clip range
     loss(batch, 1, batch.velocities[1] + 0.5)
-    assert loss.summary()["clipfrac"] == 1.0
+    assert summary(loss)["clipfrac"] == 1.0
 
 
 def test_grpo_loss_matches_hand_computation_with_kl():
@@ -185,7 +194,7 @@ def test_grpo_loss_matches_hand_computation_with_kl():
     policy = torch.maximum(-A * ratio, -A * ratio.clamp(1 - eps, 1 + eps)).mean()
     kl = (((st.mean - ref.mean) ** 2) / (2 * st.std**2)).mean(dim=(1, 2, 3)).mean()
     assert torch.allclose(got, 0.5 * (policy + beta * kl), rtol=1e-5)
-    assert loss.summary()["kl"] == pytest.approx(float(kl), rel=1e-5)
+    assert summary(loss)["kl"] == pytest.approx(float(kl), rel=1e-5)
 
 
 def test_grpo_loss_masks_samples():

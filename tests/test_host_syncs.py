@@ -15,17 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from jagg_scale.estimate.layout import rank_share
 from jagg_scale.train import Trainer, load_config
 from jagg_scale.train.host_syncs import HostSyncs
 
 ROOT = Path(__file__).resolve().parents[1]
 
-LAYOUT = ["sampling.num_steps=10", "sampling.batch_size=9", "sampling.guidance=4.5", "grpo.group_size=24",
-          "train.prompts_per_step=6", "train.batch_size=72", "train.micro_batch_size=72", "grpo.timestep_fraction=0.99",
-          "grpo.beta=0.01", "grpo.adv_clip_max=5.0", "grpo.global_std=true", "model.lora.enabled=true",
-          "model.lora.rank=4", "model.lora.alpha=8", "jagg.window=4", "jagg.jagg_frac=1.0", "jagg.route_by=vcos",
-          "model.dtype=bfloat16", "train.steps=2", "run.checkpoint_every=0", "log.progress=false",
-          "run.resume=none", "run.device=cpu"]
+PRODUCTION = ROOT / "configs" / "sd35m_pickscore.yaml"
+TINY_RUN = ["model.lora.rank=4", "model.lora.alpha=8", "train.steps=2", "run.checkpoint_every=0", "log.progress=false",
+            "run.resume=none", "run.device=cpu"]
+
+
+def layout() -> list[str]:
+    """sd35m_pickscore's share of one rank of 8 (estimate/layout.py), on the tiny pipeline's small LoRA."""
+    return [*rank_share(load_config(PRODUCTION, check_files=False), 8), *TINY_RUN]
 MAX_SYNCS = 25
 
 
@@ -52,14 +55,14 @@ def test_the_counter_counts_reads_and_data_copies_in_its_own_thread_only():
 @pytest.mark.slow
 def test_a_training_step_of_the_sd35m_layout_reads_the_device_at_most_25_times(sd3_dir, tmp_path):
     cfg = load_config(ROOT / "configs" / "sd3_tiny_cpu.yaml",
-                      [f"model.pretrained={sd3_dir}", f"run.output_dir={tmp_path}", *LAYOUT])
+                      [f"model.pretrained={sd3_dir}", f"run.output_dir={tmp_path}", *layout()])
     trainer = Trainer(cfg)
     try:
         trainer.train_step(0)  # warm-up: lazy initialisation (the empty prompt's embedding, optimizer state)
         with HostSyncs(sites=True) as syncs:
             metrics = trainer.train_step(1)
     finally:
-        trainer.dist.close()
+        trainer.close()
     assert metrics["optimizer_steps"] == 2 and metrics["windows"] == 6  # 2 minibatches x windows [0-3] [4-7] [8]
     assert isinstance(metrics["loss"], float) and isinstance(metrics["grad_norm"], float)  # read once, as floats
     where = "\n".join(f"{n:4d} {site}" for site, n in syncs.by_site.most_common())

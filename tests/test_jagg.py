@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from jagg_scale.jagg import (exact_backward, jagg_backward, num_routed, plan_windows, route_windows, trained_steps,
+from jagg_scale.jagg import (exact_backward, jagg_backward, num_routed, split_windows, route_windows, trained_steps,
                              window_weights)
 from jagg_scale.models import DiT, DiTConfig
 from toy_velocity import D, CountingModel, LinearVelocity, MLPVelocity
@@ -165,15 +165,15 @@ def test_jagg_on_dit_float64_w2_matches_per_step():
 
 
 def test_windows_cover_any_T_with_a_remainder():
-    assert plan_windows(range(10), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert plan_windows(range(7), 7) == [list(range(7))]
-    assert plan_windows(range(3), 1) == [[0], [1], [2]]
+    assert split_windows(range(10), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert split_windows(range(7), 7) == [list(range(7))]
+    assert split_windows(range(3), 1) == [[0], [1], [2]]
     for T in range(1, 20):
         for W in range(1, 9):
-            flat = [k for w in plan_windows(range(T), W) for k in w]
+            flat = [k for w in split_windows(range(T), W) for k in w]
             assert flat == list(range(T))
     with pytest.raises(ValueError, match="window"):
-        plan_windows(range(4), 0)
+        split_windows(range(4), 0)
 
 
 def test_trained_steps_follow_timestep_fraction():
@@ -206,7 +206,7 @@ def _velocities_with_cosines(cos_per_window, window=2, B=4):
 def test_route_by_vcos_picks_the_highest_cosine_windows():
     cosines = [0.2, 0.9, 0.5, 0.99]
     v = _velocities_with_cosines(cosines, window=3)
-    windows = plan_windows(range(12), 3)
+    windows = split_windows(range(12), 3)
     r = route_windows(windows, v, jagg_frac=0.5, route_by="vcos")
     assert r.use_jagg == [False, True, False, True]
     assert [round(c, 6) for c in r.cosines] == cosines
@@ -219,7 +219,7 @@ def test_route_by_vcos_picks_the_highest_cosine_windows():
 def test_route_by_weighted_picks_the_lowest_expected_error():
     cosines = [0.2, 0.9, 0.5, 0.99]
     v = _velocities_with_cosines(cosines, window=3)
-    windows = plan_windows(range(12), 3)
+    windows = split_windows(range(12), 3)
     # |g_k| grows towards the end: the last window's error (1 - 0.99) * 300 = 3 outweighs the first's 0.8 * 1
     grad_norms = [1 / 3] * 3 + [1 / 3] * 3 + [1 / 3] * 3 + [100.0] * 3
     r = route_windows(windows, v, jagg_frac=0.5, route_by="weighted", grad_norms=grad_norms)

@@ -8,10 +8,9 @@ import torch
 
 import jagg_scale.train.update as update_mod
 from jagg_scale.grpo import GRPOStepLoss
-from jagg_scale.jagg import plan_uniform
+from jagg_scale.jagg import Planned, SharedKnotPlanner, plan_uniform
 from jagg_scale.train import ConfigError, Trainer, load_config
-from jagg_scale.train.config import JAGGConfig
-from minibatch import rollout_minibatch
+from minibatch import plan_of, rollout_minibatch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -36,9 +35,9 @@ def test_budget_at_speedup_one_is_the_exact_gradient(tmp_path):
     trainer, cond, batch, loss = _setup(tmp_path)
     policy = trainer.policy.velocity_fn()
     exact, _ = _grad(trainer, lambda: update_mod.backward_minibatch(
-        policy, batch, cond, loss, trainer.steps, JAGGConfig(mode="exact"), on_policy=True))
+        policy, batch, cond, loss, trainer.steps, **plan_of(mode="exact"), on_policy=True))
     full, stats = _grad(trainer, lambda: update_mod.backward_minibatch(
-        policy, batch, cond, loss, trainer.steps, JAGGConfig(plan="budget", speedup=1.0), on_policy=True))
+        policy, batch, cond, loss, trainer.steps, **plan_of(plan="budget", speedup=1.0), on_policy=True))
     assert stats.backward_passes == len(trainer.steps) == 8 and stats.knots == [list(range(8))]
     assert torch.allclose(full, exact, rtol=1e-5, atol=1e-8)
 
@@ -46,12 +45,12 @@ def test_budget_at_speedup_one_is_the_exact_gradient(tmp_path):
 def test_uniform_windows_as_knots_match_the_window_path(tmp_path):
     trainer, cond, batch, loss = _setup(tmp_path)
     policy = trainer.policy.velocity_fn()
-    cfg = JAGGConfig(window=4, intermediate="cached")
-    windows, _ = _grad(trainer, lambda: update_mod.backward_minibatch(policy, batch, cond, loss, trainer.steps, cfg,
-                                                                      on_policy=True))
-    as_knots = update_mod.MinibatchPlan(plan_uniform(8, 4), rows_per_pass=2)  # sorted knots two per pass
-    knots, stats = _grad(trainer, lambda: update_mod.backward_minibatch(policy, batch, cond, loss, trainer.steps, cfg,
-                                                                       on_policy=True, plan=as_knots))
+    windows, _ = _grad(trainer, lambda: update_mod.backward_minibatch(
+        policy, batch, cond, loss, trainer.steps, **plan_of(window=4, intermediate="cached"), on_policy=True))
+    # the same knots through the shared-knot planner's path: sorted knots two per pass
+    knots, stats = _grad(trainer, lambda: update_mod.backward_minibatch(
+        policy, batch, cond, loss, trainer.steps, SharedKnotPlanner(window=4, rows_per_pass=2),
+        intermediate="cached", on_policy=True, planned=Planned(plan_uniform(8, 4))))
     assert stats.knots == [[0, 3, 4, 7]] and stats.backward_calls == 2
     assert torch.allclose(knots, windows, rtol=1e-5, atol=1e-8)
     assert not torch.allclose(knots, torch.zeros_like(knots))
@@ -68,7 +67,7 @@ def test_training_with_the_planner_respects_the_budget_and_logs_the_plan(tmp_pat
         assert knots[0] == 0 and knots[-1] == 7 and knots == sorted(set(knots))
         assert len(knots) <= budget and r["backward_passes"] == len(knots)
         assert r["pass_ratio"] == pytest.approx(len(knots) / 8)
-        assert r["backward_calls"] == -(-len(knots) // cfg.jagg.rows_per_pass)
+        assert r["backward_calls"] == -(-len(knots) // cfg.jagg.planner().rows_per_pass)
 
 
 def test_shared_knots_use_fewer_rows_than_windows(tmp_path):
@@ -84,3 +83,5 @@ def test_planner_config_errors_name_the_key(tmp_path):
             load_config(TINY, SMALL + [override])
     with pytest.raises(ConfigError, match=r"jagg\.jagg_frac"):
         load_config(TINY, SMALL + ["jagg.plan=budget", "jagg.jagg_frac=0.5"])
+    with pytest.raises(ConfigError, match=r"jagg\.jagg_frac"):
+        load_config(TINY, SMALL + ["jagg.plan=budget", "jagg.jagg_frac=1.0"])  # set at all, even to the default

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from jagg_scale.jagg import (budget_for_speedup, check_plan, composite_upstream, cosine_error, exact_backward,
-                             jagg_backward, knot_backward, knots_from_windows, pass_groups, passes, plan_budget, plan_cost,
-                             plan_from_knots, plan_knots, plan_uniform, plan_windows, residual_error, segment_costs,
+                             jagg_backward, knot_backward, knots_from_windows, pass_groups, plan_budget, plan_cost,
+                             plan_from_knots, plan_knots, plan_uniform, split_windows, residual_error, segment_costs,
                              velocity_cosines, window_weights)
 from toy_velocity import D, CountingModel, LinearVelocity, MLPVelocity
 
@@ -105,13 +105,13 @@ def random_plan(T, rng):
 
 
 def test_plan_representations():
-    assert plan_uniform(10, 4) == [(0, 3), (4, 7), (8, 9)] == knots_from_windows(plan_windows(range(10), 4))
+    assert plan_uniform(10, 4) == [(0, 3), (4, 7), (8, 9)] == knots_from_windows(split_windows(range(10), 4))
     assert plan_uniform(16, 4, share=True) == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 15)]  # the doc's 6 rows
-    assert knots_from_windows(plan_windows(range(16), 4), share=True) == plan_from_knots([0, 3, 7, 11, 15])
+    assert knots_from_windows(split_windows(range(16), 4), share=True) == plan_from_knots([0, 3, 7, 11, 15])
     assert knots_from_windows([[0, 1, 2, 3], [3, 4, 5, 6]], share=True) == [(0, 3), (3, 6)]
     assert plan_uniform(5, 1) == [(k, k) for k in range(5)] == plan_uniform(5, 1, share=True)
     assert plan_uniform(1, 4) == [(0, 0)] == plan_uniform(1, 4, share=True)
-    assert passes(plan_uniform(16, 4)) == 8 and passes(plan_uniform(16, 4, share=True)) == 6
+    assert len(plan_knots(plan_uniform(16, 4))) == 8 and len(plan_knots(plan_uniform(16, 4, share=True))) == 6
     assert plan_knots([(0, 3), (4, 7), (8, 9)]) == [0, 3, 4, 7, 8, 9]
     for T in range(1, 12):
         for W in range(1, 6):
@@ -157,7 +157,7 @@ def test_uniform_non_shared_windows_equal_jagg_backward_per_window(mode):
     cached = cached_of(model, latents, sigmas, cond) + 0.01 * torch.randn(T, B, 3, 2, 2, dtype=torch.float64)
     model.zero_grad(set_to_none=True)
     ref_loss = 0.0
-    for w in plan_windows(range(T), W):
+    for w in split_windows(range(T), W):
         idx = torch.tensor(w)
         ref_loss += jagg_backward(model, latents[idx], sigmas[idx], cond, lambda k, v, w=w: step_loss(w[k], v),
                                   cached_velocities=cached[idx], intermediate=mode)
@@ -196,7 +196,7 @@ def test_full_budget_gives_every_step_and_the_exact_gradient():
     step_loss = make_step_loss(T, B, seed=4)
     cached = cached_of(model, latents, sigmas, cond)
     g_norms = torch.rand(T, dtype=torch.float64) + 0.1
-    plan = plan_budget(g_norms, velocity_cosines(cached), sigmas, budget_for_speedup(T, 1))
+    plan = plan_budget(g_norms, cosine_error(velocity_cosines(cached), sigmas), budget_for_speedup(T, 1))
     assert plan_knots(plan) == list(range(T))
     _, ref = grad_after(model, exact_backward, model, latents, sigmas, cond, step_loss)
     _, got = grad_after(model, knot_backward, model, plan, latents, sigmas, cond, step_loss, cached_velocities=cached)
@@ -211,7 +211,7 @@ def test_rows_per_pass_same_gradient_and_one_backward_per_chunk():
     plan = [(0, 3), (4, 4), (5, 8), (8, 10)]  # knots 0, 3, 4, 5, 8, 10: mixed shared, non-shared, lone step
     model = CountingModel(MLPVelocity().double())
     cached = cached_of(model.inner, latents, sigmas, cond)
-    K = passes(plan)
+    K = len(plan_knots(plan))
     grads = []
     for r in (1, 2, 3, 4, 6, 7):
         model.forwards, model.backwards = [], 0
@@ -263,9 +263,9 @@ def test_dp_is_optimal_against_brute_force(T):
     for seed in range(4):
         g_norms, vcos, sigmas = random_problem(T, 10 * T + seed)
         for budget in sorted({2, 3, (T + 1) // 2, T - 1, T} - {0, 1} if T > 1 else {1}):
-            plan = check_plan(plan_budget(g_norms, vcos, sigmas, budget), T)
-            assert passes(plan) <= budget
-            best = min(reference_cost(p, g_norms, vcos, sigmas) for p in plans if passes(p) <= budget)
+            plan = check_plan(plan_budget(g_norms, cosine_error(vcos, sigmas), budget), T)
+            assert len(plan_knots(plan)) <= budget
+            best = min(reference_cost(p, g_norms, vcos, sigmas) for p in plans if len(plan_knots(p)) <= budget)
             got = reference_cost(plan, g_norms, vcos, sigmas)
             assert got <= best + 1e-12 * max(1.0, best), (T, seed, budget, plan)
             assert abs(plan_cost(plan, g_norms, cosine_error(vcos, sigmas)) - got) <= 1e-12 * max(1.0, got)
@@ -279,11 +279,12 @@ def test_dp_with_the_residual_error_model_and_a_callable_vcos():
     e = residual_error(vel, sigmas)
     plans = all_plans(T)
     for budget in (2, 3, 4, 5):
-        plan = plan_budget(g_norms, None, sigmas, budget, error_fn=e)
-        best = min(plan_cost(p, g_norms, e) for p in plans if passes(p) <= budget)
-        assert passes(plan) <= budget and plan_cost(plan, g_norms, e) <= best + 1e-12
+        plan = plan_budget(g_norms, e, budget)
+        best = min(plan_cost(p, g_norms, e) for p in plans if len(plan_knots(p)) <= budget)
+        assert len(plan_knots(plan)) <= budget and plan_cost(plan, g_norms, e) <= best + 1e-12
     vcos = velocity_cosines(vel)
-    assert plan_budget(g_norms, lambda a, b: float(vcos[a, b]), sigmas, 4) == plan_budget(g_norms, vcos, sigmas, 4)
+    assert (plan_budget(g_norms, cosine_error(lambda a, b: float(vcos[a, b]), sigmas), 4)
+            == plan_budget(g_norms, cosine_error(vcos, sigmas), 4))
 
 
 def test_planner_keeps_high_gradient_steps_exact_and_is_fast():
@@ -291,7 +292,7 @@ def test_planner_keeps_high_gradient_steps_exact_and_is_fast():
     sigmas = torch.linspace(1.0, 0.01, T, dtype=torch.float64)
     g_norms = torch.logspace(0, 2, T, dtype=torch.float64)  # |g| grows ~100x towards low sigma, as measured
     vcos = torch.cos(sigmas[:, None] - sigmas[None, :])  # smooth: decorrelates with the sigma distance
-    plan = plan_budget(g_norms, vcos, sigmas, 25)
+    plan = plan_budget(g_norms, cosine_error(vcos, sigmas), 25)
     # fast = polynomial, checked by counting instead of timing (a wall-clock bound fails on a busy machine): the
     # planner evaluates the error model once per segment (a, b), O(T^2), never once per knot set (C(T, 25))
     calls = []
@@ -300,17 +301,17 @@ def test_planner_keeps_high_gradient_steps_exact_and_is_fast():
         calls.append((a, b))
         return float(vcos[a, b])
 
-    assert plan_budget(g_norms, counting_cos, sigmas, 25) == plan
+    assert plan_budget(g_norms, cosine_error(counting_cos, sigmas), 25) == plan
     assert len(calls) == len(set(calls)) <= T * (T - 1) // 2
     knots = plan_knots(plan)
-    assert passes(plan) <= 25 and knots[0] == 0 and knots[-1] == T - 1
+    assert len(plan_knots(plan)) <= 25 and knots[0] == 0 and knots[-1] == T - 1
     gaps = [q - p for p, q in zip(knots[:-1], knots[1:])]
     assert gaps[0] > gaps[-1]  # long segments at high sigma, dense knots where the gradient is
     assert plan_cost(plan, g_norms, cosine_error(vcos, sigmas)) < plan_cost(plan_uniform(T, 8, True), g_norms,
                                                                           cosine_error(vcos, sigmas))
     assert segment_costs(g_norms[:3], cosine_error(vcos[:3, :3], sigmas[:3]))[0, 1] == 0.0
     with pytest.raises(ValueError, match="max_knots"):
-        plan_budget(g_norms, vcos, sigmas, 1)
+        plan_budget(g_norms, cosine_error(vcos, sigmas), 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

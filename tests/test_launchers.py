@@ -149,7 +149,7 @@ def _tail(argv: list[str], train: str) -> list[str]:
     return argv[argv.index(train) + 1:]
 
 
-OVERRIDES = ["parallel.backend=fsdp2", "train.steps=3", "data.prompts_file=my prompts.txt", "run.name=it's"]
+OVERRIDES = ["parallel.engine=fsdp2", "train.steps=3", "data.prompts_file=my prompts.txt", "run.name=it's"]
 
 
 # ------------------------------------------------------------------ all scripts
@@ -257,14 +257,14 @@ def test_deepspeed_hostfile(stubs):
     assert (_opt(argv, "--num_nodes"), _opt(argv, "--num_gpus")) == ("2", "4")
     assert (_opt(argv, "--master_addr"), _opt(argv, "--master_port")) == ("node01", "29700")
     assert "--no_python" in argv and "--no_local_rank" in argv
-    assert _tail(argv, "jt") == [CONFIG, "train.steps=3", "data.x=a b", "parallel.backend=deepspeed"]
+    assert _tail(argv, "jt") == [CONFIG, "train.steps=3", "data.x=a b", "parallel.engine=deepspeed"]
 
 
 def test_deepspeed_single_node_defaults(stubs):
     argv = _dry(LAUNCHERS / "deepspeed.sh", [CONFIG], _env(stubs, STUB_GPUS=8, JAGG_TRAIN="jt"))
     assert _opt(argv, "--num_gpus") == "8"
     assert "--hostfile" not in argv and "--num_nodes" not in argv and "--master_addr" not in argv
-    assert _tail(argv, "jt") == [CONFIG, "parallel.backend=deepspeed"]
+    assert _tail(argv, "jt") == [CONFIG, "parallel.engine=deepspeed"]
     # with a hostfile the slots decide, unless NUM_GPUS is given
     argv = _dry(LAUNCHERS / "deepspeed.sh", [CONFIG], _env(stubs, STUB_GPUS=8, JAGG_TRAIN="jt",
                                                            HOSTFILE=LAUNCHERS / "hostfile.example"))
@@ -272,8 +272,8 @@ def test_deepspeed_single_node_defaults(stubs):
 
 
 def test_deepspeed_rejects_another_backend(stubs):
-    r = _run(LAUNCHERS / "deepspeed.sh", [CONFIG, "parallel.backend=fsdp2"], _env(stubs, DRY_RUN=1))
-    assert r.returncode == 2 and "parallel.backend=fsdp2" in r.stderr
+    r = _run(LAUNCHERS / "deepspeed.sh", [CONFIG, "parallel.engine=fsdp2"], _env(stubs, DRY_RUN=1))
+    assert r.returncode == 2 and "parallel.engine=fsdp2" in r.stderr
     r = _run(LAUNCHERS / "deepspeed.sh", [CONFIG], _env(stubs, DRY_RUN=1, HOSTFILE="nope"))
     assert r.returncode == 2 and "HOSTFILE" in r.stderr
 
@@ -332,7 +332,7 @@ def test_launcher_starts_two_ranks(script, tool, stubs, stub_train):
     lines = _ranks(r.stdout)
     assert [ln.split()[0] for ln in lines] == ["RANK=0", "RANK=1"], r.stdout
     assert all("SIZE=2" in ln for ln in lines)
-    backend = " parallel.backend=deepspeed" if tool == "deepspeed" else ""
+    backend = " parallel.engine=deepspeed" if tool == "deepspeed" else ""
     assert all(ln.endswith(f"ARGS={CONFIG} train.steps=1 data.x=a b{backend}") for ln in lines), lines
 
 
@@ -387,10 +387,10 @@ def test_sbatch_output_dir_from_override_or_config(stubs, tmp_path):
     argv = _dry(SBATCH, [CONFIG, "run.output_dir=runs/x"], env)
     assert _tail(argv, "jt") == [CONFIG, "run.output_dir=runs/x", "parallel.replicate=2", "run.resume=auto"]
     # neither: read the config's run.output_dir with the venv's Python
-    r = _run(SBATCH, [CONFIG, "parallel.backend=fsdp2"], {**env, "DRY_RUN": "1", "PYTHON": sys.executable})
+    r = _run(SBATCH, [CONFIG, "parallel.engine=fsdp2"], {**env, "DRY_RUN": "1", "PYTHON": sys.executable})
     assert r.returncode == 0, r.stderr
     assert "output_dir=runs/tiny_cpu" in r.stderr
-    assert shlex.split(r.stdout)[-3:] == ["parallel.backend=fsdp2", "parallel.replicate=2", "run.resume=auto"]
+    assert shlex.split(r.stdout)[-3:] == ["parallel.engine=fsdp2", "parallel.replicate=2", "run.resume=auto"]
 
 
 def test_sbatch_uses_hsdp_over_the_nodes_for_lora(stubs, tmp_path):

@@ -52,7 +52,7 @@ def _fit(cfg) -> tuple[Trainer, list[dict]]:
     try:
         rows = trainer.fit()
     finally:
-        trainer.dist.close()  # FSDP2 in one process starts a trivial process group: leave none behind
+        trainer.close()  # FSDP2 in one process starts a trivial process group: leave none behind
     return trainer, [{k: v for k, v in r.items() if not k.startswith(("time_", "comm_"))} for r in rows]
 
 
@@ -91,7 +91,9 @@ def test_frozen_parts_load_in_their_compute_dtype_bit_for_bit(sd3_dir):
 
 
 def test_a_bf16_checkpoint_stays_bf16_on_the_host_and_is_upcast_when_placed(sd3_dir, bf16_dir):
-    from jagg_scale.parallel.engine import EngineSpec, TrainEngine
+    from jagg_scale.parallel.config import ParallelConfig
+    from jagg_scale.parallel.engine import LocalEngine
+    from jagg_scale.train.config import TrainConfig
 
     assert stored_dtype(Path(bf16_dir) / "transformer") == torch.bfloat16
     fp32 = build_model(_model_cfg(bf16_dir, dtype="bfloat16"))  # jagg-eval's load: float32 right away
@@ -107,7 +109,7 @@ def test_a_bf16_checkpoint_stays_bf16_on_the_host_and_is_upcast_when_placed(sd3_
     lora.lora.enabled, lora.lora.rank = True, 2
     assert {p.dtype for p in build_model(lora, keep_stored_dtype=True).parameters()} == {torch.float32}
 
-    engine = TrainEngine(host, EngineSpec(), DistContext())
+    engine = LocalEngine(host, ParallelConfig(), TrainConfig(), DistContext())
     want = fp32.transformer.state_dict()
     got = engine.model.transformer.state_dict()
     assert all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k]) for k in want)
@@ -115,7 +117,8 @@ def test_a_bf16_checkpoint_stays_bf16_on_the_host_and_is_upcast_when_placed(sd3_
 
 def test_fsdp2_upcasts_and_places_one_unit_at_a_time(bf16_dir, monkeypatch):
     from jagg_scale.parallel import fsdp
-    from jagg_scale.parallel.engine import EngineSpec
+    from jagg_scale.parallel.config import ParallelConfig
+    from jagg_scale.train.config import TrainConfig
 
     placed: list[int] = []  # bytes of the unsharded tensors handed to each placement
     real = fsdp.place_
@@ -132,7 +135,7 @@ def test_fsdp2_upcasts_and_places_one_unit_at_a_time(bf16_dir, monkeypatch):
     block = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.transformer.transformer_blocks)
     ctx = DistContext()
     try:
-        engine = fsdp.FSDP2Engine(model, EngineSpec(backend="fsdp2", bf16=True), ctx)
+        engine = fsdp.FSDP2Engine(model, ParallelConfig(engine="fsdp2"), TrainConfig(), ctx)
         assert len(placed) == len(model.transformer.transformer_blocks) + 1  # each block, then the root's rest
         assert max(placed[:-1]) == block and max(placed) < total  # never the whole transformer at once
         got = engine.full_state_dict()
@@ -172,10 +175,10 @@ def test_the_engine_places_the_transformer_before_anything_reaches_the_device(sd
     def devices(modules) -> set:
         return {p.device.type for m in modules for p in m.parameters()}
 
-    def spy(model, spec, dist):
+    def spy(model, parallel, optim, dist):
         seen["engine_gets"] = devices([model])
         seen["frozen_at_engine"] = devices(model.frozen.values())
-        engine = real(model, spec, dist)
+        engine = real(model, parallel, optim, dist)
         seen["engine_placed"] = devices([engine.model])
 
         def shard_frozen(ref):
@@ -269,7 +272,7 @@ def test_shard_t5_makes_dtensors_and_encodes_what_the_unsharded_encoder_does(sd3
 
 
 def test_trainer_with_shard_t5_and_a_sharded_reference_under_fsdp2(sd3_dir, tmp_path):
-    over = ["grpo.beta=0.04", "train.steps=1", "parallel.backend=fsdp2"]
+    over = ["grpo.beta=0.04", "train.steps=1", "parallel.engine=fsdp2"]
     trainer, rows = _fit(_cfg(sd3_dir, tmp_path / "sharded", "model.shard_t5=true", *over))
     assert all(isinstance(p, DTensor) for p in trainer.model.frozen["text_encoder_3"].parameters())
     ref = trainer.policy.ref_model

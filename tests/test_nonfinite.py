@@ -14,7 +14,9 @@ from jagg_scale.cli import train_main
 from jagg_scale.models.dit import DiT, DiTConfig
 from jagg_scale.parallel.build import build_engine
 from jagg_scale.parallel.dist import DistContext
-from jagg_scale.parallel.engine import EngineSpec, NonFiniteError
+from jagg_scale.parallel.config import ParallelConfig
+from jagg_scale.parallel.engine import NonFiniteError
+from jagg_scale.train.config import TrainConfig
 from jagg_scale.rewards.base import Reward, register
 from jagg_scale.train import Trainer, load_config
 from jagg_scale.train.logging import read_metrics
@@ -42,7 +44,7 @@ def ctx():
 def _engine(backend: str, ctx):
     torch.manual_seed(0)
     model = DiT(DIT).init_weights(zero_out=False)
-    return build_engine(model, EngineSpec(backend=backend, lr=1e-3, grad_clip=1.0, ema_decay=0.5), ctx)
+    return build_engine(model, ParallelConfig(engine=backend), TrainConfig(lr=1e-3, grad_clip=1.0, ema_decay=0.5), ctx)
 
 
 def _step(engine, seed: int, grad_scale: float = 1.0, loss: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,7 +94,7 @@ def test_an_engine_refuses_to_save_non_finite_weights(ctx, backend, tmp_path):
 
 @pytest.mark.parametrize("chained", [False, True])
 def test_a_full_disk_during_a_save_names_the_directory_and_the_free_space(ctx, tmp_path, monkeypatch, chained):
-    import jagg_scale.checkpoint.local as local
+    import jagg_scale.parallel.engine as local  # where the engine's writers are looked up
 
     def full(path, obj):
         if not chained:
@@ -102,14 +104,14 @@ def test_a_full_disk_during_a_save_names_the_directory_and_the_free_space(ctx, t
         except OSError:
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 12254528 vs 12254416")
 
-    monkeypatch.setattr(local, "_write_object", full)
+    monkeypatch.setattr(local, "write_object", full)
     engine = _engine("none", ctx)
     (tmp_path / "ckpt").mkdir()
     with pytest.raises(OSError, match=r"no space left on device while writing checkpoint .*ckpt \(\d+\.\d\d GiB free "
                                       r"there now.*free disk space or lower run\.keep_last") as info:
         engine.save(tmp_path / "ckpt")
     assert info.value.errno == errno.ENOSPC
-    monkeypatch.setattr(local, "_write_object", lambda path, obj: (_ for _ in ()).throw(RuntimeError("other")))
+    monkeypatch.setattr(local, "write_object", lambda path, obj: (_ for _ in ()).throw(RuntimeError("other")))
     with pytest.raises(RuntimeError, match="^other$"):  # any other failure is left as it was
         engine.save(tmp_path / "ckpt")
 
@@ -118,9 +120,9 @@ def test_a_full_disk_during_a_save_names_the_directory_and_the_free_space(ctx, t
 
 def _poison(monkeypatch, when):
     """The gradient of the n-th minibatch NaN when `when(n)`, as a numerical blow-up in the model would make it."""
-    from jagg_scale.parallel.engine import TrainEngine
+    from jagg_scale.parallel.engine import Engine
 
-    step, calls = TrainEngine.step, []
+    step, calls = Engine.step, []
 
     def poisoned(self, loss=None):
         calls.append(1)
@@ -130,7 +132,7 @@ def _poison(monkeypatch, when):
                     p.grad.fill_(float("nan"))
         return step(self, loss=loss)
 
-    monkeypatch.setattr(TrainEngine, "step", poisoned)
+    monkeypatch.setattr(Engine, "step", poisoned)
 
 
 def test_non_finite_minibatches_are_skipped_counted_and_the_weights_stay_finite(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hang_guard import RUN_S
-from jagg_scale.jagg import plan_windows, trained_steps
+from jagg_scale.jagg import split_windows, trained_steps
 from jagg_scale.rewards import available
 from jagg_scale.rewards.base import _REGISTRY, _check_options
 from jagg_scale.train import ConfigError, Trainer, load_config
@@ -50,7 +50,7 @@ def test_recipe_values_and_reward_options(name, pipe_dirs, tmp_path):
     kind = "flux" if name.startswith("flux") else "sd3"
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", _paths(name, pipe_dirs[kind], tmp_path))
     assert cfg.model.kind == kind and cfg.model.dtype == "bfloat16"
-    assert cfg.model.gradient_checkpointing or cfg.parallel.activation_checkpointing
+    assert cfg.parallel.activation_checkpointing
     assert cfg.jagg.mode == "jagg" and cfg.jagg.window == 4 and 0 < cfg.jagg.jagg_frac <= 1
     assert cfg.grpo.clip_range == 1e-4 and cfg.grpo.adv_clip_max == 5.0
     if kind == "sd3":  # Flow-GRPO, config/grpo.py
@@ -62,10 +62,10 @@ def test_recipe_values_and_reward_options(name, pipe_dirs, tmp_path):
         assert cfg.train.prompts_per_step * cfg.grpo.group_size == 2 * cfg.train.batch_size
     else:  # DanceGRPO FLUX: full fine-tune, distilled guidance, no CFG pair
         assert cfg.sampling.guidance == 1.0 and cfg.model.distilled_guidance == 3.5 and not cfg.model.lora.enabled
-        assert cfg.parallel.backend == "fsdp2"  # a 12B full fine-tune is sharded
+        assert cfg.parallel.engine == "fsdp2"  # a 12B full fine-tune is sharded
     # the windows the header describes: 9 trained steps -> [4, 4, 1]
     t = trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction)
-    assert [len(w) for w in plan_windows(t, cfg.jagg.window)] == [4, 4, 1]
+    assert [len(w) for w in split_windows(t, cfg.jagg.window)] == [4, 4, 1]
     # the reward exists and takes these options (building it needs the real weights)
     assert cfg.reward.name in available()
     _check_options(cfg.reward.name, _REGISTRY[cfg.reward.name], cfg.reward.options)
@@ -84,7 +84,7 @@ def test_the_recipe_trains_a_step_on_the_tiny_pipeline(name, pipe_dirs, tmp_path
         rows = trainer.fit()
         trained = trainer.engine.full_state_dict()
     finally:
-        trainer.dist.close()  # FSDP2 in one process starts a trivial process group: leave none behind
+        trainer.close()  # FSDP2 in one process starts a trivial process group: leave none behind
     assert len(rows) == 1
     r = rows[0]
     minibatches = cfg.train.prompts_per_step * cfg.grpo.group_size // cfg.train.batch_size
@@ -119,7 +119,7 @@ def test_deepspeed_lora_run_exports_a_diffusers_lora(sd3_dir, tmp_path):
     out = tmp_path / "ds"
     cmd = [str(Path(sys.executable).parent / "jagg-train"), str(ROOT / "configs" / "sd3_tiny_cpu.yaml"),
            f"model.pretrained={sd3_dir}", "model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8",
-           "parallel.backend=deepspeed", "train.steps=1", f"run.output_dir={out}", "log.progress=false",
+           "parallel.engine=deepspeed", "train.steps=1", f"run.output_dir={out}", "log.progress=false",
            "train.lr=1e-2"]
     proc = subprocess.run(cmd, capture_output=True, text=True,
                           timeout=RUN_S)  # a hang guard only: includes DeepSpeed's first-use compile, if first
@@ -154,13 +154,13 @@ def test_validates_as_shipped_under_torchrun(name, nodes, tmp_path, monkeypatch)
     _torchrun_env(monkeypatch, 8 * nodes)
     hsdp = [f"parallel.replicate={nodes}"] if nodes > 1 else []
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", stand_in_paths(tmp_path) + hsdp)
-    assert cfg.parallel.backend == "fsdp2" and cfg.parallel.activation_checkpointing
+    assert cfg.parallel.engine == "fsdp2" and cfg.parallel.activation_checkpointing
     assert not cfg.parallel.compile and cfg.parallel.collective_timeout_s > 0
     validate_world(cfg, discover().world_size)
 
 
 @pytest.mark.parametrize("override,key", [
-    ("parallel.backend=none", "parallel.backend"),
+    ("parallel.engine=none", "parallel.engine"),
     ("parallel.replicate=3", "parallel.replicate"),  # 8 ranks are not 3 replicas
     ("train.batch_size=12", "train.batch_size"),  # 12 rows do not split over 8 ranks
     ("jagg.probe_every=5", "jagg.probe_every"),

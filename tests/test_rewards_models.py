@@ -470,7 +470,9 @@ def test_imagenet_cat_photo_prefers_cat_class(imagenet_reward, caplog):
     assert out.info["imagenet_unknown_class"] == 1
     scores, valid, n_failed = score_safely(imagenet_reward, images, prompts, metadata, max_fail_frac=0.5)
     assert valid.tolist() == [True, True, True, True, False] and n_failed == 1
-    torch.testing.assert_close(imagenet_reward(images[:2], prompts[:2], metadata[:2]).scores, s[:2], rtol=0, atol=0)
+    # a batch of 2 scores what the batch of 5 did, up to the batch-size-dependent float order of the CPU's kernels
+    torch.testing.assert_close(imagenet_reward(images[:2], prompts[:2], metadata[:2]).scores, s[:2], rtol=1e-5,
+                               atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ OCR

@@ -50,7 +50,7 @@ def test_every_rank_of_a_second_job_fails_naming_the_holder(tmp_path):
                               text=True, env=env)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        proc = subprocess.run(torchrun(2, out, "parallel.backend=fsdp2", "train.steps=1"), env=launcher_env(),
+        proc = subprocess.run(torchrun(2, out, "parallel.engine=fsdp2", "train.steps=1"), env=launcher_env(),
                               capture_output=True, text=True, timeout=RUN_S)  # a hang guard only
     finally:
         holder.stdin.close()
@@ -108,13 +108,13 @@ def test_a_worker_exits_when_its_torchrun_agent_is_killed(tmp_path):
 
 def test_a_damaged_metrics_file_fails_every_rank_of_a_resume(tmp_path):
     out = tmp_path / "run"
-    first = subprocess.run(torchrun(1, out, "parallel.backend=fsdp2", "train.steps=2"), env=launcher_env(),
+    first = subprocess.run(torchrun(1, out, "parallel.engine=fsdp2", "train.steps=2"), env=launcher_env(),
                            capture_output=True, text=True, timeout=RUN_S)  # a hang guard only
     assert first.returncode == 0, first.stderr[-3000:]
     metrics = out / "metrics.jsonl"
     lines = metrics.read_text().splitlines(keepends=True)
     metrics.write_text(lines[0] + "{not json\n" + lines[1])
-    proc = subprocess.run(torchrun(2, out, "parallel.backend=fsdp2", "train.steps=3", "run.resume=auto"),
+    proc = subprocess.run(torchrun(2, out, "parallel.engine=fsdp2", "train.steps=3", "run.resume=auto"),
                           env=launcher_env(), capture_output=True, text=True, timeout=RUN_S)  # a hang guard only
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]

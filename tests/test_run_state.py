@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from jagg_scale.checkpoint import digests
 from jagg_scale.models.dit import DiT, DiTConfig
 from jagg_scale.parallel.dist import DistContext
-from jagg_scale.parallel.engine import EngineSpec, TrainEngine
+from jagg_scale.parallel.config import ParallelConfig
+from jagg_scale.parallel.engine import LocalEngine
 from jagg_scale.train import Trainer, load_config
 from jagg_scale.train.run_state import EXPORT_RECORD, RunState
 from stand_ins import sigterm_at_step
@@ -47,7 +48,7 @@ def run_state(tmp_path, *overrides) -> RunState:
     torch.manual_seed(0)
     model = DiT(DiTConfig(image_size=8, in_channels=3, patch_size=4, hidden_size=32, depth=2, num_heads=2,
                           vocab_size=64, max_prompt_length=4))
-    return RunState(cfg, DistContext(), TrainEngine(model, EngineSpec(), DistContext()), tmp_path)
+    return RunState(cfg, DistContext(), LocalEngine(model, ParallelConfig(), cfg.train, DistContext()), tmp_path)
 
 
 def counting(monkeypatch) -> list[str]:

@@ -1,5 +1,5 @@
 """LoRA on the SD3 adapter (models/lora.py) and the SD3 training options (gradient checkpointing, attention
-backend, full save), on the tiny random offline pipeline of tools/make_tiny_pipeline.py."""
+kernel, full save), on the tiny random offline pipeline of tools/make_tiny_pipeline.py."""
 
 
 import pytest
@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from jagg_scale.models.lora import (  # noqa: E402
-    DEFAULT_SD3_TARGETS, add_lora, lora_module_names, lora_parameters, reference_disabled, save_lora,
+    DEFAULT_TARGETS, add_lora, lora_module_names, lora_parameters, reference_disabled, save_lora,
 )
 from jagg_scale.models.sd3 import SD3Velocity  # noqa: E402
 
@@ -51,9 +51,9 @@ def test_add_lora_trains_only_lora_on_the_default_targets(sd3_dir):
     assert not any(p.requires_grad for m in model.frozen.values() for p in m.parameters())
 
     names = lora_module_names(model)
-    matched = {t for n in names for t in DEFAULT_SD3_TARGETS if n == t or n.endswith("." + t)}
-    assert matched == set(DEFAULT_SD3_TARGETS)
-    assert all(any(n.endswith("." + t) for t in DEFAULT_SD3_TARGETS) for n in names)
+    matched = {t for n in names for t in DEFAULT_TARGETS if n == t or n.endswith("." + t)}
+    assert matched == set(DEFAULT_TARGETS)
+    assert all(any(n.endswith("." + t) for t in DEFAULT_TARGETS) for n in names)
     # every block's image-stream projections are adapted; nothing outside the attention
     n_blocks = len(model.transformer.transformer_blocks)
     assert sum(n.endswith("attn.to_q") for n in names) == n_blocks
@@ -164,19 +164,19 @@ def test_gradient_checkpointing_keeps_gradients(sd3_dir, lora):
     assert float((g1 - g0).norm() / g0.norm()) < 1e-5
 
 
-def test_attention_backends(sd3_dir):
+def test_attention_kernels(sd3_dir):
     from diffusers.models.attention_processor import JointAttnProcessor2_0
 
     model = _load(sd3_dir)
     x, sigma, cond = _inputs(model)
     with torch.no_grad():
         v0 = model(x, sigma, cond)
-        model.set_attention_backend("sdpa")
+        model.set_attention("sdpa")
         assert torch.allclose(model(x, sigma, cond), v0, atol=0)
-    assert model.attention_backend == "sdpa"
+    assert model.attention == "sdpa"
     assert all(isinstance(p, JointAttnProcessor2_0) for p in model.transformer.attn_processors.values())
-    with pytest.raises(ValueError, match="unknown attention backend"):
-        model.set_attention_backend("flash9")
+    with pytest.raises(ValueError, match="unknown attention"):
+        model.set_attention("flash9")
 
     try:
         import xformers  # noqa: F401
@@ -186,13 +186,13 @@ def test_attention_backends(sd3_dir):
     if torch.cuda.is_available() and have_xformers:
         pytest.skip("xformers and CUDA are available here: the failure path is not reachable")
     with pytest.raises(RuntimeError, match="xformers") as err:
-        model.set_attention_backend("xformers")
+        model.set_attention("xformers")
     msg = str(err.value)
     if not torch.cuda.is_available():
         assert "CUDA" in msg
     if not have_xformers:
         assert "import xformers" in msg
-    assert model.attention_backend == "sdpa"  # unchanged after the refusal
+    assert model.attention == "sdpa"  # unchanged after the refusal
 
 
 def test_save_full_round_trips_and_refuses_with_lora(sd3_dir, tmp_path):

@@ -12,10 +12,9 @@ from hang_guard import RUN_S
 from jagg_scale.cli import train_main
 from jagg_scale.grpo import GRPOStepLoss
 from jagg_scale.train import ConfigError, Trainer, load_config
-from jagg_scale.train.config import JAGGConfig
 from jagg_scale.train import update as update_mod
 from jagg_scale.train.logging import read_metrics
-from minibatch import rollout_minibatch
+from minibatch import plan_of, rollout_minibatch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -103,9 +102,8 @@ def _minibatch(trainer, step=0):
 
 def _grads(trainer, cond, batch, loss, **kwargs):
     trainer.model.zero_grad(set_to_none=True)
-    cfg = JAGGConfig(**kwargs)
-    stats = update_mod.backward_minibatch(trainer.policy.velocity_fn(), batch, cond, loss, trainer.steps, cfg,
-                                          on_policy=True)
+    stats = update_mod.backward_minibatch(trainer.policy.velocity_fn(), batch, cond, loss, trainer.steps,
+                                          **plan_of(**kwargs), on_policy=True)
     return torch.cat([p.grad.flatten() for p in trainer.model.parameters()]), stats
 
 
@@ -242,7 +240,7 @@ def test_micro_batched_gradient_is_the_whole_minibatch_gradient(tmp_path, jagg_c
             out.backward(grad)
 
         stats = update_mod.backward_minibatch(trainer.policy.model_fn(), batch, cond, loss, trainer.steps,
-                                              JAGGConfig(**jagg_cfg), on_policy=True, backward=backward,
+                                              **plan_of(**jagg_cfg), on_policy=True, backward=backward,
                                               micro_batch_size=size)
         grads[size] = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
         calls[size] = stats.backward_calls

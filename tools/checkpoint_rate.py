@@ -10,7 +10,7 @@ REPEATS times, in DIR (put it on the filesystem to measure; default: a temp dir)
 the write (DCP save + fsync), the sha256 of the files just written (what each rank does on save), the whole save,
 and a verify (what a resume does, page cache warm), in GB/s (1 GB = 1e9 bytes).
 
-Table: checkpoint bytes per model (parameter counts from tools/model_shapes via tools/estimate_memory.py) for a
+Table: checkpoint bytes per model (parameter counts from the estimator's shapes, jagg_scale/estimate/shapes/) for a
 full fine-tune (fp32 weights + AdamW's two fp32 moments: 12 bytes per parameter, 16 with train.ema_decay > 0) and a
 LoRA (the same for the adapter only), and the save time on `nodes` nodes of GPUS ranks each, every rank writing and
 hashing its own 1/(nodes x GPUS) of the bytes:
@@ -97,7 +97,7 @@ def measure(gb: float, repeats: int, directory: Path) -> dict:
 
 def checkpoint_bytes() -> dict[str, dict[str, float]]:
     """{model: {"full": bytes, "full+ema": bytes, "lora": bytes}} of the trainable state a checkpoint holds."""
-    from tools.estimate_memory import SHAPES, transformer_stats
+    from jagg_scale.estimate.shapes import SHAPES, transformer_stats
 
     out = {}
     for name in MODELS:

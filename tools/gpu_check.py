@@ -14,9 +14,9 @@ Sections, each in its own try block (a failing one is recorded and the next runs
              and host syncs per window.
     memory   the production micro-batch (sd35m_pickscore: 72 rows per rank): peak memory of one per-step pass
              (72 rows) and of one joint pass (144 rows), random trajectories; compare with
-             tools/estimate_memory.py
+             jagg-estimate
     syncs    host synchronisations in one training step (Trainer.train_step, after a warm-up step) of the
-             sd35m_pickscore per-rank loop (tests/test_host_syncs.py LAYOUT) on the tiny SD3 pipeline: the
+             sd35m_pickscore per-rank loop (estimate/layout.py rank_share) on the tiny SD3 pipeline: the
              training thread's reads of device tensors (HostSyncs) and, on CUDA, every real sync of the process
              (torch.cuda sync debug mode), with where they happen
     train    `jagg-train` of the tiny SD3 pipeline for 2 steps with run.device=<device>: backend none, then fsdp2
@@ -50,7 +50,6 @@ from jagg_scale.train.host_syncs import CudaSyncs, HostSyncs  # noqa: E402
 
 NOISE_LEVEL, SHIFT, CLIP, NUM_STEPS = 0.7, 3.0, 1e-4, 10
 TEXT_TOKENS = 333  # CLIP 77 + T5 256, as the SD3 adapter encodes them
-LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 TINY_CFG = dict(sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
                 num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
                 pos_embed_max_size=8, qk_norm="rms_norm", dual_attention_layers=(0,))
@@ -89,37 +88,28 @@ def syncs_counter(device: torch.device):
 # the SD3.5-medium-shaped policy
 # ------------------------------------------------------------------------------------------------------------------
 
-class Policy(torch.nn.Module):
-    """v(x, sigma, (embeds, pooled)) of a diffusers SD3Transformer2DModel under bf16 autocast, timestep = 1000 sigma
-    in float32 (as models/sd3.py), output float32 (the SDE math stays float32)."""
+def make_policy(cfg: dict, device: torch.device, lora_rank: int) -> torch.nn.Module:
+    """The SD3 transformer of `cfg` as a velocity model (models/sd3.py SD3TransformerVelocity) with LoRA on the
+    library's targets and per-block checkpointing, randomly initialised on the device (seconds, not minutes, for
+    2.5B parameters), called under bf16 autocast."""
+    from diffusers import SD3Transformer2DModel
 
-    def __init__(self, cfg: dict, device: torch.device, lora_rank: int):
-        super().__init__()
-        from diffusers import SD3Transformer2DModel
+    from jagg_scale.models.lora import add_lora
+    from jagg_scale.models.sd3 import SD3TransformerVelocity
 
-        from jagg_scale.models.lora import add_lora
-
-        with torch.device(device):  # random init on the device: seconds, not minutes, for 2.5B parameters
-            self.transformer = SD3Transformer2DModel(**cfg)
-        add_lora(self.transformer, rank=lora_rank, alpha=2 * lora_rank, targets=LORA_TARGETS)
-        self.transformer.enable_gradient_checkpointing()
-        self.device_type = device.type
-
-    def forward(self, x, sigma, cond):
-        embeds, pooled = cond
-        sigma = torch.as_tensor(sigma, device=x.device)
-        if sigma.ndim == 0:
-            sigma = sigma.expand(x.shape[0])
-        with torch.autocast(self.device_type, dtype=torch.bfloat16):
-            v = self.transformer(hidden_states=x, timestep=sigma.float() * 1000.0, encoder_hidden_states=embeds,
-                                 pooled_projections=pooled, return_dict=False)[0]
-        return v.float()
+    with torch.device(device):
+        transformer = SD3Transformer2DModel(**cfg)
+    add_lora(transformer, rank=lora_rank, alpha=2 * lora_rank)
+    transformer.enable_gradient_checkpointing()
+    return SD3TransformerVelocity(transformer, autocast=torch.bfloat16)
 
 
 def model_config(tiny: bool) -> dict:
     if tiny:
         return dict(TINY_CFG)
-    shapes = json.loads((ROOT / "tools" / "model_shapes" / "sd35_medium.json").read_text())
+    from jagg_scale.estimate.shapes import pipeline_shapes
+
+    shapes = pipeline_shapes(None, "sd35_medium")
     cfg = dict(shapes["components"]["transformer"]["config"])
     cfg["sample_size"] = 64  # 512 px / VAE factor 8
     return cfg
@@ -166,7 +156,7 @@ def build_policy(args, device):
     cfg = model_config(args.tiny)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    policy = Policy(cfg, device, lora_rank=args.lora_rank).train()
+    policy = make_policy(cfg, device, lora_rank=args.lora_rank).train()
     sync(device)
     built = time.perf_counter() - t0
     n_all = sum(p.numel() for p in policy.parameters())
@@ -293,13 +283,16 @@ def train_overrides(pipe: Path, out: Path, device: torch.device) -> list[str]:
 def section_syncs(args, device, state) -> dict:
     from jagg_scale.train import Trainer, load_config
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_host_syncs import LAYOUT  # sd35m_pickscore's per-rank loop on the tiny pipeline (the CPU test's)
+    from jagg_scale.estimate.layout import rank_share
+
+    # sd35m_pickscore's per-rank loop (one rank of 8) on the tiny pipeline, as the CPU test runs it
+    layout = [*rank_share(load_config(ROOT / "configs" / "sd35m_pickscore.yaml", check_files=False), 8),
+              "model.lora.rank=4", "model.lora.alpha=8", "run.resume=none"]
 
     work = Path(state["work"])
     shrink = ["train.prompts_per_step=1", "train.batch_size=12", "train.micro_batch_size=12"] if args.tiny else []
     cfg = load_config(ROOT / "configs" / "sd3_tiny_cpu.yaml",  # --tiny: the same loop on 24 rows, not 144
-                      [*LAYOUT, *shrink, *train_overrides(tiny_pipeline(work), work / "syncs_run", device)])
+                      [*layout, *shrink, *train_overrides(tiny_pipeline(work), work / "syncs_run", device)])
     trainer = Trainer(cfg)
     try:
         trainer.train_step(0)  # warm-up: allocator, kernels, lazy init
@@ -318,10 +311,10 @@ def section_syncs(args, device, state) -> dict:
         out["host_sync_calls"] = dict(host.by_call.most_common(12))
         out["host_sync_sites"] = dict(host.by_site.most_common(20))
         out["reward_mean"] = metrics.get("reward_mean")
-        out["layout"] = "sd35m_pickscore's per-rank loop on the tiny SD3 pipeline, tests/test_host_syncs.py LAYOUT"
+        out["layout"] = "sd35m_pickscore's per-rank loop (one rank of 8, estimate/layout.py) on the tiny SD3 pipeline"
         return out
     finally:
-        trainer.dist.close()
+        trainer.close()
 
 
 def section_train(args, device, state) -> dict:
@@ -333,7 +326,7 @@ def section_train(args, device, state) -> dict:
         "none": [sys.executable, "-m", "jagg_scale.cli", config, *train_overrides(pipe, work / "train_none", device)],
         "fsdp2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m",
                   "jagg_scale.cli", config, *train_overrides(pipe, work / "train_fsdp2", device),
-                  "parallel.backend=fsdp2"],
+                  "parallel.engine=fsdp2"],
     }
     out = {}
     for name, cmd in runs.items():
@@ -385,7 +378,7 @@ def markdown(runs: list[dict]) -> str:
         out += [f"**Memory at sd35m_pickscore's micro-batch** ({mem['rows']} rows x {mem['tokens_per_row']} tokens): "
                 f"one per-step pass peaks {p.get('peak_above_resident_gib')} GiB above the resident "
                 f"{p['resident_gib']} GiB, one joint JAGG pass ({2 * mem['rows']} rows) {j.get('peak_above_resident_gib')}"
-                f" GiB ({p['seconds']} s / {j['seconds']} s, first use included). `tools/estimate_memory.py "
+                f" GiB ({p['seconds']} s / {j['seconds']} s, first use included). `jagg-estimate "
                 f"configs/sd35m_pickscore.yaml --world-size 8` predicts 30.46 GiB of activations + 2.50 GiB of pass "
                 f"inputs for the joint pass.", ""]
     syn = sec.get("syncs")

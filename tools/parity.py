@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jagg_scale.grpo import sigma_schedule  # noqa: E402
-from jagg_scale.jagg import plan_windows, trained_steps  # noqa: E402
+from jagg_scale.jagg import split_windows, trained_steps  # noqa: E402
 from jagg_scale.train import Trainer, load_config  # noqa: E402
 
 ARMS = {
@@ -37,10 +37,10 @@ ARMS = {
     "W4 frac0.75 weighted": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=0.75", "jagg.route_by=weighted"],
     "W8": ["jagg.mode=jagg", "jagg.window=8", "jagg.jagg_frac=1.0"],
     # the knot planner (issue 8) against uniform windows and routing at the same transformer rows per sample
-    "budget S2": ["jagg.mode=jagg", "jagg.plan=budget", "jagg.speedup=2"],
+    "budget S2": ["jagg.mode=jagg", "jagg.plan=budget", "jagg.window=null", "jagg.speedup=2"],
     "W6 frac0.67 vcos": ["jagg.mode=jagg", "jagg.window=6", "jagg.jagg_frac=0.67", "jagg.route_by=vcos"],
     "shared W4": ["jagg.mode=jagg", "jagg.window=4", "jagg.share_knots=true"],
-    "budget S2.67": ["jagg.mode=jagg", "jagg.plan=budget", "jagg.speedup=2.67"],
+    "budget S2.67": ["jagg.mode=jagg", "jagg.plan=budget", "jagg.window=null", "jagg.speedup=2.67"],
 }
 
 
@@ -132,7 +132,7 @@ def summarize(runs: list[dict], cfg) -> tuple[list[dict], str]:
         if not r["probe_cos_windows"]:
             continue
         window = 8 if r["arm"].startswith("W8") else 6 if r["arm"].startswith("W6") else 4
-        wins = plan_windows(steps, window)
+        wins = split_windows(steps, window)
         cells = [f"w{i} s={float(sig[w[0]]):.2f}..{float(sig[w[-1]]):.2f}: {c:.3f}"
                  for i, (w, c) in enumerate(zip(wins, r["probe_cos_windows"]))]
         lines.append(f"- {r['arm']}: " + "; ".join(cells))

@@ -1,4 +1,5 @@
-"""Single-process, crash-safe checkpoints: safetensors for weights, ``torch.save`` for everything else.
+"""Crash-safe checkpoint directories, written by one rank or collectively by all: safetensors for weights,
+``torch.save`` for everything else.
 
 Why this layout: a GRPO run is long and preemptible, so a checkpoint must never *look* usable when it is
 not. A save writes into a hidden temp dir ``root/.tmp_step_...``, fsyncs every file, writes
@@ -7,7 +8,7 @@ the manifest's sha256, so the manifest is covered too) and only then renames the
 ``root/step_{step:08d}``. A rename within one filesystem is atomic, so a crash at any point leaves the old
 state or a whole new checkpoint, never a half-written ``step_*`` dir. Readers still verify (marker,
 manifest, sizes, hashes) because disks, copies and people break files after the fact, and
-``find_resume_checkpoint`` falls back to the newest checkpoint that passes. Across ranks, each file is hashed by
+``newest_valid_checkpoint`` falls back to the newest checkpoint that passes. Across ranks, each file is hashed by
 one rank, in parallel with the others (digests.py says who hashes what), on save and on verify.
 
 Weights go to safetensors (no pickle, mmap-able, readable by other tools); optimizer and RNG state are nested
@@ -91,8 +92,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, tensors: Mapping[str,
     json.dumps(state)  # fail on bad state before any I/O
 
     def write(tmp: Path) -> list[Path]:
-        return ([_write_tensors(tmp / f"{name}.safetensors", sd) for name, sd in tensors.items()]
-                + [_write_object(tmp / f"{name}.pt", obj) for name, obj in objects.items()])
+        return ([write_tensors(tmp / f"{name}.safetensors", sd) for name, sd in tensors.items()]
+                + [write_object(tmp / f"{name}.pt", obj) for name, obj in objects.items()])
 
     return save_checkpoint_dir(root, step, write=write, state=state, keep_last=keep_last,
                                tensors=list(tensors), objects=list(objects))
@@ -182,7 +183,7 @@ def _write_and_hash(tmp: Path, final: Path, write, dist) -> dict[str, dict]:
 def _seal(tmp: Path, final: Path, step: int, files: dict[str, dict], state_bytes: bytes, tensors: Sequence[str],
           objects: Sequence[str], world_size: int) -> None:
     """Rank 0: state.json, the files no rank reported, the manifest, the COMPLETE marker, the rename."""
-    _write_bytes(tmp / STATE, state_bytes)
+    write_bytes(tmp / STATE, state_bytes)
     files = dict(files)
     for p in sorted(p for p in tmp.rglob("*") if p.is_file()):
         name = p.relative_to(tmp).as_posix()
@@ -191,13 +192,13 @@ def _seal(tmp: Path, final: Path, step: int, files: dict[str, dict], state_bytes
     manifest = {"format_version": FORMAT_VERSION, "step": step, "tensors": list(tensors), "objects": list(objects),
                 "world_size": world_size, "files": files}
     manifest_bytes = json.dumps(manifest, indent=2, sort_keys=True).encode()
-    _write_bytes(tmp / MANIFEST, manifest_bytes)
+    write_bytes(tmp / MANIFEST, manifest_bytes)
     _write_complete(tmp, manifest_bytes)
     _fsync_dir(tmp)
     _publish(tmp, final)
 
 
-def _write_tensors(path: Path, state_dict: Mapping[str, torch.Tensor]) -> Path:
+def write_tensors(path: Path, state_dict: Mapping[str, torch.Tensor]) -> Path:
     # One contiguous CPU copy per entry: safetensors refuses tensors that share storage (tied weights)
     # and non-contiguous views, and copying also decouples the file from training that continues after.
     cpu = {}
@@ -210,11 +211,11 @@ def _write_tensors(path: Path, state_dict: Mapping[str, torch.Tensor]) -> Path:
     return path
 
 
-def _write_object(path: Path, obj: Any) -> Path:
+def write_object(path: Path, obj: Any) -> Path:
     return _write_fsynced(path, lambda f: torch.save(obj, f))
 
 
-def _write_bytes(path: Path, data: bytes) -> Path:
+def write_bytes(path: Path, data: bytes) -> Path:
     return _write_fsynced(path, lambda f: f.write(data))
 
 
@@ -228,7 +229,7 @@ def _write_fsynced(path: Path, write) -> Path:
 
 def _write_complete(tmp: Path, manifest_bytes: bytes) -> None:
     """The marker is the commit record: written last, it vouches for the manifest by hash."""
-    _write_bytes(tmp / COMPLETE, (hashlib.sha256(manifest_bytes).hexdigest() + "\n").encode())
+    write_bytes(tmp / COMPLETE, (hashlib.sha256(manifest_bytes).hexdigest() + "\n").encode())
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -390,12 +391,6 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Check
                                      allow=pickles.allowed_globals(f"{n}.pt")) for n in manifest["objects"]}
     state = json.loads((path / STATE).read_text())
     return Checkpoint(step=int(manifest["step"]), tensors=tensors, objects=objects, state=state, path=path)
-
-
-def find_resume_checkpoint(root: str | os.PathLike, dist=None) -> Path | None:
-    """Newest checkpoint that verifies; newer broken ones are skipped with a warning saying why. With a `dist`
-    context collective (verify_checkpoint): every rank gets the same answer, each file hashed once."""
-    return newest_valid_checkpoint(root, dist)[0]
 
 
 def newest_valid_checkpoint(root: str | os.PathLike, dist=None) -> tuple[Path | None, list[str]]:

@@ -1,13 +1,13 @@
 """Flow-GRPO: the SDE sampler and its log-prob, advantages, the clipped surrogate loss, rollout."""
 
 from .advantages import Advantages, combine_advantages, compute_advantages
-from .loss import GRPOStepLoss, StepBatch, read_metrics, reduce_metrics
+from .loss import GRPOStepLoss, StepBatch
 from .rollout import Trajectories, guided_velocity, sample_ode, sample_sde
 from .schedule import model_schedule, shift_sigmas, sigma_schedule
 from .sde import SDEStep, kl_to_reference, ode_step, sde_std, sde_step_with_logprob
 
 __all__ = [
-    "Advantages", "combine_advantages", "compute_advantages", "GRPOStepLoss", "StepBatch", "read_metrics", "reduce_metrics", "Trajectories", "guided_velocity",
+    "Advantages", "combine_advantages", "compute_advantages", "GRPOStepLoss", "StepBatch", "Trajectories", "guided_velocity",
     "sample_ode", "sample_sde", "model_schedule", "shift_sigmas", "sigma_schedule", "SDEStep", "kl_to_reference", "ode_step",
     "sde_std", "sde_step_with_logprob",
 ]

@@ -4,9 +4,10 @@
     L_k   = mean_batch max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps)) + beta KL_k
 
 `GRPOStepLoss(batch, k, v_k)` is the loss of step k of a minibatch's `StepBatch`; `loss.on(batch)` is the
-`step_loss(k, v_k)` closure the JAGG engine differentiates. It depends on theta only through v_k, which is what
+`step_loss(k, v_k)` closure knot_backward differentiates. It depends on theta only through v_k, which is what
 lets JAGG move the transformer backward out of the per-step loop. It also records the metrics of each evaluation
-(clipfrac, approx_kl, ratio, kl) so no extra pass is spent on logging.
+(clipfrac, approx_kl, ratio, kl) as detached tensors in `metrics`, so no extra pass is spent on logging (the
+trainer reduces them: train/metrics.py).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class GRPOStepLoss:
             loss = loss + self.beta * kl
         with torch.no_grad():
             m = self.metrics
-            # detached tensors, converted once in summary(): no device sync per step
+            # detached tensors, read to the host once per training step (train/metrics.py): no device sync here
             m["policy_loss"].append(policy.detach())
             m["kl"].append(kl.detach() if kl is not None else torch.zeros((), device=policy.device))
             m["approx_kl"].append(0.5 * ((log_ratio**2) * w).sum() / denom)
@@ -110,39 +111,7 @@ class GRPOStepLoss:
         return dataclasses.replace(self, metrics=defaultdict(list))
 
     def on(self, batch: StepBatch, steps: list[int] | None = None):
-        """The engine's step_loss(j, v) for this batch; with `steps`, position j is sampling step steps[j]."""
+        """knot_backward's step_loss(j, v) for this batch; with `steps`, position j is sampling step steps[j]."""
         if steps is None:
             return lambda k, v: self(batch, k, v)
         return lambda j, v: self(batch, steps[j], v)
-
-    def summary(self) -> dict[str, torch.Tensor]:
-        """The recorded metrics reduced over all evaluations (see reduce_metrics), then cleared: 0-d tensors on the
-        device, read with one host transfer by `read_metrics` when the step logs."""
-        out = reduce_metrics(self.metrics)
-        self.metrics.clear()
-        return out
-
-
-_EXTREMES = {"ratio_max": torch.amax, "ratio_min": torch.amin}
-
-
-def reduce_metrics(metrics: dict[str, list]) -> dict[str, torch.Tensor]:
-    """Means of each metric's recorded values (0-d tensors or numbers), except ratio_max / ratio_min, which keep
-    their extremes. Computed where the values live: no host synchronisation."""
-    out = {}
-    for k, vals in metrics.items():
-        if vals:
-            stacked = torch.stack([torch.as_tensor(v).detach().float().reshape(()) for v in vals])
-            out[k] = _EXTREMES.get(k, torch.mean)(stacked)
-    return out
-
-
-def read_metrics(metrics: dict) -> dict:
-    """The metrics with every tensor value turned into a Python float by ONE device-to-host copy (a training
-    step's only read of its loss statistics); other values pass through unchanged."""
-    keys = [k for k, v in metrics.items() if torch.is_tensor(v)]
-    if not keys:
-        return dict(metrics)
-    device = metrics[keys[0]].device
-    values = torch.stack([metrics[k].detach().float().reshape(()).to(device) for k in keys]).tolist()
-    return {**metrics, **dict(zip(keys, values))}

@@ -1,12 +1,13 @@
 """JAGG: Jacobian-Aggregated Group Gradient. Pure torch, no distributed code.
 
-    backward.py   the gradient engine: knot_backward runs any plan; jagg_backward (one window) and
-                  exact_backward (Flow-GRPO's per-step baseline) are plans too. Start here: its docstring
-                  states the math.
+    backward.py   knot_backward, the one place a transformer backward happens: it runs any knot plan;
+                  jagg_backward (one window) and exact_backward (Flow-GRPO's per-step baseline) are plans too.
+                  Start here: its docstring states the math.
     plans.py      knot plans: segments, knots, passes, composite upstream gradients
+    planners.py   the planners, one typed object each (exact, window, shared, budget): which plan a minibatch gets
     windows.py    trained steps, windows of W steps, the sigma weights a_k
     routing.py    jagg_frac routing: which windows JAGG takes (vcos | weighted)
-    knots.py      the budgeted knot planner (error models and the DP)
+    knots.py      the budget planner's error models and DP
 
     from jagg_scale.jagg import jagg_backward
 """
@@ -15,16 +16,22 @@ from .backward import (INTERMEDIATE_MODES, Backward, IntermediateMode, ModelFn, 
                        exact_backward, jagg_backward, knot_backward)
 from .knots import (ERROR_MODELS, ErrorModel, cosine_error, plan_budget, plan_cost, plan_from_costs, residual_error,
                     segment_costs, velocity_cosines)
+from .planners import (PLANNERS, BudgetPlanner, ExactPlanner, Planned, Planner, PlannerSettingError, SharedKnotPlanner,
+                       WindowPlanner, build_planner, planner_keys)
 from .plans import (Plan, budget_for_speedup, check_plan, composite_upstream, exact_plan, knots_from_windows,
-                    pass_groups, passes, plan_from_knots, plan_knots, plan_uniform, restrict_plan)
-from .routing import ROUTE_BY, RouteBy, Routing, endpoint_cosine, endpoint_cosines, num_routed, route_windows
-from .windows import plan_windows, trained_steps, window_weights
+                    pass_groups, plan_from_knots, plan_knots, plan_uniform, restrict_plan)
+from .routing import ROUTE_BY, RouteBy, Routing, endpoint_cosines, num_routed, route_windows
+from .windows import split_windows, trained_steps, window_weights
 
 __all__ = [
-    "INTERMEDIATE_MODES", "Backward", "IntermediateMode", "ModelFn", "StepLoss", "autograd_backward", "exact_backward", "jagg_backward",
-    "knot_backward", "ERROR_MODELS", "ErrorModel", "cosine_error", "plan_budget", "plan_cost", "plan_from_costs",
-    "residual_error", "segment_costs", "velocity_cosines", "Plan", "budget_for_speedup", "check_plan",
-    "composite_upstream", "exact_plan", "knots_from_windows", "pass_groups", "passes", "plan_from_knots",
-    "plan_knots", "plan_uniform", "restrict_plan", "ROUTE_BY", "RouteBy", "Routing", "endpoint_cosine", "endpoint_cosines",
-    "num_routed", "route_windows", "plan_windows", "trained_steps", "window_weights",
+    "INTERMEDIATE_MODES", "Backward", "IntermediateMode", "ModelFn", "StepLoss", "autograd_backward",
+    "exact_backward", "jagg_backward", "knot_backward",
+    "ERROR_MODELS", "ErrorModel", "cosine_error", "plan_budget", "plan_cost", "plan_from_costs", "residual_error",
+    "segment_costs", "velocity_cosines",
+    "PLANNERS", "BudgetPlanner", "ExactPlanner", "Planned", "Planner", "PlannerSettingError", "SharedKnotPlanner",
+    "WindowPlanner", "build_planner", "planner_keys",
+    "Plan", "budget_for_speedup", "check_plan", "composite_upstream", "exact_plan", "knots_from_windows",
+    "pass_groups", "plan_from_knots", "plan_knots", "plan_uniform", "restrict_plan",
+    "ROUTE_BY", "RouteBy", "Routing", "endpoint_cosines", "num_routed", "route_windows",
+    "split_windows", "trained_steps", "window_weights",
 ]

@@ -1,4 +1,4 @@
-"""The gradient engine: the one place a transformer backward happens, for every plan (plans.py).
+"""knot_backward: the one place a transformer backward happens, for every knot plan (plans.py).
 
 Every per-step GRPO loss L_k depends on theta only through the velocity v_k = v_theta(x_k, s_k, c), so
 
@@ -22,12 +22,13 @@ The g_k need a value for every intermediate velocity v_k (the endpoints use the 
 The result equals autograd through the surrogate v~_k = value_k + (1 - a_k)(v_0 - sg v_0) + a_k (v_{W-1} - sg v_{W-1});
 we form G_0 and G_{W-1} explicitly, which makes the single backward visible and cheap to count.
 
-One engine for every gradient: `knot_backward` runs any knot plan (plans.py) pass by pass. A JAGG window is the
+One function for every gradient: `knot_backward` runs any knot plan (plans.py) pass by pass. A JAGG window is the
 plan [(0, W-1)] (`jagg_backward`), Flow-GRPO's per-step baseline the plan of lone steps (`exact_backward`),
-routed windows and the budgeted planner's knots are plans too; the trainer (train/update.py) and the fidelity
-probe call the same function. Every backward goes through `backward(out, grad, last=...)`, plain autograd by default;
-a training engine passes its own (DeepSpeed must see every backward; `last` marks the last backward of the
-call, where a sharded engine synchronises gradients across ranks).
+routed windows and the budget planner's knots are plans too (planners.py chooses them); the trainer's update
+(train/update.py) and the fidelity probe call the same function. Every backward goes through
+`backward(out, grad, last=...)`, plain autograd by default; a training engine passes its own (DeepSpeed must see
+every backward; `last` marks the last backward of the call, where a sharded engine synchronises gradients across
+ranks).
 """
 
 from __future__ import annotations

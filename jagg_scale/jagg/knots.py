@@ -30,10 +30,8 @@ ERROR_MODELS: tuple[str, ...] = get_args(ErrorModel)
 ErrorFn = Callable[[int, int], torch.Tensor]  # (a, b) -> e(a, b, k) for k = a+1 .. b-1 (float64)
 
 
-
-
 def velocity_cosines(velocities: torch.Tensor) -> torch.Tensor:
-    """[T, T] mean over samples of cos(v_a, v_b) from the rollout's velocities [T, B, ...] (as endpoint_cosine)."""
+    """[T, T] mean over samples of cos(v_a, v_b) from the rollout's velocities [T, B, ...] (as routing.endpoint_cosines)."""
     v = torch.nn.functional.normalize(velocities.detach().flatten(2).double(), dim=2, eps=1e-12)  # [T, B, D]
     return torch.einsum("abd,cbd->acb", v, v).mean(2)
 
@@ -82,27 +80,28 @@ def plan_cost(plan, g_norms, error_fn: ErrorFn) -> float:
     return sum(float((g[a + 1 : b] * error_fn(a, b)).sum()) for a, b in plan if b > a + 1)
 
 
-def plan_budget(g_norms, vcos, sigmas: torch.Tensor, max_knots: int, *, error_fn: ErrorFn | None = None) -> Plan:
+def plan_budget(g_norms, error_fn: ErrorFn, max_knots: int, *, reduce: Callable[[list[float]], list[float]] | None = None
+                ) -> Plan:
     """The plan of at most max_knots knots (first and last step included) that minimises the error model.
 
-    g_norms[T]: |g_k| per trained step; vcos: [T, T] endpoint cosines (velocity_cosines) or a callable (a, b),
-    giving the default e = (1 - vcos) a_k (1 - a_k); error_fn(a, b) -> e of the interior steps replaces it
-    (vcos may then be None). DP over knot sets (the gradient depends on the knots only, see the module docstring):
-    best[j, q] = min_p best[j-1, p] + C[p, q], the least cost of steps 0 .. q with j knots, the last at q;
-    O(T^2) error evaluations plus O(K T^2) DP. At equal cost the plan with more knots wins: a zero modelled error
-    is not a zero real error, and the budget is paid for anyway. Returns the all-shared plan of the chosen knots.
-    """
+    g_norms[T]: |g_k| per trained step; error_fn(a, b) -> e of the interior steps (cosine_error or residual_error).
+    DP over knot sets (the gradient depends on the knots only, see the module docstring): best[j, q] =
+    min_p best[j-1, p] + C[p, q], the least cost of steps 0 .. q with j knots, the last at q; O(T^2) error
+    evaluations plus O(K T^2) DP. At equal cost the plan with more knots wins: a zero modelled error is not a zero
+    real error, and the budget is paid for anyway. `reduce(values)` averages the flattened cost table over
+    data-parallel ranks before the DP, so that every rank runs the same plan. Returns the all-shared plan of the
+    chosen knots."""
     T = len(g_norms)
-    if sigmas.shape != (T,):
-        raise ValueError(f"sigmas must have shape ({T},), got {tuple(sigmas.shape)}")
     if T == 1:
         return [(0, 0)]
-    return plan_from_costs(segment_costs(g_norms, error_fn or cosine_error(vcos, sigmas)), max_knots)
+    C = segment_costs(g_norms, error_fn)
+    if reduce is not None:
+        C = torch.tensor(reduce(C.flatten().tolist()), dtype=torch.float64).reshape(T, T)
+    return plan_from_costs(C, max_knots)
 
 
 def plan_from_costs(C: torch.Tensor, max_knots: int) -> Plan:
-    """The DP of plan_budget on a segment-cost table C[a, b] (segment_costs). Separate so that data-parallel ranks
-    can average their tables first and all run the same plan."""
+    """The DP of plan_budget on a segment-cost table C[a, b] (segment_costs)."""
     T = C.shape[0]
     if T == 1:
         return [(0, 0)]

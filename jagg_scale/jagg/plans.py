@@ -16,7 +16,7 @@ Every gradient the project computes is such a plan:
     Flow-GRPO (exact)            [(0, 0), (1, 1), ..., (T-1, T-1)]      a lone segment per step
     one JAGG window of W steps   [(0, W-1)]                             knots 0 and W-1, one joint pass
     routed windows (jagg_frac)   a segment per routed window, lone segments for the others
-    the budgeted planner         any knot set (planner.py)
+    the budget planner           any knot set (knots.py, planners.py)
 
 Segment rules: the first segment starts at step 0 and the last ends at T-1 (the first and last trained steps
 are always knots: nothing is extrapolated); the next segment starts at the previous end b (a shared knot) or
@@ -37,7 +37,7 @@ from typing import Sequence
 
 import torch
 
-from .windows import plan_windows, window_weights
+from .windows import split_windows, window_weights
 
 Plan = list[tuple[int, int]]
 
@@ -60,11 +60,6 @@ def check_plan(plan: Sequence[tuple[int, int]], T: int) -> Plan:
 def plan_knots(plan: Sequence[tuple[int, int]]) -> list[int]:
     """The distinct knots of a plan, sorted."""
     return sorted({k for seg in plan for k in seg})
-
-
-def passes(plan: Sequence[tuple[int, int]]) -> int:
-    """With-grad transformer rows per sample (= distinct knots)."""
-    return len(plan_knots(plan))
 
 
 def pass_groups(plan: Sequence[tuple[int, int]], rows_per_pass: int | None = None) -> list[list[int]]:
@@ -97,7 +92,7 @@ def plan_from_knots(knots: Sequence[int]) -> Plan:
 
 def knots_from_windows(windows: Sequence[Sequence[int]], share: bool = False,
                        use_jagg: Sequence[bool] | None = None) -> Plan:
-    """The plan of JAGG windows (lists of consecutive steps, as plan_windows gives).
+    """The plan of JAGG windows (lists of consecutive steps, as split_windows gives).
 
     share=False: each window is a segment (first, last), knots in adjacent pairs: exactly jagg_backward per window;
     a window with use_jagg[i] False becomes lone segments (Flow-GRPO's per-step backward on its steps).
@@ -118,13 +113,13 @@ def knots_from_windows(windows: Sequence[Sequence[int]], share: bool = False,
 
 
 def plan_uniform(T: int, window: int, share: bool = False) -> Plan:
-    """Uniform windows of `window` steps. share=False: plan_windows' windows. share=True: segments of `window`
+    """Uniform windows of `window` steps. share=False: split_windows' windows. share=True: segments of `window`
     steps overlapping on their boundary knot (stride window - 1, e.g. T=16, W=4 -> knots 0, 3, ..., 15); the
     last segment holds the remainder."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if not share or window == 1:
-        return knots_from_windows(plan_windows(range(T), window))
+        return knots_from_windows(split_windows(range(T), window))
     return plan_from_knots(list(range(0, T - 1, window - 1)) + [T - 1])
 
 

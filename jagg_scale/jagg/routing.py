@@ -35,13 +35,9 @@ class Routing:
         return sum(self.use_jagg)
 
 
-def endpoint_cosine(velocities: torch.Tensor, window: Sequence[int]) -> float:
-    """Mean over samples of the cosine between the window's first and last velocities ([T, B, ...] input)."""
-    return endpoint_cosines(velocities, [window])[0]
-
-
 def endpoint_cosines(velocities: torch.Tensor, windows: Sequence[Sequence[int]]) -> list[float]:
-    """endpoint_cosine of every window, computed on the device and read back to the host once."""
+    """Per window, the mean over samples of the cosine between its first and last velocities ([T, B, ...] input),
+    computed on the device and read back to the host once."""
     first = torch.stack([velocities[w[0]] for w in windows]).flatten(2).double()  # views, no index tensor
     last = torch.stack([velocities[w[-1]] for w in windows]).flatten(2).double()
     return torch.nn.functional.cosine_similarity(first, last, dim=2, eps=1e-12).mean(1).tolist()

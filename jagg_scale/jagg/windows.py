@@ -21,7 +21,7 @@ def trained_steps(num_steps: int, timestep_fraction: float = 1.0) -> list[int]:
     return list(range(max(1, int(num_steps * timestep_fraction))))
 
 
-def plan_windows(steps: Sequence[int], window: int) -> list[list[int]]:
+def split_windows(steps: Sequence[int], window: int) -> list[list[int]]:
     """Split the trained steps into consecutive windows of `window` steps; the last one holds the remainder."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")

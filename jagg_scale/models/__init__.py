@@ -27,17 +27,21 @@ def build_model(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     that is bfloat16 and model.dtype is bfloat16 (lossless), and `model.master_dtype` (float32) tells the training
     engine to upcast it while it places the shards on the device, so the host never holds a float32 copy.
     False (jagg-eval, tests): the transformer is float32 right away, as before."""
+    import torch
+
     if cfg.kind in ("sd3", "flux"):
-        return _build_diffusers(cfg, keep_stored_dtype=keep_stored_dtype)
-    if cfg.kind != "dit":
-        raise ValueError(f"model.kind {cfg.kind!r} is not supported")
-    model = DiT(cfg.dit)
-    if cfg.pretrained:
-        load_pretrained(model, str(pretrained_path(cfg)))
+        model = _build_diffusers(cfg, keep_stored_dtype=keep_stored_dtype)
+    elif cfg.kind == "dit":
+        model = DiT(cfg.dit)
+        if cfg.pretrained:
+            load_pretrained(model, str(pretrained_path(cfg)))
+        else:
+            # GRPO needs a policy that already draws something; with no weights given we start from a random
+            # (not zero-output) DiT so velocities, and therefore rewards, vary between samples from step 0.
+            model.init_weights(zero_out=False)
     else:
-        # GRPO needs a policy that already draws something; with no weights given we start from a random
-        # (not zero-output) DiT so velocities, and therefore rewards, vary between samples from step 0.
-        model.init_weights(zero_out=False)
+        raise ValueError(f"model.kind {cfg.kind!r} is not supported")
+    model.compute_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32  # what the engines read
     return model
 
 
@@ -63,7 +67,7 @@ def _fetch_pipeline(repo_id: str, cache_dir) -> None:
 
 def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     """SD3 / FLUX from a local pipeline directory (or a hub id in the local hub cache: pretrained_path), with the
-    config's LoRA, checkpointing, attention and text-encoder options. Every component is loaded straight in the dtype it will be used in (diffusers' per-component
+    config's LoRA, attention and text-encoder options. Every component is loaded straight in the dtype it will be used in (diffusers' per-component
     `dtype=` at from_pretrained time, never float32 then cast): the frozen VAE and text encoders in bf16 when
     model.dtype is bfloat16 (they never feed a gradient), float32 otherwise; the transformer in float32 (master
     weights; bf16 is autocast), or with `keep_stored_dtype` in its checkpoint's bf16 (see build_model)."""
@@ -82,7 +86,7 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
 
         model = SD3Velocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
                                             t5=cfg.text_encoders == "all")
-        model.set_attention_backend(cfg.attention)  # raises early when xformers is asked for without CUDA/xformers
+        model.set_attention(cfg.attention)  # raises early when xformers is asked for without CUDA/xformers
     else:
         from .flux import FluxVelocity
 
@@ -90,8 +94,6 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
                                              guidance_scale=cfg.distilled_guidance)
     if transformer != torch.float32:
         model.master_dtype = torch.float32  # upcast by the engine, shard by shard, on the device
-    if cfg.gradient_checkpointing:
-        model.enable_gradient_checkpointing()
     if cfg.lora.enabled:
         kwargs = {"targets": tuple(cfg.lora.targets)} if cfg.lora.targets else {}
         model.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, **kwargs)

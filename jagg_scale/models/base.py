@@ -35,6 +35,9 @@ class VelocityModel(nn.Module):
     #: the dtype the trainable weights must have once placed (float32 master weights) when they were loaded in a
     #: lower one to spare host memory (models.build_model(keep_stored_dtype=True)); None: as they are
     master_dtype: torch.dtype | None = None
+    #: the dtype the model computes in under the trainer's autocast (model.dtype: float32 or bfloat16); a training
+    #: engine reads it (FSDP2's bf16 gathers, DeepSpeed's bf16 weights)
+    compute_dtype: torch.dtype = torch.float32
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .base import VelocityModel
@@ -184,7 +185,14 @@ class DiT(VelocityModel):
         self.register_buffer("pos_embed", pos.to(torch.get_default_dtype()).unsqueeze(0), persistent=False)
         self.blocks = nn.ModuleList([DiTBlock(c.hidden_size, c.num_heads, c.mlp_ratio) for _ in range(c.depth)])
         self.final_layer = FinalLayer(c.hidden_size, c.patch_size, c.in_channels)
+        self.gradient_checkpointing = False
         self.init_weights(zero_out=True)
+
+    def enable_gradient_checkpointing(self) -> "DiT":
+        """Recompute each block in backward (non-reentrant torch.utils.checkpoint, as diffusers' transformers do):
+        the same gradients, the activations of one block. Active in train mode with grad enabled."""
+        self.gradient_checkpointing = True
+        return self
 
     @torch.no_grad()
     def init_weights(self, zero_out: bool = True) -> "DiT":
@@ -242,8 +250,9 @@ class DiT(VelocityModel):
         h = self.x_embedder(x).flatten(2).transpose(1, 2)  # [N, T, D]
         h = h + self.pos_embed.to(h.dtype)
         c = self.t_embedder(sigma * 1000) + self.y_embedder(cond.to(x.device))
+        checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            h = block(h, c)
+            h = torch.utils.checkpoint.checkpoint(block, h, c, use_reentrant=False) if checkpointed else block(h, c)
         h = self.final_layer(h, c)
         return self.unpatchify(h).to(x.dtype)
 

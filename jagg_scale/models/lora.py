@@ -7,7 +7,7 @@
                                                 StableDiffusion3Pipeline(...).load_lora_weights(out_dir)
 
 Flow-GRPO (SD3.5) uses r=32, lora_alpha=64, init_lora_weights="gaussian" (A ~ N(0, 1/r), B = 0, so the adapted
-model starts exactly at the base) on the joint-attention projections listed in DEFAULT_SD3_TARGETS. peft matches
+model starts exactly at the base) on the joint-attention projections listed in DEFAULT_TARGETS. peft matches
 targets as suffixes of module names, so "to_out.0" is `attn.to_out[0]` (the output Linear; [1] is the Dropout).
 The saved file carries the LoraConfig as metadata so the loader restores lora_alpha (scale alpha / r) instead of
 guessing alpha = r.
@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-DEFAULT_SD3_TARGETS: tuple[str, ...] = (
+DEFAULT_TARGETS: tuple[str, ...] = (  # SD3 and FLUX name their attention projections alike
     "to_q", "to_k", "to_v", "to_out.0",  # image-stream attention projections
     "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",  # context-stream (text) projections
 )
@@ -48,7 +48,7 @@ def lora_module_names(model) -> list[str]:
     return [n for n, m in _transformer(model).named_modules() if isinstance(m, BaseTunerLayer)]
 
 
-def add_lora(transformer, rank: int = 32, alpha: float = 64, targets: Sequence[str] = DEFAULT_SD3_TARGETS,
+def add_lora(transformer, rank: int = 32, alpha: float = 64, targets: Sequence[str] = DEFAULT_TARGETS,
              init: str | bool = "gaussian", dropout: float = 0.0, adapter_name: str = ADAPTER_NAME):
     """Inject a LoRA adapter (peft LoraConfig via diffusers' PeftAdapterMixin.add_adapter) into `transformer`
     (or an adapter's `.transformer`); freezes every base weight so that only the LoRA A/B matrices require grad.

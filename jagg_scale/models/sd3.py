@@ -53,7 +53,7 @@ class SD3Velocity(DiffusersVelocity):
         self.latent_shape = (cfg.in_channels, latent_size, latent_size)
         self.image_size = latent_size * vae_scale
         self.patch_size = cfg.patch_size
-        self.attention_backend = "sdpa"
+        self.attention = "sdpa"  # the attention kernel (set_attention): sdpa | xformers
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | dict = torch.float32, *, max_sequence_length: int | None = None,
@@ -76,7 +76,7 @@ class SD3Velocity(DiffusersVelocity):
         return cls(pipe, max_sequence_length=max_sequence_length, latent_size=latent_size)
 
     # ------------------------------------------------------------------ training options
-    def set_attention_backend(self, name: str = "sdpa") -> "SD3Velocity":
+    def set_attention(self, name: str = "sdpa") -> "SD3Velocity":
         """"sdpa" (default): diffusers' torch scaled_dot_product_attention processors (JointAttnProcessor2_0 /
         AttnProcessor2_0). "xformers": xformers' memory-efficient attention, which needs CUDA and an importable
         xformers; otherwise a RuntimeError says which is missing."""
@@ -102,12 +102,12 @@ class SD3Velocity(DiffusersVelocity):
             except Exception as exc:  # ImportError, or a broken build
                 missing.append(f"`import xformers` failed ({type(exc).__name__}: {exc})")
             if missing:
-                raise RuntimeError("attention backend 'xformers' unavailable: " + "; ".join(missing)
-                                   + ". Use set_attention_backend('sdpa').")
+                raise RuntimeError("model.attention 'xformers' unavailable: " + "; ".join(missing)
+                                   + ". Use model.attention sdpa.")
             self.transformer.enable_xformers_memory_efficient_attention()
         else:
-            raise ValueError(f"unknown attention backend {name!r}: expected 'sdpa' or 'xformers'")
-        self.attention_backend = name
+            raise ValueError(f"unknown attention {name!r}: expected 'sdpa' or 'xformers'")
+        self.attention = name
         return self
 
     # ------------------------------------------------------------------ the VelocityModel interface
@@ -123,17 +123,43 @@ class SD3Velocity(DiffusersVelocity):
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
         """Velocity v = e - x_0 at latents x [N, C, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
-        embeds, pooled = cond
-        dtype = self.dtype
-        sigma = torch.as_tensor(sigma, device=x.device)
-        if sigma.ndim == 0:
-            sigma = sigma.expand(x.shape[0])
-        timestep = sigma.to(torch.promote_types(sigma.dtype, torch.float32)) * self.num_train_timesteps
-        v = self.transformer(
-            hidden_states=x.to(dtype),
-            timestep=timestep,
-            encoder_hidden_states=embeds.to(dtype),
-            pooled_projections=pooled.to(dtype),
-            return_dict=False,
-        )[0]
-        return v.to(x.dtype)
+        return sd3_velocity(self.transformer, x, sigma, cond, self.num_train_timesteps)
+
+
+def sd3_velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, cond, num_train_timesteps: int = 1000
+                 ) -> torch.Tensor:
+    """The SD3 velocity of a diffusers SD3Transformer2DModel: cond = (prompt_embeds, pooled), timestep = 1000 sigma
+    (in at least float32), inputs in the transformer's dtype, the result in x's dtype. The one place this mapping is
+    written: the pipeline adapter above and the bare-transformer wrapper below both call it."""
+    embeds, pooled = cond
+    dtype = next(transformer.parameters()).dtype
+    sigma = torch.as_tensor(sigma, device=x.device)
+    if sigma.ndim == 0:
+        sigma = sigma.expand(x.shape[0])
+    timestep = sigma.to(torch.promote_types(sigma.dtype, torch.float32)) * num_train_timesteps
+    v = transformer(
+        hidden_states=x.to(dtype),
+        timestep=timestep,
+        encoder_hidden_states=embeds.to(dtype),
+        pooled_projections=pooled.to(dtype),
+        return_dict=False,
+    )[0]
+    return v.to(x.dtype)
+
+
+class SD3TransformerVelocity(torch.nn.Module):
+    """v(x, sigma, (embeds, pooled)) of a bare SD3Transformer2DModel, without a pipeline (no encoders, no VAE): what
+    the benchmarks and the GPU check train at the real shape with random weights (tools/bench, tools/gpu_check.py).
+    `autocast` (e.g. torch.bfloat16): the forward under that autocast, as the trainer's policy runs it."""
+
+    def __init__(self, transformer, num_train_timesteps: int = 1000, autocast: torch.dtype | None = None):
+        super().__init__()
+        self.transformer = transformer
+        self.num_train_timesteps = num_train_timesteps
+        self.autocast = autocast
+        cfg = transformer.config
+        self.latent_shape = (cfg.in_channels, cfg.sample_size, cfg.sample_size)
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            return sd3_velocity(self.transformer, x, sigma, cond, self.num_train_timesteps)

@@ -9,7 +9,7 @@
     deepspeed_engine.py  DeepSpeed ZeRO-3 `DeepSpeedEngine`
     comm.py              `CommCounter` (and `NullCounter`): collectives and bytes per phase of a step
     weights.py           `load_trained_weights`: a checkpoint's weights into a plain model, no engine (jagg-eval)
-    types.py             `Backend`: the engine names, the one source of parallel.backend's choices
+    types.py             `Backend`: the engine names, the one source of parallel.engine's choices
 
 Only the rank-discovery names are re-exported here (importing them pulls in no torch.distributed machinery).
 """

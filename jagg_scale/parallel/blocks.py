@@ -6,6 +6,9 @@
                              `single_transformer_blocks`, a CLIP's text and vision encoder layers)
     repeated_layers(module)  the modules of those slots
     compile_blocks(module)   torch.compile each block in place (torchtitan's per-block compile)
+    enable_activation_checkpointing(model)   parallel.activation_checkpointing, the same on every engine: the
+                             model's own per-block checkpointing (diffusers' for sd3/flux, the DiT's), which
+                             recomputes each block in backward and keeps every parameter name as it is
 
 Dependency-free within the package (torch only), so the single-process engine (engine.py) and FSDP2 (fsdp.py)
 both use it without importing each other.
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["block_slots", "compile_blocks", "repeated_layers"]
+__all__ = ["block_slots", "compile_blocks", "enable_activation_checkpointing", "repeated_layers"]
 
 
 def block_slots(module: nn.Module) -> list[tuple[nn.ModuleList, int]]:
@@ -54,3 +57,16 @@ def compile_blocks(module: nn.Module) -> list[nn.Module]:
     for block in blocks:
         block.compile()
     return blocks
+
+
+def enable_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Per-block activation checkpointing through the model's own `enable_gradient_checkpointing()` (the block
+    loop calls each block under non-reentrant torch.utils.checkpoint in train mode with grad): one block's
+    activations alive in backward, the same gradients, parameter names unchanged (checkpoints and exports do not
+    depend on it). Every engine applies it before placing or sharding the model."""
+    enable = getattr(model, "enable_gradient_checkpointing", None)
+    if enable is None:
+        raise ValueError(f"parallel.activation_checkpointing: {type(model).__name__} has no per-block checkpointing "
+                         "(enable_gradient_checkpointing)")
+    enable()
+    return model

@@ -1,14 +1,18 @@
 """DeepSpeed ZeRO-3: parameters, gradients and optimizer state partitioned over ranks by `deepspeed.initialize`.
 
-The DeepSpeed config is built from the engine spec (`build_ds_config`): ZeRO stage 3 with overlapped
-communication and contiguous gradients, `gradient_clipping` = grad_clip (0 disables), bf16 weights when bf16 (the
-fp32 master copy lives in the optimizer; the trainer's autocast stays), and AdamW from the spec as DeepSpeed's
-optimizer section with `torch_adam: true` (torch.optim.AdamW over the flat fp32 partitions: no compiled op, runs
-on CPU and matches the single-process engine). `spec.deepspeed` (parallel.deepspeed) is deep-merged over it, so
-any DeepSpeed key can be set there; the shorthand `offload_optimizer: cpu` (or true) adds ZeRO-Offload of the
+The DeepSpeed config is built from the run's settings (`build_ds_config`): ZeRO stage 3 with overlapped
+communication and contiguous gradients, `gradient_clipping` = train.grad_clip (0 disables), bf16 weights when the
+model computes in bf16 (the fp32 master copy lives in the optimizer; the trainer's autocast stays), and AdamW from
+the train section as DeepSpeed's optimizer section with `torch_adam: true` (torch.optim.AdamW over the flat fp32
+partitions: no compiled op, runs on CPU and matches the single-process engine). `parallel.deepspeed` is
+deep-merged over it, so any DeepSpeed key can be set there; the shorthand `offload_optimizer: cpu` (or true) adds ZeRO-Offload of the
 optimizer state (set `optimizer.params.torch_adam: false` to get DeepSpeedCPUAdam, a JIT-compiled op).
 
-Forward goes through the DeepSpeed engine: `engine.model` IS the `deepspeed.DeepSpeedEngine`, and attributes
+Activation checkpointing (parallel.activation_checkpointing): the model's own per-block checkpointing
+(blocks.enable_activation_checkpointing), switched on before partitioning; ZeRO-3 gathers a block's parameters
+again for its recompute in backward, as for any forward.
+
+Forward goes through DeepSpeed's engine: `engine.model` IS the `deepspeed.DeepSpeedEngine` (`engine.ds` too), and attributes
 such as `encode_prompts`, `decode`, `latent_shape`, `save_full` fall through to the wrapped module via its
 `__getattr__` (its `state_dict()`/`parameters()` are ZeRO-3 placeholders: use `full_state_dict()`). ZeRO-3's
 gather hooks sit on the module itself, so `engine.module(...)` computes the same, but `DeepSpeedEngine.forward`
@@ -23,7 +27,7 @@ boundary itself. Every backward of a minibatch (one per JAGG window or per exact
 `set_gradient_accumulation_boundary(last)`. It reduce-scatters its gradients and adds the local partition into
 ZeRO-3's gradient partition buffer; the boundary decides (with optimizer offload) when the accumulated partition
 is copied to the CPU optimizer. ZeRO-3 keeps gradients partitioned at every backward, so
-`parallel.grad_sync` changes nothing here (it is always `every` in effect). `step()` applies the update at the boundary, clipping inside DeepSpeed, and
+`parallel.grad_sync` does not apply here (the config refuses it: it is always `every` in effect). `step()` applies the update at the boundary, clipping inside DeepSpeed, and
 returns its pre-clip global norm. Gradients are averaged over ranks (each rank's loss is its share of the mean).
 
 EMA (ema_decay > 0): each rank keeps the EMA of its own fp32 master partitions (the optimizer's flat
@@ -65,9 +69,11 @@ from pathlib import Path
 
 import torch
 
+from .blocks import enable_activation_checkpointing
 from .comm import CommCounter
+from .config import ParallelConfig
 from .dist import DistContext
-from .engine import HALF, EngineSpec, TrainEngine, place_
+from .engine import HALF, Engine, OptimizerSettings, place_, trains_all
 
 log = logging.getLogger(__name__)
 
@@ -87,18 +93,18 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def build_ds_config(spec: EngineSpec) -> dict:
-    """The DeepSpeed config of a run: ours translated, then `spec.deepspeed` merged over it."""
-    user = dict(spec.deepspeed or {})
+def build_ds_config(parallel: ParallelConfig, optim: OptimizerSettings, bf16: bool) -> dict:
+    """The DeepSpeed config of a run: ours translated, then `parallel.deepspeed` merged over it."""
+    user = dict(parallel.deepspeed or {})
     offload = user.pop("offload_optimizer", None)  # shorthand: cpu | true
     ds = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,  # the trainer marks the boundary (backward's `last`)
-        "gradient_clipping": float(spec.grad_clip),
+        "gradient_clipping": float(optim.grad_clip),
         "optimizer": {"type": "AdamW", "params": {
-            "lr": spec.lr, "betas": list(spec.adam_betas), "eps": spec.adam_eps, "weight_decay": spec.weight_decay,
-            "torch_adam": True}},
-        "bf16": {"enabled": bool(spec.bf16)},
+            "lr": optim.lr, "betas": list(optim.adam_betas), "eps": optim.adam_eps,
+            "weight_decay": optim.weight_decay, "torch_adam": True}},
+        "bf16": {"enabled": bool(bf16)},
         "zero_optimization": {
             "stage": 3,
             "overlap_comm": True,
@@ -118,32 +124,36 @@ def build_ds_config(spec: EngineSpec) -> dict:
     return deep_merge(ds, user)
 
 
-class DeepSpeedEngine(TrainEngine):
+class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
-    def __init__(self, model: torch.nn.Module, spec: EngineSpec, dist_ctx: DistContext):
+    def __init__(self, model: torch.nn.Module, parallel: ParallelConfig, optim: OptimizerSettings,
+                 dist_ctx: DistContext):
         self.comm = CommCounter.for_process()  # before DeepSpeed binds the torch.distributed collectives
         import deepspeed
 
         dist_ctx.ensure_group()  # one process: a trivial group (closed with the context)
         os.environ.setdefault("LOCAL_RANK", str(dist_ctx.local_rank))  # asserted by deepspeed.initialize
-        self.spec, self.dist = spec, dist_ctx
-        self.ds_config = build_ds_config(spec)
+        self.parallel, self.optim, self.dist = parallel, optim, dist_ctx
+        bf16 = getattr(model, "compute_dtype", torch.float32) == torch.bfloat16
+        self.ds_config = build_ds_config(parallel, optim, bf16)
         if dist_ctx.is_main:
             log.info("DeepSpeed config:\n%s", json.dumps(self.ds_config, indent=2, sort_keys=True))
         self._trainable = [name for name, p in model.named_parameters() if p.requires_grad]
-        self._all_trainable = len(self._trainable) == sum(1 for _ in model.parameters())
-        dtype = torch.bfloat16 if spec.bf16 else getattr(model, "master_dtype", None)
+        self.full_fine_tune = trains_all(model)
+        if parallel.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        dtype = torch.bfloat16 if bf16 else getattr(model, "master_dtype", None)
         if self._stage3:
             self._partition(model, self.ds_config, dtype)
         else:  # ZeRO-1/2 (parallel.deepspeed override): DeepSpeed casts and moves the whole module, as it always did
             place_(model, None, getattr(model, "master_dtype", None))
         params = [p for p in model.parameters() if p.requires_grad]
         _forget_stale_world_group()
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+        self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=params, config=self.ds_config, dist_init_required=False)
-        self.model = self.engine  # forward through the engine; other attributes fall through to the module
-        self.module = self.engine.module
+        self.model = self.ds  # forward through DeepSpeed's engine; other attributes fall through to the module
+        self.module = self.ds.module
         self.params = params
         self.init_ema()
 
@@ -195,26 +205,26 @@ class DeepSpeedEngine(TrainEngine):
     @property
     def _zero(self):
         """ZeRO-3's optimizer: the flat fp32 master partitions and the 16-bit partitions the forward gathers."""
-        return self.engine.optimizer
+        return self.ds.optimizer
 
     def init_ema(self) -> None:
-        self.ema_decay = float(self.spec.ema_decay)
+        self.ema_decay = float(self.optim.ema_decay)
         self.ema = None
         if self.ema_decay <= 0:
             return
         zero = self._zero
         flats = getattr(zero, "fp16_partitioned_groups_flat", None)
         if getattr(zero, "fp32_partitioned_groups_flat", None) is None or flats is None:
-            raise ValueError("train.ema_decay with parallel.backend deepspeed needs ZeRO stage 3 (the EMA is kept "
+            raise ValueError("train.ema_decay with parallel.engine deepspeed needs ZeRO stage 3 (the EMA is kept "
                              f"of the flat fp32 partitions), got optimizer {type(zero).__name__}")
         if getattr(zero, "swap_optimizer", False) or any(t is None for t in flats):
-            raise ValueError("train.ema_decay with parallel.backend deepspeed: NVMe offload swaps the partitions "
+            raise ValueError("train.ema_decay with parallel.engine deepspeed: NVMe offload swaps the partitions "
                              "out of memory; the EMA needs them in memory (use offload to cpu or none)")
         self.ema = {f"partition.{i}": t.detach().clone() for i, t in enumerate(zero.fp32_partitioned_groups_flat)}
 
     @torch.no_grad()
     def update_ema(self) -> None:
-        if self.ema is None or not self.engine.was_step_applied():
+        if self.ema is None or not self.ds.was_step_applied():
             return
         for e, p in zip(self.ema.values(), self._zero.fp32_partitioned_groups_flat):
             e.lerp_(p.detach(), 1.0 - self.ema_decay)
@@ -252,16 +262,16 @@ class DeepSpeedEngine(TrainEngine):
         """DeepSpeed's backward of the scalar with out.backward(grad)'s gradient, under the accumulation boundary
         `last` (read by ZeRO-3's backward and reduce hooks, not by the forward)."""
         scalar = out if grad is None else (out * grad.detach()).sum()
-        self.engine.set_gradient_accumulation_boundary(bool(last))
+        self.ds.set_gradient_accumulation_boundary(bool(last))
         try:
-            self.engine.backward(scalar)
+            self.ds.backward(scalar)
             # advance ZeRO-3's micro step now (normally done by the next engine forward): the next backward of
             # this minibatch then adds to the gradient partition instead of overwriting it
-            clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
+            clear = getattr(self.ds.optimizer, "clear_backward_seen_flag", None)
             if clear is not None:
                 clear()
         finally:
-            self.engine.set_gradient_accumulation_boundary(True)
+            self.ds.set_gradient_accumulation_boundary(True)
 
     def step(self, loss: torch.Tensor | None = None) -> torch.Tensor:
         """Clip (grad_clip, inside DeepSpeed), AdamW on the partitions, zero grads, EMA; the global pre-clip
@@ -269,10 +279,10 @@ class DeepSpeedEngine(TrainEngine):
         norm is not finite (its overflow check, bf16 and fp32 included); `step_applied` reports it. `loss` is not
         consulted: DeepSpeed's step cannot be withheld at the boundary, and a non-finite loss that carries a
         gradient makes the norm non-finite anyway."""
-        self.engine.set_gradient_accumulation_boundary(True)
-        self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        self.step_applied = bool(self.engine.was_step_applied())
+        self.ds.set_gradient_accumulation_boundary(True)
+        self.ds.step()
+        norm = self.ds.get_global_grad_norm()
+        self.step_applied = bool(self.ds.was_step_applied())
         self.update_ema()
         return torch.tensor(float("nan") if norm is None else float(norm))
 
@@ -282,18 +292,20 @@ class DeepSpeedEngine(TrainEngine):
         named = [(n, getattr(p, "ds_tensor", p)) for n, p in zip(self._trainable, self.params)]
         return named + [(f"ema.{n}", t) for n, t in (self.ema or {}).items()]
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ the checkpoint format: DeepSpeed's own
+    # ds/: per rank a model-states file and its fp32-master + optimizer partition (save_checkpoint, tag "ds"), plus
+    # per rank its EMA partition ema_rank<r>.safetensors; resumed on the world size that wrote it
     def _ema_file(self, directory: Path) -> Path:
         return directory / f"ema_rank{self.dist.rank:05d}.safetensors"
 
     def _save(self, directory: Path) -> list[Path]:
-        self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False,
-                                    exclude_frozen_parameters=self.spec.frozen_base)
+        self.ds.save_checkpoint(str(directory), tag=TAG, save_latest=False,
+                                    exclude_frozen_parameters=not self.full_fine_tune)
         files = self._own_files(directory)
         if self.ema is not None:
-            from ..checkpoint.local import _write_tensors
+            from ..checkpoint.local import write_tensors
 
-            files.append(_write_tensors(self._ema_file(directory), self.ema))
+            files.append(write_tensors(self._ema_file(directory), self.ema))
         return files
 
     def _own_files(self, directory: Path) -> list[Path]:
@@ -301,8 +313,8 @@ class DeepSpeedEngine(TrainEngine):
         rank, so no other rank writes them). DeepSpeed's name helpers are private: if they change, the files go
         unreported and rank 0 hashes them (slower, still correct)."""
         try:
-            names = [self.engine._get_ckpt_name(str(directory), TAG),
-                     self.engine._get_zero_ckpt_name(str(directory), TAG)]
+            names = [self.ds._get_ckpt_name(str(directory), TAG),
+                     self.ds._get_zero_ckpt_name(str(directory), TAG)]
         except (AttributeError, TypeError) as err:
             log.warning("DeepSpeed checkpoint file names unknown (%s): rank 0 hashes them", err)
             return []
@@ -312,8 +324,8 @@ class DeepSpeedEngine(TrainEngine):
         from ..checkpoint import CheckpointError
 
         with self._weights_only_loads(directory):
-            path, _ = self.engine.load_checkpoint(str(directory), tag=TAG,
-                                                  load_module_strict=not self.spec.frozen_base,
+            path, _ = self.ds.load_checkpoint(str(directory), tag=TAG,
+                                                  load_module_strict=self.full_fine_tune,
                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise CheckpointError(f"no DeepSpeed checkpoint (tag {TAG!r}) in {directory}")
@@ -338,7 +350,7 @@ class DeepSpeedEngine(TrainEngine):
         and refuses, naming the file, anything that would run code."""
         from ..checkpoint.pickles import allowed_globals, load_torch
 
-        ckpt = self.engine.checkpoint_engine
+        ckpt = self.ds.checkpoint_engine
 
         def load(path, map_location=None):
             path = Path(path)
@@ -353,16 +365,42 @@ class DeepSpeedEngine(TrainEngine):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Trainable weights, consolidated on rank 0 as CPU tensors (collective; other ranks get {})."""
-        state = self.engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=self.spec.frozen_base)
+        state = self.ds._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=not self.full_fine_tune)
         if state is None:
             return {}
-        if not self._all_trainable:
+        if not self.full_fine_tune:
             keep = set(self._trainable)
             state = {k: v for k, v in state.items() if k in keep}
         return dict(state)
 
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.full_state_dict()
+    @classmethod
+    def read_weights(cls, directory: Path, model: torch.nn.Module, trainable: set[str], ema: bool
+                     ) -> dict[str, torch.Tensor]:
+        """The fp32 weights reassembled from the ZeRO-3 partitions (deepspeed.utils.zero_to_fp32); the EMA from the
+        per-rank EMA partitions (ema_rank<r>.safetensors), reassembled the same way. zero_to_fp32 unpickles
+        DeepSpeed's files without restriction: each is first checked to load weights-only (tensors, plain data,
+        DeepSpeed's own few records: checkpoint/pickles.py), so nothing in them can run."""
+        from deepspeed.utils import zero_to_fp32 as z
+        from safetensors.torch import load_file
+
+        from ..checkpoint import CheckpointError
+        from ..checkpoint.pickles import check_file
+
+        ds_dir = directory / TAG
+        for f in sorted(ds_dir.glob("*.pt")):
+            check_file(f, f.relative_to(directory).as_posix())
+        if not ema:
+            weights = z.get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)
+            return {k: v for k, v in weights.items() if k in trainable}
+        files = sorted(directory.glob("ema_rank*.safetensors"))
+        if not files:
+            raise CheckpointError(f"checkpoint {directory} has no EMA partitions (ema_rank*.safetensors)")
+        parts = [load_file(str(f)) for f in files]
+        groups = [[part[f"partition.{i}"] for i in range(len(part))] for part in parts]
+        model_states = z.parse_model_states(z.get_model_state_files(str(ds_dir)))
+        weights = z.to_torch_tensor(z._get_fp32_state_dict_from_zero3_checkpoint(
+            len(groups), groups, model_states, exclude_frozen_parameters=True))
+        return {k: v for k, v in weights.items() if k in trainable}
 
 
 def _forget_stale_world_group() -> None:

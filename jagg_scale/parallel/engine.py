@@ -1,23 +1,28 @@
 """Training engines: how parameters are held, gradients reduced, the optimizer stepped and state checkpointed.
 
-The trainer talks to one `TrainEngine`, built by `parallel.build.build_engine` from an `EngineSpec` (the slice of
-the run configuration an engine needs); which one is `EngineSpec.backend`:
+The trainer talks to one `Engine`, built by `parallel.build.build_engine(model, cfg.parallel, cfg.train, dist)`
+from the engines' own config section (config.py, beside them) and the optimizer settings of the `train` section
+(`OptimizerSettings`); which engine is `parallel.engine`:
 
-    none       one process, plain autograd and torch AdamW (this file): the reference the others must match
-    fsdp2      torch FSDP2 `fully_shard` per transformer block + root (fsdp.py)
-    deepspeed  a DeepSpeed ZeRO-3 engine (deepspeed_engine.py)
+    none       `LocalEngine`: one process, plain autograd, torch AdamW (this file): the reference the others match
+    fsdp2      `FSDP2Engine`: torch FSDP2 `fully_shard` per transformer block + root (fsdp.py)
+    deepspeed  `DeepSpeedEngine`: a DeepSpeed ZeRO-3 engine (deepspeed_engine.py)
 
-This module is the contract and the reference engine; fsdp.py and deepspeed_engine.py import it, never the
-reverse. The contract, in the order a training step uses it:
+What an engine needs from the model it reads off the model: `compute_dtype` (bfloat16: FSDP2's bf16 gathers,
+DeepSpeed's bf16 weights), `master_dtype` (16-bit weights upcast on the way to the device), and which parameters
+train (a frozen base, LoRA: checkpoints and exports hold the trainable weights alone).
 
-    build_engine(model, spec, dist)     the model arrives on the host; the engine places its registered
-                                        parameters (the transformer) on the device: sharded first, then the
-                                        shards moved (FSDP2 / ZeRO-3), or moved whole here. 16-bit weights are
-                                        upcast to `model.master_dtype` on the way when the model sets it
+This module is the contract (`Engine`, with what every engine shares) and the reference engine; fsdp.py and
+deepspeed_engine.py import it, never the reverse. The contract, in the order a training step uses it:
+
+    build_engine(model, parallel, optim, dist)  the model arrives on the host; the engine applies per-block
+                                        activation checkpointing (parallel.activation_checkpointing) and places
+                                        its registered parameters (the transformer) on the device: sharded
+                                        first, then the shards moved (FSDP2 / ZeRO-3), or moved whole here
     engine.shard_frozen(module)         a frozen copy (the KL reference of a full fine-tune) placed like the
                                         model, sharded where the model is, without optimizer or upcast
     engine.model                        the module to call for velocities (sharded or not)
-    engine.backward(out, grad, last=)   out.backward(grad) for one backward of a minibatch (the JAGG engine's
+    engine.backward(out, grad, last=)   out.backward(grad) for one backward of a minibatch (knot_backward's
                                         backward callable); gradients accumulate, and are synchronised across
                                         ranks when `last` is True (the minibatch's accumulation boundary), or at
                                         every backward under grad_sync every (resolve_grad_sync)
@@ -34,6 +39,9 @@ reverse. The contract, in the order a training step uses it:
                                         its own, checkpoint/digests.py) and refuses non-finite weights
                                         (NonFiniteError on every rank); load refuses another engine's checkpoint
     engine.full_state_dict()            the trainable weights gathered on rank 0 for export (others get {})
+    Engine.read_weights(dir, model, trainable, ema)   (a classmethod) the checkpoint's trainable weights (or
+                                        their EMA) as full tensors, with no engine, process group or optimizer:
+                                        what jagg-eval loads (weights.py). Each engine reads the format it writes
 """
 
 from __future__ import annotations
@@ -42,17 +50,19 @@ import errno
 import json
 import shutil
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from .blocks import compile_blocks
+from ..checkpoint.local import write_bytes, write_object, write_tensors
+from .blocks import compile_blocks, enable_activation_checkpointing
 from .comm import NullCounter
+from .config import ParallelConfig
 from .dist import DistContext
-from .types import Backend, GradSync
 
-__all__ = ["ENGINE_MARKER", "EngineSpec", "NonFiniteError", "TrainEngine", "make_optimizer", "place_"]
+__all__ = ["ENGINE_MARKER", "Engine", "LocalEngine", "NonFiniteError", "OptimizerSettings", "checkpoint_engine",
+           "make_optimizer", "place_", "resolve_grad_sync", "trains_all"]
 
 ENGINE_MARKER = "engine.json"  # {"engine": name}, written into every checkpoint directory by rank 0
 
@@ -62,38 +72,44 @@ class NonFiniteError(RuntimeError):
     optimizer steps in a row skipped for a non-finite loss or gradient (train.max_nonfinite_steps)."""
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """What an engine needs to know about a run (train.config.engine_spec builds it from the Config)."""
+class OptimizerSettings(Protocol):
+    """The optimizer settings an engine reads (the run config's `train` section has them): torch AdamW on every
+    engine, the gradient clip and the EMA of the trainable weights."""
 
-    backend: Backend = "none"  # which engine build_engine makes
-    # torch AdamW, on every engine
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    ema_decay: float = 0.0  # > 0: an EMA of the trainable weights, updated per optimizer step
-    # the model
-    bf16: bool = False  # bfloat16 compute (FSDP2 mixed precision / DeepSpeed bf16 weights); fp32 master weights
-    frozen_base: bool = False  # LoRA: only the adapter trains; checkpoints and exports hold the trainable weights
-    # sharding (fsdp2; deepspeed reads `deepspeed`)
-    activation_checkpointing: bool = False  # recompute each transformer block in backward
-    reshard_after_forward: bool = True
-    prefetch: bool = True
-    replicate: int = 1  # HSDP replica groups
-    deepspeed: dict = field(default_factory=dict)  # merged over the built-in ZeRO-3 config
-    grad_sync: GradSync = "auto"  # when gradients are reduced across ranks (parallel/types.py)
-    compile: bool = False  # none / fsdp2: torch.compile each transformer block (blocks.compile_blocks)
+    lr: float
+    weight_decay: float
+    adam_betas: tuple[float, float]
+    adam_eps: float
+    grad_clip: float  # max global gradient norm; 0 disables clipping
+    ema_decay: float  # > 0: an EMA of the trainable weights, updated per optimizer step
 
 
-def resolve_grad_sync(spec: EngineSpec) -> str:
+def trains_all(model: torch.nn.Module) -> bool:
+    """Whether every parameter of `model` trains (a full fine-tune); False for a frozen base (LoRA)."""
+    return all(p.requires_grad for p in model.parameters())
+
+
+def resolve_grad_sync(parallel: ParallelConfig, full_fine_tune: bool) -> str:
     """`auto`: every backward for a full fine-tune (FSDP2 would otherwise hold each block's gradient unsharded in
     fp32 until the boundary: the whole model's gradient per rank, 47.6 GB for FLUX), the boundary for LoRA (a few
     MB of gradients, one reduce-scatter per minibatch)."""
-    if spec.grad_sync != "auto":
-        return spec.grad_sync
-    return "boundary" if spec.frozen_base else "every"
+    if parallel.grad_sync != "auto":
+        return parallel.grad_sync
+    return "every" if full_fine_tune else "boundary"
+
+
+def checkpoint_engine(directory: Path) -> str:
+    """The name of the engine that wrote checkpoint `directory`, from its marker (CheckpointError without one)."""
+    from ..checkpoint import CheckpointError
+
+    marker = Path(directory) / ENGINE_MARKER
+    try:
+        name = json.loads(marker.read_text()).get("engine")
+    except (OSError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"checkpoint {directory}: no readable engine marker {ENGINE_MARKER} ({err})") from None
+    if not isinstance(name, str):
+        raise CheckpointError(f"checkpoint {directory}: its {ENGINE_MARKER} names no engine")
+    return name
 
 
 HALF = (torch.bfloat16, torch.float16)
@@ -129,9 +145,9 @@ def place_(module: torch.nn.Module, device: torch.device | None, master_dtype: t
     return module
 
 
-def make_optimizer(params, spec: EngineSpec) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=tuple(spec.adam_betas),
-                             eps=spec.adam_eps)
+def make_optimizer(params, optim: OptimizerSettings) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.adam_betas),
+                             eps=optim.adam_eps)
 
 
 def _disk_full(err: BaseException, directory: Path) -> OSError | None:
@@ -156,29 +172,25 @@ def _disk_full(err: BaseException, directory: Path) -> OSError | None:
                    str(directory))
 
 
-class TrainEngine:
-    """A single process: plain autograd, gradients accumulate in .grad, torch AdamW."""
+class Engine:
+    """The contract (module docstring) and what every engine shares: the EMA of the trainable weights as a dict of
+    tensors (shards of them where sharded), the step with its finite check, the checkpoint marker, the writer check
+    on load, the refusal to save non-finite weights. A subclass sets `name`, and in __init__ `parallel`, `optim`,
+    `dist`, `comm`, `model`, `params`, `optimizer` (then calls init_ema); it implements `backward`,
+    `shard_frozen`, `_save`, `_load`, `full_state_dict` and `read_weights`."""
 
-    name = "none"
+    name = ""
+    step_applied = True  # whether the last step() updated the weights
 
-    def __init__(self, model: torch.nn.Module, spec: EngineSpec, dist: DistContext):
-        if dist.world_size > 1:
-            raise ValueError(f"parallel.backend none runs one process, but {dist.world_size} were started: "
-                             "use parallel.backend fsdp2 or deepspeed")
-        self.spec, self.dist = spec, dist
-        self.comm = NullCounter()  # one process: no collectives to count
-        if spec.compile:
-            compile_blocks(model)
-        self.model = place_(model, dist.device, getattr(model, "master_dtype", None))
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(self.params, spec)
-        self.init_ema()
+    parallel: ParallelConfig
+    optim: OptimizerSettings
+    dist: DistContext
 
     # ------------------------------------------------------------------ EMA of the trainable weights
     def init_ema(self) -> None:
         """ema_decay > 0 keeps an exponential moving average of the trainable weights (shards of them under
         FSDP2), updated after every optimizer step, checkpointed, and used for evaluation and export."""
-        self.ema_decay = float(self.spec.ema_decay)
+        self.ema_decay = float(self.optim.ema_decay)
         self.ema = ({n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
                     if self.ema_decay > 0 else None)
 
@@ -209,23 +221,20 @@ class TrainEngine:
                 for n, p in params.items():
                     p.copy_(live[n])
 
-    def shard_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
-        """A frozen copy (the KL reference of a full fine-tune), placed like the model: moved whole here."""
-        return place_(module, self.dist.device)
-
     # ------------------------------------------------------------------ one minibatch
+    def shard_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+        raise NotImplementedError
+
     def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None, *, last: bool = True) -> None:
         """out.backward(grad) into the gradients of this minibatch. `last` marks the accumulation boundary (the
         minibatch's last backward): sharded engines synchronise gradients across ranks only then."""
-        out.backward(grad)
+        raise NotImplementedError
 
     def _clip_grads(self) -> torch.Tensor:
-        """Clip the gradients to spec.grad_clip (0: no clipping); the global norm before clipping (0-d, on the
-        device: the trainer reads it with the step's other metrics, not here)."""
-        max_norm = self.spec.grad_clip if self.spec.grad_clip > 0 else float("inf")
+        """Clip the gradients to grad_clip (0: no clipping); the global norm before clipping (0-d, on the device:
+        the trainer reads it with the step's other metrics, not here)."""
+        max_norm = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm).detach()
-
-    step_applied = True  # whether the last step() updated the weights
 
     def step(self, loss: torch.Tensor | None = None) -> torch.Tensor:
         """Clip, optimizer step, zero grads, EMA update; returns the global gradient norm before clipping (a 0-d
@@ -253,17 +262,9 @@ class TrainEngine:
         return bool(ok)
 
     # ------------------------------------------------------------------ state
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every weight, or with LoRA (frozen base) the trainable ones alone."""
-        state = self.model.state_dict()
-        if len(self.params) == sum(1 for _ in self.model.parameters()):
-            return state
-        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
-        return {k: v for k, v in state.items() if k in trainable}
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trainable weights for export, on rank 0 (other ranks get {}); here the live tensors."""
-        return self.trainable_state_dict()
+        """The trainable weights for export, on rank 0 (other ranks get {})."""
+        raise NotImplementedError
 
     def save(self, directory: Path) -> list[Path]:
         """This engine's state into `directory` (collective: every rank calls it) and the engine marker (rank 0);
@@ -273,9 +274,7 @@ class TrainEngine:
         try:
             files = list(self._save(directory))
             if self.dist.is_main:
-                from ..checkpoint.local import _write_bytes
-
-                files.append(_write_bytes(directory / ENGINE_MARKER, json.dumps({"engine": self.name}).encode()))
+                files.append(write_bytes(directory / ENGINE_MARKER, json.dumps({"engine": self.name}).encode()))
         except Exception as err:
             full = _disk_full(err, directory)
             if full is None:
@@ -309,36 +308,82 @@ class TrainEngine:
 
     def load(self, directory: Path) -> None:
         """State from a checkpoint `directory` written by the same engine (CheckpointError otherwise)."""
-        self._check_writer(directory)
+        from ..checkpoint import CheckpointError
+
+        writer = checkpoint_engine(directory)
+        if writer != self.name:
+            raise CheckpointError(f"checkpoint {directory} was written by the {writer} engine (parallel.engine "
+                                  f"{writer}), this run uses {self.name} (parallel.engine {self.name}): resume "
+                                  f"with parallel.engine {writer}")
         self._load(directory)
 
-    def _check_writer(self, directory: Path) -> None:
-        from ..checkpoint import CheckpointError
-        from ..checkpoint.local import STATE
-
-        marker, state = directory / ENGINE_MARKER, directory / STATE
-        if marker.is_file():
-            writer = json.loads(marker.read_text()).get("engine")
-        else:  # checkpoints from before the marker: the trainer recorded the backend in its state
-            writer = json.loads(state.read_text()).get("backend") if state.is_file() else None
-        if writer is not None and writer != self.name:
-            raise CheckpointError(f"checkpoint {directory} was written by the {writer} engine (parallel.backend "
-                                  f"{writer}), this run uses {self.name} (parallel.backend {self.name}): resume "
-                                  f"with parallel.backend {writer}")
-
     def _save(self, directory: Path) -> list[Path]:
-        from ..checkpoint.local import _write_object, _write_tensors
+        raise NotImplementedError
 
-        files = [_write_tensors(directory / "model.safetensors", self.trainable_state_dict()),
-                 _write_object(directory / "optimizer.pt", self.optimizer.state_dict())]
+    def _load(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def read_weights(cls, directory: Path, model: torch.nn.Module, trainable: set[str], ema: bool
+                     ) -> dict[str, torch.Tensor]:
+        """The trainable weights (`ema`: their EMA) of a checkpoint this engine wrote, as full tensors keyed like
+        `model.named_parameters()`, without an engine or a process group (weights.load_trained_weights)."""
+        raise NotImplementedError
+
+
+class LocalEngine(Engine):
+    """A single process: plain autograd, gradients accumulate in .grad, torch AdamW."""
+
+    name = "none"
+
+    def __init__(self, model: torch.nn.Module, parallel: ParallelConfig, optim: OptimizerSettings,
+                 dist: DistContext):
+        if dist.world_size > 1:
+            raise ValueError(f"parallel.engine none runs one process, but {dist.world_size} were started: "
+                             "use parallel.engine fsdp2 or deepspeed")
+        self.parallel, self.optim, self.dist = parallel, optim, dist
+        self.comm = NullCounter()  # one process: no collectives to count
+        if parallel.compile:
+            compile_blocks(model)
+        if parallel.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        self.model = place_(model, dist.device, getattr(model, "master_dtype", None))
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.params, optim)
+        self.init_ema()
+
+    def shard_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A frozen copy (the KL reference of a full fine-tune), placed like the model: moved whole here."""
+        return place_(module, self.dist.device)
+
+    def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None, *, last: bool = True) -> None:
+        out.backward(grad)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight, or with LoRA (frozen base) the trainable ones alone: the live tensors."""
+        state = self.model.state_dict()
+        if len(self.params) == sum(1 for _ in self.model.parameters()):
+            return state
+        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in state.items() if k in trainable}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.trainable_state_dict()
+
+    # ------------------------------------------------------------------ the checkpoint format: safetensors + torch
+    # model.safetensors (the trainable weights), optimizer.pt (read weights-only), ema.safetensors (ema_decay > 0)
+    def _save(self, directory: Path) -> list[Path]:
+        files = [write_tensors(directory / "model.safetensors", self.trainable_state_dict()),
+                 write_object(directory / "optimizer.pt", self.optimizer.state_dict())]
         if self.ema is not None:
-            files.append(_write_tensors(directory / "ema.safetensors", self.ema))
+            files.append(write_tensors(directory / "ema.safetensors", self.ema))
         return files
 
     def _load(self, directory: Path) -> None:
         from safetensors.torch import load_file
 
         from ..checkpoint import CheckpointError
+        from ..checkpoint.pickles import load_torch
 
         state = load_file(str(directory / "model.safetensors"))
         strict = len(self.params) == sum(1 for _ in self.model.parameters())
@@ -347,11 +392,22 @@ class TrainEngine:
         if unexpected or set(state) != expected or (strict and missing):
             raise CheckpointError(f"checkpoint {directory} does not fit the model: unexpected {unexpected[:5]}, "
                                   f"missing {sorted(expected - set(state))[:5]}")
-        from ..checkpoint.pickles import load_torch
-
         self.optimizer.load_state_dict(load_torch(directory / "optimizer.pt"))  # weights-only: tensors and numbers
         if self.ema is not None:
             if not (directory / "ema.safetensors").is_file():
                 raise CheckpointError(f"checkpoint {directory} has no EMA weights but train.ema_decay > 0")
             for name, value in load_file(str(directory / "ema.safetensors")).items():
                 self.ema[name].copy_(value)
+
+    @classmethod
+    def read_weights(cls, directory: Path, model: torch.nn.Module, trainable: set[str], ema: bool
+                     ) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        from ..checkpoint import CheckpointError
+
+        path = directory / ("ema.safetensors" if ema else "model.safetensors")
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {directory} has no {path.name}")
+        weights = load_file(str(path))
+        return {k: v for k, v in weights.items() if k in trainable or ema}

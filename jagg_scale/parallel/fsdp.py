@@ -6,7 +6,8 @@ The helpers both uses share:
                             (the DiT's `blocks`, SD3's `transformer_blocks`, FLUX's `transformer_blocks` and
                             `single_transformer_blocks`, a CLIP's text and vision encoder layers)
     build_mesh(...)         the device mesh: 1-D over all ranks, or HSDP (replicate x shard) when replicate > 1
-    parallelize(model)      training: activation checkpointing per block (optional), fully_shard on every block,
+    parallelize(model)      training: per-block activation checkpointing (optional, the model's own: blocks.py),
+                            fully_shard on every block,
                             then on the root; mixed precision (the blocks' params gathered in bf16, the root's in
                             fp32, fp32 gradient reduction, inputs left to the caller's bf16 autocast);
                             explicit prefetch: block i gathers block i+1 in forward and block i-1 in backward;
@@ -47,10 +48,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
-from .blocks import block_slots, compile_blocks, repeated_layers
+from .blocks import block_slots, compile_blocks, enable_activation_checkpointing, repeated_layers
 from .comm import CommCounter
+from .config import ParallelConfig
 from .dist import DistContext
-from .engine import EngineSpec, TrainEngine, make_optimizer, place_, resolve_grad_sync
+from .engine import Engine, OptimizerSettings, make_optimizer, place_, resolve_grad_sync, trains_all
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +78,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, activation_ch
 
     `compile` (parallel.compile): each block torch.compile-d in place first (blocks.compile_blocks), so that the
     activation checkpointing and fully_shard applied next wrap compiled blocks. That order is the one both
-    checkpointing paths can have: diffusers' own checkpointing calls each block from the model's forward, so it
-    always wraps the block as it is; checkpoint_wrapper then does the same, and a recompute re-runs the compiled
-    block. FSDP2's hooks on a compiled block run outside its graph (dynamo skips FSDP hooks by default).
+    checkpointing can have: the model's own checkpointing calls each block from the model's forward, so it always
+    wraps the block as it is, and a recompute re-runs the compiled block. FSDP2's hooks on a compiled block run outside its graph (dynamo skips FSDP hooks by default).
+    The checkpointing is the model's own (blocks.enable_activation_checkpointing): each block's call in the model's
+    block loop is checkpointed, so both the names and the units stay those of the plain model.
 
     Placement: the model may arrive on the host. Unit by unit (each block, then the root's remaining parameters),
     the unit is placed on `device` (upcast from 16 bits to `master_dtype` on the way when given) and sharded right
@@ -86,17 +89,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, activation_ch
     unit's full parameters to the mesh's device too; placing it here first makes the upcast happen there)."""
     slots = block_slots(model)
     if not slots:
-        raise ValueError(f"parallel.backend fsdp2: no transformer blocks found on {type(model).__name__}")
+        raise ValueError(f"parallel.engine fsdp2: no transformer blocks found on {type(model).__name__}")
     if compile:
         compile_blocks(model)
     if activation_checkpointing:
-        if hasattr(model, "enable_gradient_checkpointing"):  # diffusers' own per-block checkpointing
-            model.enable_gradient_checkpointing()
-        else:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-            for blocks, i in slots:
-                blocks[i] = checkpoint_wrapper(blocks[i])
+        enable_activation_checkpointing(model)
     # bf16 is the trainer's autocast (train/policy.py), as on backend none; FSDP2 adds bf16 gathers of the blocks
     # alone. Its input cast stays off: it would round every floating input of a unit to bf16 (the root's sigma:
     # timesteps off by up to 2/1000; FLUX's float32 rotary embeddings at each block). The root's own parameters
@@ -163,27 +160,29 @@ class _ListingWriter(FileSystemWriter):
         self.written.append(".metadata")  # torch's name for the global metadata file the coordinator writes
 
 
-class FSDP2Engine(TrainEngine):
+class FSDP2Engine(Engine):
     name = "fsdp2"
 
-    def __init__(self, model: nn.Module, spec: EngineSpec, dist_ctx: DistContext):
+    def __init__(self, model: nn.Module, parallel: ParallelConfig, optim: OptimizerSettings, dist_ctx: DistContext):
         self.comm = CommCounter.for_process()  # before any collective is issued
         dist_ctx.ensure_group()  # one process: a trivial group (closed with the context)
-        self.spec, self.dist = spec, dist_ctx
-        self.grad_sync = resolve_grad_sync(spec)
-        self.mesh = build_mesh(dist_ctx.device.type, dist_ctx.world_size, spec.replicate)
-        self.model = self._parallelize(model, spec.activation_checkpointing, getattr(model, "master_dtype", None),
-                                       compile=spec.compile)
+        self.parallel, self.optim, self.dist = parallel, optim, dist_ctx
+        self.full_fine_tune = trains_all(model)
+        self.grad_sync = resolve_grad_sync(parallel, self.full_fine_tune)
+        self.bf16 = getattr(model, "compute_dtype", torch.float32) == torch.bfloat16
+        self.mesh = build_mesh(dist_ctx.device.type, dist_ctx.world_size, parallel.replicate)
+        self.model = self._parallelize(model, parallel.activation_checkpointing, getattr(model, "master_dtype", None),
+                                       compile=parallel.compile)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(self.params, spec)
+        self.optimizer = make_optimizer(self.params, optim)
         self.init_ema()
-        self._options = StateDictOptions(ignore_frozen_params=spec.frozen_base)
+        self._options = StateDictOptions(ignore_frozen_params=not self.full_fine_tune)
 
     def _parallelize(self, module: nn.Module, activation_checkpointing: bool,
                      master_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
-        s = self.spec
-        return parallelize(module, self.mesh, bf16=s.bf16, activation_checkpointing=activation_checkpointing,
-                           reshard_after_forward=s.reshard_after_forward, prefetch=s.prefetch,
+        p = self.parallel
+        return parallelize(module, self.mesh, bf16=self.bf16, activation_checkpointing=activation_checkpointing,
+                           reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch,
                            device=self.dist.device, master_dtype=master_dtype, compile=compile)
 
     def shard_frozen(self, module: nn.Module) -> nn.Module:
@@ -201,11 +200,13 @@ class FSDP2Engine(TrainEngine):
             self.model.set_requires_gradient_sync(True)
 
     def _clip_grads(self) -> torch.Tensor:
-        max_norm = self.spec.grad_clip if self.spec.grad_clip > 0 else float("inf")
+        max_norm = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ the checkpoint format: DCP
+    # dcp/: torch.distributed.checkpoint shards of {"model", "optimizer", "ema"}, written by every rank, resharded on
+    # load (N ranks -> M), read through checkpoint/dcp_reader.py (no unpickling beyond data)
     def _dcp_state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options)
         return {"model": model_sd, "optimizer": optim_sd, **({"ema": self.ema} if self.ema is not None else {})}
@@ -225,8 +226,27 @@ class FSDP2Engine(TrainEngine):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Trainable weights as full CPU tensors on rank 0 (collective; other ranks get {})."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.spec.frozen_base)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not self.full_fine_tune)
         return get_model_state_dict(self.model, options=options)
 
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.full_state_dict()
+    @classmethod
+    def read_weights(cls, directory: Path, model: nn.Module, trainable: set[str], ema: bool
+                     ) -> dict[str, torch.Tensor]:
+        """The DCP directory's "model" (or "ema") entries, read without a process group and resharded to full
+        tensors in the model's dtypes."""
+        from ..checkpoint import CheckpointError
+        from ..checkpoint.dcp_reader import dcp_load, read_metadata
+
+        path = directory / "dcp"
+        section = "ema" if ema else "model"
+        saved = read_metadata(path).state_dict_metadata
+        names = [key[len(section) + 1:] for key in saved if key.startswith(section + ".")]
+        if not names:
+            raise CheckpointError(f"checkpoint {directory} holds no {section!r} weights")
+        params = dict(model.named_parameters())
+        if not set(names) <= set(params):
+            raise CheckpointError(f"checkpoint {directory} does not fit the model: unexpected "
+                                  f"{sorted(set(names) - set(params))[:5]}")
+        wanted = {n: torch.empty(saved[f"{section}.{n}"].size, dtype=params[n].dtype) for n in names}
+        dcp_load({section: dict(wanted)}, path, no_dist=True)
+        return wanted

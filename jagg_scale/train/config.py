@@ -21,7 +21,6 @@ import torch
 import yaml
 
 from ..jagg import trained_steps
-from ..parallel.engine import EngineSpec
 from ..paths import resolve_path
 from .config_sections import *  # noqa: F403 - the sections, their choices and ConfigError are this module's API
 from .config_sections import (ConfigError, DataConfig, EvalConfig, GRPOConfig, JAGGConfig, LogConfig, ModelConfig,
@@ -30,8 +29,8 @@ from .config_sections import __all__ as _sections_all
 
 log = logging.getLogger(__name__)
 
-__all__ = [*_sections_all, "Config", "load_config", "config_from_dict", "parse_override", "validate", "validate_world",
-           "load_prompt_file"]
+__all__ = [*_sections_all, "Config", "RENAMED", "config_from_dict", "load_config", "load_prompt_file", "parse_override",
+           "validate", "validate_world"]
 
 
 @dataclass
@@ -158,12 +157,18 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
     return value
 
 
+# keys that were renamed: their old name gets an error naming the new one
+RENAMED = {"parallel.backend": "parallel.engine", "model.gradient_checkpointing": "parallel.activation_checkpointing"}
+
+
 def _build(cls, data: dict, prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"config section '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
+        if f"{prefix}{key}" in RENAMED:
+            raise ConfigError(f"config key '{prefix}{key}' is now '{RENAMED[prefix + key]}' (same values): rename it")
         if key not in names:
             raise ConfigError(f"unknown config key '{prefix}{key}' (valid keys: {', '.join(sorted(names))})")
     return cls(**{f.name: _check_type(f"{prefix}{f.name}", data[f.name], hints[f.name])
@@ -199,8 +204,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), _yaml(raw, f"the value of override {text!r}") if raw.strip() else None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (optional), apply dotted overrides, type-check and validate: the only way configs are made."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
+                check_files: bool = True) -> Config:
+    """Read YAML (optional), apply dotted overrides, type-check and validate: the only way configs are made.
+    check_files=False skips what needs the run's files (prompt files, model.pretrained): jagg-estimate sizes a
+    production config on a machine that has none of them."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -213,19 +221,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, value = parse_override(item)
         _set_dotted(data, key, value)
     cfg = _build(Config, data, "")
-    validate(cfg)
+    validate(cfg, check_files=check_files)
     return cfg
-
-
-def engine_spec(cfg: Config) -> EngineSpec:
-    """The slice of the run configuration a training engine needs (parallel.build.build_engine)."""
-    t, p = cfg.train, cfg.parallel
-    return EngineSpec(backend=p.backend, lr=t.lr, weight_decay=t.weight_decay, adam_betas=tuple(t.adam_betas),
-                      adam_eps=t.adam_eps, grad_clip=t.grad_clip, ema_decay=t.ema_decay,
-                      bf16=cfg.model.dtype == "bfloat16", frozen_base=cfg.model.lora.enabled,
-                      activation_checkpointing=p.activation_checkpointing,
-                      reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch, replicate=p.replicate,
-                      deepspeed=dict(p.deepspeed or {}), grad_sync=p.grad_sync, compile=p.compile)
 
 
 def config_from_dict(data: dict) -> Config:
@@ -234,8 +231,9 @@ def config_from_dict(data: dict) -> Config:
     return cfg
 
 
-def validate(cfg: Config) -> None:
-    """Each section's own range checks, then the checks across sections and the files named; each names its key."""
+def validate(cfg: Config, *, check_files: bool = True) -> None:
+    """Each section's own range checks, then the checks across sections and (check_files) the files named; each
+    names its key."""
     for f in dataclasses.fields(cfg):
         getattr(cfg, f.name).check(f.name)
     m, s, g, t = cfg.model, cfg.sampling, cfg.grpo, cfg.train
@@ -247,9 +245,10 @@ def validate(cfg: Config) -> None:
              f"must divide train.prompts_per_step * grpo.group_size = {t.prompts_per_step * g.group_size}")
     _warn_window(cfg)
     _check_rewards(cfg.reward)
-    _require(cfg.run.device != "cuda" or torch.cuda.is_available(), "run.device",
-             "is cuda, but torch sees no CUDA device here (use auto or cpu, or run on a GPU node)")
-    _check_files(cfg)
+    if check_files:
+        _require(cfg.run.device != "cuda" or torch.cuda.is_available(), "run.device",
+                 "is cuda, but torch sees no CUDA device here (use auto or cpu, or run on a GPU node)")
+        _check_files(cfg)
 
 
 def validate_world(cfg: Config, world_size: int) -> None:
@@ -258,26 +257,27 @@ def validate_world(cfg: Config, world_size: int) -> None:
     on this many ranks fails only after every rank has loaded its models, or at the first step."""
     p = cfg.parallel
     if world_size > 1:
-        _require(p.backend != "none", "parallel.backend",
+        _require(p.engine != "none", "parallel.engine",
                  f"none runs one process, but the launcher started {world_size}: use fsdp2 (or deepspeed)")
         _require(cfg.jagg.probe_every == 0, "jagg.probe_every",
                  f"(the exact-gradient probe) runs on one process, not {world_size}: set it to 0")
     _require(cfg.train.batch_size % world_size == 0, "train.batch_size",
              f"{cfg.train.batch_size} must be divisible by the world size {world_size} (each rank trains its share)")
-    _require(p.backend != "fsdp2" or world_size % p.replicate == 0, "parallel.replicate",
+    _require(p.engine != "fsdp2" or world_size % p.replicate == 0, "parallel.replicate",
              f"{p.replicate} must divide the world size {world_size} (HSDP: replicas x shards; the node count on "
              "several nodes)")
 
 
 def _warn_window(cfg: Config) -> None:
-    """A uniform JAGG window longer than the steps trained per training step is one window of all of them: legal,
-    but likely not what was meant (say, after lowering sampling.num_steps), so say so."""
-    j, s = cfg.jagg, cfg.sampling
+    """A JAGG window longer than the steps trained per training step is one window of all of them: legal, but likely
+    not what was meant (say, after lowering sampling.num_steps), so say so."""
+    s = cfg.sampling
+    window = getattr(cfg.jagg.planner(), "window", None)
     trained = s.sde_window or len(trained_steps(s.num_steps, cfg.grpo.timestep_fraction))
-    if j.mode == "jagg" and j.plan == "uniform" and j.window > trained:
+    if window is not None and window > trained:
         log.warning("config key 'jagg.window' is %d, more than the %d steps trained per training step "
                     "(sampling.num_steps, grpo.timestep_fraction, sampling.sde_window): one window of all %d is used",
-                    j.window, trained, trained)
+                    window, trained, trained)
 
 
 def _check_rewards(r: RewardConfig) -> None:

@@ -2,7 +2,7 @@
 
 Choices are `Literal` types with one source each: the config's own concepts are defined here, the others where
 the concept lives (jagg.backward.IntermediateMode, jagg.routing.RouteBy, jagg.knots.ErrorModel,
-parallel.types.Backend). `config._check_type` validates them (and every other typed field) while the config is
+parallel.types.EngineName); the `parallel` section is the engines' own (parallel/config.py). `config._check_type` validates them (and every other typed field) while the config is
 built, so the `check` methods below hold range checks only. Checks that need more than one section, and file
 existence, are `config.validate`. Every error is a ConfigError naming the dotted key.
 """
@@ -17,16 +17,20 @@ from typing import Any, Literal, Optional, get_args
 from ..grpo.solver import OdeSolver
 from ..jagg.backward import IntermediateMode
 from ..jagg.knots import ErrorModel
+from ..jagg.planners import ExactPlanner, Planner, PlannerSettingError, build_planner
 from ..jagg.routing import RouteBy
 from ..models.dit import DiTConfig
-from ..parallel.types import Backend, GradSync
+from ..parallel.config import ParallelConfig
+from ..parallel.types import EngineName, GradSync
+from ..sections import ConfigError, require as _require
+from ..sections import Section as _Section
 
 ModelKind = Literal["dit", "sd3", "flux"]  # built-in DiT | diffusers StableDiffusion3Pipeline | FluxPipeline
 DType = Literal["float32", "bfloat16"]  # autocast dtype of the model; the SDE math stays float32
 Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
 SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
 JaggMode = Literal["jagg", "exact"]  # exact: Flow-GRPO's per-step backward
-KnotPlan = Literal["uniform", "budget"]  # windows of jagg.window with jagg_frac routing | the DP knot planner
+PlanKind = Literal["uniform", "budget"]  # jagg.plan: windows of jagg.window (shared knots or not) | the DP planner
 Intermediate = Literal[("auto", *get_args(IntermediateMode))]  # auto: chosen per update (train.update)
 DataSource = Literal["list", "wds"]  # prompt_file / prompts in memory | webdataset shards streamed per rank
 RewardAggregate = Literal["sum", "advantage"]  # GRPO on sum_c w_c r_c | sum_c w_c A_c (MixGRPO)
@@ -37,26 +41,12 @@ ExportDType = Literal["float32", "bfloat16"]  # the exported weights' dtype (run
 RESUME_KEYWORDS = ("none", "auto")  # run.resume: these, or the path of a checkpoint directory
 
 __all__ = [
-    "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "KnotPlan", "Intermediate",
-    "DataSource", "RewardAggregate", "WandbMode", "Device", "Backend", "GradSync", "ErrorModel", "IntermediateMode", "RouteBy",
+    "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "PlanKind", "Intermediate",
+    "DataSource", "RewardAggregate", "WandbMode", "Device", "EngineName", "GradSync", "ErrorModel", "IntermediateMode", "RouteBy",
     "TextEncoders", "ExportDType", "OdeSolver",
     "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
     "DataConfig", "RewardConfig", "LogConfig", "EvalConfig", "ParallelConfig", "RunConfig",
 ]
-
-
-class ConfigError(ValueError):
-    """A bad configuration; the message names the key."""
-
-
-def _require(ok: bool, key: str, msg: str) -> None:
-    if not ok:
-        raise ConfigError(f"config key '{key}' {msg}")
-
-
-class _Section:
-    def check(self, prefix: str) -> None:
-        """Range checks of this section; `prefix` is its dotted name ('model', 'model.lora', ...)."""
 
 
 @dataclass
@@ -90,7 +80,6 @@ class ModelConfig(_Section):
     dtype: DType = "float32"  # autocast for the model; SDE math stays float32
     dit: DiTConfig = field(default_factory=DiTConfig)  # shape of the built-in DiT
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # sd3/flux: train a LoRA adapter instead of all weights
-    gradient_checkpointing: bool = False  # sd3/flux: diffusers' per-block activation checkpointing
     attention: Attention = "sdpa"
     resolution: Optional[int] = None  # sd3/flux: image size in pixels; None = the checkpoint's native size
     distilled_guidance: float = 3.5  # flux: the guidance-embedding value FLUX.1-dev was distilled with (not CFG)
@@ -110,8 +99,6 @@ class ModelConfig(_Section):
         _require(self.resolution is None or self.resolution >= 16, f"{prefix}.resolution",
                  f"must be >= 16 pixels, got {self.resolution}")
         _require(self.distilled_guidance > 0, f"{prefix}.distilled_guidance", "must be > 0")
-        _require(not self.gradient_checkpointing or self.kind != "dit", f"{prefix}.gradient_checkpointing",
-                 "is supported for the diffusers backbones (sd3, flux), not the built-in dit")
         _require(self.attention == "sdpa" or self.kind == "sd3", f"{prefix}.attention",
                  "xformers is wired for sd3 only")
         _require(self.text_encoders == "all" or self.kind == "sd3", f"{prefix}.text_encoders",
@@ -193,32 +180,67 @@ class GRPOConfig(_Section):
         _require(self.inner_epochs >= 1, f"{prefix}.inner_epochs", "must be >= 1")
 
 
+# jagg: the planner settings (jagg/planners.py) a config section may carry; null = the chosen planner's default
+PLANNER_SETTINGS = ("window", "jagg_frac", "route_by", "min_cos", "speedup", "rows_per_pass", "error_model")
+PLANNER_CHOICE = {"window": "jagg.plan uniform", "shared": "jagg.plan uniform with jagg.share_knots true",
+                  "budget": "jagg.plan budget"}
+
+
 @dataclass
 class JAGGConfig(_Section):
+    # Which planner (jagg/planners.py) plans each minibatch's knots: mode exact is JAGG off (Flow-GRPO's per-step
+    # backward; the plan keys below are then not used, as lora's are with lora.enabled false); with mode jagg,
+    # plan uniform is the window planner (share_knots true: the shared-knot planner) and plan budget the DP planner
     mode: JaggMode = "jagg"
-    window: int = 4
-    jagg_frac: float = 1.0
-    min_cos: Optional[float] = None
-    route_by: RouteBy = "vcos"
-    intermediate: Intermediate = "auto"
-    probe_every: int = 0  # every N steps log the exact-vs-JAGG gradient cosine (extra passes); 0 = off
-    # knot plans (jagg/knots.py): `budget` places the exactly-computed steps where the error model says JAGG's
-    # interpolation would cost most, with at most trained_steps / speedup with-grad rows per sample
-    plan: KnotPlan = "uniform"
-    speedup: float = 2.0  # budget: transformer rows per sample <= trained steps / speedup
-    share_knots: bool = False  # uniform: adjacent windows share their boundary knot (fewer rows, longer spans)
-    rows_per_pass: int = 2  # knot plans: knots per joint forward+backward (2 = the paper's joint endpoint pass)
-    error_model: ErrorModel = "residual"  # budget: velocity interpolation residual | endpoint cosine
+    plan: PlanKind = "uniform"
+    share_knots: bool = False
+    # The chosen planner's settings; null (unset) = its default. A key the chosen planner does not take is an error
+    window: Optional[int] = None  # window, shared: trained steps per window (4)
+    jagg_frac: Optional[float] = None  # window: the fraction of windows routed to JAGG (1.0; 0 = Flow-GRPO)
+    route_by: Optional[RouteBy] = None  # window: how windows are ranked for routing, vcos | weighted (vcos)
+    min_cos: Optional[float] = None  # window: no JAGG for a window whose endpoint cosine is below this (none)
+    speedup: Optional[float] = None  # budget: transformer rows per sample <= trained steps / speedup (2.0)
+    rows_per_pass: Optional[int] = None  # shared, budget: knots per joint forward+backward (2)
+    error_model: Optional[ErrorModel] = None  # budget: residual | cosine (residual)
+    intermediate: Intermediate = "auto"  # the interpolated steps' velocity values: auto | cached | interpolate | forward
+    probe_every: int = 0  # every N steps log the exact-vs-plan gradient cosine (extra passes); 0 = off
+
+    @property
+    def planner_kind(self) -> str:
+        """exact | window | shared | budget (jagg/planners.py PLANNERS)."""
+        if self.mode == "exact":
+            return "exact"
+        if self.plan == "budget":
+            return "budget"
+        return "shared" if self.share_knots else "window"
+
+    def planner(self) -> Planner:
+        """The planner this section chooses, with the settings it sets (the one place planners are built)."""
+        if self.mode == "exact":
+            return ExactPlanner()
+        settings = {k: getattr(self, k) for k in PLANNER_SETTINGS if getattr(self, k) is not None}
+        return build_planner(self.planner_kind, **settings)
 
     def check(self, prefix: str) -> None:
-        _require(self.window >= 1, f"{prefix}.window", f"must be >= 1, got {self.window}")
-        _require(0.0 <= self.jagg_frac <= 1.0, f"{prefix}.jagg_frac", f"must be in [0, 1], got {self.jagg_frac}")
-        _require(self.min_cos is None or -1.0 <= self.min_cos <= 1.0, f"{prefix}.min_cos", "must be in [-1, 1]")
         _require(self.probe_every >= 0, f"{prefix}.probe_every", "must be >= 0 (0 disables the probe)")
-        _require(self.speedup >= 1.0, f"{prefix}.speedup", f"must be >= 1, got {self.speedup}")
-        _require(self.rows_per_pass >= 1, f"{prefix}.rows_per_pass", "must be >= 1")
-        _require(not (self.plan == "budget" and self.jagg_frac != 1.0), f"{prefix}.jagg_frac",
-                 f"routes uniform windows; with {prefix}.plan budget the planner decides (leave jagg_frac at 1.0)")
+        _require(self.mode == "jagg" or self.probe_every == 0, f"{prefix}.probe_every",
+                 f"compares a plan's gradient with the exact one: with {prefix}.mode exact there is no plan to probe "
+                 "(set it to 0)")
+        _require(not (self.share_knots and self.plan == "budget"), f"{prefix}.share_knots",
+                 f"is a setting of {prefix}.plan uniform (the budget planner's knots are always shared)")
+        if self.mode == "exact":
+            return
+        try:
+            self.planner()
+        except PlannerSettingError as err:
+            keys = [f"{prefix}.{k}" for k in err.keys]
+            named = ", ".join(f"'{k}'" for k in keys)
+            if err.owners is None:  # a value out of range
+                raise ConfigError(f"config key {named} {err}") from None
+            kind, many = self.planner_kind, len(keys) > 1
+            raise ConfigError(f"config key{'s' * many} {named} {'are' if many else 'is'} set, but {err} "
+                              f"[{PLANNER_CHOICE[kind]} chose the {kind} planner]: remove {'them' if many else 'it'}, "
+                              f"or on the command line {' '.join(k + '=null' for k in keys)}") from None
 
 
 @dataclass
@@ -321,36 +343,6 @@ class EvalConfig(_Section):
         _require(self.every >= 0, f"{prefix}.every", "must be >= 0")
         _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
         _require(self.grid_images >= 0, f"{prefix}.grid_images", "must be >= 0 (0: no grid.png)")
-
-
-@dataclass
-class ParallelConfig(_Section):
-    backend: Backend = "none"
-    reshard_after_forward: bool = True  # fsdp2: free gathered params after forward (gather again in backward)
-    activation_checkpointing: bool = False  # fsdp2/deepspeed: recompute each transformer block in backward
-    prefetch: bool = True  # fsdp2: gather block i+1 (forward) / i-1 (backward) while block i computes
-    # fsdp2 HSDP: replica groups x shards. On several nodes set it to the node count for LoRA runs: each node
-    # shards the frozen base over its own GPUs, so the per-block all-gathers stay on the node and only the
-    # adapter's gradient crosses the network (slurm/jagg.sbatch does). 1 = plain FSDP over every rank
-    replicate: int = 1
-    deepspeed: dict[str, Any] = field(default_factory=dict)  # deepspeed: merged over the built-in ZeRO-3 config
-    grad_sync: GradSync = "auto"  # boundary | every | auto (parallel/types.py)
-    # none / fsdp2: torch.compile each transformer block in place before checkpointing and sharding wrap it
-    # (parallel/blocks.py). Compiles at the first step. Meant for CUDA: on CPU, torch 2.13's vectorised inductor
-    # code gets the DiT block's backward 0.1-0.8% wrong (tests/test_engines.py pins scalar code)
-    compile: bool = False
-    # seconds a collective may wait before the process group's watchdog aborts the job (init_process_group's
-    # timeout); longer than the longest work one rank does while the others wait (a checkpoint save, rank 0's export)
-    collective_timeout_s: int = 1800
-
-    def check(self, prefix: str) -> None:
-        _require(self.replicate >= 1, f"{prefix}.replicate", "must be >= 1")
-        _require(self.replicate == 1 or self.backend == "fsdp2", f"{prefix}.replicate",
-                 f"is HSDP, an fsdp2 layout: leave it at 1 with {prefix}.backend {self.backend}")
-        _require(not self.compile or self.backend in ("none", "fsdp2"), f"{prefix}.compile",
-                 f"is supported for {prefix}.backend none and fsdp2, not {self.backend}")
-        _require(self.collective_timeout_s >= 1, f"{prefix}.collective_timeout_s",
-                 f"must be >= 1 second, got {self.collective_timeout_s}")
 
 
 @dataclass

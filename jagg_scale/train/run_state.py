@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import CheckpointError, capture_rng_state, newest_valid_checkpoint, restore_rng_state
-from ..checkpoint.local import STATE, _write_bytes, _write_object, save_checkpoint_dir, verify_checkpoint
+from ..checkpoint.local import STATE, write_bytes, write_object, save_checkpoint_dir, verify_checkpoint
 from ..checkpoint.pickles import allowed_globals, load_torch
 from .config import Config, ConfigError
 from .logging import METRICS, MetricsFileError, parse_metrics
@@ -135,7 +135,7 @@ class RunState:
 
         def write(tmp: Path) -> list[Path]:  # the files this rank wrote: it hashes them itself
             files = self.engine.save(tmp)
-            return [*files, _write_object(tmp / f"rng_rank{self.dist.rank:05d}.pt", capture_rng_state())]
+            return [*files, write_object(tmp / f"rng_rank{self.dist.rank:05d}.pt", capture_rng_state())]
 
         return save_checkpoint_dir(self.ckpt_root, next_step, write=write, state=state,
                                    keep_last=self.cfg.run.keep_last, dist=self.dist)
@@ -229,7 +229,7 @@ class RunState:
             shutil.rmtree(tmp, ignore_errors=True)
             (model.save_lora if lora else model.save_full)(tmp, state=state)
             del state
-        _write_bytes(tmp / EXPORT_RECORD, json.dumps({"step": step, "dtype": dtype}).encode())
+        write_bytes(tmp / EXPORT_RECORD, json.dumps({"step": step, "dtype": dtype}).encode())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         self.exported_step = step

@@ -4,8 +4,8 @@
                    scored by the reward in a worker thread while the next one samples
     2. reward      the scores gathered over ranks, failures checked
     3. advantage   group-relative advantages over the whole gathered batch (rewards/multi.py, grpo/advantages.py)
-    4. update      inner epochs x minibatches: each minibatch's knot plan through the gradient engine, one optimizer
-                   step each (update.py)
+    4. update      inner epochs x minibatches x micro-batches: each minibatch's knot plan through knot_backward,
+                   one optimizer step each (update.py: the Updater owns the whole phase)
     5. log         metrics averaged over ranks; `fit` then checkpoints, exports and evaluates (run_state.py)
 
 Distribution: the same code runs on one process or N; which training engine (parallel/: one process, FSDP2 or
@@ -28,25 +28,22 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..cond import index_cond
 from ..data import ListPromptSource, PromptSet, StreamPromptSource
-from ..grpo import GRPOStepLoss, Trajectories, read_metrics, reduce_metrics
-from ..grpo.rollout import to_device
 from ..jagg import trained_steps
 from ..models import build_model
 from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
-from ..parallel.engine import NonFiniteError
 from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
-from .config import Config, engine_spec, load_prompt_file
+from .config import Config, load_prompt_file, validate_world
 from .evaluate import eval_prompts, evaluate, load_eval
 from .logging import RunLogger
+from .metrics import fetch_metrics
 from .policy import Policy
 from .preemption import Preemption
 from .rows import StepRows, step_seed
 from .run_lock import RunLock
-from .run_state import RunDirExistsError, RunState, check_fresh_start, clear_earlier_run
-from .update import BackwardStats, backward_minibatch, probe_minibatch
+from .run_state import RunState, check_fresh_start, clear_earlier_run
+from .update import Updater
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +57,20 @@ class Trainer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.dist = init_distributed(cfg.run.device, timeout_s=cfg.parallel.collective_timeout_s)
-        self.lock = RunLock.acquire(self.out, self.dist)  # one job per run directory: fails on every rank if taken
-        try:  # run.resume none into an earlier run: refused (unless run.overwrite), before any model is built
+        self.lock = None
+        try:
+            validate_world(cfg, self.dist.world_size)
+            self.lock = RunLock.acquire(self.out, self.dist)  # one job per run directory: fails on every rank if taken
+            # run.resume none into an earlier run: refused (unless run.overwrite), before any model is built
             self.dist.on_main(lambda: check_fresh_start(cfg, self.out))
-        except RunDirExistsError:
-            self.lock.release()
-            self.dist.close()
+            self._build()
+        except BaseException:  # a refused start leaves no lock and no process group behind
+            self.close()
             raise
-        self.device = self.dist.device
-        if self.dist.world_size > 1 and cfg.jagg.probe_every:
-            raise ValueError("jagg.probe_every (the exact-gradient probe) runs on one process; set it to 0")
 
+    def _build(self) -> None:
+        cfg = self.cfg
+        self.device = self.dist.device
         # Inputs first: a bad prompt file or reward name fails before a model is built.
         self.source = self._prompt_source()
         self.reward = build_reward_mix(cfg.reward)
@@ -88,7 +88,7 @@ class Trainer:
         # reference entirely: no copy, no forwards.
         lora = cfg.model.lora.enabled
         ref = model.reference_copy() if cfg.grpo.beta > 0 and not lora else None
-        self.engine = build_engine(model, engine_spec(cfg), self.dist)
+        self.engine = build_engine(model, cfg.parallel, cfg.train, self.dist)
         self.model = self.engine.model
         model.place_frozen(self.device, shard_t5=self._t5_sharder() if cfg.model.shard_t5 else None)
         self.policy = Policy(self.model, cfg, self.device,
@@ -99,10 +99,22 @@ class Trainer:
             for _, _, component in self.reward.components:
                 shard_reward(component)
         self.steps = trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction)
-        self.nonfinite_run = 0  # optimizer steps skipped in a row (train.max_nonfinite_steps stops the run)
+        self.updater = Updater(cfg, self.policy, self.engine, self.dist)
         self.preemption = Preemption()
         self.run_state = RunState(cfg, self.dist, self.engine, self.out)
         self.start_step = self.run_state.resume(self.source)
+
+    @property
+    def is_main(self) -> bool:
+        return self.dist.is_main
+
+    def close(self) -> None:
+        """End the run's hold on the machine: the process group (every rank) and the run directory's lock (after
+        the last write into it). Idempotent; jagg-train calls it once the run (and rank 0's summary) is done."""
+        self.dist.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def _t5_sharder(self):
         """model.shard_t5: the T5 encoder fully_shard-ed for inference over a 1-D mesh of every rank (a trivial
@@ -159,23 +171,21 @@ class Trainer:
         # 4. update on this rank's slice of every minibatch
         self.model.train()
         with self._comm("train"):
-            stats, loss_metrics = self.update(traj, cond, adv, rows, step, steps)
+            update = self.updater(traj, cond, adv, rows, step, steps)
         t3 = time.perf_counter()
         # 5. log
         metrics = {
             "step": step,
             **self._reward_metrics(parts, failed),
             "zero_std_groups": adv.zero_std_groups,
-            "loss": stats.loss / max(1, loss_metrics["optimizer_steps"]),
-            **loss_metrics,
-            **_backward_metrics(stats),
+            **update,
             **({"sde_window_start": steps[0]} if cfg.sampling.sde_window else {}),
             "time_rollout": t1 - t0,  # includes the reward scoring that overlapped it
             "time_reward": t2 - t1,  # reward time not hidden behind the rollout
-            "time_train": t3 - t2 - loss_metrics.get("time_probe", 0.0),  # the probe is diagnostics, not training
+            "time_train": t3 - t2 - update.get("time_probe", 0.0),  # the probe is diagnostics, not training
         }
         metrics.update(self.engine.comm.take())  # collectives per phase (nothing on one process)
-        metrics = read_metrics(metrics)  # the step's one device-to-host read of its loss statistics
+        metrics = fetch_metrics(metrics)  # the step's one device-to-host read of its loss statistics
         return self.dist.mean_over_ranks(metrics, {"ratio_max": "max", "ratio_min": "min"})
 
     def trained_steps_at(self, step: int) -> list[int]:
@@ -192,85 +202,6 @@ class Trainer:
             gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, 3))
             start = lo + int(torch.randint(starts, (1,), generator=gen))
         return list(range(start, start + s.sde_window))
-
-    def update(self, traj: Trajectories, cond, adv, rows: StepRows, step: int,
-               steps: list[int]) -> tuple[BackwardStats, dict]:
-        """Inner epochs x minibatches; one optimizer step per minibatch. `auto` intermediate values are the
-        cached ones until the first optimizer step on this rollout, fresh forwards after it. With CFG the model is
-        trained on the conditional rows alone; the unconditional predictions are the rollout's until the first
-        optimizer step, then one no-grad forward per trained step (constants for the gradient either way). Each
-        minibatch runs in micro-batches of train.micro_batch_size rows (update.backward_minibatch). A minibatch
-        whose loss or gradient norm is not finite is not applied (engine.step; counted in nonfinite_steps)."""
-        cfg, j = self.cfg, self.cfg.jagg
-        # host -> device once per step, asynchronously (advantages are computed on the host, in float64)
-        adv_values, adv_mask = to_device(adv.values[rows.mine], self.device), to_device(adv.mask[rows.mine], self.device)
-        total = BackwardStats()
-        metrics: dict[str, list] = {}
-        predict = self.policy.model_fn()
-        cond, uncond = self.policy.split_cond(cond)
-        optimizer_steps = applied = 0
-        probe = j.probe_every > 0 and step % j.probe_every == 0
-        probe_metrics: dict = {}
-        for epoch in range(cfg.grpo.inner_epochs):
-            for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
-                local = to_device(local, self.device)
-                batch = traj.step_batch(local, adv_values, adv_mask)
-                # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
-                denom = float(adv.mask[global_rows].sum()) / rows.world_size
-                loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
-                                    beta=cfg.grpo.beta, scale=1.0 / len(steps), denominator=denom,
-                                    guidance=self.policy.guidance)
-                mb_cond, on_policy = index_cond(cond, local), applied == 0  # a skipped step changed nothing
-                prepare = None
-                if uncond is not None and not on_policy:  # the rollout's uncond is stale: recompute, chunk by chunk
-                    mb_uncond = index_cond(uncond, local)
-                    prepare = lambda b, rows, u=mb_uncond: self.policy.fresh_uncond(b, steps, index_cond(u, rows))  # noqa: E731
-                if probe and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
-                    t_probe = time.perf_counter()
-                    probe_metrics = probe_minibatch(predict, batch, mb_cond, loss, steps, j, self.engine.params,
-                                                    on_policy=on_policy, backward=self.engine.backward)
-                    probe_metrics["time_probe"] = time.perf_counter() - t_probe
-                stats = backward_minibatch(predict, batch, mb_cond, loss, steps, j, on_policy=on_policy,
-                                           backward=self.engine.backward, reduce=self._route_reduce,
-                                           micro_batch_size=cfg.train.micro_batch_size, prepare=prepare)
-                stats.uncond_forward_passes = len(steps) if uncond is not None and not on_policy else 0
-                grad_norm = self.engine.step(loss=stats.loss if torch.is_tensor(stats.loss) else None)
-                optimizer_steps += 1
-                applied += self._after_optimizer_step(step)
-                total.add(stats)
-                for key, value in {**loss.summary(), "grad_norm": grad_norm}.items():
-                    metrics.setdefault(key, []).append(value)
-        summary = reduce_metrics(metrics)  # 0-d tensors: train_step reads every metric at once
-        summary["optimizer_steps"] = optimizer_steps
-        summary["nonfinite_steps"] = optimizer_steps - applied
-        return total, {**summary, **probe_metrics}
-
-    def _after_optimizer_step(self, step: int) -> bool:
-        """Whether the engine applied the step; a skipped one is counted and warned about, and
-        train.max_nonfinite_steps of them in a row stop the run (NonFiniteError: jagg-train exits 1)."""
-        if self.engine.step_applied:
-            self.nonfinite_run = 0
-            return True
-        self.nonfinite_run += 1
-        limit = self.cfg.train.max_nonfinite_steps
-        if self.dist.is_main:
-            log.warning("training step %d: optimizer step skipped, the loss or gradient norm is not finite (%d in a "
-                        "row, the run stops at train.max_nonfinite_steps=%d)", step, self.nonfinite_run, limit)
-        if self.nonfinite_run >= limit:
-            raise NonFiniteError(f"{self.nonfinite_run} optimizer steps in a row had a non-finite loss or gradient "
-                                 f"norm (train.max_nonfinite_steps={limit}), the last at training step {step}: "
-                                 "stopping; the weights were not updated by them, the newest complete checkpoint "
-                                 "holds the last saved state (lower train.lr, check the reward and the data)")
-        return False
-
-    def _route_reduce(self, values: list[float], how: str) -> list[float]:
-        """Routing statistics combined over ranks so that every rank runs the same window plan."""
-        if not self.dist.active:
-            return values
-        t = torch.tensor(values, dtype=torch.float64)
-        with self._comm("control"):  # bookkeeping, not the model's traffic: counted apart from "train"
-            parts = self.dist.all_gather_tensor(t.unsqueeze(0).to(self.device)).cpu()
-        return (parts.mean(0) if how == "mean" else parts.pow(2).sum(0).sqrt()).tolist()
 
     def _reward_metrics(self, parts, failed: dict[str, int]) -> dict:
         total, valid = self.reward.weighted_sum(parts)
@@ -368,21 +299,6 @@ class Trainer:
 
     def eval_dir(self, step: int) -> Path:
         return self.out / "eval" / f"step_{step:08d}"
-
-
-def _backward_metrics(stats: BackwardStats) -> dict:
-    return {
-        "windows": stats.windows,
-        "windows_jagg": stats.windows_jagg,
-        "intermediate_forward": stats.intermediate_forward,
-        "backward_calls": stats.backward_calls,
-        "backward_passes": stats.backward_passes,
-        "per_step_equiv": stats.per_step_equiv,
-        "nograd_forward_passes": stats.nograd_forward_passes,
-        "uncond_forward_passes": stats.uncond_forward_passes,  # CFG after an optimizer step: no-grad, B rows each
-        "pass_ratio": stats.backward_passes / max(1, stats.per_step_equiv),  # transformer rows vs per-step
-        **({"knots": " ".join(map(str, stats.knots[0]))} if stats.knots else {}),
-    }
 
 
 def summarize(history: list[dict], window: int = 3) -> dict:

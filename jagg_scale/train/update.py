@@ -1,20 +1,25 @@
-"""One minibatch's gradient: choose its knot plan, then run the plan through the gradient engine.
+"""The update phase of a training step, in one place: `Updater(...)(traj, cond, adv, rows, step, steps)`.
 
-Every configuration is a knot plan (jagg/plans.py) over the trained steps of the minibatch:
+    for each inner epoch, for each minibatch (rows.py: this rank's slice of a global minibatch):
+        loss      GRPOStepLoss over the minibatch (grpo/loss.py), its mean over the valid rows of every rank
+        plan      the planner's knot plan (jagg/planners.py), from what the rollout holds
+        probe     jagg.probe_every: the exact gradient beside the plan's (probe_minibatch), before the first backward
+        backward  micro-batches of train.micro_batch_size rows, each the whole plan through knot_backward
+                  (jagg/backward.py); CFG: the unconditional predictions refreshed per micro-batch once the
+                  weights moved; the engine's backward(out, grad, last) with `last` on the minibatch's final one
+        step      engine.step(): clip, optimizer, EMA; a non-finite loss or norm skips it (counted; too many in
+                  a row stop the run)
 
-    jagg.mode exact                 Flow-GRPO: a lone segment per step (one forward + backward each)
-    jagg.plan uniform               windows of jagg.window steps; the jagg_frac routed ones are segments (one joint
-                                    pass each), the others lone steps, so jagg_frac = 0 is Flow-GRPO bit for bit
-    jagg.plan uniform, share_knots  windows sharing their boundary knots, in passes of jagg.rows_per_pass knots
-    jagg.plan budget                the DP planner's knots (jagg/knots.py), in passes of jagg.rows_per_pass knots
-
-and every plan runs through `knot_backward` (jagg/backward.py), the one place a transformer backward happens.
-One synchronisation rule for all of them: the engine's `backward(out, grad, last)` is told `last` only on the
-minibatch's final backward, the accumulation boundary where a sharded engine reduces gradients across ranks.
+Every plan runs through `knot_backward`, the one place a transformer backward happens, and one synchronisation rule
+holds for all of them: `last` marks the minibatch's accumulation boundary, where a sharded engine reduces gradients
+across ranks. `auto` intermediate values are the rollout's cached velocities until the first applied optimizer step
+on this rollout and fresh no-grad forwards after it (cached values are then stale).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -22,25 +27,16 @@ import torch
 
 from ..cond import Cond, index_cond
 from ..grpo.loss import GRPOStepLoss, StepBatch
-from ..jagg import (Backward, ModelFn, Plan, autograd_backward, budget_for_speedup, cosine_error, exact_plan, knot_backward,
-                    knots_from_windows, pass_groups, plan_from_costs, plan_knots, plan_uniform, plan_windows,
-                    residual_error, restrict_plan, route_windows, segment_costs, velocity_cosines)
-from .config import JAGGConfig
+from ..grpo.rollout import to_device
+from ..jagg import (Backward, ModelFn, Planned, Planner, autograd_backward, exact_plan, knot_backward, pass_groups,
+                    plan_knots, restrict_plan)
+from ..parallel.engine import NonFiniteError
+from .metrics import reduce_metrics
 
+log = logging.getLogger(__name__)
 
-@dataclass
-class MinibatchPlan:
-    """The knot plan of a minibatch over positions 0 .. T-1 of its trained steps, and how it came about."""
-
-    plan: Plan
-    rows_per_pass: int | None  # None: one pass per segment (jagg/plans.py pass_groups)
-    windows: list[list[int]] | None = None  # uniform windows (positions): the unit of routing and of the probe
-    windows_jagg: int = 0  # routed windows, or the planner's interpolated segments
-    cosines: list[float] = field(default_factory=list)  # endpoint-velocity cosine per window (routing)
-
-    @property
-    def num_windows(self) -> int:
-        return len(self.windows) if self.windows is not None else len(self.plan)
+__all__ = ["BackwardStats", "Updater", "backward_minibatch", "micro_batches", "plan_minibatch", "probe_minibatch",
+           "resolve_intermediate", "run_plan", "step_grad_norms", "trained_rows"]
 
 
 @dataclass
@@ -66,6 +62,21 @@ class BackwardStats:
         self.cosines += other.cosines
         self.knots += other.knots
 
+    def metrics(self) -> dict:
+        """The step's metrics of the transformer work (metrics.jsonl)."""
+        return {
+            "windows": self.windows,
+            "windows_jagg": self.windows_jagg,
+            "intermediate_forward": self.intermediate_forward,
+            "backward_calls": self.backward_calls,
+            "backward_passes": self.backward_passes,
+            "per_step_equiv": self.per_step_equiv,
+            "nograd_forward_passes": self.nograd_forward_passes,
+            "uncond_forward_passes": self.uncond_forward_passes,  # CFG after an optimizer step: no-grad, B rows each
+            "pass_ratio": self.backward_passes / max(1, self.per_step_equiv),  # transformer rows vs per-step
+            **({"knots": " ".join(map(str, self.knots[0]))} if self.knots else {}),
+        }
+
 
 def resolve_intermediate(setting: str, on_policy: bool) -> str:
     """`auto`: cached velocities are exact while the parameters are the rollout's, stale after any optimizer
@@ -75,7 +86,7 @@ def resolve_intermediate(setting: str, on_policy: bool) -> str:
     return "cached" if on_policy else "forward"
 
 
-def _rows(t: torch.Tensor, steps: list[int]) -> torch.Tensor:
+def trained_rows(t: torch.Tensor, steps: list[int]) -> torch.Tensor:
     """t[steps] along dim 0; a view when the steps are consecutive (they always are in training)."""
     if steps == list(range(steps[0], steps[0] + len(steps))):
         return t[steps[0] : steps[0] + len(steps)]
@@ -94,47 +105,17 @@ def step_grad_norms(loss: GRPOStepLoss, batch: StepBatch, steps: list[int]) -> l
     return norms
 
 
-def plan_minibatch(loss: GRPOStepLoss, batch: StepBatch, steps: list[int], cfg: JAGGConfig,
-                   reduce=None) -> MinibatchPlan:
-    """The minibatch's plan from what the rollout holds (no transformer pass). `reduce(values, how)` combines
-    routing and planning statistics over ranks, so every rank runs the same plan (a sharded model's collectives
-    must match)."""
-    T = len(steps)
-    if cfg.mode == "exact":
-        return MinibatchPlan(exact_plan(T), None, windows=[[k] for k in range(T)])
-    if cfg.plan == "uniform" and not cfg.share_knots:
-        windows = plan_windows(range(T), cfg.window)
-        grad_norms = step_grad_norms(loss, batch, steps) if cfg.route_by == "weighted" else None
-        routing = route_windows(windows, _rows(batch.velocities, steps), jagg_frac=cfg.jagg_frac,
-                                route_by=cfg.route_by, min_cos=cfg.min_cos, grad_norms=grad_norms, reduce=reduce)
-        return MinibatchPlan(knots_from_windows(windows, use_jagg=routing.use_jagg), None, windows=windows,
-                             windows_jagg=routing.num_jagg, cosines=routing.cosines)
-    plan = plan_uniform(T, cfg.window, share=True) if cfg.plan == "uniform" else _budget_plan(loss, batch, steps,
-                                                                                               cfg, reduce)
-    return MinibatchPlan(plan, cfg.rows_per_pass, windows_jagg=sum(1 for a, b in plan if b > a + 1))
+def plan_minibatch(planner: Planner, loss: GRPOStepLoss, batch: StepBatch, steps: list[int], reduce=None) -> Planned:
+    """The planner's plan for this minibatch from what the rollout holds (no transformer pass)."""
+    return planner.plan(trained_rows(batch.velocities, steps), trained_rows(batch.sigmas, steps),
+                        grad_norms=lambda: step_grad_norms(loss, batch, steps), reduce=reduce)
 
 
-def _budget_plan(loss: GRPOStepLoss, batch: StepBatch, steps: list[int], cfg: JAGGConfig, reduce) -> Plan:
-    """The DP on the error model, fed with |g_k| at the rollout's velocities and their interpolation residuals
-    (or endpoint cosines). With data parallelism the per-rank cost tables are averaged first."""
-    T = len(steps)
-    velocities, sigmas = _rows(batch.velocities, steps).cpu(), _rows(batch.sigmas, steps).cpu()
-    g = step_grad_norms(loss, batch, steps)
-    if reduce is not None:
-        g = reduce(g, "norm")
-    error_fn = (residual_error(velocities, sigmas) if cfg.error_model == "residual"
-                else cosine_error(velocity_cosines(velocities), sigmas))
-    C = segment_costs(g, error_fn)
-    if reduce is not None:
-        C = torch.tensor(reduce(C.flatten().tolist(), "mean"), dtype=torch.float64).reshape(T, T)
-    return plan_from_costs(C, budget_for_speedup(T, cfg.speedup))
-
-
-def run_plan(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOStepLoss, steps: list[int], plan: Plan,
+def run_plan(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOStepLoss, steps: list[int], plan,
              rows_per_pass: int | None, intermediate: str, backward: Backward | None = None) -> torch.Tensor:
-    """The plan's gradient over the trained `steps` into .grad (the engine call); returns the detached loss."""
-    return knot_backward(model_fn, plan, _rows(batch.latents, steps), _rows(batch.sigmas, steps), cond,
-                         loss.on(batch, steps), cached_velocities=_rows(batch.velocities, steps),
+    """The plan's gradient over the trained `steps` into .grad (knot_backward); returns the detached loss."""
+    return knot_backward(model_fn, plan, trained_rows(batch.latents, steps), trained_rows(batch.sigmas, steps), cond,
+                         loss.on(batch, steps), cached_velocities=trained_rows(batch.velocities, steps),
                          intermediate=intermediate, rows_per_pass=rows_per_pass, backward=backward)
 
 
@@ -145,19 +126,19 @@ def micro_batches(rows: int, micro_batch_size: int) -> list[slice]:
 
 
 def backward_minibatch(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOStepLoss, steps: list[int],
-                       cfg: JAGGConfig, *, on_policy: bool, backward: Backward | None = None, reduce=None,
-                       plan: MinibatchPlan | None = None, micro_batch_size: int = 0,
+                       planner: Planner, *, intermediate: str = "auto", on_policy: bool, backward: Backward | None = None,
+                       reduce=None, planned: Planned | None = None, micro_batch_size: int = 0,
                        prepare: Callable[[StepBatch, slice], StepBatch] | None = None) -> BackwardStats:
     """Accumulate the gradient of sum over `steps` of L_k into .grad; returns what it cost.
 
-    The minibatch is planned once (routing and the planner see all its rows; `plan` skips that) and run in
+    The minibatch is planned once (routing and the planner see all its rows; `planned` skips that) and run in
     micro-batches of `micro_batch_size` rows (0: all at once) with that plan: each row's loss terms are divided by
     the minibatch's denominator, so the accumulated gradient is the whole minibatch's. `prepare(batch, rows)` may
     refresh a micro-batch before its backward (CFG's unconditional predictions after an optimizer step).
     `backward` is the training engine's (plain autograd by default); its `last` is passed on only for the final
     micro-batch's final backward, the minibatch's accumulation boundary."""
-    intermediate = resolve_intermediate(cfg.intermediate, on_policy)
-    mb = plan if plan is not None else plan_minibatch(loss, batch, steps, cfg, reduce)
+    intermediate = resolve_intermediate(intermediate, on_policy)
+    mb = planned if planned is not None else plan_minibatch(planner, loss, batch, steps, reduce)
     backward = backward or autograd_backward
     chunks = micro_batches(batch.latents.shape[1], micro_batch_size)
     total = []
@@ -170,16 +151,16 @@ def backward_minibatch(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GR
         def chunk_backward(out, grad, last, final=final):
             backward(out, grad, last=last and final)
 
-        total.append(run_plan(model_fn, sub, sub_cond, loss, steps, mb.plan, mb.rows_per_pass, intermediate,
+        total.append(run_plan(model_fn, sub, sub_cond, loss, steps, mb.plan, planner.rows_per_pass, intermediate,
                               chunk_backward))
     knots = plan_knots(mb.plan)
     interior = sum(b - a - 1 for a, b in mb.plan if b > a + 1)
     return BackwardStats(
-        windows=mb.num_windows, windows_jagg=mb.windows_jagg,
-        backward_calls=len(pass_groups(mb.plan, mb.rows_per_pass)) * len(chunks),
+        windows=mb.num_windows, windows_jagg=mb.jagg_windows,
+        backward_calls=len(pass_groups(mb.plan, planner.rows_per_pass)) * len(chunks),
         backward_passes=len(knots), per_step_equiv=len(steps),
         nograd_forward_passes=interior if intermediate == "forward" else 0,
-        intermediate_forward=mb.windows_jagg if intermediate == "forward" else 0,
+        intermediate_forward=mb.jagg_windows if intermediate == "forward" else 0,
         loss=torch.stack(total).sum(), cosines=mb.cosines,
         knots=[] if mb.windows is not None else [[steps[q] for q in knots]])
 
@@ -190,21 +171,21 @@ def _flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 def probe_minibatch(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOStepLoss, steps: list[int],
-                    cfg: JAGGConfig, params: list[torch.nn.Parameter], *, on_policy: bool,
+                    planner: Planner, intermediate: str, params: list[torch.nn.Parameter], *, on_policy: bool,
                     backward: Backward | None = None) -> dict:
-    """The fidelity probe: the exact per-step gradient beside the plan's on the same minibatch, through the same
-    engine, per window (uniform windows) and overall: cosine and norm ratio |g_plan| / |g_exact|. Leaves .grad
-    cleared, so the update is unchanged."""
-    intermediate = resolve_intermediate(cfg.intermediate, on_policy)
+    """The fidelity probe (jagg.probe_every): the exact per-step gradient beside the plan's on the same minibatch,
+    through the same engine backward, per window (uniform windows: probe_cos_w<i>, probe_norm_ratio_w<i>) and
+    overall (probe_cos, probe_norm_ratio = |g_plan| / |g_exact|). Leaves .grad cleared, so the update is unchanged."""
+    intermediate = resolve_intermediate(intermediate, on_policy)
     probe_loss = loss.fresh()
-    mb = plan_minibatch(probe_loss, batch, steps, cfg)
+    mb = plan_minibatch(planner, probe_loss, batch, steps)
     pieces = mb.windows if mb.windows is not None else [list(range(len(steps)))]
     out: dict = {}
-    totals = []
+    totals: list[torch.Tensor] = []
     for i, piece in enumerate(pieces):
         sub_steps = [steps[k] for k in piece]
         grads = []
-        for plan, rows in ((exact_plan(len(piece)), None), (restrict_plan(mb.plan, piece), mb.rows_per_pass)):
+        for plan, rows in ((exact_plan(len(piece)), None), (restrict_plan(mb.plan, piece), planner.rows_per_pass)):
             for p in params:
                 p.grad = None
             run_plan(model_fn, batch, cond, probe_loss, sub_steps, plan, rows, intermediate, backward)
@@ -227,3 +208,91 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _norm_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a.norm() / b.norm().clamp_min(1e-30))
+
+
+class Updater:
+    """The update phase: inner epochs x minibatches x micro-batches of one rollout, one optimizer step per minibatch.
+
+    Built once by the Trainer from the run config, the policy (velocities, CFG's unconditional refresh), the training
+    engine (backward, step) and the process context; `updater(traj, cond, adv, rows, step, steps)` returns the
+    step's update metrics (loss statistics as 0-d device tensors, read with the step's other metrics)."""
+
+    def __init__(self, cfg, policy, engine, dist):
+        self.cfg, self.policy, self.engine, self.dist = cfg, policy, engine, dist
+        self.planner = cfg.jagg.planner()
+        self.nonfinite_run = 0  # optimizer steps skipped in a row (train.max_nonfinite_steps stops the run)
+
+    def __call__(self, traj, cond, adv, rows, step: int, steps: list[int]) -> dict:
+        cfg, device = self.cfg, self.dist.device
+        # host -> device once per step, asynchronously (advantages are computed on the host, in float64)
+        adv_values, adv_mask = to_device(adv.values[rows.mine], device), to_device(adv.mask[rows.mine], device)
+        predict = self.policy.model_fn()
+        cond, uncond = self.policy.split_cond(cond)
+        total, per_minibatch, probe = BackwardStats(), {}, {}
+        optimizer_steps = applied = 0
+        probing = cfg.jagg.probe_every > 0 and step % cfg.jagg.probe_every == 0
+        for epoch in range(cfg.grpo.inner_epochs):
+            for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
+                local = to_device(local, device)
+                batch = traj.step_batch(local, adv_values, adv_mask)
+                # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
+                loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
+                                    beta=cfg.grpo.beta, scale=1.0 / len(steps),
+                                    denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
+                                    guidance=self.policy.guidance)
+                mb_cond, on_policy = index_cond(cond, local), applied == 0  # a skipped step changed nothing
+                if probing and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
+                    t_probe = time.perf_counter()
+                    probe = probe_minibatch(predict, batch, mb_cond, loss, steps, self.planner,
+                                            cfg.jagg.intermediate, self.engine.params, on_policy=on_policy,
+                                            backward=self.engine.backward)
+                    probe["time_probe"] = time.perf_counter() - t_probe
+                refresh = uncond is not None and not on_policy  # the rollout's uncond is stale: recomputed
+                stats = backward_minibatch(predict, batch, mb_cond, loss, steps, self.planner,
+                                           intermediate=cfg.jagg.intermediate, on_policy=on_policy,
+                                           backward=self.engine.backward, reduce=self._reduce,
+                                           micro_batch_size=cfg.train.micro_batch_size,
+                                           prepare=self._uncond_refresh(index_cond(uncond, local), steps) if refresh
+                                           else None)
+                stats.uncond_forward_passes = len(steps) if refresh else 0
+                grad_norm = self.engine.step(loss=stats.loss if torch.is_tensor(stats.loss) else None)
+                optimizer_steps += 1
+                applied += self._applied(step)
+                total.add(stats)
+                for key, value in {**reduce_metrics(loss.metrics), "grad_norm": grad_norm}.items():
+                    per_minibatch.setdefault(key, []).append(value)
+        return {"loss": total.loss / max(1, optimizer_steps), **reduce_metrics(per_minibatch),
+                "optimizer_steps": optimizer_steps, "nonfinite_steps": optimizer_steps - applied, **probe,
+                **total.metrics()}
+
+    def _uncond_refresh(self, uncond, steps: list[int]):
+        """CFG after an optimizer step: each micro-batch's unconditional predictions recomputed at the current
+        weights (one no-grad forward of its rows per trained step) before its backward."""
+        return lambda batch, rows: self.policy.fresh_uncond(batch, steps, index_cond(uncond, rows))
+
+    def _applied(self, step: int) -> bool:
+        """Whether the engine applied the step; a skipped one is counted and warned about, and
+        train.max_nonfinite_steps of them in a row stop the run (NonFiniteError: jagg-train exits 1)."""
+        if self.engine.step_applied:
+            self.nonfinite_run = 0
+            return True
+        self.nonfinite_run += 1
+        limit = self.cfg.train.max_nonfinite_steps
+        if self.dist.is_main:
+            log.warning("training step %d: optimizer step skipped, the loss or gradient norm is not finite (%d in a "
+                        "row, the run stops at train.max_nonfinite_steps=%d)", step, self.nonfinite_run, limit)
+        if self.nonfinite_run >= limit:
+            raise NonFiniteError(f"{self.nonfinite_run} optimizer steps in a row had a non-finite loss or gradient "
+                                 f"norm (train.max_nonfinite_steps={limit}), the last at training step {step}: "
+                                 "stopping; the weights were not updated by them, the newest complete checkpoint "
+                                 "holds the last saved state (lower train.lr, check the reward and the data)")
+        return False
+
+    def _reduce(self, values: list[float], how: str) -> list[float]:
+        """Planning statistics combined over ranks so that every rank runs the same plan."""
+        if not self.dist.active:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        with self.engine.comm.phase("control"):  # bookkeeping, not the model's traffic: counted apart from "train"
+            parts = self.dist.all_gather_tensor(t.unsqueeze(0).to(self.dist.device)).cpu()
+        return (parts.mean(0) if how == "mean" else parts.pow(2).sum(0).sqrt()).tolist()

@@ -32,7 +32,8 @@ import torch
 from jagg_scale.checkpoint import CheckpointError, digests
 from jagg_scale.models.dit import DiT, DiTConfig
 from jagg_scale.parallel.dist import init_distributed, leave_launch
-from jagg_scale.parallel.engine import EngineSpec
+from jagg_scale.parallel.config import ParallelConfig
+from jagg_scale.train.config import TrainConfig
 from jagg_scale.parallel.fsdp import FSDP2Engine
 from jagg_scale.train.config import load_config
 from jagg_scale.train.run_state import RunState
@@ -58,7 +59,7 @@ class Source:
 def engine_for(ctx, seed: int) -> FSDP2Engine:
     torch.manual_seed(seed)
     return FSDP2Engine(DiT(CFG).init_weights(zero_out=False),
-                       EngineSpec(backend="fsdp2", lr=1e-2, ema_decay=0.9), ctx)
+                       ParallelConfig(engine="fsdp2"), TrainConfig(lr=1e-2, ema_decay=0.9), ctx)
 
 
 def train_step(engine: FSDP2Engine, seed: int) -> None:

@@ -1,5 +1,5 @@
 """Run by tests/test_deepspeed_engine.py under `torchrun --nproc_per_node 2` (gloo on CPU): the DeepSpeed ZeRO-3
-engine against the single-process reference `TrainEngine`, in one launch.
+engine against the single-process reference `LocalEngine`, in one launch.
 
   accumulate  a JAGG window backward (W=3, cached intermediates) + an exact window backward (W=2), each rank on
               half the rows, accumulated into ONE optimizer step: the weights equal the reference's on the full
@@ -36,8 +36,9 @@ from jagg_scale.jagg import exact_backward, jagg_backward
 from jagg_scale.models.dit import DiT, DiTConfig
 from jagg_scale.parallel.deepspeed_engine import DeepSpeedEngine
 from jagg_scale.parallel.dist import DistContext, init_distributed, leave_launch
-from jagg_scale.parallel.engine import EngineSpec, TrainEngine
-from jagg_scale.train.config import Config, engine_spec
+from jagg_scale.parallel.config import ParallelConfig
+from jagg_scale.parallel.engine import Engine, LocalEngine
+from jagg_scale.train.config import Config
 
 B, W1, W2 = 4, 3, 2  # rows of the full batch, the JAGG window, the exact window
 DIT = DiTConfig(image_size=8, in_channels=3, patch_size=4, hidden_size=32, depth=2, num_heads=2, vocab_size=64,
@@ -45,17 +46,24 @@ DIT = DiTConfig(image_size=8, in_channels=3, patch_size=4, hidden_size=32, depth
 
 
 EMA = 0.5
+STEP_ATOL = 1e-5  # weights after an Adam step against the reference's (see main's comment)
 
 
-def make_spec(dtype: str = "float32", ema: float = 0.0, persistent: bool = False, **deepspeed) -> EngineSpec:
+def make_spec(dtype: str = "float32", ema: float = 0.0, persistent: bool = False, **deepspeed) -> Config:
     cfg = Config()
     cfg.model.dtype = dtype
     cfg.train.lr, cfg.train.grad_clip, cfg.train.weight_decay, cfg.train.ema_decay = 1e-3, 1.0, 0.01, ema
-    cfg.parallel.backend = "deepspeed"
+    cfg.parallel.engine = "deepspeed"
     # partition every parameter (the tiny model is below the default persistence threshold), unless `persistent`
     partition_all = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
     cfg.parallel.deepspeed = {**({} if persistent else partition_all), **deepspeed}
-    return engine_spec(cfg)
+    return cfg
+
+
+def ds_engine(model: DiT, cfg: Config, ctx) -> DeepSpeedEngine:
+    """The engine of the run config `cfg`: its parallel and train sections; the compute dtype is the model's."""
+    model.compute_dtype = getattr(torch, cfg.model.dtype)
+    return DeepSpeedEngine(model, cfg.parallel, cfg.train, ctx)
 
 
 def make_model(seed: int) -> DiT:
@@ -72,7 +80,7 @@ def make_batch(step: int):
                 cond=torch.randint(1, 64, (B, 4), generator=g))
 
 
-def minibatch(engine: TrainEngine, batch: dict, rows: slice, scale: float, last_only: bool = False,
+def minibatch(engine: Engine, batch: dict, rows: slice, scale: float, last_only: bool = False,
               boundary: list | None = None) -> float:
     """Two backward calls (JAGG window, exact window) into one optimizer step; returns the grad norm.
     The loss of a row is mean((v - target)^2); the minibatch loss is their mean over the B rows of the full batch,
@@ -82,7 +90,7 @@ def minibatch(engine: TrainEngine, batch: dict, rows: slice, scale: float, last_
     if boundary is not None:
         def fn(x, s, c):
             v = engine.model(x, s, c)
-            v.register_hook(lambda g: boundary.append(engine.engine.is_gradient_accumulation_boundary()))
+            v.register_hook(lambda g: boundary.append(engine.ds.is_gradient_accumulation_boundary()))
             return v
     cond = batch["cond"][rows]
 
@@ -108,7 +116,7 @@ def reference(init: dict, steps: int, last_only: bool = False) -> tuple[dict, li
     """The single-process engine on the full batch: weights, grad norms and EMA (decay EMA) after `steps`."""
     model = make_model(0)
     model.load_state_dict(init)
-    ref = TrainEngine(model, make_spec(ema=EMA), DistContext())
+    ref = LocalEngine(model, ParallelConfig(), make_spec(ema=EMA).train, DistContext())
     norms = [minibatch(ref, make_batch(s), slice(0, B), 1.0, last_only) for s in range(steps)]
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, dict(ref.ema)
 
@@ -143,7 +151,7 @@ def main(out: Path) -> None:
     model = make_model(0)
     init = copy.deepcopy(model.state_dict())
     plain_keys = set(init)
-    engine = DeepSpeedEngine(model, make_spec(ema=EMA), ctx)
+    engine = ds_engine(model, make_spec(ema=EMA), ctx)
     result["attributes"] = (engine.model.latent_shape == (3, 8, 8)
                             and engine.model.encode_prompts(["a b", ""]).shape == (2, 4))
 
@@ -159,7 +167,7 @@ def main(out: Path) -> None:
     ema3, ema3_restored = ema_export(engine)
 
     # resume: a fresh engine over a differently initialised model loads the step-1 checkpoint
-    fresh = DeepSpeedEngine(make_model(1), make_spec(ema=EMA), ctx)
+    fresh = ds_engine(make_model(1), make_spec(ema=EMA), ctx)
     fresh.load(out / "ckpt")
     sd1_loaded = fresh.full_state_dict()
     ema1_loaded, _ = ema_export(fresh)
@@ -170,7 +178,7 @@ def main(out: Path) -> None:
 
     # EMA with persistent parameters (every tensor of the tiny model is below the default threshold: gathered on
     # every rank, re-gathered around the swap); a step after the EMA export still trains the live weights
-    pers = DeepSpeedEngine(make_model(0), make_spec(ema=EMA, persistent=True), ctx)
+    pers = ds_engine(make_model(0), make_spec(ema=EMA, persistent=True), ctx)
     minibatch(pers, make_batch(0), rows, float(world))
     ema_pers1, pers_restored = ema_export(pers)
     minibatch(pers, make_batch(1), rows, float(world))
@@ -178,19 +186,19 @@ def main(out: Path) -> None:
     ema_pers2, _ = ema_export(pers)
 
     # bf16 smoke: bf16 weights, autocast forward, one step, bf16 export
-    bf = DeepSpeedEngine(make_model(0), make_spec("bfloat16"), ctx)
+    bf = ds_engine(make_model(0), make_spec("bfloat16"), ctx)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         norm_bf = minibatch(bf, make_batch(0), rows, float(world))
     sd_bf = bf.full_state_dict()
 
     # ZeRO-Offload of the optimizer (torch AdamW on CPU partitions): the boundary decides what reaches it
-    off = DeepSpeedEngine(make_model(0), make_spec(offload_optimizer="cpu"), ctx)
+    off = ds_engine(make_model(0), make_spec(offload_optimizer="cpu"), ctx)
     minibatch(off, make_batch(0), rows, float(world))
     sd_off = off.full_state_dict()
 
     # forward through the bare module (bypassing DeepSpeedEngine.forward) still accumulates every backward
-    mod = DeepSpeedEngine(make_model(0), make_spec(), ctx)
-    mod.model = mod.engine.module
+    mod = ds_engine(make_model(0), make_spec(), ctx)
+    mod.model = mod.ds.module
     minibatch(mod, make_batch(0), rows, float(world))
     sd_mod = mod.full_state_dict()
 
@@ -221,17 +229,23 @@ def main(out: Path) -> None:
     ref3, ref_norms3, ref_ema3 = reference(init, 3)
     last_only, _, _ = reference(init, 1, last_only=True)
     maxdiff = max((sd1[k] - ref1[k]).abs().max().item() for k in ref1)
+    # Adam's first step moves every weight by about lr x sign(g): the ~1e-9 float-order noise of a gradient whose
+    # true value is 0 (the attention key bias) can come out as ~1e-6 differences (seen on AMD EPYC), hence atol
+    # 1e-5 against the reference; the step on the last backward alone differs by orders of magnitude more
+    # (sensitive_margin), so the check still tells the accumulated step from a wrong one
+    margin = maxdiff_of(sd1, last_only)
     result.update(
-        accumulate=close(sd1, ref1),
+        accumulate=close(sd1, ref1, atol=STEP_ATOL),
         accumulate_maxdiff=maxdiff,
-        sensitive=not close(sd1, last_only) and not close(sd1, init),
+        sensitive=margin > 100 * STEP_ATOL and not close(sd1, init),
+        sensitive_margin=margin,
         grad_norm=abs(norm1 - ref_norms[0]) < 1e-4 * ref_norms[0],
         norms=[norm1, norm2, norm3, ref_norms3],
         # 3 steps: Adam turns the ~1e-9 numerical noise of the attention key bias (whose true gradient is 0) into
         # ~1e-6 differences, hence the looser atol
         three_steps=close(sd3, ref3, atol=1e-5),
-        offload=close(sd_off, ref1),
-        module_forward=close(sd_mod, ref1),
+        offload=close(sd_off, ref1, atol=STEP_ATOL),
+        module_forward=close(sd_mod, ref1, atol=STEP_ATOL),
         export_keys=set(sd1) == plain_keys and all(v.dtype == torch.float32 for v in sd1.values()),
         resume_load=close(sd1_loaded, sd1, exact=True),
         resume=close(sd3_resumed, sd3, exact=True),
@@ -239,7 +253,7 @@ def main(out: Path) -> None:
         written_by_rank=written,
         boundary=boundary == [False, False, True],  # only the minibatch's last backward is on the boundary
         boundary_seen=boundary,
-        ema=close(ema1, ref_ema1) and close(ema3, ref_ema3, atol=1e-5) and not close(ema1, sd1),
+        ema=close(ema1, ref_ema1, atol=STEP_ATOL) and close(ema3, ref_ema3, atol=1e-5) and not close(ema1, sd1),
         ema_restored=ema1_restored and ema3_restored and pers_restored,
         ema_resume=close(ema1_loaded, ema1, exact=True) and close(ema3_resumed, ema3, exact=True),
         # after 2 steps: the ~1e-6 Adam noise explained at three_steps, hence its atol
@@ -266,10 +280,10 @@ def single(out: Path) -> None:
     torch.set_num_threads(1)
     model = make_model(0)
     init = copy.deepcopy(model.state_dict())
-    engine = DeepSpeedEngine(model, make_spec(), DistContext())
+    engine = ds_engine(model, make_spec(), DistContext())
     minibatch(engine, make_batch(0), slice(0, B), 1.0)
     ref1, _, _ = reference(init, 1)
-    result = {"single": close(engine.full_state_dict(), ref1)}
+    result = {"single": close(engine.full_state_dict(), ref1, atol=STEP_ATOL)}
     # a non-finite gradient: ZeRO-3 skips the update (step_applied False), the weights stay as they were
     applied = engine.step_applied
     minibatch(engine, make_batch(1), slice(0, B), float("nan"))
@@ -287,12 +301,12 @@ def single(out: Path) -> None:
         result["nonfinite_refused"] = "refusing to save" in str(err) and not any((out / "ckpt").iterdir())
     # ZeRO-2 (a parallel.deepspeed override): its optimizer state pickles DeepSpeed's fragment records, which the
     # weights-only load admits; the round trip is exact
-    zero2 = DeepSpeedEngine(make_model(0), make_spec(zero_optimization={"stage": 2}), DistContext())
+    zero2 = ds_engine(make_model(0), make_spec(zero_optimization={"stage": 2}), DistContext())
     minibatch(zero2, make_batch(0), slice(0, B), 1.0)
     zero2.save(out / "zero2")
     weights = lambda e: {k: v.detach().clone() for k, v in e.module.state_dict().items()}  # noqa: E731 (whole)
     saved = weights(zero2)
-    fresh = DeepSpeedEngine(make_model(1), make_spec(zero_optimization={"stage": 2}), DistContext())
+    fresh = ds_engine(make_model(1), make_spec(zero_optimization={"stage": 2}), DistContext())
     fresh.load(out / "zero2")
     result["zero2_resume"] = close(weights(fresh), saved, exact=True)
     (out / "result.json").write_text(json.dumps(result))

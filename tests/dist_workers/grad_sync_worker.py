@@ -13,7 +13,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from jagg_scale.models.dit import DiT, DiTConfig
 from jagg_scale.parallel.dist import init_distributed, leave_launch
-from jagg_scale.parallel.engine import EngineSpec
+from jagg_scale.parallel.config import ParallelConfig
+from jagg_scale.train.config import TrainConfig
 from jagg_scale.parallel.fsdp import FSDP2Engine
 
 CFG = DiTConfig(image_size=8, in_channels=3, patch_size=2, hidden_size=64, depth=4, num_heads=4, vocab_size=64,
@@ -42,7 +43,7 @@ def main(out_path: str) -> None:
         torch.manual_seed(0)
         model = DiT(CFG).init_weights(zero_out=False)
         full_bytes = sum(p.numel() * 4 for p in model.parameters())
-        engine = FSDP2Engine(model, EngineSpec(backend="fsdp2", grad_sync=mode), ctx)
+        engine = FSDP2Engine(model, ParallelConfig(engine="fsdp2", grad_sync=mode), TrainConfig(), ctx)
         g = torch.Generator().manual_seed(ctx.rank)
         held = None
         for i, last in enumerate((False, True)):

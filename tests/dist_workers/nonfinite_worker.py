@@ -13,7 +13,9 @@ import torch
 
 from jagg_scale.models.dit import DiT, DiTConfig
 from jagg_scale.parallel.dist import init_distributed, leave_launch
-from jagg_scale.parallel.engine import EngineSpec, NonFiniteError
+from jagg_scale.parallel.config import ParallelConfig
+from jagg_scale.parallel.engine import NonFiniteError
+from jagg_scale.train.config import TrainConfig
 from jagg_scale.parallel.fsdp import FSDP2Engine
 
 CFG = DiTConfig(image_size=8, in_channels=3, patch_size=4, hidden_size=32, depth=2, num_heads=2, vocab_size=64,
@@ -33,7 +35,8 @@ def main(out_path: str, ckpt: str) -> None:
     torch.set_num_threads(1)
     ctx = init_distributed("cpu")
     torch.manual_seed(0)
-    engine = FSDP2Engine(DiT(CFG).init_weights(zero_out=False), EngineSpec(backend="fsdp2", lr=1e-3), ctx)
+    engine = FSDP2Engine(DiT(CFG).init_weights(zero_out=False), ParallelConfig(engine="fsdp2"),
+                         TrainConfig(lr=1e-3), ctx)
     mine = {"good": step(engine, ctx, torch.tensor(1.0))}
     before = {k: v.clone() for k, v in engine.full_state_dict().items()}
     mine["rank1_inf_loss"] = step(engine, ctx, torch.tensor(float("inf") if ctx.rank == 1 else 1.0))

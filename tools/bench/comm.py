@@ -1,6 +1,6 @@
 """Part 4, comm: collectives and bytes per training step under FSDP2, 2 processes (torchrun, gloo, CPU).
 
-Each arm is one `torchrun --nproc_per_node 2 jagg-train configs/tiny_cpu.yaml parallel.backend=fsdp2 ...` run
+Each arm is one `torchrun --nproc_per_node 2 jagg-train configs/tiny_cpu.yaml parallel.engine=fsdp2 ...` run
 (the built-in DiT, fully_shard per transformer block + the root, reshard after forward); the trainer's collective
 counter writes comm_<phase>_<kind> and comm_<phase>_bytes into metrics.jsonl, read back here:
 
@@ -34,7 +34,7 @@ ARMS = {
     "JAGG cached": ["jagg.mode=jagg", "jagg.intermediate=cached"],
     "JAGG auto": ["jagg.mode=jagg", "jagg.intermediate=auto"],
 }
-BASE = ["parallel.backend=fsdp2", "sampling.num_steps=8", "train.prompts_per_step=2", "train.batch_size=4",
+BASE = ["parallel.engine=fsdp2", "sampling.num_steps=8", "train.prompts_per_step=2", "train.batch_size=4",
         "jagg.window=4", "jagg.jagg_frac=1.0", "log.progress=false", "run.checkpoint_every=0", "eval.enabled=false"]
 QUICK = ["model.dit.hidden_size=64", "model.dit.depth=2"]
 NPROC = 2

@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 from jagg_scale.grpo.loss import GRPOStepLoss, StepBatch  # noqa: E402
 from jagg_scale.grpo.rollout import Trajectories, sample_sde  # noqa: E402
 from jagg_scale.grpo.schedule import sigma_schedule  # noqa: E402
+from jagg_scale.models.sd3 import SD3TransformerVelocity  # noqa: E402
 
 NOISE_LEVEL, SHIFT, CLIP = 0.7, 3.0, 1e-4
 
@@ -92,24 +93,14 @@ def matmul_gflops(n: int = 1024, reps: int = 10) -> float:
 # the SD3-shaped DiT and its GRPO problem
 # ------------------------------------------------------------------------------------------------------------------
 
-class SD3Shaped(torch.nn.Module):
-    """v(x, sigma, (embeds, pooled)) of a diffusers SD3Transformer2DModel, timestep = 1000 sigma (as the adapter)."""
+class SD3Shaped(SD3TransformerVelocity):
+    """An SD3Transformer2DModel of `cfg` (random weights) as a velocity model (models/sd3.py)."""
 
     def __init__(self, cfg: dict):
-        super().__init__()
         from diffusers import SD3Transformer2DModel
 
-        self.transformer = SD3Transformer2DModel(**cfg)
+        super().__init__(SD3Transformer2DModel(**cfg))
         self.cfg = dict(cfg)
-        self.latent_shape = (cfg["in_channels"], cfg["sample_size"], cfg["sample_size"])
-
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
-        embeds, pooled = cond
-        sigma = torch.as_tensor(sigma, device=x.device)
-        if sigma.ndim == 0:
-            sigma = sigma.expand(x.shape[0])
-        return self.transformer(hidden_states=x, timestep=sigma.float() * 1000.0, encoder_hidden_states=embeds,
-                                pooled_projections=pooled, return_dict=False)[0]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

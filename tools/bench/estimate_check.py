@@ -1,4 +1,4 @@
-"""The memory estimator (tools/estimate_memory.py) against measured tensor peaks, on runs this CPU can do.
+"""The memory estimator (jagg-estimate, jagg_scale/estimate/) against measured tensor peaks, on runs this CPU can do.
 
     python -m tools.bench.estimate_check [--out docs/estimate_check.json] [--only bench|sd3|flux]
 
@@ -104,14 +104,14 @@ def worker_pass(spec: dict) -> dict:
         ctx = init_distributed("cpu")
         parallelize(model, build_mesh("cpu", world), bf16=False, activation_checkpointing=False)
     amp = contextlib.nullcontext()
-    if spec.get("precision") == "bf16_mp":  # FSDP2 mixed precision on CUDA, as tools/model_shapes/measure.py emulates it
-        from tools.model_shapes.measure import _cast_inputs_hook, _cuda_autocast_numerics
+    if spec.get("precision") == "bf16_mp":  # FSDP2 mixed precision on CUDA, as jagg_scale/estimate/measure.py emulates it
+        from jagg_scale.estimate.measure import cast_inputs_hook, cuda_autocast_numerics
 
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
         for mod in [model.transformer, *model.transformer.transformer_blocks]:
-            mod.register_forward_pre_hook(_cast_inputs_hook, with_kwargs=True)
-        _cuda_autocast_numerics()
+            mod.register_forward_pre_hook(cast_inputs_hook, with_kwargs=True)
+        cuda_autocast_numerics()
         amp = torch.autocast("cpu", dtype=torch.bfloat16)
     n = 2 * spec["micro"]
     gen = torch.Generator().manual_seed(1)
@@ -195,26 +195,27 @@ def predict_pass(nproc: int, ckpt: bool, micro: int, precision: str = "fp32") ->
     the pass's inputs); with bf16_mp the activations alone (the check of the composition under bf16 numerics)."""
     import math
 
-    from tools import estimate_memory as E
+    from jagg_scale.estimate import activations as A, memory as E, shapes as S
+    from jagg_scale.train.config import load_config
     from tools.bench.common import sd3_config
 
     cfg, text = sd3_config(False)
     comp = {"library": "diffusers", "class": "SD3Transformer2DModel", "config": dict(cfg)}
-    st = E.transformer_stats(comp)
-    key = E._key("transformer", comp["class"], E._clean(cfg), precision, 0, None)
-    from tools.model_shapes.measure import measure_transformer
+    st = S.transformer_stats(comp)
+    key = A.key("transformer", comp["class"], S.clean(cfg), precision, 0, None)
+    from jagg_scale.estimate.measure import measure_transformer
 
-    act = E.cached(key, f"bench SD3-shaped transformer, {precision}, full",
+    act = A.cached(key, f"bench SD3-shaped transformer, {precision}, full",
                    lambda: measure_transformer(comp, precision, 0), True)
     rows, div = 2 * micro, nproc
     lat = cfg["in_channels"] * cfg["sample_size"] ** 2
     I = (cfg["sample_size"] // cfg["patch_size"]) ** 2
     mode = "ckpt" if ckpt else "grad"
-    activations = E.transformer_activations(act, mode, rows, I, text)
-    reduce = E.reduce_buffers(st["block_params"], 4) if nproc > 1 else None
+    activations = A.transformer_activations(act, mode, rows, I, text)
+    reduce = A.reduce_buffers(st["block_params"], 4) if nproc > 1 else None
     parts = {"weights + buffers": 4 * st["params"] / div + st["buffers"], "gradients": 4 * st["params"] / div,
              "FSDP2 gathered + reduce": (4 * (st["root_params"] + 2 * max(st["block_params"]))
-                                         + E.transformer_activations(act, mode, rows, I, text, reduce) - activations)
+                                         + A.transformer_activations(act, mode, rows, I, text, reduce) - activations)
              if nproc > 1 else 0,
              "inputs": rows * 4 * (3 * lat + 1 + text * cfg["joint_attention_dim"] + cfg["pooled_projection_dim"]),
              "activations": activations}
@@ -226,17 +227,15 @@ def predict_pass(nproc: int, ckpt: bool, micro: int, precision: str = "fp32") ->
 
 def train_overrides(kind: str, nproc: int, ckpt: bool, micro: int, pipe: Path, out: Path) -> list[str]:
     o = COMMON + [f"model.pretrained={pipe}", f"train.micro_batch_size={micro}", f"run.output_dir={out}"]
-    if nproc > 1:
-        o += ["parallel.backend=fsdp2", f"parallel.activation_checkpointing={str(ckpt).lower()}"]
-    else:
-        o += [f"model.gradient_checkpointing={str(ckpt).lower()}"]
+    o += [f"parallel.activation_checkpointing={str(ckpt).lower()}"] + (["parallel.engine=fsdp2"] if nproc > 1 else [])
     return o
 
 
 def predict_train(config: str, overrides: list[str], nproc: int) -> dict:
-    from tools import estimate_memory as E
+    from jagg_scale.estimate import activations as A, memory as E, shapes as S
+    from jagg_scale.train.config import load_config
 
-    s = E.prepare(E.load_run_config(ROOT / "configs" / config, overrides), nproc, measure=True, overhead_gb=0)
+    s = E.prepare(load_config(ROOT / "configs" / config, overrides, check_files=False), nproc, measure=True, overhead_gb=0)
     est = E.estimate(s)
     return {ph: est["phases"][ph]["total"] for ph in E.PHASES} | {
         "components": {ph: est["phases"][ph]["components"] for ph in E.PHASES}}
@@ -304,14 +303,15 @@ def markdown(rows: list[dict]) -> str:
 def scale_tables(gpus=((8, 79.2), (32, 79.2), (8, 139.8), (32, 139.8)), headroom: float = 0.10) -> str:
     """docs/scale.md's tables: each production config as shipped, per (GPUs, GiB): the largest micro-batch that
     fits, and the per-rank peak by component at the shipped micro-batch."""
-    from tools import estimate_memory as E
+    from jagg_scale.estimate import activations as A, memory as E, shapes as S
+    from jagg_scale.train.config import load_config
 
     names = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps"]
     out = ["| config | GPUs x GiB | rows per rank (minibatch share) | shipped micro-batch | peak GiB (phase) | "
            "headroom | largest micro-batch that fits | its peak GiB |", "|---|---|---|---|---|---|---|---|"]
     details = []
     for name in names:
-        cfg = E.load_run_config(ROOT / "configs" / f"{name}.yaml")
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml", check_files=False)
         cols = {}
         for world, gib in gpus:
             s = E.prepare(cfg, world)

@@ -48,7 +48,7 @@ WHAT = {
         "allocation pattern). Both exclude the parameters and gradients already allocated."),
     "comm": (
         "Collectives per training step read from `metrics.jsonl` of real 2-process runs "
-        "(`torchrun --nproc_per_node 2 jagg-train configs/tiny_cpu.yaml parallel.backend=fsdp2 ...`, gloo on "
+        "(`torchrun --nproc_per_node 2 jagg-train configs/tiny_cpu.yaml parallel.engine=fsdp2 ...`, gloo on "
         "CPU), counted by the engine's `CommCounter` (`engine.comm`) per phase. A gather cycle is every FSDP "
         "unit all-gathered for the forward and again for the backward (reshard after forward)."),
     "subsampling": (

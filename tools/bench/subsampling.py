@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from .common import median, paired_rounds, paired_speedup, sd3_problem  # noqa: I001 (sets sys.path)
 
-from jagg_scale.jagg import exact_backward, jagg_backward, plan_windows
+from jagg_scale.jagg import exact_backward, jagg_backward, split_windows
 
 
 def subset_backward(problem, steps: list[int], how: str, window: int) -> None:
     model, cond, traj = problem.model, problem.cond, problem.traj
     loss = problem.loss(len(steps))
-    groups = [steps] if how == "jagg_window" else plan_windows(steps, window)
+    groups = [steps] if how == "jagg_window" else split_windows(steps, window)
     for group in groups:
         idx = list(group)
         latents, sigmas = traj.latents[idx], traj.sigmas[idx]
@@ -64,7 +64,7 @@ def run(quick: bool, repeats: int | None = None) -> dict:
     base = times["a_perstep_all"]
     rows = {}
     passes = {"a_perstep_all": T, "b_perstep_window_first": k, "c_jagg_window_first": 2,
-              "b_perstep_window_last": k, "c_jagg_window_last": 2, "d_jagg_all": 2 * len(plan_windows(all_steps, W))}
+              "b_perstep_window_last": k, "c_jagg_window_last": 2, "d_jagg_all": 2 * len(split_windows(all_steps, W))}
     for name, ts in times.items():
         rows[name] = {"seconds": median(ts), "seconds_per_sample": median(ts) / batch, "all_seconds": ts,
                       "speedup_vs_a": paired_speedup(base, ts) if name != "a_perstep_all" else 1.0,

@@ -54,7 +54,7 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
     return {
         "Flow-GRPO": ["jagg.mode=exact"],
         "JAGG W4": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"],
-        "budget S2.67": ["jagg.mode=jagg", "jagg.plan=budget", "jagg.speedup=2.67"],
+        "budget S2.67": ["jagg.mode=jagg", "jagg.plan=budget", "jagg.window=null", "jagg.speedup=2.67"],
         "Fast k2": ["jagg.mode=exact", "sampling.sde_window=2", half],
         "JAGG in SDE k4": window4,
         "JAGG in SDE k4 + dpm2": window4 + ["sampling.ode_solver=dpm2", f"sampling.ode_steps={num_steps // 4}"],

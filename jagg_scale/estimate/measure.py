@@ -1,6 +1,6 @@
-"""CPU measurement of the activation coefficients tools/estimate_memory.py composes (see its docstring).
+"""CPU measurement of the activation coefficients activations.py composes (see its docstring).
 
-    python tools/estimate_memory.py CONFIG ... --measure      measures what the config needs and is not cached yet
+    jagg-estimate CONFIG ... --measure      measures what the config needs and coefficients.json lacks
 
 One real block of each type of a transformer runs at its true width on a few hundred tokens, in three modes
 (with grad, with per-block checkpointing as diffusers does it, without grad); torch.profiler's memory events give
@@ -26,7 +26,9 @@ import importlib
 
 import torch
 
-from tools.estimate_memory import LORA_TARGETS, _clean, block_lists, compose, meta_module
+from ..models.lora import DEFAULT_TARGETS
+from .activations import compose
+from .shapes import block_lists, clean, meta_module
 
 # (rows, image patches h x w, text tokens): image tokens 64 / 256, text 32 / 128, rows 1 / 2 / 4 (six points, four
 # coefficients: a least-squares fit whose worst relative residual is recorded)
@@ -49,7 +51,7 @@ def _profile(fn):
     return peak, cur, out
 
 
-def _cuda_autocast_numerics():
+def cuda_autocast_numerics():
     """CUDA autocast runs layer_norm / group_norm in float32 (CPU autocast keeps bf16): emulate it on the CPU."""
     import torch.nn.functional as F
 
@@ -74,7 +76,7 @@ def _to_bf16(x):
     return type(x)(_to_bf16(v) for v in x) if isinstance(x, (tuple, list)) else x
 
 
-def _cast_inputs_hook(module, args, kwargs):  # FSDP2 MixedPrecisionPolicy(cast_forward_inputs=True)
+def cast_inputs_hook(module, args, kwargs):  # FSDP2 MixedPrecisionPolicy(cast_forward_inputs=True)
     return _to_bf16(args), {k: _to_bf16(v) for k, v in kwargs.items()}
 
 
@@ -95,7 +97,7 @@ def _model_inputs(kind: str, model, cfg: dict, n: int, h: int, w: int, t: int) -
 
 def _min_transformer(comp: dict) -> tuple[torch.nn.Module, list[str]]:
     """The transformer at its real width with one block of each type; the real depth's block types in order."""
-    cfg = _clean(comp["config"])
+    cfg = clean(comp["config"])
     lib = importlib.import_module("diffusers")
     if comp["class"].startswith("SD3"):
         L, dual = cfg["num_layers"], set(cfg.get("dual_attention_layers") or ())
@@ -121,20 +123,20 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
         from peft import LoraConfig
 
         model.requires_grad_(False)
-        model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(LORA_TARGETS)))
+        model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(DEFAULT_TARGETS)))
     blocks = [b for bl in block_lists(model) for b in bl]
     kinds = list(dict.fromkeys(types))
     if precision == "bf16_mp":
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
         for mod in [model, *blocks]:
-            mod.register_forward_pre_hook(_cast_inputs_hook, with_kwargs=True)
+            mod.register_forward_pre_hook(cast_inputs_hook, with_kwargs=True)
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.grad = torch.zeros_like(p)
-    _cuda_autocast_numerics()
+    cuda_autocast_numerics()
     amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")  # noqa: E731
-    cfg = _clean(comp["config"])
+    cfg = clean(comp["config"])
 
     def run(fn, args, mode):
         """(forward peak, saved after forward, output bytes, backward peak) of fn(*args) in mode."""
@@ -212,7 +214,7 @@ def _fit(samples) -> list[float]:
 def measure_nograd(comp: dict, what: str, dtype: torch.dtype, seq: int) -> list[float]:
     """Fit of the no-grad forward peak of a frozen component: a text encoder on `seq` tokens, the VAE decoder
     (per latent pixel) or a reward CLIP (per 224 px image), as the pipeline / reward calls them."""
-    config = _clean(comp["config"])
+    config = clean(comp["config"])
     if what == "t5":
         config["num_layers"] = min(2, config["num_layers"])  # the peak does not grow with depth (no hidden states kept)
     if what == "reward":

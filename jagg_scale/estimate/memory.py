@@ -1,0 +1,280 @@
+"""Per-rank peak memory of a jagg-scale training step, by component and phase, and the largest micro-batch that fits.
+
+Weights, gradients, optimizer states, EMA, KL reference, frozen encoders/VAE, reward models, rollout storage:
+counted from the config and the shapes (shapes.py), each term naming the code it mirrors (docs/scale.md tabulates
+them). The transformer is held in fp32 master weights, bf16 in compute; FSDP2 shards weights, AdamW states, EMA and
+(grad_sync every) gradients, gathers the root and two blocks, and during each block's backward holds its unsharded
+gradient, the fp32 reduce-scatter input and the previous block's one in flight. LoRA: only the adapter has gradients
+and states, its KL reference is the adapter off. Activations: measured coefficients composed over the real depth
+(activations.py). What the trainer does is read from the trainer's own pieces: the rows each rank samples and
+trains (train/rows.py StepRows), the with-grad rows of a pass and the interior steps of a segment (the planner,
+jagg/planners.py), whether blocks are recomputed (parallel.activation_checkpointing, on every engine).
+
+Phases of a step (each a sum of components; the peak is the max):
+
+    encode     text encoders on this rank's prompts (all at once, as Policy.encode does)
+    rollout    no-grad sampling chunks (CFG: 2x rows) while the previous chunk is decoded and scored; then
+               Trajectories.cat holding the chunks and their concatenation
+    update     one with-grad pass of knots_per_pass x micro_batch_size rows (a JAGG joint pass: 2 x micro)
+    optimizer  AdamW step (foreach temporaries) with gradients and states
+    eval       eval.batch_size images at a time (CFG: 2x rows): encode, ODE, decode, score in turn
+
+Not tensors, added to every phase: the overhead (CUDA context, cuBLAS/NCCL workspaces; default 1.5 GiB). A config
+fits when total <= (1 - headroom) x GPU memory; the headroom covers the caching allocator's fragmentation.
+parallel.engine deepspeed is approximated as fsdp2 plus ZeRO-3's bf16 parameter shard.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..jagg import trained_steps
+from ..models.lora import DEFAULT_TARGETS
+from ..train.rows import StepRows
+from .activations import cached, ev, key, reduce_buffers, transformer_activations
+from .shapes import FROZEN, clean, component_params, pipeline_shapes, reward_models, transformer_stats
+
+__all__ = ["COMPONENTS", "GiB", "PHASES", "balanced", "choose_micro", "estimate", "local_rows", "prepare", "report",
+           "shard_group"]
+
+GiB = 2**30
+COMPONENTS = ["transformer weights", "transformer buffers", "FSDP2 gathered weights + reduce buffers", "gradients",
+              "optimizer states", "EMA", "KL reference", "frozen encoders + VAE", "reward models",
+              "prompt conditioning", "rollout storage", "minibatch copies + pass inputs", "activations",
+              "encoder / sampling / decode / reward transients", "optimizer step temporaries", "eval batch",
+              "CUDA context + NCCL (not tensors)"]
+PHASES = ["encode", "rollout", "update", "optimizer", "eval"]
+
+
+class DoesNotDivide(ValueError):
+    """The config's rows cannot be split over this many ranks (the trainer would refuse it too)."""
+
+
+def local_rows(cfg, world: int) -> tuple[int, int]:
+    """(rows this rank samples per step, its share of a minibatch), as the trainer splits them (train/rows.py)."""
+    n = cfg.train.prompts_per_step * cfg.grpo.group_size
+    try:
+        rows = StepRows.draw(n, cfg.train.batch_size, cfg.run.seed, 0, 0, world)
+    except ValueError as err:
+        raise DoesNotDivide(str(err)) from None
+    return len(rows.mine), rows.local_batch
+
+
+def shard_group(cfg, world: int) -> int:
+    """Ranks one parameter is sharded over: all of them, or world / parallel.replicate under HSDP (fsdp2 only)."""
+    replicate = cfg.parallel.replicate if cfg.parallel.engine == "fsdp2" else 1
+    if replicate < 1 or world % replicate:
+        raise DoesNotDivide(f"parallel.replicate={replicate} must divide the world size {world}")
+    return world // replicate
+
+
+def eval_images(cfg) -> int:
+    """Held-out images of an evaluation; eval.grid_images (the most the grid keeps) when the prompt file is absent."""
+    from ..data import load_prompts
+    from ..paths import resolve_path
+
+    e, path = cfg.eval, resolve_path(cfg.eval.prompt_file) if cfg.eval.prompt_file else None
+    n = len(e.prompts) if e.prompts else len(load_prompts(path)) if path and path.is_file() else None
+    return e.grid_images if n is None else n * e.num_per_prompt
+
+
+def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = False, overhead_gb: float = 1.5) -> dict:
+    """Everything the estimate needs that does not depend on the micro-batch size."""
+    from . import measure as M  # its functions run only when --measure finds a coefficient missing
+
+    shapes = pipeline_shapes(cfg, shapes_name)
+    kind, comps = shapes["kind"], shapes["components"]
+    tcomp, lora = comps["transformer"], cfg.model.lora
+    rank, targets = (lora.rank if lora.enabled else 0), (tuple(lora.targets) or DEFAULT_TARGETS)
+    sharded, bf16 = cfg.parallel.engine != "none", cfg.model.dtype == "bfloat16"
+    precision = ("bf16_mp" if sharded else "amp") if bf16 else "fp32"
+    tc, vae = tcomp["config"], comps["vae"]["config"]
+    scale = 2 ** (len(vae["block_out_channels"]) - 1)
+    if kind == "sd3":
+        side = cfg.model.resolution // scale if cfg.model.resolution else tc["sample_size"]
+        latent, p = (tc["in_channels"], side, side), tc["patch_size"]
+        text = shapes["text_tokens"]["clip"] + shapes["text_tokens"]["t5"]
+    else:
+        side = (cfg.model.resolution or vae["sample_size"]) // scale
+        latent, p = (tc["in_channels"] // 4, side, side), 2
+        text = shapes["text_tokens"]["t5"]
+    t_key = ("transformer", tcomp["class"], clean(tc), precision, rank, sorted(targets) if rank else None)
+    label = f"{shapes.get('name', tcomp['class'])} transformer, {precision}, {'LoRA r%d' % rank if rank else 'full'}"
+    act = cached(key(*t_key), label, lambda: M.measure_transformer(tcomp, precision, rank), measure)
+    fdt = torch.bfloat16 if bf16 else torch.float32
+    t5 = FROZEN[kind][-1]  # model.text_encoders no_t5: not loaded; model.shard_t5: 1/world of it per rank
+    frozen = [n for n in FROZEN[kind] if n in comps and not (n == t5 and cfg.model.text_encoders == "no_t5")]
+    encoders = {}
+    for name in frozen[1:]:
+        c = comps[name]
+        what = "t5" if c["class"].startswith("T5") else ("clip_hidden" if kind == "sd3" else "clip")
+        seq = shapes["text_tokens"]["t5" if what == "t5" else "clip"]
+        k = key(what, c["class"], clean(c["config"]), str(fdt), seq)
+        encoders[name] = {"seq": seq, "coef": cached(k, f"{name} ({c['class']}) no-grad, {fdt}, {seq} tokens",
+                          lambda c=c, what=what, seq=seq: M.measure_nograd(c, what, fdt, seq), measure)}
+    vkey = key("vae", clean(vae), str(fdt))
+    decode = cached(vkey, f"VAE decode, {fdt}", lambda: M.measure_nograd(comps["vae"], "vae", fdt, 0), measure)
+    rewards = {}
+    for name, c in reward_models(cfg).items():
+        rdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(c["options"].get("dtype"), torch.float32)
+        rkey = key("reward", clean(c["config"]), str(rdt))
+        rewards[name] = {"params": component_params(c), "bytes": rdt.itemsize, "coef": cached(
+            rkey, f"reward {name} CLIP no-grad, {rdt}", lambda c=c, rdt=rdt: M.measure_nograd(c, "reward", rdt, 0),
+            measure)}
+    return {"cfg": cfg, "world": world, "kind": kind, "shapes": shapes.get("name"), "precision": precision,
+            "sharded": sharded, "bf16": bf16, "lora_rank": rank, "stats": transformer_stats(tcomp, rank, targets),
+            "frozen": {n: component_params(comps[n]) / (world if n == t5 and cfg.model.shard_t5 else 1) for n in frozen},
+            "encoders": encoders, "ref_bytes": 2 if bf16 and tcomp.get("stored_dtype") == "bfloat16" else 4,
+            "decode": decode, "rewards": rewards, "act": act, "latent": latent, "image_tokens": (side // p) ** 2,
+            "text_tokens": text, "cond_row": text * tc["joint_attention_dim"] + tc["pooled_projection_dim"],
+            "overhead": overhead_gb * GiB, "vae_scale": scale, "eval_images": eval_images(cfg)}
+
+
+def estimate(s: dict, micro: int | None = None) -> dict:
+    """{phase: {component: bytes}} per rank; `micro` overrides train.micro_batch_size (0 / None: whole share)."""
+    cfg, W = s["cfg"], s["world"]
+    st, shard = s["stats"], s["sharded"]
+    div = shard_group(cfg, W) if shard else 1  # HSDP: the states are sharded within a replica group only
+    R, B = local_rows(cfg, W)
+    m = min(micro or cfg.train.micro_batch_size or B, B)
+    lora = s["lora_rank"] > 0
+    planner = cfg.jagg.planner()
+    Pt = st["lora_params"] if lora else st["params"]
+    cdt = 2 if s["bf16"] else 4
+    cfgg, ref, lat, S = cfg.sampling.guidance != 1.0, cfg.grpo.beta > 0, math.prod(s["latent"]), cfg.sampling.num_steps
+    I, T, cond = s["image_tokens"], s["text_tokens"], 4 * s["cond_row"]  # conditioning is float32 (models/sd3.py)
+    ckpt = cfg.parallel.activation_checkpointing  # every engine applies it (parallel/blocks.py)
+    act = s["act"]
+
+    static = {
+        "transformer weights": 4 * st["params"] / div + (4 * st["lora_params"] / div if lora else 0)
+        + (2 * st["params"] / div if cfg.parallel.engine == "deepspeed" else 0),  # fp32 master (+ ZeRO-3 bf16 shard)
+        "transformer buffers": st["buffers"],  # not sharded (SD3's pos_embed table)
+        "optimizer states": 8 * Pt / div,  # AdamW exp_avg + exp_avg_sq, fp32
+        "EMA": 4 * Pt / div if cfg.train.ema_decay > 0 else 0,
+        # LoRA: the adapter off; else the transformer alone in its checkpoint's dtype, sharded (Trainer, loading.md)
+        "KL reference": (s["ref_bytes"] * st["params"] / div + st["buffers"]) if ref and not lora else 0,
+        "frozen encoders + VAE": sum(s["frozen"].values()) * cdt,  # compute-dtype copies on every rank
+        "reward models": sum(r["params"] * r["bytes"] for r in s["rewards"].values())
+        / (W if cfg.reward.shard else 1),
+        "CUDA context + NCCL (not tensors)": s["overhead"],
+    }
+    gather = 0.0
+    if shard:  # root unsharded through forward + backward (fp32: parallel/fsdp.py), current + prefetched block
+        gather = 4 * st["root_params"] + cdt * 2 * max(st["block_params"])
+    reduce = reduce_buffers(st["block_lora"] if lora else st["block_params"], cdt) if shard else None
+    sync = cfg.parallel.grad_sync if cfg.parallel.grad_sync != "auto" else ("boundary" if lora else "every")
+    grads = 4 * Pt if not shard or sync == "boundary" else 4 * Pt / div
+    if shard and sync == "boundary":
+        grads += 4 * Pt / div  # the reduced shard next to the unsharded accumulation at the boundary
+    row = 4 * lat * ((S + 1) + S * (1 + cfgg + ref)) + 4 * S  # latents, velocities, uncond, ref, log-probs
+    store, cond_all = R * row, R * cond * (1 + cfgg)
+    steps_per_rollout = (R // B) * cfg.grpo.inner_epochs
+    off_policy_cfg = cfgg and steps_per_rollout > 1  # Updater: the uncond of later minibatches is recomputed
+    mb = B * row + B * cond * (1 + off_policy_cfg)  # step_batch and index_cond copies; micro-batches are views
+    mb += m * S * lat * 4 if off_policy_cfg else 0  # Policy.fresh_uncond's clone, per micro-batch
+    rows = planner.knots_per_pass * m
+    pass_in = rows * (4 * 4 * lat + cond)  # stacked latents, v, G and its parts (float32), repeated conditioning
+    mode = "ckpt" if ckpt else "grad"
+    activ = transformer_activations(act, mode, rows, I, T)
+    reduce_buf = transformer_activations(act, mode, rows, I, T, reduce) - activ if shard else 0.0
+    trained = cfg.sampling.sde_window or len(trained_steps(S, cfg.grpo.timestep_fraction))
+    interior = planner.max_interior(trained)
+    forward_mode = cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto" and steps_per_rollout > 1)
+    if interior and forward_mode:  # no-grad forwards of a segment's interior steps (jagg/backward.py)
+        saved = sum(ev(act["fits"][k][f"keep_{mode}"], rows, I, T) for k in act["types"]) \
+            + ev(act["fits"][f"root_{mode}"], rows, I, T)  # the pass's graph, alive while the interior runs
+        nograd = transformer_activations(act, "nograd", interior * m, I, T) + interior * m * (cond + 8 * lat)
+        activ = max(activ, saved + nograd)
+
+    def encoders(n):  # Policy.encode: each encoder in turn on n prompts
+        return max((ev(c["coef"], n, 0, c["seq"]) for c in s["encoders"].values()), default=0.0)
+
+    def score(n):  # decode n latents (ChunkScorer) and score them (rewards/clip.py resizes float images first)
+        side = s["latent"][1]
+        img = n * 3 * (side * s["vae_scale"]) ** 2 * 4
+        return ev(s["decode"], n, side * side, 0) + sum(ev(r["coef"], n, 0, 1) for r in s["rewards"].values()) \
+            + (2 * img if s["rewards"] else 0)
+
+    bs = cfg.sampling.batch_size
+    sample_rows = bs * (1 + cfgg)
+    sampling = transformer_activations(act, "nograd", sample_rows, I, T) + sample_rows * (3 * 4 * lat + cond) + score(bs)
+    e = cfg.eval.batch_size  # train/evaluate.py: per batch encode, ODE, decode, score in turn; a grid kept (uint8)
+    e_rows = e * (1 + cfgg)
+    grid = min(cfg.eval.grid_images, s["eval_images"]) * 3 * (s["latent"][1] * s["vae_scale"]) ** 2
+    eval_batch = (e * cond * (1 + cfgg) + 2 * e * lat * 4 + grid + max(encoders(e), score(e), transformer_activations(
+        act, "nograd", e_rows, I, T) + e_rows * (3 * 4 * lat + cond))) if cfg.eval.enabled else 0
+    eval_batch += 4 * Pt / div if cfg.train.ema_decay > 0 and cfg.eval.enabled else 0  # ema_weights' live copy
+    dyn = {
+        "encode": {"prompt conditioning": cond_all, "encoder / sampling / decode / reward transients": encoders(R)},
+        "rollout": {"FSDP2 gathered weights + reduce buffers": gather, "prompt conditioning": cond_all,
+                    # the last chunk's sampling, or Trajectories.cat holding the chunks and their concatenation
+                    "rollout storage": store + R * lat * 4 + (store if store > sampling else 0),
+                    "encoder / sampling / decode / reward transients": sampling if sampling >= store else 0},
+        "update": {"FSDP2 gathered weights + reduce buffers": gather + reduce_buf, "gradients": grads,
+                   "prompt conditioning": cond_all, "rollout storage": store,
+                   "minibatch copies + pass inputs": mb + pass_in, "activations": activ},
+        # the Updater makes the next minibatch's copies while the previous ones are alive (gradients are None)
+        "update_switch": {"prompt conditioning": cond_all, "rollout storage": store, "minibatch copies + pass inputs": 2 * mb},
+        "optimizer": {"gradients": grads, "prompt conditioning": cond_all, "rollout storage": store,
+                      "minibatch copies + pass inputs": mb, "optimizer step temporaries": 4 * Pt / div},
+        "eval": {"FSDP2 gathered weights + reduce buffers": gather, "eval batch": eval_batch},
+    }
+    out = {}
+    for ph in PHASES:
+        comp = {c: static.get(c, 0.0) + dyn[ph].get(c, 0.0) for c in COMPONENTS}
+        if ph == "update" and sum(dyn["update_switch"].values()) > sum(dyn["update"].values()):
+            comp = {c: static.get(c, 0.0) + dyn["update_switch"].get(c, 0.0) for c in COMPONENTS}
+        out[ph] = {"components": comp, "total": sum(comp.values())}
+    peak = max(PHASES, key=lambda ph: out[ph]["total"])
+    return {"phases": out, "peak_phase": peak, "total": out[peak]["total"], "micro_batch_size": m,
+            "pass_rows": rows, "local_rows": R, "local_batch": B, "grad_sync": sync, "checkpointing": ckpt,
+            "planner": repr(planner)}
+
+
+def balanced(m: int, share: int) -> int:
+    """The smallest micro-batch that cuts a minibatch share into as few chunks as `m` does (even chunks)."""
+    return -(-share // -(-share // m))
+
+
+def choose_micro(s: dict, gpu_gib: float, headroom: float = 0.10) -> tuple[int | None, dict]:
+    """The largest micro-batch (rows per chunk of the rank's minibatch share) that fits, or None (then micro 1's)."""
+    limit = (1 - headroom) * gpu_gib * GiB
+    _, B = local_rows(s["cfg"], s["world"])
+    for m in range(B, 0, -1):
+        est = estimate(s, m)
+        if est["total"] <= limit:
+            return m, est
+    return None, est
+
+
+def fits(est: dict, gpu_gib: float, headroom: float = 0.10) -> bool:
+    return est["total"] <= (1 - headroom) * gpu_gib * GiB
+
+
+def report(s: dict, est: dict, gpu_gib: float | None = None, headroom: float = 0.10) -> str:
+    cfg = s["cfg"]
+    train = f"LoRA r{s['lora_rank']}" if s["lora_rank"] else "full fine-tune"
+    group = shard_group(cfg, s["world"]) if s["sharded"] else s["world"]
+    hsdp = f" (HSDP: {s['world'] // group} replicas of {group})" if group != s["world"] else ""
+    head = (f"{s['shapes']} ({s['kind']}), {s['precision']}, {train}, engine {cfg.parallel.engine} x {s['world']} ranks"
+            f"{hsdp}, grad_sync {est['grad_sync'] if s['sharded'] else '-'}, checkpointing "
+            f"{'on' if est['checkpointing'] else 'off'}\n{est['planner']}"
+            f"\nrows per rank: {est['local_rows']} sampled, {est['local_batch']} per minibatch, micro-batch "
+            f"{est['micro_batch_size']} -> {est['pass_rows']} rows per with-grad pass ({s['image_tokens']} image + "
+            f"{s['text_tokens']} text tokens each)")
+    lines = [head, "", "| component (GiB) | " + " | ".join(PHASES) + " |", "|---" * (len(PHASES) + 1) + "|"]
+    for c in COMPONENTS:
+        vals = [est["phases"][ph]["components"][c] / GiB for ph in PHASES]
+        if any(v > 0.0005 for v in vals):
+            lines.append(f"| {c} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
+    totals = {ph: f"{est['phases'][ph]['total'] / GiB:.2f}" for ph in PHASES}
+    lines.append("| **total** | " + " | ".join(f"**{v}**" if ph == est["peak_phase"] else v for ph, v in totals.items()) + " |")
+    lines.append(f"\nper-rank peak: {est['total'] / GiB:.2f} GiB ({est['peak_phase']})")
+    if gpu_gib:
+        free = 1 - est["total"] / (gpu_gib * GiB)
+        lines.append(f"on {gpu_gib:g} GiB: headroom {100 * free:.1f}% ({'fits' if free >= headroom else 'DOES NOT FIT'} "
+                     f"with >= {100 * headroom:.0f}%)")
+    return "\n".join(lines)

@@ -1,0 +1,148 @@
+"""Model shapes for the estimate: a pipeline's components as {library, class, config}, instantiated on the meta
+device (no memory, no download) and counted.
+
+    pipeline_shapes(cfg, name=None)   a local pipeline directory's config.json files, or shapes/NAME.json for a
+                                      model.pretrained that is not here (matched by name, or NAME given)
+    meta_module(comp)                 the component on the meta device
+    transformer_stats(comp, lora)     parameters, buffers, per-block and root parameters, LoRA parameters (the
+                                      library's LoRA targets: models/lora.py)
+    reward_models(cfg)                the CLIP reward models the config scores with, as components
+
+shapes/README.md says where each file's values come from.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..models.lora import DEFAULT_TARGETS
+from ..paths import resolve_path
+
+__all__ = ["FROZEN", "KNOWN", "SHAPES", "block_lists", "clean", "component_params", "counts", "meta_module",
+           "pipeline_shapes", "reward_models", "transformer_stats"]
+
+SHAPES = Path(__file__).resolve().parent / "shapes"
+KNOWN = {"stable-diffusion-3.5-medium": "sd35_medium", "stable-diffusion-3.5-large": "sd35_large",
+         "flux.1-dev": "flux1_dev", "flux1-dev": "flux1_dev"}
+FROZEN = {"sd3": ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"),
+          "flux": ("vae", "text_encoder", "text_encoder_2")}
+
+
+class ShapeError(ValueError):
+    """A config whose model shapes cannot be found; the message says how to give them."""
+
+
+def clean(config: dict) -> dict:
+    """A config.json without its private `_...` keys."""
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
+def pipeline_shapes(cfg, name: str | None = None) -> dict:
+    """{kind, components: {name: {class, library, config}}, text_tokens} from a pipeline directory or a shape file."""
+    if name is None:
+        path = resolve_path(cfg.model.pretrained)
+        if (path / "model_index.json").is_file():
+            return _from_directory(path, cfg.model.kind)
+        name = next((v for k, v in KNOWN.items() if k in path.name.lower()), None)
+        if name is None:
+            raise ShapeError(f"model.pretrained {path} is not a pipeline directory here and not a known checkpoint "
+                             f"({', '.join(KNOWN)}): pass --shapes NAME ({SHAPES}/NAME.json)")
+    file = SHAPES / f"{name}.json"
+    if not file.is_file():
+        raise ShapeError(f"--shapes {name}: no {file} (known: {', '.join(sorted(p.stem for p in SHAPES.glob('*.json')))})")
+    return json.loads(file.read_text())
+
+
+def _from_directory(path: Path, kind: str) -> dict:
+    from ..models import stored_dtype
+
+    index = json.loads((path / "model_index.json").read_text())
+    comps = {n: {"library": index[n][0], "class": index[n][1], "config": json.loads((path / n / "config.json").read_text())}
+             for n in ("transformer",) + FROZEN[kind] if n in index and index[n][0] is not None}
+    comps["transformer"]["stored_dtype"] = str(stored_dtype(path / "transformer")).replace("torch.", "")
+
+    def max_len(tok, cap):
+        f = path / tok / "tokenizer_config.json"
+        return min(cap, int(json.loads(f.read_text()).get("model_max_length", cap)) if f.is_file() else cap)
+
+    text = ({"clip": max_len("tokenizer", 77), "t5": max_len("tokenizer_3", 256)} if kind == "sd3"
+            else {"clip": max_len("tokenizer", 77), "t5": max_len("tokenizer_2", 512)})
+    return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
+
+
+def meta_module(comp: dict, device: str = "meta") -> torch.nn.Module:
+    lib = importlib.import_module(comp["library"])
+    cls, config = getattr(lib, comp["class"]), dict(comp["config"])
+    with torch.device(device):
+        if comp["library"] == "diffusers":
+            return cls.from_config(config)
+        return cls(cls.config_class(**clean(config)))
+
+
+def block_lists(module: torch.nn.Module) -> list[torch.nn.ModuleList]:
+    """The transformer's block lists in forward order (the FSDP2 units of parallel/blocks.py block_slots)."""
+    return [m for n, m in module.named_children() if isinstance(m, torch.nn.ModuleList)]
+
+
+def transformer_stats(comp: dict, lora_rank: int = 0, targets=DEFAULT_TARGETS) -> dict:
+    return _stats(json.dumps(comp, sort_keys=True), lora_rank, tuple(targets))
+
+
+@functools.lru_cache(maxsize=None)
+def _stats(comp_json: str, lora_rank: int, targets: tuple) -> dict:
+    m = meta_module(json.loads(comp_json))
+    blocks = [b for bl in block_lists(m) for b in bl]
+
+    def n(mod):
+        return sum(p.numel() for p in mod.parameters())
+
+    def lora(mod):  # peft's suffix match of the target names (models/lora.py)
+        return sum(lora_rank * (x.in_features + x.out_features) for name, x in mod.named_modules()
+                   if isinstance(x, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+
+    return {"params": n(m), "buffers": sum(b.numel() * b.element_size() for b in m.buffers()),
+            "block_params": [n(b) for b in blocks], "root_params": n(m) - sum(n(b) for b in blocks),
+            "lora_params": lora(m) if lora_rank else 0, "block_lora": [lora(b) for b in blocks] if lora_rank else []}
+
+
+def component_params(comp: dict) -> int:
+    return _params(json.dumps({k: comp[k] for k in ("library", "class", "config")}, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _params(comp_json: str) -> int:
+    return sum(p.numel() for p in meta_module(json.loads(comp_json)).parameters())
+
+
+def reward_models(cfg) -> dict[str, dict]:
+    """{reward name: CLIPModel component} of the GPU reward models the config scores with."""
+    table = json.loads((SHAPES / "rewards.json").read_text())
+    spec = cfg.reward.components or {cfg.reward.name: cfg.reward.options}
+    out = {}
+    for name, opts in spec.items():
+        opts = opts or {}
+        path = opts.get("path") or opts.get("clip_path")
+        if path and (resolve_path(path) / "config.json").is_file():
+            out[name] = {"library": "transformers", "class": "CLIPModel",
+                         "config": json.loads((resolve_path(path) / "config.json").read_text()), "options": opts}
+        elif table["models"].get(name):
+            out[name] = dict(table["models"][name], options=opts)
+        elif name not in table["gpu_free"]:
+            print(f"note: reward {name!r} not estimated (no shape; 0 bytes assumed)", file=sys.stderr)
+    return out
+
+
+def counts() -> str:
+    """The parameter counts of every shape file's components (a markdown table)."""
+    lines = ["| shapes | component | class | parameters |", "|---|---|---|---|"]
+    for f in sorted(SHAPES.glob("*.json")):
+        data = json.loads(f.read_text())
+        for name, comp in (data.get("components") or {k: v for k, v in data["models"].items() if v}).items():
+            lines.append(f"| {f.stem} | {name} | {comp['class']} | {component_params(comp) / 1e6:,.1f} M |")
+    return "\n".join(lines)

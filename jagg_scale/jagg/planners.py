@@ -1,0 +1,234 @@
+"""Knot planners: which knot plan (plans.py) the trained steps of a minibatch get. One small typed object per way
+of spending transformer rows, holding its own settings and nothing else:
+
+    ExactPlanner()                                      Flow-GRPO: every trained step its own knot, one forward
+                                                        + backward each (JAGG off)
+    WindowPlanner(window, jagg_frac, route_by, min_cos) windows of `window` steps; the routed ones (routing.py)
+                                                        one joint pass over their two endpoints, the others per
+                                                        step, so jagg_frac = 0 is Flow-GRPO bit for bit
+    SharedKnotPlanner(window, rows_per_pass)            windows of `window` steps sharing their boundary knots,
+                                                        the knots in passes of rows_per_pass
+    BudgetPlanner(speedup, error_model, rows_per_pass)  at most T / speedup knots, placed by the DP on the error
+                                                        model (knots.py), in passes of rows_per_pass
+
+`planner.plan(velocities, sigmas, grad_norms=, reduce=)` decides from what the rollout holds (no transformer pass):
+the rollout's velocities [T, B, ...] and sigmas [T] at the trained steps, `grad_norms()` the |g_k| of each trained
+step (called only by the planners that rank by it), `reduce(values, how)` combining per-rank statistics so that
+every data-parallel rank runs the same plan (a sharded model's collectives must match). It returns `Planned`.
+
+What else a planner knows about itself: `rows_per_pass`, what knot_backward takes (None: one pass per segment);
+`knots_per_pass`, the most knots one with-grad pass stacks (the pass holds that many times the micro-batch's rows:
+the memory estimate's unit); `max_interior(T)`, the most interior steps of one segment (the extra no-grad rows of
+the `forward` intermediate values).
+
+The run config builds one from its `jagg` section (`build_planner(kind, **settings)`, train/config_sections.py):
+a planner's settings are its dataclass fields, so a key the chosen planner has no field for is refused, naming
+the planners it belongs to (`PlannerSettingError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Optional, Union
+
+import torch
+
+from .knots import ERROR_MODELS, ErrorModel, cosine_error, plan_budget, residual_error, velocity_cosines
+from .plans import Plan, budget_for_speedup, exact_plan, knots_from_windows, plan_uniform
+from .routing import ROUTE_BY, RouteBy, route_windows
+from .windows import split_windows
+
+__all__ = ["BudgetPlanner", "ExactPlanner", "PLANNERS", "Planned", "Planner", "PlannerSettingError",
+           "SharedKnotPlanner", "WindowPlanner", "build_planner", "planner_keys"]
+
+Reduce = Callable[[list[float], str], list[float]]
+GradNorms = Callable[[], list[float]]
+
+
+class PlannerSettingError(ValueError):
+    """Planner settings that are out of range, or that the planner does not take; `keys` names them."""
+
+    def __init__(self, keys: str | list[str], message: str, owners: dict[str, list[str]] | None = None):
+        super().__init__(message)
+        self.keys = [keys] if isinstance(keys, str) else list(keys)
+        self.owners = owners  # a key the planner does not take -> the planners that take it
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise PlannerSettingError(key, message)
+
+
+@dataclass
+class Planned:
+    """A minibatch's knot plan over positions 0 .. T-1 of its trained steps, and how it came about."""
+
+    plan: Plan
+    windows: Optional[list[list[int]]] = None  # uniform windows (positions): the unit of routing and of the probe
+    jagg_windows: int = 0  # routed windows, or the planner's segments with interior steps
+    cosines: list[float] = field(default_factory=list)  # endpoint-velocity cosine per window (routing)
+
+    @property
+    def num_windows(self) -> int:
+        return len(self.windows) if self.windows is not None else len(self.plan)
+
+
+def _interpolated(plan: Plan) -> int:
+    return sum(1 for a, b in plan if b > a + 1)
+
+
+@dataclass(frozen=True)
+class ExactPlanner:
+    """Flow-GRPO's per-step backward: a lone segment per trained step."""
+
+    name: ClassVar[str] = "exact"
+    rows_per_pass: ClassVar[None] = None
+    knots_per_pass: ClassVar[int] = 1
+
+    def max_interior(self, T: int) -> int:
+        return 0
+
+    def plan(self, velocities: torch.Tensor, sigmas: torch.Tensor, *, grad_norms: GradNorms | None = None,
+             reduce: Reduce | None = None) -> Planned:
+        T = velocities.shape[0]
+        return Planned(exact_plan(T), windows=[[k] for k in range(T)])
+
+
+@dataclass(frozen=True)
+class WindowPlanner:
+    """JAGG windows of `window` consecutive trained steps (the last keeps the remainder). round(jagg_frac x windows)
+    of them, ranked by `route_by` (vcos: endpoint-velocity cosine; weighted: (1 - cos) x sum |g_k|) and none with an
+    endpoint cosine below `min_cos`, take one joint pass over their endpoints; the others train per step."""
+
+    window: int = 4
+    jagg_frac: float = 1.0
+    route_by: RouteBy = "vcos"
+    min_cos: Optional[float] = None
+
+    name: ClassVar[str] = "window"
+    rows_per_pass: ClassVar[None] = None  # one pass per segment: a window's two endpoints together
+
+    def __post_init__(self):
+        _require(self.window >= 1, "window", f"must be >= 1, got {self.window}")
+        _require(0.0 <= self.jagg_frac <= 1.0, "jagg_frac", f"must be in [0, 1], got {self.jagg_frac}")
+        _require(self.route_by in ROUTE_BY, "route_by", f"must be one of {', '.join(ROUTE_BY)}, got {self.route_by!r}")
+        _require(self.min_cos is None or -1.0 <= self.min_cos <= 1.0, "min_cos", f"must be in [-1, 1], got {self.min_cos}")
+
+    @property
+    def knots_per_pass(self) -> int:
+        return 2 if self.window > 1 and self.jagg_frac > 0 else 1
+
+    def max_interior(self, T: int) -> int:
+        return max(0, min(self.window, T) - 2) if self.jagg_frac > 0 else 0
+
+    def plan(self, velocities: torch.Tensor, sigmas: torch.Tensor, *, grad_norms: GradNorms | None = None,
+             reduce: Reduce | None = None) -> Planned:
+        windows = split_windows(range(velocities.shape[0]), self.window)
+        norms = None
+        if self.route_by == "weighted":
+            if grad_norms is None:
+                raise ValueError("route_by='weighted' needs grad_norms (|g_k| per trained step)")
+            norms = grad_norms()
+        routing = route_windows(windows, velocities, jagg_frac=self.jagg_frac, route_by=self.route_by,
+                                min_cos=self.min_cos, grad_norms=norms, reduce=reduce)
+        return Planned(knots_from_windows(windows, use_jagg=routing.use_jagg), windows=windows,
+                       jagg_windows=routing.num_jagg, cosines=routing.cosines)
+
+
+@dataclass(frozen=True)
+class SharedKnotPlanner:
+    """Segments of `window` steps overlapping on their boundary knot (stride window - 1: fewer knots than
+    WindowPlanner's for the same span), the sorted knots `rows_per_pass` at a time per with-grad pass."""
+
+    window: int = 4
+    rows_per_pass: int = 2
+
+    name: ClassVar[str] = "shared"
+
+    def __post_init__(self):
+        _require(self.window >= 1, "window", f"must be >= 1, got {self.window}")
+        _require(self.rows_per_pass >= 1, "rows_per_pass", f"must be >= 1, got {self.rows_per_pass}")
+
+    @property
+    def knots_per_pass(self) -> int:
+        return self.rows_per_pass
+
+    def max_interior(self, T: int) -> int:
+        return max(0, min(self.window, T) - 2)
+
+    def plan(self, velocities: torch.Tensor, sigmas: torch.Tensor, *, grad_norms: GradNorms | None = None,
+             reduce: Reduce | None = None) -> Planned:
+        plan = plan_uniform(velocities.shape[0], self.window, share=True)
+        return Planned(plan, jagg_windows=_interpolated(plan))
+
+
+@dataclass(frozen=True)
+class BudgetPlanner:
+    """At most floor(T / speedup) knots (first and last trained step included), placed by the DP (knots.py) where
+    the error model (residual: the rollout velocities' interpolation residual; cosine: endpoint decorrelation)
+    times |g_k| says interpolation would cost least; `rows_per_pass` knots per with-grad pass."""
+
+    speedup: float = 2.0
+    error_model: ErrorModel = "residual"
+    rows_per_pass: int = 2
+
+    name: ClassVar[str] = "budget"
+
+    def __post_init__(self):
+        _require(self.speedup >= 1.0, "speedup", f"must be >= 1, got {self.speedup}")
+        _require(self.error_model in ERROR_MODELS, "error_model",
+                 f"must be one of {', '.join(ERROR_MODELS)}, got {self.error_model!r}")
+        _require(self.rows_per_pass >= 1, "rows_per_pass", f"must be >= 1, got {self.rows_per_pass}")
+
+    @property
+    def knots_per_pass(self) -> int:
+        return self.rows_per_pass
+
+    def max_interior(self, T: int) -> int:
+        return max(0, T - budget_for_speedup(T, self.speedup)) if T > 1 else 0
+
+    def plan(self, velocities: torch.Tensor, sigmas: torch.Tensor, *, grad_norms: GradNorms | None = None,
+             reduce: Reduce | None = None) -> Planned:
+        """The DP on the error model, fed with |g_k| at the rollout's velocities; with data parallelism the |g_k|
+        are combined over ranks (root of summed squares) and the per-rank cost tables averaged before the DP."""
+        if grad_norms is None:
+            raise ValueError("the budget planner needs grad_norms (|g_k| per trained step)")
+        T = velocities.shape[0]
+        velocities, sigmas = velocities.cpu(), sigmas.cpu()
+        g = grad_norms()
+        if reduce is not None:
+            g = reduce(list(g), "norm")
+        error_fn = (residual_error(velocities, sigmas) if self.error_model == "residual"
+                    else cosine_error(velocity_cosines(velocities), sigmas))
+        plan = plan_budget(g, error_fn, budget_for_speedup(T, self.speedup),
+                           reduce=None if reduce is None else (lambda values: reduce(values, "mean")))
+        return Planned(plan, jagg_windows=_interpolated(plan))
+
+
+Planner = Union[ExactPlanner, WindowPlanner, SharedKnotPlanner, BudgetPlanner]
+PLANNERS: dict[str, type] = {cls.name: cls for cls in (ExactPlanner, WindowPlanner, SharedKnotPlanner, BudgetPlanner)}
+
+
+def planner_keys(kind: str) -> tuple[str, ...]:
+    """The settings planner `kind` takes (its dataclass fields)."""
+    return tuple(f.name for f in dataclasses.fields(PLANNERS[kind]))
+
+
+def build_planner(kind: str, **settings) -> Planner:
+    """The planner `kind` (PLANNERS) with `settings`. Settings it has no field for raise PlannerSettingError naming
+    all of them and the planners that take them; one out of range raises it naming that one."""
+    if kind not in PLANNERS:
+        raise ValueError(f"planner must be one of {', '.join(PLANNERS)}, got {kind!r}")
+    own = planner_keys(kind)
+    foreign = [key for key in settings if key not in own]
+    if foreign:
+        owners = {key: [k for k in PLANNERS if key in planner_keys(k)] for key in foreign}
+        groups: dict[tuple, list[str]] = {}
+        for key in foreign:
+            groups.setdefault(tuple(owners[key]), []).append(key)
+        said = "; ".join(f"{', '.join(keys)}: a setting of the {' and '.join(who) or 'no'} planner{'s' * (len(who) > 1)}"
+                         for who, keys in groups.items())
+        raise PlannerSettingError(foreign, f"the {kind} planner does not use {'them' if len(foreign) > 1 else 'it'} "
+                                           f"({said})", owners)
+    return PLANNERS[kind](**settings)
