@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 CONFIG  ?= configs/digits_cpu.yaml
 ARGS    ?=
 
-.PHONY: setup run test test-fast test-slow test-dist bench parity clean
+.PHONY: setup run lint test test-fast test-slow test-dist bench parity clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -23,9 +23,15 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/jagg-train $(CONFIG) run.resume=auto $(ARGS)
 
-# The whole suite (what CI runs). Markers (pyproject.toml): slow = >= ~5 s alone, dist = several processes or DeepSpeed.
-test: setup
-	$(BIN)/python -m pytest -q tests
+# ruff over the package, the tools and the tests (its config: pyproject.toml)
+lint: setup
+	$(BIN)/ruff check jagg_scale tools tests
+
+# What CI runs (.ci/run): the linter, then the whole suite with every optional extra required (a missing one fails the
+# session instead of skipping tests: tests/extras.py). Markers (pyproject.toml): slow = >= ~5 s alone, dist = several
+# processes or DeepSpeed.
+test: lint
+	JAGG_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q tests
 
 # The inner loop: everything but slow and dist tests (718 of 789; about 2-4 min on a 2-core machine).
 test-fast: setup

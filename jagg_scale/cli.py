@@ -78,7 +78,8 @@ def _summary(trainer, cfg, history: list[dict]) -> None:
             f"  {cfg.jagg.planner()}\n"
             f"  reward: first {summary['reward_first']:.4f} -> last {summary['reward_last']:.4f} "
             f"(mean of first/last {min(3, summary['steps'])} steps)\n"
-            f"  transformer backward passes: {summary['backward_passes']} vs {summary['backward_passes_per_step_baseline']} "
+            f"  transformer backward passes: {summary['backward_passes']} vs "
+            f"{summary['backward_passes_per_step_baseline']} "
             f"per-step (Flow-GRPO), {100 * summary['backward_saved_frac']:.0f}% saved\n"
             f"  training-phase seconds: {summary['train_seconds']:.1f}"
         )

@@ -1,17 +1,34 @@
 """Shared fixtures: the tiny offline diffusers pipelines of tools/make_tiny_pipeline.py, built once per session
-(read-only for the tests that use them)."""
+(read-only for the tests that use them).
+
+The tests live in folders named after the packages they cover (tests/jagg, tests/train, ...); the helpers they
+share (minibatch.py, toy_velocity.py, extras.py, ...) sit here, on the import path. Under JAGG_REQUIRE_EXTRAS=1
+(`make test`, CI) the session refuses to start when an optional extra is missing (extras.py)."""
 
 import sys
 from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+TESTS = Path(__file__).resolve().parent
+TOOLS = TESTS.parent / "tools"
+if str(TESTS) not in sys.path:  # the shared helpers
+    sys.path.insert(0, str(TESTS))
+
+from extras import missing, need, required  # noqa: E402 - after the helpers' directory is on the path
+
+
+def pytest_sessionstart(session):
+    gone = missing() if required() else []
+    if gone:
+        raise pytest.UsageError("JAGG_REQUIRE_EXTRAS=1, but these optional extras are not installed: "
+                                f"{', '.join(gone)} "
+                                "(make setup installs them: rm .venv/bin/.installed && make setup)")
 
 
 def _maker(name: str):
-    pytest.importorskip("diffusers")
-    pytest.importorskip("transformers")
+    need("diffusers")
+    need("transformers")
     if str(TOOLS) not in sys.path:
         sys.path.insert(0, str(TOOLS))
     import make_tiny_pipeline

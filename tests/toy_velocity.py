@@ -1,4 +1,4 @@
-"""Toy velocity models shared by the JAGG engine tests (test_jagg.py, test_knots.py).
+"""Toy velocity models shared by the knot_backward tests (tests/jagg/test_backward.py, tests/jagg/test_plans.py).
 
 Latents are [B, 3, 2, 2] (D = 12 flattened), sigma [B], conditioning [B, 4].
 """

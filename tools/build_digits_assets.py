@@ -43,7 +43,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jagg_scale.data.digits import (  # noqa: E402
+from jagg_scale.data.digits import (
     DIGIT_WORDS,
     DIGITS_SPLIT_SEED,
     HELDOUT_TEMPLATES,
@@ -52,11 +52,11 @@ from jagg_scale.data.digits import (  # noqa: E402
     load_digits_split,
     prompt_records,
 )
-from jagg_scale.grpo.rollout import sample_ode, sample_sde  # noqa: E402
-from jagg_scale.grpo.schedule import sigma_schedule  # noqa: E402
-from jagg_scale.models.dit import DiT, DiTConfig  # noqa: E402
-from jagg_scale.models.tokenizer import HashTokenizer  # noqa: E402
-from jagg_scale.rewards.digits import DigitClassifier  # noqa: E402
+from jagg_scale.grpo.rollout import sample_ode, sample_sde
+from jagg_scale.grpo.schedule import sigma_schedule
+from jagg_scale.models.dit import DiT, DiTConfig
+from jagg_scale.models.tokenizer import HashTokenizer
+from jagg_scale.rewards.digits import DigitClassifier
 
 DEFAULT_OUT = ROOT / "jagg_scale" / "assets" / "digits"
 
@@ -342,8 +342,10 @@ Digit words: {", ".join(DIGIT_WORDS)}. `{{word}}` is the word, `{{d}}` the numer
 
 | split | templates | file |
 |---|---|---|
-| train (generator training, GRPO) | {"; ".join(f"`{t}`" for t in TRAIN_TEMPLATES)} | `prompts_train.jsonl` ({len(TRAIN_TEMPLATES) * 10} prompts) |
-| held-out (never seen by the generator) | {"; ".join(f"`{t}`" for t in HELDOUT_TEMPLATES)} | `prompts_heldout.jsonl` ({len(HELDOUT_TEMPLATES) * 10} prompts) |
+| train (generator training, GRPO) | {"; ".join(f"`{t}`" for t in TRAIN_TEMPLATES)} | \
+`prompts_train.jsonl` ({len(TRAIN_TEMPLATES) * 10} prompts) |
+| held-out (never seen by the generator) | {"; ".join(f"`{t}`" for t in HELDOUT_TEMPLATES)} | \
+`prompts_heldout.jsonl` ({len(HELDOUT_TEMPLATES) * 10} prompts) |
 
 One JSON object per line: `{{"prompt": ..., "digit": int}}`. The {info["n_words"]} distinct template words have
 distinct ids under `HashTokenizer(vocab_size={GEN_CONFIG.vocab_size})` (checked by the build).
@@ -355,7 +357,8 @@ maxpool - linear 1024->10 (ReLU), {c["params"]:,} parameters. Adam lr {CLS_LR} (
 {CLS_EPOCHS} epochs ({c["steps"]} steps, {c["seconds"]:.0f} s), seed {CLS_SEED}; augmentation: shifts up to 2 px,
 contrast x[0.8, 1.1] and offset [-0.1, 0.1], gaussian noise std U(0, 0.3).
 
-- held-out accuracy: **{c["heldout_acc"]:.4f}** (train {c["train_acc"]:.4f}; held-out with augmentation {c["heldout_aug_acc"]:.4f})
+- held-out accuracy: **{c["heldout_acc"]:.4f}** (train {c["train_acc"]:.4f}; held-out with augmentation \
+{c["heldout_aug_acc"]:.4f})
 
 ## Generator (`generator.safetensors` float16, loaded into a float32 model; `generator.json` = `DiTConfig`)
 
@@ -373,7 +376,8 @@ held-out prompts x {EVAL_IMAGES_PER_PROMPT} images. Training stops at the first 
 of the evaluated snapshots with reward in [{BAND_LO}, {BAND_HI}] the one closest to {AIM} is kept.
 
 - trained {g["stopped_at"]} steps ({g["seconds"]:.0f} s); kept the snapshot at step **{g["chosen_step"]}**
-- held-out reward (ODE, held-out prompts): **{g["heldout_ode_reward"]:.4f}** (classifier accuracy {g["heldout_ode_acc"]:.3f})
+- held-out reward (ODE, held-out prompts): **{g["heldout_ode_reward"]:.4f}** (classifier accuracy \
+{g["heldout_ode_acc"]:.3f})
 - train-prompt reward (SDE, as GRPO rollouts: `sample_sde`, {EVAL_STEPS} steps, shift {EVAL_SHIFT}, noise_level
   {SDE_NOISE_LEVEL}, {len(TRAIN_TEMPLATES) * 10} train prompts x {SDE_IMAGES_PER_PROMPT}, seed {SDE_SEED}):
   **{g["train_sde_reward"]:.4f}** (accuracy {g["train_sde_acc"]:.3f})

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jagg_scale.rewards.digits import DigitMatch  # noqa: E402
-from jagg_scale.train.diversity import FEATURES, mean_pairwise_distance  # noqa: E402
+from jagg_scale.rewards.digits import DigitMatch
+from jagg_scale.train.diversity import FEATURES, mean_pairwise_distance
 
 
 def real_digit_images() -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jagg_scale.estimate.cli import main  # noqa: E402 - after the path, for a checkout without the install
+from jagg_scale.estimate.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,8 @@
 """The device check: what a CPU cannot show, measured in one prepared run on one GPU (<= 8 min on an H100/H200).
 
     bash tools/gpu_check.sh                                   # on a CUDA machine; results in $OUT or gpu_check_out/
-    python tools/gpu_check.py --tiny --device cpu --out DIR   # the same code at toy scale (tests/test_gpu_check.py)
+    python tools/gpu_check.py --tiny --device cpu --out DIR   # the same code at toy scale
+                                                              # (tests/tools/test_gpu_check.py)
 
 Sections, each in its own try block (a failing one is recorded and the next runs), results written after each:
 
@@ -41,12 +42,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
-from jagg_scale.grpo.loss import GRPOStepLoss  # noqa: E402
-from jagg_scale.grpo.rollout import Trajectories, sample_sde  # noqa: E402
-from jagg_scale.grpo.sde import sde_step_with_logprob  # noqa: E402
-from jagg_scale.grpo.schedule import sigma_schedule  # noqa: E402
-from jagg_scale.jagg import exact_backward, jagg_backward  # noqa: E402
-from jagg_scale.train.host_syncs import CudaSyncs, HostSyncs  # noqa: E402
+from jagg_scale.grpo.loss import GRPOStepLoss
+from jagg_scale.grpo.rollout import Trajectories, sample_sde
+from jagg_scale.grpo.sde import sde_step_with_logprob
+from jagg_scale.grpo.schedule import sigma_schedule
+from jagg_scale.jagg import exact_backward, jagg_backward
+from jagg_scale.train.host_syncs import CudaSyncs, HostSyncs
 
 NOISE_LEVEL, SHIFT, CLIP, NUM_STEPS = 0.7, 3.0, 1e-4, 10
 TEXT_TOKENS = 333  # CLIP 77 + T5 256, as the SD3 adapter encodes them
@@ -126,7 +127,8 @@ def random_cond(cfg: dict, rows: int, tokens: int, device: torch.device, gen: to
 # ------------------------------------------------------------------------------------------------------------------
 
 def section_env(args, device) -> dict:
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": str(device), "python": sys.version.split()[0]}
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": str(device),
+            "python": sys.version.split()[0]}
     try:
         import diffusers
 
@@ -205,7 +207,8 @@ def section_window(args, device, state) -> dict:
     sigmas = sigma_schedule(NUM_STEPS, SHIFT).to(device)
     t0 = time.perf_counter()
     with torch.no_grad():
-        traj = sample_sde(policy, cond, noise, sigmas, noise_level=NOISE_LEVEL, generator=torch.Generator().manual_seed(0))
+        traj = sample_sde(policy, cond, noise, sigmas, noise_level=NOISE_LEVEL,
+                          generator=torch.Generator().manual_seed(0))
     sync(device)
     info["rollout_seconds"] = round(time.perf_counter() - t0, 3)
     adv = torch.randn(B, generator=gen, device=device)
@@ -214,9 +217,12 @@ def section_window(args, device, state) -> dict:
     for W in args.widths:
         loss = GRPOStepLoss(noise_level=NOISE_LEVEL, clip_range=CLIP, scale=1.0 / W).on(batch)
         lat, sig, vel = traj.latents[:W], traj.sigmas[:W], traj.velocities[:W]
-        per_step = time_case(lambda: exact_backward(policy, lat, sig, cond, loss), policy, device, args.repeats)
-        joint = time_case(lambda: jagg_backward(policy, lat, sig, cond, loss, cached_velocities=vel,
-                                                intermediate="cached"), policy, device, args.repeats)
+        per_step = time_case(lambda lat=lat, sig=sig, loss=loss: exact_backward(policy, lat, sig, cond, loss),
+                             policy, device, args.repeats)
+        joint = time_case(lambda lat=lat, sig=sig, loss=loss, vel=vel: jagg_backward(policy, lat, sig, cond, loss,
+                                                                                      cached_velocities=vel,
+                                                                                      intermediate="cached"),
+                          policy, device, args.repeats)
         info["windows"][f"W{W}"] = {"per_step": per_step, "jagg_cached": joint,
                                     "speedup": round(per_step["seconds"] / joint["seconds"], 3), "limit": W / 2}
         print(f"  W={W}: per-step {per_step['seconds']:.3f}s, JAGG {joint['seconds']:.3f}s, "
@@ -366,18 +372,21 @@ def markdown(runs: list[dict]) -> str:
         for win in wins:
             for W, r in win["windows"].items():
                 p, j = r["per_step"], r["jagg_cached"]
-                out.append(f"| {win['rows']} | {W[1:]} | {p['seconds']:.3f} | {j['seconds']:.3f} | {r['speedup']:.2f}x | "
+                out.append(f"| {win['rows']} | {W[1:]} | {p['seconds']:.3f} | {j['seconds']:.3f} | "
+                           f"{r['speedup']:.2f}x | "
                            f"{r['limit']:.1f} | {p.get('peak_above_resident_gib', '-')} / "
                            f"{j.get('peak_above_resident_gib', '-')} | {p['host_syncs']} / {j['host_syncs']} |")
-        out += ["", "At B = 8 rows a pass is bound by kernel launches, not arithmetic (8 x 1357 tokens): one joint pass "
-                "of 2B rows costs about what one B-row pass does, so the speedup exceeds W/2; at the production "
-                "micro-batch (72 rows) the passes are compute-bound and the ratio is read against W/2.", ""]
+        out += ["", "At B = 8 rows a pass is bound by kernel launches, not arithmetic (8 x 1357 tokens): "
+                "one joint pass of 2B rows costs about what one B-row pass does, so the speedup exceeds W/2; "
+                "at the production micro-batch (72 rows) the passes are compute-bound and the ratio is read against "
+                "W/2.", ""]
     mem = sec.get("memory")
     if mem:
         p, j = mem["per_step_pass"], mem["joint_pass"]
         out += [f"**Memory at sd35m_pickscore's micro-batch** ({mem['rows']} rows x {mem['tokens_per_row']} tokens): "
                 f"one per-step pass peaks {p.get('peak_above_resident_gib')} GiB above the resident "
-                f"{p['resident_gib']} GiB, one joint JAGG pass ({2 * mem['rows']} rows) {j.get('peak_above_resident_gib')}"
+                f"{p['resident_gib']} GiB, one joint JAGG pass ({2 * mem['rows']} rows) "
+                f"{j.get('peak_above_resident_gib')}"
                 f" GiB ({p['seconds']} s / {j['seconds']} s, first use included). `jagg-estimate "
                 f"configs/sd35m_pickscore.yaml --world-size 8` predicts 30.46 GiB of activations + 2.50 GiB of pass "
                 f"inputs for the joint pass.", ""]
@@ -432,8 +441,9 @@ def main(argv=None) -> int:
         print(f"== {name}", flush=True)
         t0 = time.perf_counter()
         try:
-            res = {"ok": True, **(SECTIONS[name](args, device) if name == "env" else SECTIONS[name](args, device, state))}
-        except Exception as exc:  # noqa: BLE001 - record and go on: one prepared run must report every section
+            res = {"ok": True,
+                   **(SECTIONS[name](args, device) if name == "env" else SECTIONS[name](args, device, state))}
+        except Exception as exc:
             traceback.print_exc()
             res = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
         res["section_seconds"] = round(time.perf_counter() - t0, 1)

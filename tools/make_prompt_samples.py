@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jagg_scale.data import shared_prompts_dir  # noqa: E402
+from jagg_scale.data import shared_prompts_dir
 
 # Pick-a-Pic captions are what users typed, some of it explicit: its samples keep only the captions that pass this
 # deliberately broad word filter (people, bodies, violence, real people's names), not simply the first lines
@@ -91,7 +91,8 @@ def manifest(out: Path) -> str:
         "- drawbench_format/ : written for this repository (Apache-2.0, as the project) in DrawBench's CSV layout\n"
         "  (header `Prompts,Category`, quoted fields with commas); DrawBench's own licence is unknown, so none of\n"
         "  its prompts are here.\n\n"
-        "The full sets are optional (`jagg_scale.data.shared_prompts_dir()`; tests/test_prompt_sets.py runs on them\n"
+        "The full sets are optional (`jagg_scale.data.shared_prompts_dir()`; "
+        "tests/data/test_prompt_sets.py runs on them\n"
         "too when they are present).\n\n"
         "| file | bytes | lines (wc -l) | sha256[:16] |\n|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )

@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from jagg_scale.data.prompt_sets import read_drawbench, read_geneval, read_ocr, read_parti, read_pickapic  # noqa: E402
-from jagg_scale.data.prompts import LineReader, PromptRecord, PromptSet, parse_jsonl_record  # noqa: E402
-from jagg_scale.data.shards import shard_pattern, write_prompt_shards  # noqa: E402
+from jagg_scale.data.prompt_sets import read_drawbench, read_geneval, read_ocr, read_parti, read_pickapic
+from jagg_scale.data.prompts import LineReader, PromptRecord, PromptSet, parse_jsonl_record
+from jagg_scale.data.shards import shard_pattern, write_prompt_shards
 
 
 def _read_lines(parse):

@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jagg_scale.grpo import sigma_schedule  # noqa: E402
-from jagg_scale.jagg import split_windows, trained_steps  # noqa: E402
-from jagg_scale.train import Trainer, load_config  # noqa: E402
+from jagg_scale.grpo import sigma_schedule
+from jagg_scale.jagg import split_windows, trained_steps
+from jagg_scale.train import Trainer, load_config
 
 ARMS = {
     "exact": ["jagg.mode=exact"],
@@ -115,14 +115,16 @@ def summarize(runs: list[dict], cfg) -> tuple[list[dict], str]:
             "knots": [k for r in rs for k in r.get("knots", [])],
         })
     sig = sigma_schedule(cfg.sampling.num_steps, cfg.sampling.shift)
-    lines = ["| arm | held-out reward start | final (mean +- std over seeds) | gain | backward passes (per-step equiv) | "
+    lines = ["| arm | held-out reward start | final (mean +- std over seeds) | gain | "
+             "backward passes (per-step equiv) | "
              "training s (sum) | training s (median step x steps) | speedup vs exact (median-based) | "
              "probe cos mean (min) | probe norm ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         probe = "1 (exact)" if r["probe_cos"] is None else f"{r['probe_cos']:.3f} ({r['probe_cos_min']:.3f})"
         ratio = "-" if r["probe_norm_ratio"] is None else f"{r['probe_norm_ratio']:.3f}"
         speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-        lines.append(f"| {r['arm']} | {r['start'][0]:.3f} | {r['final'][0]:.3f} +- {r['final'][1]:.3f} | {r['gain']:+.3f} | "
+        lines.append(f"| {r['arm']} | {r['start'][0]:.3f} | {r['final'][0]:.3f} +- {r['final'][1]:.3f} | "
+                     f"{r['gain']:+.3f} | "
                      f"{r['backward_passes']:.0f} ({r['per_step_equiv']:.0f}) | {r['train_seconds']:.1f} | "
                      f"{r['train_seconds_robust']:.1f} | {speed} | "
                      f"{probe} | {ratio} |")
@@ -162,7 +164,8 @@ def plot(runs: list[dict], path: Path) -> None:
         cum = torch.tensor([[0.0] + [r["train_seconds_cum"][s - 1] for s in steps[1:]] for r in rs]).mean(0)
         ax2.plot(cum, mean, marker="o", label=name, color=line.get_color())
     ax1.set(xlabel="training step", ylabel="held-out reward (ODE eval)", title="reward vs step")
-    ax2.set(xlabel="training-phase seconds (mean over seeds)", ylabel="held-out reward", title="reward vs training time")
+    ax2.set(xlabel="training-phase seconds (mean over seeds)", ylabel="held-out reward",
+            title="reward vs training time")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -198,7 +201,8 @@ def main() -> None:
             print(f"== {name}, seed {seed}", flush=True)
             runs.append(run_arm(args.config, name, seed, out, args))
             r = runs[-1]
-            print(f"   held-out {r['eval_reward'][0]:.3f} -> {r['eval_reward'][-1]:.3f}, train {r['train_seconds']:.1f}s, "
+            print(f"   held-out {r['eval_reward'][0]:.3f} -> {r['eval_reward'][-1]:.3f}, "
+                  f"train {r['train_seconds']:.1f}s, "
                   f"probe cos {statistics.mean(r['probe_cos']) if r['probe_cos'] else 1.0:.3f}", flush=True)
     machine = f"{platform.platform()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     write_outputs(runs, load_config(args.config, args.set), machine, Path(args.out), vars(args))

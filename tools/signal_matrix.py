@@ -6,10 +6,11 @@ path forwards").
 
 For each launch path and signal: two workers of a stub trainer (plain Python, no torch) are started through the
 launcher, the signal is sent to the launcher's process once both are up (what `kill PID`, Slurm or a scheduler
-does; --group: to its process group, what Ctrl-C in a terminal does), and each worker records what reached it. A worker that gets a signal keeps "saving" for --hold seconds and
-then exits 0, so a launcher that kills its workers after a grace period shows that period. Reported per case: the
-signal each worker got (or none), how the launcher ended, whether the workers outlived it (orphaned: they go on
-training with nobody to stop them), and how the workers ended (finished the save, or killed after N s).
+does; --group: to its process group, what Ctrl-C in a terminal does), and each worker records what reached it. A
+worker that gets a signal keeps "saving" for --hold seconds and then exits 0, so a launcher that kills its workers
+after a grace period shows that period. Reported per case: the signal each worker got (or none), how the launcher
+ended, whether the workers outlived it (orphaned: they go on training with nobody to stop them), and how the workers
+ended (finished the save, or killed after N s).
 
 The paths: `torchrun` is plain `torchrun --nproc-per-node 2 --no-python STUB` (the README's one-line command, torch's
 defaults); `torchrun.sh`, `deepspeed.sh` and `mpirun.sh` are this repository's launchers with JAGG_TRAIN=STUB.

@@ -2,9 +2,6 @@
 
 from .prompts import PromptRecord, PromptSet, load_prompts
 from .sampler import PromptSampler
-
-__all__ = ["PromptRecord", "PromptSet", "load_prompts", "PromptSampler"]
-
 from .prompt_sets import (
     FilteredPromptSet,
     read_drawbench,
@@ -14,6 +11,11 @@ from .prompt_sets import (
     read_pickapic,
     shared_prompts_dir,
 )
+# webdataset prompt shards: importing is free, webdataset itself is loaded only when shards are used
+from .shards import ShardPromptStream, shard_pattern, write_prompt_shards
+from .source import ListPromptSource, StreamPromptSource
+
+__all__ = ["PromptRecord", "PromptSet", "load_prompts", "PromptSampler"]
 
 __all__ += [
     "FilteredPromptSet",
@@ -25,11 +27,6 @@ __all__ += [
     "shared_prompts_dir",
 ]
 
-# webdataset prompt shards: importing is free, webdataset itself is loaded only when shards are used
-from .shards import ShardPromptStream, shard_pattern, write_prompt_shards
-
 __all__ += ["ShardPromptStream", "write_prompt_shards", "shard_pattern"]
-
-from .source import ListPromptSource, StreamPromptSource
 
 __all__ += ["ListPromptSource", "StreamPromptSource"]

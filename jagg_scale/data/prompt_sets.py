@@ -64,7 +64,7 @@ def read_pickapic(path: str | Path, blocklist: Iterable[str] | None = None) -> F
     pattern = re.compile(r"(?<!\w)(?:" + "|".join(map(re.escape, words)) + r")(?!\w)") if words else None
     r = LineReader(path)
     filtered = 0
-    for lineno, line in r.lines():
+    for _lineno, line in r.lines():
         text = line.strip()
         if not text:
             continue
@@ -98,7 +98,8 @@ def read_ocr(path: str | Path) -> PromptSet:
     return r.finish()
 
 
-def _read_table(path: str | Path, prompt_cols: tuple[str, ...], rows: Callable[[Iterator[str]], Iterator[list[str]]]) -> PromptSet:
+def _read_table(path: str | Path, prompt_cols: tuple[str, ...],
+                rows: Callable[[Iterator[str]], Iterator[list[str]]]) -> PromptSet:
     """Header row + data rows; the prompt column is the first header in `prompt_cols` (case-insensitive)."""
     r = LineReader(path)
     decoded = (line for _, line in r.lines())

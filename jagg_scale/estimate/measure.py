@@ -59,7 +59,7 @@ def cuda_autocast_numerics():
         def wrapped(*args, **kwargs):
             if not torch.is_autocast_enabled("cpu"):
                 return func(*args, **kwargs)
-            up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+            up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             with torch.autocast("cpu", enabled=False):
                 return func(*map(up, args), **{k: up(v) for k, v in kwargs.items()})
         wrapped.jagg_fp32 = True
@@ -82,7 +82,7 @@ def cast_inputs_hook(module, args, kwargs):  # FSDP2 MixedPrecisionPolicy(cast_f
 
 def _model_inputs(kind: str, model, cfg: dict, n: int, h: int, w: int, t: int) -> dict:
     g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g)
     common = dict(encoder_hidden_states=r(n, t, cfg["joint_attention_dim"]),
                   pooled_projections=r(n, cfg["pooled_projection_dim"]), return_dict=False)
     if kind == "sd3":
@@ -135,7 +135,7 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
     for p in trainable:
         p.grad = torch.zeros_like(p)
     cuda_autocast_numerics()
-    amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")  # noqa: E731
+    amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
     cfg = clean(comp["config"])
 
     def run(fn, args, mode):
@@ -157,7 +157,8 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
         n, h, w, t = pt
         inputs = _model_inputs(kind, model, cfg, n, h, w, t)
         captured = {}
-        hooks = [b.register_forward_pre_hook(lambda m, a, kw, i=i: captured.setdefault(i, (a, kw)), with_kwargs=True)
+        hooks = [b.register_forward_pre_hook(lambda m, a, kw, i=i, captured=captured: captured.setdefault(i, (a, kw)),
+                                             with_kwargs=True)
                  for i, b in enumerate(blocks)]
         with torch.no_grad(), amp():
             model(**inputs)
@@ -165,7 +166,8 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
             hk.remove()
         for i, b in enumerate(blocks):
             a, kw = captured[i]
-            names = ["hidden_states", "encoder_hidden_states", "temb"] + (["image_rotary_emb"] if kind == "flux" else [])
+            names = (["hidden_states", "encoder_hidden_states", "temb"]
+                     + (["image_rotary_emb"] if kind == "flux" else []))
             args = [kw[k] for k in names]
             for mode in MODES:
                 fresh = [x.detach().requires_grad_(bool(trainable))  # as inside the model: they depend on weights
@@ -173,10 +175,10 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
                 if pt == POINTS[0]:
                     run(b, fresh + [None], mode)  # warm-up (lazy initialisation)
                 samples[kinds[i]].setdefault(mode, []).append((pt, run(b, fresh + [None], mode)))
-        fn = lambda **kw: model(**kw)[0]  # noqa: E731
+        fn = lambda **kw: model(**kw)[0]
         for mode in MODES:
             model.disable_gradient_checkpointing() if mode != "ckpt" else model.enable_gradient_checkpointing()
-            call = lambda *a: fn(**inputs)  # noqa: E731
+            call = lambda *a, fn=fn, inputs=inputs: fn(**inputs)
             if pt == POINTS[0]:
                 run(call, [], "grad" if mode == "ckpt" else mode)
             samples["model"].setdefault(mode, []).append((pt, run(call, [], "grad" if mode == "ckpt" else mode)))
@@ -192,7 +194,7 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
             resid.append((pt, whole - compose(fits, kinds, mode, *_tok(pt))))
         fits[f"root_{mode}"] = _fit(resid)
     for k in kinds:
-        for q, coef in fits[k].items():
+        for _q, coef in fits[k].items():
             worst = max(worst, coef[4])
     return {"types": types, "fits": fits, "max_rel_fit_residual": worst}
 
@@ -229,17 +231,17 @@ def measure_nograd(comp: dict, what: str, dtype: torch.dtype, seq: int) -> list[
     for n, size in grid:
         if what == "vae":
             x = torch.randn(n, config["latent_channels"], size, size, dtype=dtype)
-            fn = lambda: ((module.decode(x, return_dict=False)[0].float() + 1) / 2).clamp(0, 1)  # noqa: E731
+            fn = lambda x=x: ((module.decode(x, return_dict=False)[0].float() + 1) / 2).clamp(0, 1)
             pt = (n, size, size, 0)
         elif what == "reward":
             img = config["vision_config"]["image_size"]
             x = torch.randn(n, 3, img, img, dtype=dtype)
-            fn = lambda: module.get_image_features(pixel_values=x)  # noqa: E731
+            fn = lambda x=x: module.get_image_features(pixel_values=x)
             pt = (n, 0, 0, 1)
         else:
             x = torch.randint(0, 100, (n, seq)) % module.config.vocab_size
             hidden = what == "clip_hidden"  # SD3 takes CLIP's penultimate hidden state: every layer's output is kept
-            fn = lambda: module(x, output_hidden_states=True) if hidden else module(x)[0]  # noqa: E731
+            fn = lambda x=x, hidden=hidden: module(x, output_hidden_states=True) if hidden else module(x)[0]
             pt = (n, 0, 0, seq)
         with torch.no_grad():
             fn()

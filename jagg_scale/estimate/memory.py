@@ -125,7 +125,8 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
             measure)}
     return {"cfg": cfg, "world": world, "kind": kind, "shapes": shapes.get("name"), "precision": precision,
             "sharded": sharded, "bf16": bf16, "lora_rank": rank, "stats": transformer_stats(tcomp, rank, targets),
-            "frozen": {n: component_params(comps[n]) / (world if n == t5 and cfg.model.shard_t5 else 1) for n in frozen},
+            "frozen": {n: component_params(comps[n]) / (world if n == t5 and cfg.model.shard_t5 else 1)
+                       for n in frozen},
             "encoders": encoders, "ref_bytes": 2 if bf16 and tcomp.get("stored_dtype") == "bfloat16" else 4,
             "decode": decode, "rewards": rewards, "act": act, "latent": latent, "image_tokens": (side // p) ** 2,
             "text_tokens": text, "cond_row": text * tc["joint_attention_dim"] + tc["pooled_projection_dim"],
@@ -144,7 +145,7 @@ def estimate(s: dict, micro: int | None = None) -> dict:
     Pt = st["lora_params"] if lora else st["params"]
     cdt = 2 if s["bf16"] else 4
     cfgg, ref, lat, S = cfg.sampling.guidance != 1.0, cfg.grpo.beta > 0, math.prod(s["latent"]), cfg.sampling.num_steps
-    I, T, cond = s["image_tokens"], s["text_tokens"], 4 * s["cond_row"]  # conditioning is float32 (models/sd3.py)
+    n_img, T, cond = s["image_tokens"], s["text_tokens"], 4 * s["cond_row"]  # conditioning is float32 (models/sd3.py)
     ckpt = cfg.parallel.activation_checkpointing  # every engine applies it (parallel/blocks.py)
     act = s["act"]
 
@@ -178,15 +179,15 @@ def estimate(s: dict, micro: int | None = None) -> dict:
     rows = planner.knots_per_pass * m
     pass_in = rows * (4 * 4 * lat + cond)  # stacked latents, v, G and its parts (float32), repeated conditioning
     mode = "ckpt" if ckpt else "grad"
-    activ = transformer_activations(act, mode, rows, I, T)
-    reduce_buf = transformer_activations(act, mode, rows, I, T, reduce) - activ if shard else 0.0
+    activ = transformer_activations(act, mode, rows, n_img, T)
+    reduce_buf = transformer_activations(act, mode, rows, n_img, T, reduce) - activ if shard else 0.0
     trained = cfg.sampling.sde_window or len(trained_steps(S, cfg.grpo.timestep_fraction))
     interior = planner.max_interior(trained)
     forward_mode = cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto" and steps_per_rollout > 1)
     if interior and forward_mode:  # no-grad forwards of a segment's interior steps (jagg/backward.py)
-        saved = sum(ev(act["fits"][k][f"keep_{mode}"], rows, I, T) for k in act["types"]) \
-            + ev(act["fits"][f"root_{mode}"], rows, I, T)  # the pass's graph, alive while the interior runs
-        nograd = transformer_activations(act, "nograd", interior * m, I, T) + interior * m * (cond + 8 * lat)
+        saved = sum(ev(act["fits"][k][f"keep_{mode}"], rows, n_img, T) for k in act["types"]) \
+            + ev(act["fits"][f"root_{mode}"], rows, n_img, T)  # the pass's graph, alive while the interior runs
+        nograd = transformer_activations(act, "nograd", interior * m, n_img, T) + interior * m * (cond + 8 * lat)
         activ = max(activ, saved + nograd)
 
     def encoders(n):  # Policy.encode: each encoder in turn on n prompts
@@ -200,12 +201,13 @@ def estimate(s: dict, micro: int | None = None) -> dict:
 
     bs = cfg.sampling.batch_size
     sample_rows = bs * (1 + cfgg)
-    sampling = transformer_activations(act, "nograd", sample_rows, I, T) + sample_rows * (3 * 4 * lat + cond) + score(bs)
+    sampling = (transformer_activations(act, "nograd", sample_rows, n_img, T) + sample_rows * (3 * 4 * lat + cond)
+                + score(bs))
     e = cfg.eval.batch_size  # train/evaluate.py: per batch encode, ODE, decode, score in turn; a grid kept (uint8)
     e_rows = e * (1 + cfgg)
     grid = min(cfg.eval.grid_images, s["eval_images"]) * 3 * (s["latent"][1] * s["vae_scale"]) ** 2
     eval_batch = (e * cond * (1 + cfgg) + 2 * e * lat * 4 + grid + max(encoders(e), score(e), transformer_activations(
-        act, "nograd", e_rows, I, T) + e_rows * (3 * 4 * lat + cond))) if cfg.eval.enabled else 0
+        act, "nograd", e_rows, n_img, T) + e_rows * (3 * 4 * lat + cond))) if cfg.eval.enabled else 0
     eval_batch += 4 * Pt / div if cfg.train.ema_decay > 0 and cfg.eval.enabled else 0  # ema_weights' live copy
     dyn = {
         "encode": {"prompt conditioning": cond_all, "encoder / sampling / decode / reward transients": encoders(R)},
@@ -217,7 +219,8 @@ def estimate(s: dict, micro: int | None = None) -> dict:
                    "prompt conditioning": cond_all, "rollout storage": store,
                    "minibatch copies + pass inputs": mb + pass_in, "activations": activ},
         # the Updater makes the next minibatch's copies while the previous ones are alive (gradients are None)
-        "update_switch": {"prompt conditioning": cond_all, "rollout storage": store, "minibatch copies + pass inputs": 2 * mb},
+        "update_switch": {"prompt conditioning": cond_all, "rollout storage": store,
+                          "minibatch copies + pass inputs": 2 * mb},
         "optimizer": {"gradients": grads, "prompt conditioning": cond_all, "rollout storage": store,
                       "minibatch copies + pass inputs": mb, "optimizer step temporaries": 4 * Pt / div},
         "eval": {"FSDP2 gathered weights + reduce buffers": gather, "eval batch": eval_batch},
@@ -271,10 +274,11 @@ def report(s: dict, est: dict, gpu_gib: float | None = None, headroom: float = 0
         if any(v > 0.0005 for v in vals):
             lines.append(f"| {c} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
     totals = {ph: f"{est['phases'][ph]['total'] / GiB:.2f}" for ph in PHASES}
-    lines.append("| **total** | " + " | ".join(f"**{v}**" if ph == est["peak_phase"] else v for ph, v in totals.items()) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{v}**" if ph == est["peak_phase"] else v for ph, v in totals.items())
+                 + " |")
     lines.append(f"\nper-rank peak: {est['total'] / GiB:.2f} GiB ({est['peak_phase']})")
     if gpu_gib:
         free = 1 - est["total"] / (gpu_gib * GiB)
-        lines.append(f"on {gpu_gib:g} GiB: headroom {100 * free:.1f}% ({'fits' if free >= headroom else 'DOES NOT FIT'} "
-                     f"with >= {100 * headroom:.0f}%)")
+        lines.append(f"on {gpu_gib:g} GiB: headroom {100 * free:.1f}% "
+                     f"({'fits' if free >= headroom else 'DOES NOT FIT'} with >= {100 * headroom:.0f}%)")
     return "\n".join(lines)

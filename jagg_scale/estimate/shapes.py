@@ -55,7 +55,8 @@ def pipeline_shapes(cfg, name: str | None = None) -> dict:
                              f"({', '.join(KNOWN)}): pass --shapes NAME ({SHAPES}/NAME.json)")
     file = SHAPES / f"{name}.json"
     if not file.is_file():
-        raise ShapeError(f"--shapes {name}: no {file} (known: {', '.join(sorted(p.stem for p in SHAPES.glob('*.json')))})")
+        raise ShapeError(f"--shapes {name}: no {file} "
+                         f"(known: {', '.join(sorted(p.stem for p in SHAPES.glob('*.json')))})")
     return json.loads(file.read_text())
 
 
@@ -63,7 +64,8 @@ def _from_directory(path: Path, kind: str) -> dict:
     from ..models import stored_dtype
 
     index = json.loads((path / "model_index.json").read_text())
-    comps = {n: {"library": index[n][0], "class": index[n][1], "config": json.loads((path / n / "config.json").read_text())}
+    comps = {n: {"library": index[n][0], "class": index[n][1],
+                 "config": json.loads((path / n / "config.json").read_text())}
              for n in ("transformer",) + FROZEN[kind] if n in index and index[n][0] is not None}
     comps["transformer"]["stored_dtype"] = str(stored_dtype(path / "transformer")).replace("torch.", "")
 

@@ -7,7 +7,7 @@ from .schedule import model_schedule, shift_sigmas, sigma_schedule
 from .sde import SDEStep, kl_to_reference, ode_step, sde_std, sde_step_with_logprob
 
 __all__ = [
-    "Advantages", "combine_advantages", "compute_advantages", "GRPOStepLoss", "StepBatch", "Trajectories", "guided_velocity",
-    "sample_ode", "sample_sde", "model_schedule", "shift_sigmas", "sigma_schedule", "SDEStep", "kl_to_reference", "ode_step",
-    "sde_std", "sde_step_with_logprob",
+    "Advantages", "combine_advantages", "compute_advantages", "GRPOStepLoss", "StepBatch", "Trajectories",
+    "guided_velocity", "sample_ode", "sample_sde", "model_schedule", "shift_sigmas", "sigma_schedule", "SDEStep",
+    "kl_to_reference", "ode_step", "sde_std", "sde_step_with_logprob",
 ]

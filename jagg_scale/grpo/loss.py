@@ -25,7 +25,7 @@ from .sde import kl_to_reference, sde_step_with_logprob
 class StepBatch:
     """What the loss of one minibatch needs from the rollout, for every sampling step."""
 
-    latents: torch.Tensor  # [T + 1, B, ...] x_0 .. x_T
+    latents: torch.Tensor  # [T + 1, B, ...] the latents x_0 .. x_T of the sampling steps
     velocities: torch.Tensor  # [T, B, ...] the rollout's v_k
     log_probs: torch.Tensor  # [T, B] the rollout's log p_k
     sigmas: torch.Tensor  # [T + 1]

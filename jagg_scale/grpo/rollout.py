@@ -1,7 +1,8 @@
 """Rollout: sample trajectories with the Flow-GRPO SDE and keep what training needs.
 
-Per trajectory we store x_0 .. x_T, the model's predictions v_0 .. v_{T-1}, the log-probs log p_k, and (when
-beta > 0) the reference model's velocities at the same x_k. The stored predictions are what makes JAGG's `cached`
+Per trajectory we store the latents x_0 .. x_T of the sampling steps (x_0 the starting noise at s_0 = 1), the model's
+predictions v_0 .. v_{T-1}, the log-probs log p_k, and (when beta > 0) the reference model's velocities at the same
+x_k. The stored predictions are what makes JAGG's `cached`
 intermediate mode free: on-policy they equal what a training forward would compute.
 
 Classifier-free guidance (guidance g != 1): the sampler moves along the guided velocity u + g (c - u), computed
@@ -26,7 +27,8 @@ from .solver import OdeSolverState, window_grids
 VelocityFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
 
 
-def cfg_predictions(model: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> tuple[torch.Tensor, torch.Tensor]:
+def cfg_predictions(model: VelocityFn, x: torch.Tensor, sigma: torch.Tensor,
+                    cond: Cond) -> tuple[torch.Tensor, torch.Tensor]:
     """(conditional, unconditional) predictions for `cond` = (cond, uncond): one forward of 2N rows."""
     c, uc = cond
     n = x.shape[0]
@@ -39,7 +41,8 @@ def guide(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance: float) -> torc
     return v_uncond + guidance * (v_cond - v_uncond)
 
 
-def guided_velocity(model: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance: float) -> torch.Tensor:
+def guided_velocity(model: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, cond: Cond,
+                    guidance: float) -> torch.Tensor:
     """The policy's velocity under classifier-free guidance (sampling, evaluation, the KL reference). `cond` is the
     prompt conditioning, or a pair (cond, uncond) when guidance != 1."""
     if guidance == 1.0:
@@ -119,8 +122,8 @@ def sample_sde(
     ode_steps: int = 0,
     host_sigmas: Sequence[float] | None = None,
 ) -> Trajectories:
-    """Run the sampler from `noise` (= x_0 at s_0 = 1) through all T steps of `sigmas`: the SDE (with log-probs)
-    on `sde_steps` (all when None), the deterministic ODE elsewhere (Flow-GRPO-Fast / MixGRPO: only the SDE
+    """Run the sampler from `noise` (the latent x_0 at s_0 = 1) through all T steps of `sigmas`: the SDE (with
+    log-probs) on `sde_steps` (all when None), the deterministic ODE elsewhere (Flow-GRPO-Fast / MixGRPO: only the SDE
     steps are explored and trained; their log-probs are 0 elsewhere and never used). With guidance != 1 the
     model is called with `cond` = (cond, uncond) through `cfg_predictions` and both predictions are kept.
 

@@ -1,6 +1,7 @@
 """Flow-GRPO's SDE step with its Gaussian log-probability, the deterministic ODE step, and the KL term.
 
-Rectified flow x_s = (1 - s) x_0 + s e (s = 1 is noise). With dt = s_{k+1} - s_k < 0 and noise level a:
+Rectified flow x_s = (1 - s) d + s e (data d, s = 1 is noise; x_k is the latent at step k). With
+dt = s_{k+1} - s_k < 0 and noise level a:
 
     std_k   = a * sqrt(s_k / (1 - s_k))          (s_k == 1: s_1 replaces s_k in the denominator)
     mean_k  = x_k (1 + std_k^2 / (2 s_k) dt) + v_k (1 + std_k^2 (1 - s_k) / (2 s_k)) dt

@@ -1,16 +1,16 @@
 """Deterministic solvers for the ODE part of a rollout, and the compressed schedule around an SDE window.
 
-Rectified flow x_s = (1 - s) x_0 + s e (s = 1 is noise), velocity v = e - x_0, so the model's data prediction at
-(x, s) is x_0 = x - s v. Two solvers step the probability-flow ODE from s to t < s:
+Rectified flow x_s = (1 - s) d + s e (s = 1 is noise), velocity v = e - d, so the model's data prediction at
+(x, s) is d = x - s v. Two solvers step the probability-flow ODE from s to t < s:
 
     euler   x_t = x + (t - s) v                                                   first order (the default)
     dpm2    DPM-Solver++(2M) in the flow-matching form (diffusers' DPMSolverMultistepScheduler with
             prediction_type="flow_prediction"): with alpha_s = 1 - s, sigma_s = s, lambda_s = log(alpha_s / s)
             and h = lambda_t - lambda_s,
                 x_t = (t / s) x + (alpha_t - alpha_s t / s) D
-            where D = x_0 is the first-order update (it equals Euler exactly for rectified flow) and the
-            multistep correction D = x_0 + (x_0 - x_0') / (2 r), r = (lambda_s - lambda_s') / h, uses the previous
-            step's data prediction x_0' at s'. Second order; first order where lambda is infinite: the step
+            where D = d is the first-order update (it equals Euler exactly for rectified flow) and the
+            multistep correction D = d + (d - d') / (2 r), r = (lambda_s - lambda_s') / h, uses the previous
+            step's data prediction d' at s'. Second order; first order where lambda is infinite: the step
             that leaves s = 1 (no history), the one after it (lambda_1 = -inf makes r infinite, the correction's
             limit is 0) and the final step to t = 0 (diffusers' lower_order_final with final sigma 0).
 
@@ -57,7 +57,7 @@ class OdeSolverState:
         if solver not in ODE_SOLVERS:
             raise ValueError(f"unknown ODE solver {solver!r}; choose from {ODE_SOLVERS}")
         self.solver = solver
-        self._prev: tuple[torch.Tensor, float] | None = None  # (x_0 prediction, its sigma)
+        self._prev: tuple[torch.Tensor, float] | None = None  # (the data prediction d, its sigma)
 
     def step(self, x: torch.Tensor, v: torch.Tensor, s: float, t: float) -> torch.Tensor:
         x, v = x.float(), v.float()

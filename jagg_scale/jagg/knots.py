@@ -31,7 +31,8 @@ ErrorFn = Callable[[int, int], torch.Tensor]  # (a, b) -> e(a, b, k) for k = a+1
 
 
 def velocity_cosines(velocities: torch.Tensor) -> torch.Tensor:
-    """[T, T] mean over samples of cos(v_a, v_b) from the rollout's velocities [T, B, ...] (as routing.endpoint_cosines)."""
+    """[T, T] mean over samples of cos(v_a, v_b) from the rollout's velocities [T, B, ...]
+    (as routing.endpoint_cosines)."""
     v = torch.nn.functional.normalize(velocities.detach().flatten(2).double(), dim=2, eps=1e-12)  # [T, B, D]
     return torch.einsum("abd,cbd->acb", v, v).mean(2)
 
@@ -41,7 +42,7 @@ def cosine_error(vcos, sigmas: torch.Tensor) -> ErrorFn:
     cos = vcos
     if not callable(vcos):
         table = torch.as_tensor(vcos, dtype=torch.float64).tolist()  # python floats: O(T^2) lookups stay cheap
-        cos = lambda a, b: table[a][b]  # noqa: E731
+        cos = lambda a, b: table[a][b]
 
     def e(a: int, b: int) -> torch.Tensor:
         w = interior_weights(sigmas, a, b)
@@ -80,8 +81,8 @@ def plan_cost(plan, g_norms, error_fn: ErrorFn) -> float:
     return sum(float((g[a + 1 : b] * error_fn(a, b)).sum()) for a, b in plan if b > a + 1)
 
 
-def plan_budget(g_norms, error_fn: ErrorFn, max_knots: int, *, reduce: Callable[[list[float]], list[float]] | None = None
-                ) -> Plan:
+def plan_budget(g_norms, error_fn: ErrorFn, max_knots: int, *,
+                reduce: Callable[[list[float]], list[float]] | None = None) -> Plan:
     """The plan of at most max_knots knots (first and last step included) that minimises the error model.
 
     g_norms[T]: |g_k| per trained step; error_fn(a, b) -> e of the interior steps (cosine_error or residual_error).
@@ -113,8 +114,8 @@ def plan_from_costs(C: torch.Tensor, max_knots: int) -> Plan:
     best[1, 0] = 0.0
     for j in range(2, K + 1):
         best[j], back[j] = (best[j - 1][:, None] + C).min(0)  # over the previous knot p < q
-    j = min(range(2, K + 1), key=lambda j: (float(best[j, T - 1]), -j))  # least cost, then most knots
+    n_knots = min(range(2, K + 1), key=lambda j: (float(best[j, T - 1]), -j))  # least cost, then most knots
     knots = [T - 1]
-    for j in range(j, 1, -1):
+    for j in range(n_knots, 1, -1):
         knots.append(int(back[j, knots[-1]]))
     return plan_from_knots(knots)

@@ -113,7 +113,8 @@ class WindowPlanner:
         _require(self.window >= 1, "window", f"must be >= 1, got {self.window}")
         _require(0.0 <= self.jagg_frac <= 1.0, "jagg_frac", f"must be in [0, 1], got {self.jagg_frac}")
         _require(self.route_by in ROUTE_BY, "route_by", f"must be one of {', '.join(ROUTE_BY)}, got {self.route_by!r}")
-        _require(self.min_cos is None or -1.0 <= self.min_cos <= 1.0, "min_cos", f"must be in [-1, 1], got {self.min_cos}")
+        _require(self.min_cos is None or -1.0 <= self.min_cos <= 1.0, "min_cos",
+                 f"must be in [-1, 1], got {self.min_cos}")
 
     @property
     def knots_per_pass(self) -> int:
@@ -227,7 +228,8 @@ def build_planner(kind: str, **settings) -> Planner:
         groups: dict[tuple, list[str]] = {}
         for key in foreign:
             groups.setdefault(tuple(owners[key]), []).append(key)
-        said = "; ".join(f"{', '.join(keys)}: a setting of the {' and '.join(who) or 'no'} planner{'s' * (len(who) > 1)}"
+        said = "; ".join(f"{', '.join(keys)}: a setting of the {' and '.join(who) or 'no'} "
+                         f"planner{'s' * (len(who) > 1)}"
                          for who, keys in groups.items())
         raise PlannerSettingError(foreign, f"the {kind} planner does not use {'them' if len(foreign) > 1 else 'it'} "
                                            f"({said})", owners)

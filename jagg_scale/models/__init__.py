@@ -67,10 +67,11 @@ def _fetch_pipeline(repo_id: str, cache_dir) -> None:
 
 def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     """SD3 / FLUX from a local pipeline directory (or a hub id in the local hub cache: pretrained_path), with the
-    config's LoRA, attention and text-encoder options. Every component is loaded straight in the dtype it will be used in (diffusers' per-component
-    `dtype=` at from_pretrained time, never float32 then cast): the frozen VAE and text encoders in bf16 when
-    model.dtype is bfloat16 (they never feed a gradient), float32 otherwise; the transformer in float32 (master
-    weights; bf16 is autocast), or with `keep_stored_dtype` in its checkpoint's bf16 (see build_model)."""
+    config's LoRA, attention and text-encoder options. Every component is loaded straight in the dtype it will be
+    used in (diffusers' per-component `dtype=` at from_pretrained time, never float32 then cast): the frozen VAE and
+    text encoders in bf16 when model.dtype is bfloat16 (they never feed a gradient), float32 otherwise; the
+    transformer in float32 (master weights; bf16 is autocast), or with `keep_stored_dtype` in its checkpoint's bf16
+    (see build_model)."""
     import torch
 
     path = pretrained_path(cfg)

@@ -1,6 +1,6 @@
 """The velocity-model interface every backbone implements (built-in DiT, diffusers SD3/FLUX adapters).
 
-The trainer and the JAGG engine only ever see three things:
+The trainer and knot_backward only ever see three things:
 
     cond = model.encode_prompts(prompts)       # conditioning for a batch, batch size B in dim 0
     v    = model(x, sigma, cond)               # velocity, x[N, *latent_shape], sigma[N] in [0, 1]
@@ -13,7 +13,7 @@ what a training engine shards and places on the device, upcast to `master_dtype`
 
 `cond` is a tensor or a (nested) tuple/list/dict of tensors with the batch in dim 0, so the JAGG joint batch
 can repeat it along dim 0 (`jagg_scale.cond`). Sigma follows the rectified-flow convention of docs/algorithm.md:
-x_s = (1 - s) x_0 + s e, s = 1 is pure noise, and the model predicts v = e - x_0.
+x_s = (1 - s) d + s e (data d, noise e), s = 1 is pure noise, and the model predicts v = e - d.
 """
 
 from __future__ import annotations

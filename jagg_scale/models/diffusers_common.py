@@ -139,8 +139,9 @@ class DiffusersVelocity(VelocityModel):
         return save_lora(self.transformer, out_dir, pipeline_cls=type(self.pipe), state=state)
 
     def save_full(self, out_dir, state: dict | None = None) -> Path:
-        """transformer.save_pretrained(out_dir): a full transformer directory (SD3Transformer2DModel / FluxTransformer2DModel). With a LoRA adapter
-        attached this refuses (the peft-wrapped state dict is not a plain transformer); use save_lora."""
+        """transformer.save_pretrained(out_dir): a full transformer directory (SD3Transformer2DModel /
+        FluxTransformer2DModel). With a LoRA adapter attached this refuses (the peft-wrapped state dict is not a plain
+        transformer); use save_lora."""
         from .lora import has_lora
 
         if has_lora(self.transformer):

@@ -1,6 +1,6 @@
 """FLUX.1 (diffusers) as a `VelocityModel`: the transformer is the policy, the rest is frozen.
 
-How diffusers' FLUX maps onto the interface of base.py (docs/algorithm.md's rectified flow, x_s = (1 - s) x_0 + s e):
+How diffusers' FLUX maps onto the interface of base.py (docs/algorithm.md's rectified flow, x_s = (1 - s) d + s e):
 
     cond = encode_prompts(prompts)     FluxPipeline.encode_prompt (no grad):
                                        (prompt_embeds [B, L_t5, joint_attention_dim]  -- T5,
@@ -24,9 +24,9 @@ guidance value (`guidance_scale`, default 3.5, the pipeline's default) is fed as
 the pipeline does. It is not CFG: the trainer normally runs FLUX with sampling.guidance 1.0, and a real CFG
 pair (cond, uncond) through `grpo.rollout.guided_velocity` still works (uncond = `encode_prompts([""] * N)`).
 
-Sign: the FLUX transformer predicts v = e - x_0, the scheduler's Euler step is x_next = x + (s_next - s) v on the
+Sign: the FLUX transformer predicts v = e - d, the scheduler's Euler step is x_next = x + (s_next - s) v on the
 packed latents, i.e. dx/ds = v: docs/algorithm.md's convention, so the velocity is passed through unchanged
-(tests/test_flux_adapter.py checks it against scheduler.step and the pipeline's own sampling loop).
+(tests/models/test_flux_adapter.py checks it against scheduler.step and the pipeline's own sampling loop).
 
 Schedule: FLUX shifts sigmas dynamically (mu from the image sequence length); `pipeline_sigmas(num_steps)`
 (diffusers_common.py) returns the schedule FluxPipeline would use for this latent size, with the trailing 0.
@@ -130,7 +130,7 @@ class FluxVelocity(DiffusersVelocity):
         return embeds.to(self.dtype).detach(), pooled.to(self.dtype).detach()
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
-        """Velocity v = e - x_0 at unpacked latents x [N, C, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
+        """Velocity v = e - d at unpacked latents x [N, C, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
         embeds, pooled = cond
         dtype = self.dtype
         n, _, h, w = x.shape

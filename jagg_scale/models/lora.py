@@ -1,4 +1,5 @@
-"""LoRA on a diffusers transformer (SD3, FLUX): Flow-GRPO's adapter, the adapter-off KL reference, diffusers-format saving.
+"""LoRA on a diffusers transformer (SD3, FLUX): Flow-GRPO's adapter, the adapter-off KL reference, diffusers-format
+saving.
 
     add_lora(transformer, rank=32, alpha=64)    peft LoraConfig + diffusers' `add_adapter`; only LoRA params train
     with reference_disabled(model): ...         the same transformer with the adapter off = the frozen base

@@ -1,6 +1,6 @@
 """Stable Diffusion 3 / 3.5 (diffusers) as a `VelocityModel`: the transformer is the policy, the rest is frozen.
 
-How diffusers' SD3 maps onto the interface of base.py (docs/algorithm.md's rectified flow, x_s = (1 - s) x_0 + s e):
+How diffusers' SD3 maps onto the interface of base.py (docs/algorithm.md's rectified flow, x_s = (1 - s) d + s e):
 
     cond = encode_prompts(prompts)     StableDiffusion3Pipeline.encode_prompt (no CFG, no grad):
                                        (prompt_embeds [B, L_clip + L_t5, joint_attention_dim],
@@ -12,9 +12,9 @@ How diffusers' SD3 maps onto the interface of base.py (docs/algorithm.md's recti
 Timestep: FlowMatchEulerDiscreteScheduler sets timesteps = sigmas * num_train_timesteps (1000) and the pipeline
 feeds those to the transformer, so sigma in [0, 1] becomes timestep 1000 * sigma here.
 
-Sign: the SD3 transformer predicts v = e - x_0 (noise minus data), the scheduler's Euler step is
-x_next = x + (s_next - s) v, i.e. dx/ds = v for x_s = (1 - s) x_0 + s e: the same convention as docs/algorithm.md,
-so the velocity is passed through unchanged (tests/test_sd3_adapter.py checks it against scheduler.step and
+Sign: the SD3 transformer predicts v = e - d (noise minus data), the scheduler's Euler step is
+x_next = x + (s_next - s) v, i.e. dx/ds = v for x_s = (1 - s) d + s e: the same convention as docs/algorithm.md,
+so the velocity is passed through unchanged (tests/models/test_sd3_adapter.py checks it against scheduler.step and
 the pipeline's own sampling loop).
 
 CFG is not done here: the trainer passes (cond, uncond) through `grpo.rollout.guided_velocity`, which calls
@@ -97,7 +97,7 @@ class SD3Velocity(DiffusersVelocity):
             if not torch.cuda.is_available():
                 missing.append("CUDA is not available (torch.cuda.is_available() is False)")
             try:
-                import xformers  # noqa: F401
+                import xformers
                 import xformers.ops  # noqa: F401
             except Exception as exc:  # ImportError, or a broken build
                 missing.append(f"`import xformers` failed ({type(exc).__name__}: {exc})")
@@ -122,7 +122,7 @@ class SD3Velocity(DiffusersVelocity):
         return embeds.to(self.dtype).detach(), pooled.to(self.dtype).detach()
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
-        """Velocity v = e - x_0 at latents x [N, C, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
+        """Velocity v = e - d at latents x [N, C, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
         return sd3_velocity(self.transformer, x, sigma, cond, self.num_train_timesteps)
 
 

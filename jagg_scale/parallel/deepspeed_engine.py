@@ -5,15 +5,16 @@ communication and contiguous gradients, `gradient_clipping` = train.grad_clip (0
 model computes in bf16 (the fp32 master copy lives in the optimizer; the trainer's autocast stays), and AdamW from
 the train section as DeepSpeed's optimizer section with `torch_adam: true` (torch.optim.AdamW over the flat fp32
 partitions: no compiled op, runs on CPU and matches the single-process engine). `parallel.deepspeed` is
-deep-merged over it, so any DeepSpeed key can be set there; the shorthand `offload_optimizer: cpu` (or true) adds ZeRO-Offload of the
-optimizer state (set `optimizer.params.torch_adam: false` to get DeepSpeedCPUAdam, a JIT-compiled op).
+deep-merged over it, so any DeepSpeed key can be set there; the shorthand `offload_optimizer: cpu` (or true) adds
+ZeRO-Offload of the optimizer state (set `optimizer.params.torch_adam: false` to get DeepSpeedCPUAdam, a
+JIT-compiled op).
 
 Activation checkpointing (parallel.activation_checkpointing): the model's own per-block checkpointing
 (blocks.enable_activation_checkpointing), switched on before partitioning; ZeRO-3 gathers a block's parameters
 again for its recompute in backward, as for any forward.
 
-Forward goes through DeepSpeed's engine: `engine.model` IS the `deepspeed.DeepSpeedEngine` (`engine.ds` too), and attributes
-such as `encode_prompts`, `decode`, `latent_shape`, `save_full` fall through to the wrapped module via its
+Forward goes through DeepSpeed's engine: `engine.model` IS the `deepspeed.DeepSpeedEngine` (`engine.ds` too), and
+attributes such as `encode_prompts`, `decode`, `latent_shape`, `save_full` fall through to the wrapped module via its
 `__getattr__` (its `state_dict()`/`parameters()` are ZeRO-3 placeholders: use `full_state_dict()`). ZeRO-3's
 gather hooks sit on the module itself, so `engine.module(...)` computes the same, but `DeepSpeedEngine.forward`
 also registers the output hooks that run the backward prologue (offload/NVMe swap bookkeeping) and advances
@@ -26,9 +27,10 @@ boundary itself. Every backward of a minibatch (one per JAGG window or per exact
 `backward(out, grad, last)`: DeepSpeed's `engine.backward` of the equivalent scalar sum(out * grad), under
 `set_gradient_accumulation_boundary(last)`. It reduce-scatters its gradients and adds the local partition into
 ZeRO-3's gradient partition buffer; the boundary decides (with optimizer offload) when the accumulated partition
-is copied to the CPU optimizer. ZeRO-3 keeps gradients partitioned at every backward, so
-`parallel.grad_sync` does not apply here (the config refuses it: it is always `every` in effect). `step()` applies the update at the boundary, clipping inside DeepSpeed, and
-returns its pre-clip global norm. Gradients are averaged over ranks (each rank's loss is its share of the mean).
+is copied to the CPU optimizer. ZeRO-3 keeps gradients partitioned at every backward, so `parallel.grad_sync` does
+not apply here (the config refuses it: it is always `every` in effect). `step()` applies the update at the boundary,
+clipping inside DeepSpeed, and returns its pre-clip global norm. Gradients are averaged over ranks (each rank's loss
+is its share of the mean).
 
 EMA (ema_decay > 0): each rank keeps the EMA of its own fp32 master partitions (the optimizer's flat
 `fp32_partitioned_groups_flat`, one tensor per sub-group): no gather, 1/world of the weights per rank, updated

@@ -110,7 +110,7 @@ class DistContext:
         if self.is_main:
             try:
                 outcome = (True, fn())
-            except Exception as e:  # noqa: BLE001 - every error must reach the other ranks
+            except Exception as e:
                 error, outcome = e, (False, _portable(e))
         ok, value = self.broadcast_object(outcome)
         if ok:
@@ -126,7 +126,7 @@ class DistContext:
         error, result = None, None
         try:
             result = fn()
-        except Exception as e:  # noqa: BLE001 - every error must reach the other ranks
+        except Exception as e:
             error = e
         reports = self.all_gather_object(None if error is None else _portable(error))
         failed = [r for r, report in enumerate(reports) if report is not None]
@@ -183,7 +183,7 @@ def _portable(exc: Exception) -> tuple[bytes | None, str, str]:
     try:
         blob = pickle.dumps(exc)
         pickle.loads(blob)
-    except Exception:  # noqa: BLE001 - an exception class that does not pickle: its name and message travel
+    except Exception:
         blob = None
     return blob, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc)
 
@@ -195,7 +195,7 @@ def _rebuild(report: tuple[bytes | None, str, str], rank: int) -> Exception:
     if blob is not None:
         try:
             exc = pickle.loads(blob)
-        except Exception:  # noqa: BLE001 - e.g. its class is not importable here
+        except Exception:
             exc = None
     if not isinstance(exc, Exception):
         exc = RankFailedError(f"{kind}: {message}")

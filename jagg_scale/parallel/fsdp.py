@@ -79,7 +79,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, activation_ch
     `compile` (parallel.compile): each block torch.compile-d in place first (blocks.compile_blocks), so that the
     activation checkpointing and fully_shard applied next wrap compiled blocks. That order is the one both
     checkpointing can have: the model's own checkpointing calls each block from the model's forward, so it always
-    wraps the block as it is, and a recompute re-runs the compiled block. FSDP2's hooks on a compiled block run outside its graph (dynamo skips FSDP hooks by default).
+    wraps the block as it is, and a recompute re-runs the compiled block. FSDP2's hooks on a compiled block run
+    outside its graph (dynamo skips FSDP hooks by default).
     The checkpointing is the model's own (blocks.enable_activation_checkpointing): each block's call in the model's
     block loop is checkpointed, so both the names and the units stay those of the plain model.
 

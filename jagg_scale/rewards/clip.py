@@ -1,10 +1,10 @@
 """CLIP-family rewards: clip_score, pickscore, hps, aesthetic.
 
 All four embed images with a transformers `CLIPModel`, from a local directory, a hub id in the local hub cache, or
-an open_clip checkpoint file (HPS's; a LAION-trained, gelu ViT) converted on load (clip_checkpoints.py). Nothing is downloaded at
-run time unless the reward's `allow_download: true`, so a missing or wrong path fails when the reward is built,
-with a message naming the directory and the files it lacks (or the hub id, the cache and the command that fetches
-it), not an hour into a run with a hub timeout.
+an open_clip checkpoint file (HPS's; a LAION-trained, gelu ViT) converted on load (clip_checkpoints.py). Nothing is
+downloaded at run time unless the reward's `allow_download: true`, so a missing or wrong path fails when the reward
+is built, with a message naming the directory and the files it lacks (or the hub id, the cache and the command that
+fetches it), not an hour into a run with a hub timeout.
 
 Image preprocessing is done in torch on the float images we already have (no PIL round-trip, works on GPU):
 shorter side resized to the model's image size (bicubic, antialiased), center crop, normalization with the
@@ -57,7 +57,8 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 PICKSCORE_NORM = 26.0  # Flow-GRPO's divisor: puts PickScore (~18-24 for typical images) near [0, 1]
 VIT_H14_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"  # PickScore's and HPS's tokenizer + preprocessing
 
-_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                 "pytorch_model.bin.index.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")  # a single file: an open_clip checkpoint
 # the top-level files that make a cached hub snapshot a model / a tokenizer-and-preprocessor directory
@@ -75,7 +76,8 @@ def _missing_files(path: Path, *, weights: bool, tokenizer: bool) -> list[str]:
         if not any((path / f).is_file() for f in _WEIGHT_FILES):
             missing.append("model.safetensors (or pytorch_model.bin)")
     if tokenizer:
-        if not ((path / "tokenizer.json").is_file() or ((path / "vocab.json").is_file() and (path / "merges.txt").is_file())):
+        if not ((path / "tokenizer.json").is_file()
+                or ((path / "vocab.json").is_file() and (path / "merges.txt").is_file())):
             missing.append("tokenizer.json (or vocab.json + merges.txt)")
     return missing
 
@@ -210,11 +212,13 @@ class ClipBackbone:
         else:
             model = CLIPModel.from_pretrained(str(self.path), local_files_only=True)
         self.model = model.eval().requires_grad_(False).to(device=self.device, dtype=self.dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.processor_path), local_files_only=True) if tokenizer else None
+        self.tokenizer = (AutoTokenizer.from_pretrained(str(self.processor_path), local_files_only=True)
+                          if tokenizer else None)
         cfg = self.model.config
         self.image_size = int(cfg.vision_config.image_size)
         self.embed_dim = int(cfg.projection_dim)
-        self.max_length = min(int(getattr(self.tokenizer, "model_max_length", 77) or 77), int(cfg.text_config.max_position_embeddings))
+        self.max_length = min(int(getattr(self.tokenizer, "model_max_length", 77) or 77),
+                              int(cfg.text_config.max_position_embeddings))
         self.mean, self.std = read_norm_stats(self.processor_path) if self.processor_path else (CLIP_MEAN, CLIP_STD)
 
     def _processor(self, reward, processor_path, default_processor, tokenizer, open_clip, allow_download):
@@ -229,7 +233,8 @@ class ClipBackbone:
                 if not tokenizer:
                     return None
                 raise ValueError(f"{reward}: {self.path} is an open_clip checkpoint, which carries no tokenizer: set "
-                                 "processor_path to the directory (or hub id) of its tokenizer and preprocessor_config.json")
+                                 "processor_path to the directory (or hub id) of its tokenizer and "
+                                 "preprocessor_config.json")
             processor_path = default_processor
         found = resolve_model(reward, processor_path, processor=True, allow_download=allow_download)
         return check_model_dir(reward, found, weights=False, tokenizer=tokenizer)

@@ -61,7 +61,8 @@ class SameConv2d(nn.Conv2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pads = []
-        for size, k, s in ((x.shape[-1], self.kernel_size[1], self.stride[1]), (x.shape[-2], self.kernel_size[0], self.stride[0])):
+        for size, k, s in ((x.shape[-1], self.kernel_size[1], self.stride[1]),
+                           (x.shape[-2], self.kernel_size[0], self.stride[0])):
             total = max((math.ceil(size / s) - 1) * s + k - size, 0)
             pads += [total // 2, total - total // 2]
         return super().forward(F.pad(x, pads) if any(pads) else x)
@@ -171,7 +172,8 @@ def _norm(name: str) -> str:
 @lru_cache(maxsize=1)
 def imagenet_classes() -> tuple[tuple[str, ...], ...]:
     """The 1000 classes in index order, each a tuple of synonyms (first = main name)."""
-    lines = [ln for ln in CLASSES_FILE.read_text(encoding="utf-8").splitlines() if ln.strip() and not ln.startswith("#")]
+    lines = [ln for ln in CLASSES_FILE.read_text(encoding="utf-8").splitlines()
+             if ln.strip() and not ln.startswith("#")]
     if len(lines) != 1000:
         raise RuntimeError(f"{CLASSES_FILE} lists {len(lines)} classes, expected 1000")
     return tuple(tuple(s.strip() for s in ln.split(",")) for ln in lines)
@@ -256,7 +258,8 @@ class ImagenetClass(Reward):
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> RewardOutput:
         if not images.shape[0] == len(prompts) == len(metadata):
-            raise ValueError(f"imagenet_class: {images.shape[0]} images, {len(prompts)} prompts, {len(metadata)} metadata")
+            raise ValueError(f"imagenet_class: {images.shape[0]} images, {len(prompts)} prompts, "
+                             f"{len(metadata)} metadata")
         targets = []
         for prompt, meta in zip(prompts, metadata):
             idx, name = target_class(prompt, meta)

@@ -305,7 +305,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "jagg-reward-server/1"
     timeout = 60  # socket timeout: a client that stalls mid-request must not hold a thread forever
 
-    def log_message(self, format, *args):  # noqa: A002 - our own one-line log replaces http.server's
+    def log_message(self, format, *args):
         logger.debug("%s - " + format, self.address_string(), *args)
 
     def _send(self, status: int, payload: dict, headers: Sequence[tuple[str, str]] = ()) -> None:
@@ -430,10 +430,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._error(500, f"reward {reward_name!r} raised {type(e).__name__}: {e}")
         self._send(200, payload)
 
-    def do_GET(self):  # noqa: N802 - http.server naming
+    def do_GET(self):
         self._handle("GET")
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         self._handle("POST")
 
 

@@ -8,7 +8,7 @@ one layer's weights just before that layer runs and frees them right after (`res
 for the root), so the peak is the sharded model plus the root's own parameters (embeddings, final norms,
 projections: gathered for the duration of a call) plus about one unsharded layer. Nothing else changes: the
 gathered weights are the original ones, so the scores are the unsharded scores (bit-identical in the 2-process
-CPU test, tests/test_sharded_reward.py), and the reward API is the same.
+CPU test, tests/rewards/test_sharded_reward.py), and the reward API is the same.
 
 Protocol: a reward exposes the modules it scores with as `def torch_modules(self) -> list[torch.nn.Module]`
 (the CLIP family returns its CLIPModel, imagenet_class its classifier). For each module `shard_module`

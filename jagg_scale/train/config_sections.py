@@ -2,9 +2,10 @@
 
 Choices are `Literal` types with one source each: the config's own concepts are defined here, the others where
 the concept lives (jagg.backward.IntermediateMode, jagg.routing.RouteBy, jagg.knots.ErrorModel,
-parallel.types.EngineName); the `parallel` section is the engines' own (parallel/config.py). `config._check_type` validates them (and every other typed field) while the config is
-built, so the `check` methods below hold range checks only. Checks that need more than one section, and file
-existence, are `config.validate`. Every error is a ConfigError naming the dotted key.
+parallel.types.EngineName); the `parallel` section is the engines' own (parallel/config.py). `config._check_type`
+validates them (and every other typed field) while the config is built, so the `check` methods below hold range
+checks only. Checks that need more than one section, and file existence, are `config.validate`. Every error is a
+ConfigError naming the dotted key.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ RESUME_KEYWORDS = ("none", "auto")  # run.resume: these, or the path of a checkp
 
 __all__ = [
     "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "PlanKind", "Intermediate",
-    "DataSource", "RewardAggregate", "WandbMode", "Device", "EngineName", "GradSync", "ErrorModel", "IntermediateMode", "RouteBy",
-    "TextEncoders", "ExportDType", "OdeSolver",
+    "DataSource", "RewardAggregate", "WandbMode", "Device", "EngineName", "GradSync", "ErrorModel", "IntermediateMode",
+    "RouteBy", "TextEncoders", "ExportDType", "OdeSolver",
     "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
     "DataConfig", "RewardConfig", "LogConfig", "EvalConfig", "ParallelConfig", "RunConfig",
 ]
@@ -202,7 +203,8 @@ class JAGGConfig(_Section):
     speedup: Optional[float] = None  # budget: transformer rows per sample <= trained steps / speedup (2.0)
     rows_per_pass: Optional[int] = None  # shared, budget: knots per joint forward+backward (2)
     error_model: Optional[ErrorModel] = None  # budget: residual | cosine (residual)
-    intermediate: Intermediate = "auto"  # the interpolated steps' velocity values: auto | cached | interpolate | forward
+    # the interpolated steps' velocity values: auto | cached | interpolate | forward
+    intermediate: Intermediate = "auto"
     probe_every: int = 0  # every N steps log the exact-vs-plan gradient cosine (extra passes); 0 = off
 
     @property

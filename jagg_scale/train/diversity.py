@@ -72,7 +72,7 @@ def diversity_summary(last: dict) -> tuple[dict, str]:
     base = (last.get("base") or {}).get("diversity")
     ratio = last.get("diversity_ratio")
     keys = {"diversity_base": base, "diversity_after": last.get("diversity"), "diversity_ratio": ratio}
-    fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+    fmt = lambda v: "-" if v is None else f"{v:.4f}"
     line = (f"  within-prompt diversity ({last.get('diversity_space')}): base {fmt(base)} -> "
             f"{fmt(last.get('diversity'))}, ratio {fmt(ratio)}")
     return keys, line

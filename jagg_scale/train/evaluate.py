@@ -54,7 +54,7 @@ class EvalNoise:
     current chunk is held. torch's CPU normal sampler fills a float tensor from consecutive uniforms in blocks of 16
     values (redrawing the last block when the size is not a multiple of 16; tensors under 16 values take another
     path), so consecutive draws whose sizes are multiples of 16 values, the last one taking the remainder (and at
-    least 16 values), reproduce the single draw exactly (tests/test_eval_scale.py checks it). Whatever the
+    least 16 values), reproduce the single draw exactly (tests/train/test_eval_scale.py checks it). Whatever the
     chunking, the rows depend only on (seed, shape, n): never on the rank or the number of ranks.
 
     `rows(index)` takes global row indices in non-decreasing order over all calls (repeats allowed)."""

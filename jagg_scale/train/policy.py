@@ -99,7 +99,8 @@ class Policy:
     def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None, sde_steps=None) -> Trajectories:
         """SDE trajectories of the given global rows (cond holds their conditioning, in that order), in chunks of
         sampling.batch_size rows; `on_chunk(rows, final_latents)` is called after each (reward scoring), `rows` the
-        chunk's slice of `rows`. Nothing here reads a device value back: noise goes up once per chunk, asynchronously."""
+        chunk's slice of `rows`. Nothing here reads a device value back: noise goes up once per chunk,
+        asynchronously."""
         cfg = self.cfg
         gens = row_generators(cfg.run.seed, step, rows)
         predict, ref = self.model_fn(), self.reference_fn()

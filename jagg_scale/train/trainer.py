@@ -153,7 +153,7 @@ class Trainer:
         self.model.eval()
         background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
         scorer = ChunkScorer(self.reward, self.model.decode, background=background, device=self.device)
-        on_chunk = lambda chunk, final: scorer.add(final, prompts[chunk], metadata[chunk])  # noqa: E731
+        on_chunk = lambda chunk, final: scorer.add(final, prompts[chunk], metadata[chunk])
         with self._comm("rollout"):
             traj = self.policy.rollout(cond, rows.mine, step, on_chunk=on_chunk,
                                        sde_steps=set(steps) if cfg.sampling.sde_window else None)
@@ -254,7 +254,8 @@ class Trainer:
                     self.run_state.after_step(step + 1, self.source, self.model, last=last, preempted=preempted)
                     if preempted:
                         self._exit_preempted(step + 1)
-                    if self.eval_prompts is not None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
+                    if self.eval_prompts is not None and (last or (cfg.eval.every
+                                                                   and (step + 1) % cfg.eval.every == 0)):
                         evaluate_and_log(step + 1)
                 self.run_state.finish(self.model, cfg.train.steps)  # the final export, if the loop did not write it
                 # every rank leaves together: rank 0 may still be sealing the last checkpoint, and a rank that tore
@@ -306,7 +307,7 @@ def summarize(history: list[dict], window: int = 3) -> dict:
     if not history:
         return {}
     k = min(window, len(history))
-    mean = lambda rows: sum(r["reward_mean"] for r in rows) / len(rows)  # noqa: E731
+    mean = lambda rows: sum(r["reward_mean"] for r in rows) / len(rows)
     done = sum(r["backward_passes"] for r in history)
     equiv = sum(r["per_step_equiv"] for r in history)
     return {

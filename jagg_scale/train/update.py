@@ -126,8 +126,9 @@ def micro_batches(rows: int, micro_batch_size: int) -> list[slice]:
 
 
 def backward_minibatch(model_fn: ModelFn, batch: StepBatch, cond: Cond, loss: GRPOStepLoss, steps: list[int],
-                       planner: Planner, *, intermediate: str = "auto", on_policy: bool, backward: Backward | None = None,
-                       reduce=None, planned: Planned | None = None, micro_batch_size: int = 0,
+                       planner: Planner, *, intermediate: str = "auto", on_policy: bool,
+                       backward: Backward | None = None, reduce=None, planned: Planned | None = None,
+                       micro_batch_size: int = 0,
                        prepare: Callable[[StepBatch, slice], StepBatch] | None = None) -> BackwardStats:
     """Accumulate the gradient of sum over `steps` of L_k into .grad; returns what it cost.
 

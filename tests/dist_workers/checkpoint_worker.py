@@ -1,5 +1,6 @@
-"""2-process FSDP2 worker for tests/test_checkpoint_ranks.py: who hashes what when a run's checkpoints are saved and
-resumed (train/run_state.py over checkpoint/local.py), and how a bad checkpoint or a failed write fails the ranks.
+"""2-process FSDP2 worker for tests/checkpoint/test_checkpoint_ranks.py: who hashes what when a run's checkpoints are
+saved and resumed (train/run_state.py over checkpoint/local.py), and how a bad checkpoint or a failed write fails
+the ranks.
 
     torchrun --nproc_per_node 2 checkpoint_worker.py OUT_DIR TIMEOUT_S
 
@@ -107,7 +108,7 @@ def main(out: Path, timeout_s: int) -> None:
     engine = engine_for(ctx, 0)
     train_step(engine, 1)
     calls.clear()
-    step1 = run_state("none").save(1, Source())
+    run_state("none").save(1, Source())
     result["save_hashed"] = rel(calls)
     train_step(engine, 2)
     saved = snapshot(engine)
@@ -215,7 +216,7 @@ def expect_error(fn) -> dict:
         fn()
     except CheckpointError as err:
         return {"type": "CheckpointError", "message": str(err), "seconds": time.perf_counter() - t0}
-    except Exception as err:  # noqa: BLE001 - recorded: the test says which error was expected
+    except Exception as err:
         return {"type": type(err).__name__, "message": str(err), "seconds": time.perf_counter() - t0}
     return {"type": None, "message": None, "seconds": time.perf_counter() - t0}
 

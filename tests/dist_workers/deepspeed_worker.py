@@ -1,5 +1,5 @@
-"""Run by tests/test_deepspeed_engine.py under `torchrun --nproc_per_node 2` (gloo on CPU): the DeepSpeed ZeRO-3
-engine against the single-process reference `LocalEngine`, in one launch.
+"""Run by tests/parallel/test_deepspeed_engine.py under `torchrun --nproc_per_node 2` (gloo on CPU): the DeepSpeed
+ZeRO-3 engine against the single-process reference `LocalEngine`, in one launch.
 
   accumulate  a JAGG window backward (W=3, cached intermediates) + an exact window backward (W=2), each rank on
               half the rows, accumulated into ONE optimizer step: the weights equal the reference's on the full
@@ -102,7 +102,7 @@ def minibatch(engine: Engine, batch: dict, rows: slice, scale: float, last_only:
     def off_boundary(out, grad, last):  # not the minibatch's last backward, whatever the engine call says
         engine.backward(out, grad, last=False)
 
-    def to_engine(out, grad, last):  # every backward of the JAGG engine goes through engine.backward(out, grad, last=)
+    def to_engine(out, grad, last):  # every backward of knot_backward goes through engine.backward(out, grad, last=)
         engine.backward(out, grad, last=last)
 
     if not last_only:
@@ -210,7 +210,7 @@ def main(out: Path) -> None:
     with torch.no_grad():
         ref_v = ref_engine(batch["lat1"][0], batch["sig1"][:1].expand(B), batch["cond"])
         want_v = plain(batch["lat1"][0], batch["sig1"][:1].expand(B), batch["cond"])
-    part_bytes = lambda m: sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in m.parameters())  # noqa
+    part_bytes = lambda m: sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in m.parameters())
     ref_bytes = ctx.all_gather_object(part_bytes(ref_engine.module))
     policy_bytes = ctx.all_gather_object(part_bytes(engine.module))
     full_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
@@ -304,7 +304,7 @@ def single(out: Path) -> None:
     zero2 = ds_engine(make_model(0), make_spec(zero_optimization={"stage": 2}), DistContext())
     minibatch(zero2, make_batch(0), slice(0, B), 1.0)
     zero2.save(out / "zero2")
-    weights = lambda e: {k: v.detach().clone() for k, v in e.module.state_dict().items()}  # noqa: E731 (whole)
+    weights = lambda e: {k: v.detach().clone() for k, v in e.module.state_dict().items()}
     saved = weights(zero2)
     fresh = ds_engine(make_model(1), make_spec(zero_optimization={"stage": 2}), DistContext())
     fresh.load(out / "zero2")

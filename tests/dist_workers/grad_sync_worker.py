@@ -1,4 +1,4 @@
-"""2-process FSDP2 worker for tests/test_distributed.py::test_grad_sync_every_keeps_gradients_sharded: per
+"""2-process FSDP2 worker for tests/parallel/test_distributed.py::test_grad_sync_every_keeps_gradients_sharded: per
 parallel.grad_sync, the gradient bytes a rank holds after a backward off the accumulation boundary (unsharded
 fp32 block gradients FSDP2 keeps for a later reduce-scatter, plus the sharded .grad), and the final gradient.
 

@@ -1,5 +1,5 @@
-"""2-process FSDP2 worker for tests/test_distributed.py::test_ranks_agree_on_non_finite_steps_and_saves: a loss that
-is non-finite on rank 1 alone skips the step on both ranks, and a NaN in rank 1's weight shard makes save refuse on
+"""2-process FSDP2 worker for tests/parallel/test_distributed.py::test_ranks_agree_on_non_finite_steps_and_saves: a loss
+that is non-finite on rank 1 alone skips the step on both ranks, and a NaN in rank 1's weight shard makes save refuse on
 both (no rank left waiting in the checkpoint's collectives).
 
     torchrun --nproc_per_node 2 nonfinite_worker.py OUT_JSON CKPT_DIR

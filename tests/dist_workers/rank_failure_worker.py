@@ -1,5 +1,5 @@
-"""2-process gloo worker for tests/test_rank_failures.py: a step that fails on some ranks fails on every rank, at
-once, with the same message. Each scenario records what this rank raised (type, message) or returned:
+"""2-process gloo worker for tests/parallel/test_rank_failures.py: a step that fails on some ranks fails on every rank,
+at once, with the same message. Each scenario records what this rank raised (type, message) or returned:
 
   verify      RunState.load of a corrupted checkpoint: rank 0 verifies and raises, the others must raise it too
               (before: they waited in a barrier, up to the NCCL timeout)
@@ -35,14 +35,14 @@ class Engine:
 def outcome(fn) -> dict:
     try:
         return {"returned": fn()}
-    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+    except Exception as e:
         return {"raised": type(e).__name__, "message": str(e)}
 
 
 def main(corrupt: str, sound: str, out_dir: str, timeout_s: str) -> None:
     ctx = init_distributed("cpu", timeout_s=int(timeout_s))
     result = {}
-    state = lambda fail_on: RunState(None, ctx, Engine(ctx.rank, fail_on), Path(out_dir))  # noqa: E731
+    state = lambda fail_on: RunState(None, ctx, Engine(ctx.rank, fail_on), Path(out_dir))
     result["verify"] = outcome(lambda: state(set()).load(Path(corrupt)))
     result["load"] = outcome(lambda: state({1}).load(Path(sound)))
     ok = state(set())

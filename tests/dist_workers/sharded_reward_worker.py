@@ -1,4 +1,4 @@
-"""Run by tests/test_sharded_reward.py under `torchrun --nproc_per_node 2` (gloo on CPU): rewards sharded with
+"""Run by tests/rewards/test_sharded_reward.py under `torchrun --nproc_per_node 2` (gloo on CPU): rewards sharded with
 `jagg_scale.rewards.sharded.shard_reward` against the same rewards unsharded, each rank scoring its OWN photos.
 
   clip_score / pickscore / aesthetic on a tiny random CLIP (rank 0 saves it, barrier), imagenet_class on a random
@@ -35,7 +35,7 @@ PROJ_DIM = 16
 
 
 def tiny_tokenizer():
-    """Byte-level CLIP tokenizer with no merges (as tests/test_rewards_models.py builds it)."""
+    """Byte-level CLIP tokenizer with no merges (as tests/rewards/test_rewards_models.py builds it)."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import CLIPTokenizer
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import median, paired_rounds, paired_speedup, sd3_problem  # noqa: I001 (sets sys.path)
+from .common import median, paired_rounds, paired_speedup, sd3_problem
 
 from jagg_scale.cond import cat_cond
 from jagg_scale.grpo.rollout import cfg_predictions, guide

@@ -18,7 +18,6 @@ for JAGG vs W for per-step. Counts are deterministic; the bytes depend on the mo
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile

@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-from jagg_scale.grpo.loss import GRPOStepLoss, StepBatch  # noqa: E402
-from jagg_scale.grpo.rollout import Trajectories, sample_sde  # noqa: E402
-from jagg_scale.grpo.schedule import sigma_schedule  # noqa: E402
-from jagg_scale.models.sd3 import SD3TransformerVelocity  # noqa: E402
+from jagg_scale.grpo.loss import GRPOStepLoss, StepBatch
+from jagg_scale.grpo.rollout import Trajectories, sample_sde
+from jagg_scale.grpo.schedule import sigma_schedule
+from jagg_scale.models.sd3 import SD3TransformerVelocity
 
 NOISE_LEVEL, SHIFT, CLIP = 0.7, 3.0, 1e-4
 
@@ -74,7 +74,7 @@ def machine_info() -> dict:
         import diffusers
 
         info["diffusers"] = diffusers.__version__
-    except Exception:  # noqa: BLE001 - optional
+    except Exception:
         pass
     return info
 

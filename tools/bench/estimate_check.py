@@ -104,7 +104,8 @@ def worker_pass(spec: dict) -> dict:
         ctx = init_distributed("cpu")
         parallelize(model, build_mesh("cpu", world), bf16=False, activation_checkpointing=False)
     amp = contextlib.nullcontext()
-    if spec.get("precision") == "bf16_mp":  # FSDP2 mixed precision on CUDA, as jagg_scale/estimate/measure.py emulates it
+    # FSDP2 mixed precision on CUDA, as jagg_scale/estimate/measure.py emulates it
+    if spec.get("precision") == "bf16_mp":
         from jagg_scale.estimate.measure import cast_inputs_hook, cuda_autocast_numerics
 
         for p in model.parameters():
@@ -195,8 +196,7 @@ def predict_pass(nproc: int, ckpt: bool, micro: int, precision: str = "fp32") ->
     the pass's inputs); with bf16_mp the activations alone (the check of the composition under bf16 numerics)."""
     import math
 
-    from jagg_scale.estimate import activations as A, memory as E, shapes as S
-    from jagg_scale.train.config import load_config
+    from jagg_scale.estimate import activations as A, shapes as S
     from tools.bench.common import sd3_config
 
     cfg, text = sd3_config(False)
@@ -209,19 +209,20 @@ def predict_pass(nproc: int, ckpt: bool, micro: int, precision: str = "fp32") ->
                    lambda: measure_transformer(comp, precision, 0), True)
     rows, div = 2 * micro, nproc
     lat = cfg["in_channels"] * cfg["sample_size"] ** 2
-    I = (cfg["sample_size"] // cfg["patch_size"]) ** 2
+    n_img = (cfg["sample_size"] // cfg["patch_size"]) ** 2
     mode = "ckpt" if ckpt else "grad"
-    activations = A.transformer_activations(act, mode, rows, I, text)
+    activations = A.transformer_activations(act, mode, rows, n_img, text)
     reduce = A.reduce_buffers(st["block_params"], 4) if nproc > 1 else None
     parts = {"weights + buffers": 4 * st["params"] / div + st["buffers"], "gradients": 4 * st["params"] / div,
              "FSDP2 gathered + reduce": (4 * (st["root_params"] + 2 * max(st["block_params"]))
-                                         + A.transformer_activations(act, mode, rows, I, text, reduce) - activations)
+                                         + A.transformer_activations(act, mode, rows, n_img, text, reduce)
+                                         - activations)
              if nproc > 1 else 0,
              "inputs": rows * 4 * (3 * lat + 1 + text * cfg["joint_attention_dim"] + cfg["pooled_projection_dim"]),
              "activations": activations}
     if precision != "fp32":
         parts = {"activations": parts["activations"]}
-    return {"total": sum(parts.values()), "parts": parts, "params": st["params"], "tokens": I + text,
+    return {"total": sum(parts.values()), "parts": parts, "params": st["params"], "tokens": n_img + text,
             "latent_elems": math.prod((cfg["in_channels"], cfg["sample_size"], cfg["sample_size"]))}
 
 
@@ -232,10 +233,11 @@ def train_overrides(kind: str, nproc: int, ckpt: bool, micro: int, pipe: Path, o
 
 
 def predict_train(config: str, overrides: list[str], nproc: int) -> dict:
-    from jagg_scale.estimate import activations as A, memory as E, shapes as S
+    from jagg_scale.estimate import memory as E
     from jagg_scale.train.config import load_config
 
-    s = E.prepare(load_config(ROOT / "configs" / config, overrides, check_files=False), nproc, measure=True, overhead_gb=0)
+    s = E.prepare(load_config(ROOT / "configs" / config, overrides, check_files=False), nproc, measure=True,
+                  overhead_gb=0)
     est = E.estimate(s)
     return {ph: est["phases"][ph]["total"] for ph in E.PHASES} | {
         "components": {ph: est["phases"][ph]["components"] for ph in E.PHASES}}
@@ -249,7 +251,8 @@ def run(only: str | None = None, out_json: str | None = None) -> list[dict]:
 
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="estimate_check_"))
-    pipes = {"sd3": make_tiny_pipeline.make_tiny_sd3(tmp / "sd3"), "flux": make_tiny_pipeline.make_tiny_flux(tmp / "flux")}
+    pipes = {"sd3": make_tiny_pipeline.make_tiny_sd3(tmp / "sd3"),
+             "flux": make_tiny_pipeline.make_tiny_flux(tmp / "flux")}
     configs = {"sd3": "sd3_tiny_cpu.yaml", "flux": "flux_tiny_cpu.yaml"}
     for case in ("bench", "bench_bf16", "sd3", "flux"):
         if only and not case.startswith(only):
@@ -273,7 +276,8 @@ def run(only: str | None = None, out_json: str | None = None) -> list[dict]:
                         step = [p for p in ("encode", "rollout", "update", "optimizer")]
                         measured = max(got["peaks"].get(p, 0) for p in step + ["other"])
                         predicted = max(pred[p] for p in step)
-                        detail = {"measured_phases": got["peaks"], "predicted_phases": {p: pred[p] for p in pred if p != "components"},
+                        detail = {"measured_phases": got["peaks"],
+                                  "predicted_phases": {p: pred[p] for p in pred if p != "components"},
                                   "eval_measured": got["peaks"].get("eval"), "eval_predicted": pred["eval"],
                                   "pred_components": pred["components"]}
                     row = {"case": case, "procs": nproc, "checkpointing": ckpt, "micro": micro,
@@ -288,11 +292,13 @@ def run(only: str | None = None, out_json: str | None = None) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| case | processes | checkpointing | micro-batch | measured peak MB | predicted MB | error | eval measured MB | eval predicted MB | eval error |",
+    lines = ["| case | processes | checkpointing | micro-batch | measured peak MB | predicted MB | error | "
+             "eval measured MB | eval predicted MB | eval error |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ev = (f"{r['eval_measured'] / MB:.1f} | {r['eval_predicted'] / MB:.1f} | "
-              f"{100 * (r['eval_predicted'] / r['eval_measured'] - 1):+.1f}%") if r.get("eval_measured") else "- | - | -"
+        ev = ((f"{r['eval_measured'] / MB:.1f} | {r['eval_predicted'] / MB:.1f} | "
+               f"{100 * (r['eval_predicted'] / r['eval_measured'] - 1):+.1f}%") if r.get("eval_measured")
+              else "- | - | -")
         lines.append(f"| {r['case']} | {r['procs']} | {'on' if r['checkpointing'] else 'off'} | {r['micro']} | "
                      f"{r['measured_mb']:.1f} | {r['predicted_mb']:.1f} | {100 * r['error']:+.1f}% | {ev} |")
     worst = max(abs(r["error"]) for r in rows)
@@ -303,7 +309,7 @@ def markdown(rows: list[dict]) -> str:
 def scale_tables(gpus=((8, 79.2), (32, 79.2), (8, 139.8), (32, 139.8)), headroom: float = 0.10) -> str:
     """docs/scale.md's tables: each production config as shipped, per (GPUs, GiB): the largest micro-batch that
     fits, and the per-rank peak by component at the shipped micro-batch."""
-    from jagg_scale.estimate import activations as A, memory as E, shapes as S
+    from jagg_scale.estimate import memory as E
     from jagg_scale.train.config import load_config
 
     names = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps"]
@@ -321,11 +327,13 @@ def scale_tables(gpus=((8, 79.2), (32, 79.2), (8, 139.8), (32, 139.8)), headroom
                        f"{est['micro_batch_size']} | {est['total'] / E.GiB:.1f} ({est['peak_phase']}) | "
                        f"{100 * (1 - est['total'] / (gib * E.GiB)):.0f}% | {m} | {best['total'] / E.GiB:.1f} |")
         s8, est8 = cols[gpus[0]]
-        details += ["", f"**{name}** ({s8['shapes']}, {'LoRA r%d' % s8['lora_rank'] if s8['lora_rank'] else 'full fine-tune'}"
+        details += ["", f"**{name}** ({s8['shapes']}, "
+                    f"{'LoRA r%d' % s8['lora_rank'] if s8['lora_rank'] else 'full fine-tune'}"
                     f", {s8['image_tokens']} image + {s8['text_tokens']} text tokens), per-rank GiB at the shipped "
                     "micro-batch, each column the peak phase (the 141 GB columns are the same bytes):", "",
                     "| component | " + " | ".join(f"{w} GPUs ({cols[(w, g)][1]['peak_phase']}, micro "
-                                                   f"{cols[(w, g)][1]['micro_batch_size']})" for w, g in gpus[:2]) + " |",
+                                                   f"{cols[(w, g)][1]['micro_batch_size']})" for w, g in gpus[:2])
+                    + " |",
                     "|---|---|---|"]
         for c in E.COMPONENTS:
             vals = [cols[k][1]["phases"][cols[k][1]["peak_phase"]]["components"][c] / E.GiB for k in gpus[:2]]

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import ROOT, median, ops_table, paired_speedup, top_ops  # noqa: I001 (sets sys.path)
+from .common import ROOT, median, ops_table, paired_speedup, top_ops
 
 from jagg_scale.train import Trainer, load_config
 
@@ -115,7 +115,7 @@ def _quiet() -> None:
 
         tlog.disable_progress_bar()
         tlog.set_verbosity_error()
-    except Exception:  # noqa: BLE001 - cosmetic
+    except Exception:
         pass
 
 

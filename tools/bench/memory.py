@@ -160,7 +160,7 @@ def _spawn(quick: bool, configs, batch: int, threads: int) -> list[dict]:
     spec = json.dumps({"quick": quick, "configs": configs, "batch": batch, "threads": threads})
     proc = subprocess.run([sys.executable, "-m", "tools.bench.memory", "--worker", spec], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"memory worker failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(line[len("RESULT "):])

@@ -117,7 +117,7 @@ def target_rows(results: dict) -> list[str]:
     rows = []
     try:
         _target_rows(parts, rows)
-    except Exception as exc:  # noqa: BLE001 - keep the report
+    except Exception as exc:
         rows.append(f"| (targets could not be evaluated: {type(exc).__name__}: {exc}) | | |")
     return rows
 
@@ -228,7 +228,7 @@ def write_markdown(results: dict, out: Path, plots: dict[str, str]) -> Path:
             continue
         try:
             body = _module(part).markdown(res)
-        except Exception as exc:  # noqa: BLE001 - e.g. a merged part from an older JSON layout
+        except Exception as exc:
             body = f"(could not render this part's results: {type(exc).__name__}: {exc}; re-run the part)"
         lines += [WHAT[part], "", body, ""]
         if part in plots:

@@ -18,7 +18,7 @@ Reported: seconds per sample (time / B) and the speedup of each over (a) and of 
 
 from __future__ import annotations
 
-from .common import median, paired_rounds, paired_speedup, sd3_problem  # noqa: I001 (sets sys.path)
+from .common import median, paired_rounds, paired_speedup, sd3_problem
 
 from jagg_scale.jagg import exact_backward, jagg_backward, split_windows
 

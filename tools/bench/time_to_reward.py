@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import ROOT, matmul_gflops, median  # noqa: I001 (sets sys.path)
+from .common import ROOT, matmul_gflops, median
 
 from jagg_scale.train import Trainer, load_config
 
@@ -281,7 +281,8 @@ def markdown(res: dict) -> str:
         f"(one torch thread per worker: with other work on a 2-core machine two OpenMP threads spin at every "
         f"barrier and a step ran 6x slower).",
         "",
-        "| arm | rollout forwards / sample (policy + KL reference) | backward passes / sample (per-step equiv) | step s (median: rollout + "
+        "| arm | rollout forwards / sample (policy + KL reference) | backward passes / sample (per-step equiv) | "
+        "step s (median: rollout + "
         "reward + train) | wall-clock s (mean +- std) | held-out final (mean +- std) | gain (mean +- seed std) | "
         f"gain / {REFERENCE}'s | s to 95% of {REFERENCE}'s gain | that / {REFERENCE}'s wall-clock |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -290,7 +291,8 @@ def markdown(res: dict) -> str:
     for a, r in rows.items():
         nfe, sde = _forwards(s["arms"][a], s["num_steps"])
         lines.append(
-            f"| {a} | {nfe} + {sde if beta > 0 else 0} | {r['backward_passes_per_step']:.1f} ({r['per_step_equiv_per_step']:.0f}) | "
+            f"| {a} | {nfe} + {sde if beta > 0 else 0} | {r['backward_passes_per_step']:.1f} "
+            f"({r['per_step_equiv_per_step']:.0f}) | "
             f"{r['step_seconds']:.2f} ({r['phases'][0]:.2f} + {r['phases'][1]:.2f} + {r['phases'][2]:.2f}) | "
             f"{r['wall'][0]:.0f} +- {r['wall'][1]:.0f} | {r['final'][0]:.3f} +- {r['final'][1]:.3f} | "
             f"{r['gain'][0]:+.3f} +- {r['gain'][1]:.3f} | {r['gain_frac'][0]:.2f} +- {r['gain_frac'][1]:.2f} | "

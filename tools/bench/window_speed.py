@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .common import median, ops_table, paired_rounds, paired_speedup, sd3_problem, top_ops  # noqa: I001 (sets sys.path)
+from .common import median, ops_table, paired_rounds, paired_speedup, sd3_problem, top_ops
 
 from jagg_scale.jagg import exact_backward, jagg_backward
 

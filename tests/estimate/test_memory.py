@@ -1,0 +1,141 @@
+"""The memory estimator (jagg-estimate, jagg_scale/estimate/) on the shipped production configs, from the committed
+shapes and measured coefficients (nothing is measured here): every config fits 8 GPUs of 80 GB with >= 10% headroom
+as shipped (the command's exit status says so), each phase's components add up to its total, the trainer's own
+planner decides the rows of a pass, and the shapes count the published parameter numbers."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from extras import need
+
+need("diffusers")  # the shapes are diffusers / transformers classes on the meta device
+need("transformers")
+
+from jagg_scale.estimate import memory as E  # noqa: E402 - after the extras check
+from jagg_scale.estimate import shapes as S  # noqa: E402
+from jagg_scale.estimate.cli import main  # noqa: E402
+from jagg_scale.train.config import load_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load(path, overrides=()):
+    return load_config(path, list(overrides), check_files=False)  # the production paths do not exist here
+
+PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps"]
+GPU_80GB = 79.2  # GiB torch reports for an 80 GB H100 / A100
+HEADROOM = 0.10
+
+
+@pytest.fixture(scope="module")
+def estimates():
+    out = {}
+    for name in PRODUCTION:
+        s = E.prepare(load(ROOT / "configs" / f"{name}.yaml"), 8)
+        out[name] = (s, E.estimate(s))
+    return out
+
+
+@pytest.mark.parametrize("name", PRODUCTION)
+def test_shipped_config_fits_8_gpus_of_80gb_with_headroom(name, estimates):
+    s, est = estimates[name]
+    cfg = s["cfg"]
+    assert cfg.parallel.engine == "fsdp2" and cfg.parallel.activation_checkpointing
+    assert cfg.train.micro_batch_size >= 1 and est["micro_batch_size"] == min(cfg.train.micro_batch_size,
+                                                                                est["local_batch"])
+    assert est["total"] <= (1 - HEADROOM) * GPU_80GB * E.GiB, E.report(s, est, GPU_80GB)
+    assert est["phases"]["update"]["components"]["activations"] > 0  # the joint pass is estimated, not left out
+
+
+@pytest.mark.parametrize("name", PRODUCTION)
+def test_components_add_up_to_each_phase_total_and_the_peak_is_the_largest_phase(name, estimates):
+    _, est = estimates[name]
+    for phase in est["phases"].values():
+        assert sum(phase["components"].values()) == pytest.approx(phase["total"], rel=1e-12)
+        assert all(v >= 0 for v in phase["components"].values())
+    assert est["total"] == max(p["total"] for p in est["phases"].values())
+    assert est["phases"][est["peak_phase"]]["total"] == est["total"]
+
+
+def test_a_larger_micro_batch_costs_more_and_the_chosen_one_is_the_largest_that_fits(estimates):
+    s, _ = estimates["flux1_dev_hps"]
+    small, large = E.estimate(s, 1), E.estimate(s, 4)
+    assert (large["phases"]["update"]["components"]["activations"]
+            > small["phases"]["update"]["components"]["activations"])
+    m, est = E.choose_micro(s, GPU_80GB, HEADROOM)
+    assert m is not None and est["total"] <= (1 - HEADROOM) * GPU_80GB * E.GiB
+    if m < est["local_batch"]:
+        assert E.estimate(s, m + 1)["total"] > (1 - HEADROOM) * GPU_80GB * E.GiB
+
+
+@pytest.mark.parametrize("shape, component, published, extra", [
+    ("sd35_medium", "transformer", 2.47e9, "pos_embed"),  # the published count includes the pos_embed table
+    ("sd35_large", "transformer", 8.1e9, "pos_embed"),
+    ("flux1_dev", "transformer", 11.9e9, None),
+    ("sd35_medium", "text_encoder", 123.7e6, None),
+    ("sd35_medium", "text_encoder_2", 694.7e6, None),
+    ("sd35_medium", "text_encoder_3", 4.762e9, None),
+    ("flux1_dev", "vae", 83.8e6, None),
+])
+def test_shapes_count_the_published_parameters(shape, component, published, extra):
+    comp = S.pipeline_shapes(None, shape)["components"][component]
+    n = S.component_params(comp)
+    if extra:
+        n += S.transformer_stats(comp)["buffers"] // 4  # SD3's fp32 pos_embed table, a buffer here
+    assert n == pytest.approx(published, rel=0.01)
+
+
+def test_the_cli_prints_the_table_and_the_chosen_micro_batch(capsys):
+    assert main([str(ROOT / "configs" / "sd35m_ocr.yaml"), "--world-size", "32", "--gpu-mem", "139.8"]) == 0
+    out = capsys.readouterr().out
+    assert "largest train.micro_batch_size that fits:" in out and "| **total** |" in out and "fits with >= 10%" in out
+
+
+@pytest.mark.parametrize("name", PRODUCTION)
+def test_the_jagg_estimate_command_passes_every_production_config_as_shipped(name):
+    """The installed command, as a user runs it: exit 0, the planner and the fit said."""
+    proc = subprocess.run([sys.executable, "-m", "jagg_scale.estimate.cli", str(ROOT / "configs" / f"{name}.yaml"),
+                           "--world-size", "8", "--gpu-mem", str(GPU_80GB)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "WindowPlanner(window=4" in proc.stdout and "(fits with >= 10%)" in proc.stdout
+
+
+def test_a_config_that_does_not_fit_exits_1_and_a_bad_one_2(tmp_path, capsys):
+    config = str(ROOT / "configs" / "flux1_dev_hps.yaml")
+    assert main([config, "--world-size", "8", "--gpu-mem", "40"]) == 1
+    assert "does not fit 40 GiB per GPU" in capsys.readouterr().err
+    assert main([config, "jagg.widow=4", "--world-size", "8"]) == 2
+    assert "config key 'jagg.widow'" in capsys.readouterr().err
+    assert main([config, "--world-size", "7"]) == 2  # 96 rows per minibatch over 7 ranks
+    assert "world size 7" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides,knots", [
+    ([], 2),  # the window planner: a joint pass over a window's two endpoints
+    (["jagg.mode=exact"], 1),
+    (["jagg.share_knots=true", "jagg.jagg_frac=null", "jagg.route_by=null", "jagg.rows_per_pass=3"], 3),
+    (["jagg.plan=budget", "jagg.window=null", "jagg.jagg_frac=null", "jagg.route_by=null", "jagg.rows_per_pass=4"], 4),
+])
+def test_the_rows_of_a_pass_are_the_trainers_planners(overrides, knots):
+    s = E.prepare(load(ROOT / "configs" / "sd35m_pickscore.yaml", overrides), 8)
+    est = E.estimate(s)
+    assert est["pass_rows"] == knots * est["micro_batch_size"]
+    assert est["planner"] == repr(s["cfg"].jagg.planner())
+
+
+@pytest.mark.parametrize("name", [n for n in PRODUCTION if n.startswith("sd35m")])
+def test_hsdp_on_four_nodes_shards_within_a_node_and_still_fits(name):
+    """slurm/jagg.sbatch runs LoRA configs on several nodes with parallel.replicate = the node count: each node
+    holds a whole sharded copy, so the per-rank states are those of 8 ranks, not of 32."""
+    path = ROOT / "configs" / f"{name}.yaml"
+    node = E.estimate(E.prepare(load(path), 8))
+    fsdp32 = E.estimate(E.prepare(load(path), 32))
+    s = E.prepare(load(path, ["parallel.replicate=4"]), 32)
+    hsdp = E.estimate(s)
+    static = lambda est, c: est["phases"]["update"]["components"][c]
+    for c in ("transformer weights", "optimizer states"):
+        assert static(hsdp, c) == pytest.approx(static(node, c)) and static(hsdp, c) > static(fsdp32, c)
+    assert hsdp["total"] <= (1 - HEADROOM) * GPU_80GB * E.GiB, E.report(s, hsdp, GPU_80GB)
+    assert "HSDP: 4 replicas of 8" in E.report(s, hsdp, GPU_80GB)

@@ -1,0 +1,33 @@
+"""tools/gpu_check.py at toy scale on the CPU, so that the device check does not rot between GPU sessions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hang_guard import RUN_S
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_every_section_at_toy_scale(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--tiny", "--device", "cpu",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=RUN_S)
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    sections = result["sections"]
+    failed = {k: v.get("error") for k, v in sections.items() if not v["ok"]}
+    assert proc.returncode == 0 and not failed, f"{failed}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert list(sections) == ["env", "window", "memory", "syncs", "train"]
+    for W in (4, 8):  # JAGG's one joint pass against W per-step passes, on the same window
+        case = sections["window"]["windows"][f"W{W}"]
+        assert case["per_step"]["seconds"] > 0 and case["jagg_cached"]["seconds"] > 0 and case["speedup"] > 0
+    assert sections["window"]["lora_parameters"] < sections["window"]["parameters"]
+    assert 0 < sections["syncs"]["host_syncs_per_step"] <= 25
+    for run in ("none", "fsdp2"):
+        assert sections["train"][run]["rc"] == 0 and sections["train"][run]["steps_logged"] == 2
+    assert "== summary" in proc.stdout

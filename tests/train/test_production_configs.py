@@ -1,0 +1,182 @@
+"""The production configs (SD3.5-medium with PickScore / GenEval / OCR, FLUX.1-dev with HPS).
+
+Their weights cannot live on a CI machine, so each config is checked in two ways: (1) it validates once model and
+prompt paths point at something real, and what its header says it does is what the code makes of it (the planner's
+windows, the optimizer steps per rollout, the trained part, reward options the registered reward accepts); (2) the
+same config, with only sizes shrunk and the model swapped for the tiny offline pipeline of the same family, runs a
+training step end to end - so the combination it asks for (LoRA + KL reference, bf16 autocast, activation
+checkpointing, pipeline schedule, JAGG routing) is exercised, not just parsed. Whether each fits 8 x 80 GB:
+tests/estimate/test_memory.py.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hang_guard import RUN_S
+from jagg_scale.jagg import trained_steps
+from jagg_scale.rewards import available
+from jagg_scale.rewards.base import _REGISTRY, _check_options
+from jagg_scale.train import ConfigError, Trainer, load_config
+from stand_ins import stand_in_paths
+from extras import need
+
+need("diffusers")
+
+ROOT = Path(__file__).resolve().parents[2]
+SD35 = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr"]
+ALL = SD35 + ["flux1_dev_hps"]
+
+
+def _paths(name, pipe_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat holding a sign that says \"hello\"\na red apple\na dog\na blue car\n")
+    return [f"model.pretrained={pipe_dir}", f"data.prompt_file={prompts}", f"eval.prompt_file={prompts}",
+            f"run.output_dir={tmp_path / 'run'}"]
+
+
+@pytest.fixture
+def pipe_dirs(sd3_dir, flux_dir):
+    return {"sd3": sd3_dir, "flux": flux_dir}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_missing_model_directory_fails_early_naming_the_key(name):
+    with pytest.raises(ConfigError, match="model.pretrained|data.prompt_file"):
+        load_config(ROOT / "configs" / f"{name}.yaml")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_what_each_config_asks_the_trainer_for(name, pipe_dirs, tmp_path):
+    """What the header says the config does, read through the code that does it (not the YAML values restated): the
+    planner and the windows it makes of the trained steps, the optimizer steps per rollout, bf16 compute, the
+    trained part (LoRA on the library's targets for SD3.5, the whole transformer for FLUX), and reward options the
+    registered reward accepts."""
+    from jagg_scale.jagg import WindowPlanner
+    from jagg_scale.train.rows import StepRows
+
+    kind = "flux" if name.startswith("flux") else "sd3"
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", _paths(name, pipe_dirs[kind], tmp_path))
+    planner = cfg.jagg.planner()
+    assert isinstance(planner, WindowPlanner) and planner.window == 4 and 0 < planner.jagg_frac <= 1
+    # "9 trained steps -> windows [0-3] [4-7] [8]", each 4-step window a joint pass when routed
+    T = len(trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction))
+    plan = planner.plan(torch.randn(T, 2, 4), torch.linspace(1.0, 0.1, T), grad_norms=lambda: [1.0] * T)
+    assert plan.windows == [[0, 1, 2, 3], [4, 5, 6, 7], [8]] and plan.jagg_windows == round(3 * planner.jagg_frac)
+    rows = StepRows.draw(cfg.train.prompts_per_step * cfg.grpo.group_size, cfg.train.batch_size, cfg.run.seed, 0, 0, 8)
+    assert rows.num_minibatches == 2  # two optimizer steps per rollout
+    assert rows.local_batch == (72 if kind == "sd3" else 12)  # "a rank's minibatch share on 8 GPUs", as the header says
+    assert cfg.model.dtype == "bfloat16" and cfg.parallel.activation_checkpointing
+    assert cfg.model.lora.enabled == (kind == "sd3") and not cfg.model.lora.targets  # the library's targets
+    assert cfg.reward.name in available()
+    _check_options(cfg.reward.name, _REGISTRY[cfg.reward.name], cfg.reward.options)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_recipe_trains_a_step_on_the_tiny_pipeline(name, pipe_dirs, tmp_path):
+    kind = "flux" if name.startswith("flux") else "sd3"
+    shrink = ["model.resolution=null", "sampling.batch_size=8", "grpo.group_size=4", "train.prompts_per_step=2",
+              "train.batch_size=4", "train.steps=1", "eval.enabled=false", "log.wandb=false", "log.progress=false",
+              "reward.name=jpeg_compressibility", "reward.options={}", "run.resume=none"]
+    # flux runs its production backend, FSDP2 (one process here): the sharded path on a real diffusers model
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", _paths(name, pipe_dirs[kind], tmp_path) + shrink)
+    trainer = Trainer(cfg)
+    try:
+        rows = trainer.fit()
+        trained = trainer.engine.full_state_dict()
+    finally:
+        trainer.close()  # FSDP2 in one process starts a trivial process group: leave none behind
+    assert len(rows) == 1
+    r = rows[0]
+    minibatches = cfg.train.prompts_per_step * cfg.grpo.group_size // cfg.train.batch_size
+    big_jagg = 2 if cfg.jagg.jagg_frac == 1.0 else 1  # of the two 4-step windows; the 1-step window is exact anyway
+    # per minibatch: 2 passes per JAGG window, 4 per exact 4-step window, 1 for the 1-step window
+    assert r["backward_passes"] == (2 * big_jagg + 4 * (2 - big_jagg) + 1) * minibatches
+    assert r["per_step_equiv"] == 9 * minibatches
+    assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-3)  # on-policy: recomputed log-probs equal the rollout's
+    export = tmp_path / "run" / ("lora" if cfg.model.lora.enabled else "transformer")
+    assert any(export.glob("*.safetensors"))  # LoRA file, or the full transformer gathered from FSDP2 shards
+    if kind == "flux":
+        from diffusers import FluxTransformer2DModel
+
+        loaded = FluxTransformer2DModel.from_pretrained(export, local_files_only=True)
+        for name, p in loaded.state_dict().items():
+            assert torch.equal(p, trained["transformer." + name]), name
+
+
+@pytest.mark.dist  # a DeepSpeed ZeRO-3 jagg-train process
+@pytest.mark.slow
+def test_deepspeed_lora_run_exports_a_diffusers_lora(sd3_dir, tmp_path):
+    """ZeRO-3 holds only partitions: the LoRA export is consolidated on rank 0 and must load into a plain
+    StableDiffusion3Pipeline like a single-process one."""
+    need("deepspeed")
+    import subprocess
+    import sys
+
+    from diffusers import StableDiffusion3Pipeline
+    from safetensors.torch import load_file
+
+    out = tmp_path / "ds"
+    cmd = [str(Path(sys.executable).parent / "jagg-train"), str(ROOT / "configs" / "sd3_tiny_cpu.yaml"),
+           f"model.pretrained={sd3_dir}", "model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8",
+           "parallel.engine=deepspeed", "train.steps=1", f"run.output_dir={out}", "log.progress=false",
+           "train.lr=1e-2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          timeout=RUN_S)  # a hang guard only: includes DeepSpeed's first-use compile, if first
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lora = load_file(str(out / "lora" / "pytorch_lora_weights.safetensors"))
+    assert lora and all(k.startswith("transformer.") and ("lora_A" in k or "lora_B" in k) for k in lora)
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in lora.items())  # trained (B starts at zero)
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3_dir, local_files_only=True)
+    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    pipe.load_lora_weights(str(out / "lora"))
+    assert any("lora" in k for k in pipe.transformer.state_dict()) and len(pipe.transformer.state_dict()) > len(before)
+
+
+# ------------------------------------------------------------------ as shipped, under a launcher's environment
+
+
+def _torchrun_env(monkeypatch, world: int, local: int = 8) -> None:
+    """What torchrun exports to worker 0 of `world` (`local` per node)."""
+    for k, v in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=world, LOCAL_WORLD_SIZE=local, GROUP_RANK=0,
+                     MASTER_ADDR="node01", MASTER_PORT=29500).items():
+        monkeypatch.setenv(k, str(v))
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_validates_as_shipped_under_torchrun(name, nodes, tmp_path, monkeypatch):
+    """Each production config runs under torchrun with no parallel override: FSDP2 with activation checkpointing,
+    on one node of 8 GPUs and on 4 (HSDP, parallel.replicate = nodes, what slurm/jagg.sbatch sets for LoRA)."""
+    from jagg_scale.parallel.ranks import discover
+    from jagg_scale.train.config import validate_world
+
+    _torchrun_env(monkeypatch, 8 * nodes)
+    hsdp = [f"parallel.replicate={nodes}"] if nodes > 1 else []
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", stand_in_paths(tmp_path) + hsdp)
+    assert cfg.parallel.engine == "fsdp2" and cfg.parallel.activation_checkpointing
+    assert not cfg.parallel.compile and cfg.parallel.collective_timeout_s > 0
+    validate_world(cfg, discover().world_size)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("parallel.engine=none", "parallel.engine"),
+    ("parallel.replicate=3", "parallel.replicate"),  # 8 ranks are not 3 replicas
+    ("train.batch_size=12", "train.batch_size"),  # 12 rows do not split over 8 ranks
+    ("jagg.probe_every=5", "jagg.probe_every"),
+])
+def test_jagg_train_refuses_a_config_that_cannot_run_on_the_launched_ranks(override, key, tmp_path, monkeypatch,
+                                                                          capsys):
+    """Before any model is loaded (the stand-in pipeline directory holds no model): exit 2, naming the key."""
+    import jagg_scale.train
+    from jagg_scale.cli import train_main
+
+    def no_trainer(cfg):
+        raise AssertionError("jagg-train built a Trainer (and would load the models) before refusing the config")
+
+    monkeypatch.setattr(jagg_scale.train, "Trainer", no_trainer)
+    _torchrun_env(monkeypatch, 8)
+    argv = [str(ROOT / "configs" / "sd35m_pickscore.yaml"), *stand_in_paths(tmp_path), override]
+    assert train_main(argv) == 2
+    assert f"config key '{key}'" in capsys.readouterr().err
