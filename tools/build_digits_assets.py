@@ -55,7 +55,7 @@ from jagg_scale.data.digits import (
 from jagg_scale.grpo.rollout import sample_ode, sample_sde
 from jagg_scale.grpo.schedule import sigma_schedule
 from jagg_scale.models.dit import DiT, DiTConfig
-from jagg_scale.models.tokenizer import HashTokenizer
+from jagg_scale.models.dit import HashTokenizer
 from jagg_scale.rewards.digits import DigitClassifier
 
 DEFAULT_OUT = ROOT / "jagg_scale" / "assets" / "digits"

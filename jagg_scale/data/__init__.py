@@ -1,7 +1,7 @@
-"""Prompt data: loading prompt files into records, and the seeded, resumable prompt sampler."""
+"""Prompt data: loading prompt files into records, and where a step's prompts come from (source.py: the seeded,
+resumable sampler of a list, or webdataset shards)."""
 
 from .prompts import PromptRecord, PromptSet, load_prompts
-from .sampler import PromptSampler
 from .prompt_sets import (
     FilteredPromptSet,
     read_drawbench,
@@ -13,7 +13,7 @@ from .prompt_sets import (
 )
 # webdataset prompt shards: importing is free, webdataset itself is loaded only when shards are used
 from .shards import ShardPromptStream, shard_pattern, write_prompt_shards
-from .source import ListPromptSource, StreamPromptSource
+from .source import ListPromptSource, PromptSampler, StreamPromptSource
 
 __all__ = ["PromptRecord", "PromptSet", "load_prompts", "PromptSampler"]
 

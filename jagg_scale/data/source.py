@@ -11,14 +11,115 @@ every rank must agree on the step's prompts. Two sources:
 
 `state_dict()` is what the checkpoint stores to continue the same sequence; for streams it holds every rank's
 position (gathered), and a resumed run picks its own.
+
+PromptSampler, the list source's deterministic, resumable order: which prompts_per_step prompts a step uses (the
+trainer repeats each drawn prompt group_size times, contiguously: group k is rows k*G:(k+1)*G). Prompts are visited
+epoch by epoch in a permutation seeded by `seed + epoch`, so every prompt is used once per epoch and a run is
+reproducible from its seed; `state_dict()` captures the position so that a resumed run draws exactly the batches the
+uninterrupted run would have drawn. When an epoch runs out mid-batch the batch is completed from the next epoch; to
+keep prompts distinct within a batch, that next epoch's permutation is stably rearranged so that its first items
+avoid the prompts the batch already holds (they move just behind those items; the epoch still contains every prompt
+exactly once), which is always possible when prompts_per_step <= num_prompts. If prompts_per_step > num_prompts a
+batch necessarily repeats prompts: it spans several epochs, and duplicates within the batch are allowed there.
 """
 
 from __future__ import annotations
 
-from .prompts import PromptRecord, PromptSet
-from .sampler import PromptSampler
+import torch
 
-__all__ = ["ListPromptSource", "StreamPromptSource"]
+from .prompts import PromptRecord, PromptSet
+
+__all__ = ["ListPromptSource", "PromptSampler", "StreamPromptSource"]
+
+
+def _arrange(perm: list[int], exclude: set[int], need: int) -> list[int]:
+    """Stable reorder of `perm` putting its first `need` items not in `exclude` at the front."""
+    if not exclude:
+        return perm
+    front: list[int] = []
+    rest: list[int] = []
+    for i in perm:
+        (front if len(front) < need and i not in exclude else rest).append(i)
+    return front + rest
+
+
+class PromptSampler:
+    """Draws `prompts_per_step` distinct prompt indices per step, epoch by epoch, from a seed."""
+
+    def __init__(self, num_prompts: int, prompts_per_step: int, seed: int):
+        for name, v in (("num_prompts", num_prompts), ("prompts_per_step", prompts_per_step)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"PromptSampler: {name} must be a positive int, got {v!r}")
+        self.num_prompts = num_prompts
+        self.prompts_per_step = prompts_per_step
+        self.seed = int(seed)
+        self._epoch = 0
+        self._position = 0
+        # what the batch straddling into the current epoch already held, and how many it still needed:
+        # enough to rebuild the current epoch's order on resume
+        self._wrap_exclude: list[int] = []
+        self._wrap_need = 0
+        self._order: list[int] | None = None
+
+    # ------------------------------------------------------------------------------------------ sampling
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None:
+            g = torch.Generator().manual_seed(self.seed + self._epoch)
+            perm = torch.randperm(self.num_prompts, generator=g).tolist()
+            self._order = _arrange(perm, set(self._wrap_exclude), self._wrap_need)
+        return self._order
+
+    def _start_epoch(self, exclude: list[int]) -> None:
+        self._epoch += 1
+        self._position = 0
+        self._wrap_exclude = list(exclude)
+        self._wrap_need = self.prompts_per_step - len(exclude)
+        self._order = None
+
+    def next_prompts(self) -> list[int]:
+        """The next `prompts_per_step` prompt indices."""
+        picked: list[int] = []
+        while len(picked) < self.prompts_per_step:
+            if self._position >= self.num_prompts:
+                self._start_epoch(picked)
+            picked.append(self._epoch_order()[self._position])
+            self._position += 1
+        return picked
+
+    # ------------------------------------------------------------------------------------------- resume
+
+    def state_dict(self) -> dict:
+        """Position plus the config it is valid for (checked on load: resuming with a different prompt
+        file or batch shape would otherwise silently draw a different sequence)."""
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "wrap_exclude": list(self._wrap_exclude),
+            "wrap_need": self._wrap_need,
+            "num_prompts": self.num_prompts,
+            "prompts_per_step": self.prompts_per_step,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("num_prompts", "prompts_per_step", "seed"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"PromptSampler state was saved with {key}={state[key]}, this sampler has {getattr(self, key)}"
+                )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.num_prompts:
+            raise ValueError(f"invalid PromptSampler state: epoch={epoch}, position={position}")
+        self._epoch = epoch
+        self._position = position
+        self._wrap_exclude = [int(i) for i in state.get("wrap_exclude", [])]
+        self._wrap_need = int(state.get("wrap_need", 0))
+        self._order = None
 
 
 class ListPromptSource:

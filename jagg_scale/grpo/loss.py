@@ -7,7 +7,7 @@
 `step_loss(k, v_k)` closure knot_backward differentiates. It depends on theta only through v_k, which is what
 lets JAGG move the transformer backward out of the per-step loop. It also records the metrics of each evaluation
 (clipfrac, approx_kl, ratio, kl) as detached tensors in `metrics`, so no extra pass is spent on logging (the
-trainer reduces them: train/metrics.py).
+Updater reduces them: train/update.py reduce_metrics).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class GRPOStepLoss:
             loss = loss + self.beta * kl
         with torch.no_grad():
             m = self.metrics
-            # detached tensors, read to the host once per training step (train/metrics.py): no device sync here
+            # detached tensors, read to the host once per training step (train/trainer.py fetch_metrics): no device sync
             m["policy_loss"].append(policy.detach())
             m["kl"].append(kl.detach() if kl is not None else torch.zeros((), device=policy.device))
             m["approx_kl"].append(0.5 * ((log_ratio**2) * w).sum() / denom)

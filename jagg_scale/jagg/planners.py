@@ -11,6 +11,12 @@ of spending transformer rows, holding its own settings and nothing else:
     BudgetPlanner(speedup, error_model, rows_per_pass)  at most T / speedup knots, placed by the DP on the error
                                                         model (knots.py), in passes of rows_per_pass
 
+The window planner's routing (`route_windows`): round(jagg_frac x windows) windows get JAGG, ranked from what the
+rollout holds; `vcos`, the paper's rule: mean over samples of cos(v_first, v_last) of the window's endpoint
+velocities, the highest first; `weighted`: the expected error (1 - cos) x sum_k |g_k|, the smallest first (low-sigma
+steps carry most of the GRPO gradient norm, so an interpolation error there costs most; windows of 1 or 2 steps are
+exact under JAGG, their expected error 0). With min_cos set, no window whose endpoint cosine is below it is routed.
+
 `planner.plan(velocities, sigmas, grad_norms=, reduce=)` decides from what the rollout holds (no transformer pass):
 the rollout's velocities [T, B, ...] and sigmas [T] at the trained steps, `grad_norms()` the |g_k| of each trained
 step (called only by the planners that rank by it), `reduce(values, how)` combining per-rank statistics so that
@@ -30,19 +36,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Optional, Union
+import math
+from typing import Callable, ClassVar, Literal, Optional, Sequence, Union, get_args
 
 import torch
 
 from .knots import ERROR_MODELS, ErrorModel, cosine_error, plan_budget, residual_error, velocity_cosines
-from .plans import Plan, budget_for_speedup, exact_plan, knots_from_windows, plan_uniform
-from .routing import ROUTE_BY, RouteBy, route_windows
-from .windows import split_windows
+from .plans import Plan, budget_for_speedup, exact_plan, knots_from_windows, plan_uniform, split_windows
 
-__all__ = ["BudgetPlanner", "ExactPlanner", "PLANNERS", "Planned", "Planner", "PlannerSettingError",
-           "SharedKnotPlanner", "WindowPlanner", "build_planner", "planner_keys"]
+__all__ = ["BudgetPlanner", "ExactPlanner", "PLANNERS", "Planned", "Planner", "PlannerSettingError", "ROUTE_BY",
+           "RouteBy", "Routing", "SharedKnotPlanner", "WindowPlanner", "build_planner", "endpoint_cosines",
+           "num_routed", "planner_keys", "route_windows"]
 
 Reduce = Callable[[list[float], str], list[float]]
+RouteBy = Literal["vcos", "weighted"]
+ROUTE_BY: tuple[str, ...] = get_args(RouteBy)
 GradNorms = Callable[[], list[float]]
 
 
@@ -76,6 +84,75 @@ class Planned:
 
 def _interpolated(plan: Plan) -> int:
     return sum(1 for a, b in plan if b > a + 1)
+
+
+# ------------------------------------------------------------------ the window planner's routing (jagg_frac)
+
+
+@dataclass
+class Routing:
+    use_jagg: list[bool]  # per window
+    cosines: list[float]  # endpoint-velocity cosine per window
+    scores: list[float]  # the ranking score (higher = JAGG first)
+
+    @property
+    def num_jagg(self) -> int:
+        return sum(self.use_jagg)
+
+
+def endpoint_cosines(velocities: torch.Tensor, windows: Sequence[Sequence[int]]) -> list[float]:
+    """Per window, the mean over samples of the cosine between its first and last velocities ([T, B, ...] input),
+    computed on the device and read back to the host once."""
+    first = torch.stack([velocities[w[0]] for w in windows]).flatten(2).double()  # views, no index tensor
+    last = torch.stack([velocities[w[-1]] for w in windows]).flatten(2).double()
+    return torch.nn.functional.cosine_similarity(first, last, dim=2, eps=1e-12).mean(1).tolist()
+
+
+def num_routed(jagg_frac: float, num_windows: int) -> int:
+    """round-half-up(jagg_frac * num_windows)."""
+    if not 0.0 <= jagg_frac <= 1.0:
+        raise ValueError(f"jagg_frac must be in [0, 1], got {jagg_frac}")
+    return min(num_windows, int(math.floor(jagg_frac * num_windows + 0.5)))
+
+
+def route_windows(
+    windows: Sequence[Sequence[int]],
+    velocities: torch.Tensor,
+    *,
+    jagg_frac: float,
+    route_by: str = "vcos",
+    min_cos: float | None = None,
+    grad_norms: Sequence[float] | None = None,
+    reduce: Callable[[list[float], str], list[float]] | None = None,
+) -> Routing:
+    """Choose which windows train with JAGG. `velocities` [T, B, ...] are the rollout's; `grad_norms[k]` = |g_k|
+    for every sampling step k (needed for route_by="weighted").
+
+    With data parallelism each rank holds a slice of the batch but all ranks must run the same plan (the sharded
+    model's collectives must match). `reduce(values, how)` combines per-rank statistics before deciding:
+    how="mean" for the cosines (equal slices: the global mean), how="norm" for |g_k| (root of summed squares)."""
+    if route_by not in ROUTE_BY:
+        raise ValueError(f"route_by must be one of {ROUTE_BY}, got {route_by!r}")
+    cosines = endpoint_cosines(velocities, windows)
+    if reduce is not None:
+        cosines = reduce(cosines, "mean")
+        if grad_norms is not None:
+            grad_norms = reduce(list(grad_norms), "norm")
+    if route_by == "vcos":
+        scores = list(cosines)
+    else:
+        if grad_norms is None:
+            raise ValueError("route_by='weighted' needs grad_norms (|g_k| per step)")
+        scores = [
+            0.0 if len(w) <= 2 else -(1.0 - c) * sum(float(grad_norms[k]) for k in w) for w, c in zip(windows, cosines)
+        ]
+    eligible = [i for i in range(len(windows)) if min_cos is None or cosines[i] >= min_cos]
+    ranked = sorted(eligible, key=lambda i: (-scores[i], i))  # stable: earlier window wins a tie
+    chosen = set(ranked[: num_routed(jagg_frac, len(windows))])
+    return Routing(use_jagg=[i in chosen for i in range(len(windows))], cosines=cosines, scores=scores)
+
+
+# ------------------------------------------------------------------ the planners
 
 
 @dataclass(frozen=True)

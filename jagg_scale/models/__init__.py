@@ -1,6 +1,6 @@
 """Velocity models behind one interface (base.py): v = model(x, sigma, cond), encode_prompts, decode.
 
-    dit.py                the built-in DiT (one readable file), with its hash tokenizer (tokenizer.py)
+    dit.py                the built-in DiT (one readable file), with its hash tokenizer
     sd3.py, flux.py       diffusers SD3/SD3.5 and FLUX.1 pipelines as velocity models (diffusers_common.py)
     lora.py               peft LoRA on the diffusers transformers; adapter off is the KL reference
 
@@ -16,8 +16,7 @@ from __future__ import annotations
 from ..hub import resolve_model_path
 from ..paths import resolve_path
 from .base import VelocityModel
-from .dit import DiT, DiTConfig
-from .tokenizer import HashTokenizer
+from .dit import DiT, DiTConfig, HashTokenizer
 
 
 def build_model(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:

@@ -1,7 +1,7 @@
 """The sections of the run configuration: one dataclass each, its typed choices and its own range checks.
 
 Choices are `Literal` types with one source each: the config's own concepts are defined here, the others where
-the concept lives (jagg.backward.IntermediateMode, jagg.routing.RouteBy, jagg.knots.ErrorModel,
+the concept lives (jagg.backward.IntermediateMode, jagg.planners.RouteBy, jagg.knots.ErrorModel,
 parallel.types.EngineName); the `parallel` section is the engines' own (parallel/config.py). `config._check_type`
 validates them (and every other typed field) while the config is built, so the `check` methods below hold range
 checks only. Checks that need more than one section, and file existence, are `config.validate`. Every error is a
@@ -19,7 +19,7 @@ from ..grpo.solver import OdeSolver
 from ..jagg.backward import IntermediateMode
 from ..jagg.knots import ErrorModel
 from ..jagg.planners import ExactPlanner, Planner, PlannerSettingError, build_planner
-from ..jagg.routing import RouteBy
+from ..jagg.planners import RouteBy
 from ..models.dit import DiTConfig
 from ..parallel.config import ParallelConfig
 from ..parallel.types import EngineName, GradSync

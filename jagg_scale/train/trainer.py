@@ -37,7 +37,6 @@ from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gathe
 from .config import Config, load_prompt_file, validate_world
 from .evaluate import eval_prompts, evaluate, load_eval
 from .logging import RunLogger
-from .metrics import fetch_metrics
 from .policy import Policy
 from .preemption import Preemption
 from .rows import StepRows, step_seed
@@ -319,3 +318,14 @@ def summarize(history: list[dict], window: int = 3) -> dict:
         "backward_saved_frac": 1.0 - done / equiv if equiv else 0.0,
         "train_seconds": sum(r["time_train"] for r in history),
     }
+
+
+def fetch_metrics(metrics: dict) -> dict:
+    """The step's metrics with every tensor value turned into a Python float by ONE device-to-host copy (a training
+    step's only read of its loss statistics); other values pass through unchanged."""
+    keys = [k for k, v in metrics.items() if torch.is_tensor(v)]
+    if not keys:
+        return dict(metrics)
+    device = metrics[keys[0]].device
+    values = torch.stack([metrics[k].detach().float().reshape(()).to(device) for k in keys]).tolist()
+    return {**metrics, **dict(zip(keys, values))}

@@ -31,12 +31,25 @@ from ..grpo.rollout import to_device
 from ..jagg import (Backward, ModelFn, Planned, Planner, autograd_backward, exact_plan, knot_backward, pass_groups,
                     plan_knots, restrict_plan)
 from ..parallel.engine import NonFiniteError
-from .metrics import reduce_metrics
 
 log = logging.getLogger(__name__)
 
 __all__ = ["BackwardStats", "Updater", "backward_minibatch", "micro_batches", "plan_minibatch", "probe_minibatch",
-           "resolve_intermediate", "run_plan", "step_grad_norms", "trained_rows"]
+           "reduce_metrics", "resolve_intermediate", "run_plan", "step_grad_norms", "trained_rows"]
+
+
+_EXTREMES = {"ratio_max": torch.amax, "ratio_min": torch.amin}
+
+
+def reduce_metrics(recorded: dict[str, list]) -> dict[str, torch.Tensor]:
+    """{name: [values]} -> {name: 0-d tensor}: means, except ratio_max / ratio_min, which keep their extremes;
+    computed where the values live (no host synchronisation: the Trainer reads the step's row once, when it logs)."""
+    out = {}
+    for k, vals in recorded.items():
+        if vals:
+            stacked = torch.stack([torch.as_tensor(v).detach().float().reshape(()) for v in vals])
+            out[k] = _EXTREMES.get(k, torch.mean)(stacked)
+    return out
 
 
 @dataclass

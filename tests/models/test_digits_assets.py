@@ -28,7 +28,7 @@ from jagg_scale.data.digits import (
 from jagg_scale.grpo.rollout import sample_ode
 from jagg_scale.grpo.schedule import sigma_schedule
 from jagg_scale.models.dit import DiT, DiTConfig
-from jagg_scale.models.tokenizer import HashTokenizer
+from jagg_scale.models.dit import HashTokenizer
 from jagg_scale.rewards import build_reward, score_safely
 from jagg_scale.rewards.digits import DEFAULT_CLASSIFIER, load_classifier, target_digit
 

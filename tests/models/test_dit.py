@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from jagg_scale.models.dit import DiT, DiTConfig, get_2d_sincos_pos_embed
-from jagg_scale.models.tokenizer import HashTokenizer
+from jagg_scale.models.dit import HashTokenizer
 
 SMALL = DiTConfig(image_size=16, in_channels=3, patch_size=4, hidden_size=64, depth=2, num_heads=4)
 PROMPTS = ["a red cat", "a blue dog on the grass", "", "Red CAT"]

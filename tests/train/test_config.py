@@ -9,7 +9,7 @@ import yaml
 
 from jagg_scale.jagg.backward import INTERMEDIATE_MODES, IntermediateMode
 from jagg_scale.jagg.knots import ErrorModel
-from jagg_scale.jagg.routing import RouteBy
+from jagg_scale.jagg.planners import RouteBy
 from jagg_scale.parallel.types import EngineName
 from jagg_scale.train.config import (Config, ConfigError, JAGGConfig, ParallelConfig, config_from_dict, load_config,
                                      validate)
