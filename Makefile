@@ -33,7 +33,7 @@ lint: setup
 test: lint
 	JAGG_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q tests
 
-# The inner loop: everything but slow and dist tests (718 of 789; about 2-4 min on a 2-core machine).
+# The inner loop: everything but slow and dist tests (764 of 836; about 3-4 min on a 2-core machine).
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not dist" tests
 
