@@ -21,7 +21,8 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["CoefficientsMissing", "cached", "compose", "ev", "key", "reduce_buffers", "transformer_activations"]
+__all__ = ["CoefficientsMissing", "cached", "compose", "cpu_model", "ev", "key", "reduce_buffers",
+           "transformer_activations"]
 
 COMMITTED = Path(__file__).resolve().parent / "coefficients.json"
 
@@ -66,13 +67,14 @@ def cached(entry: str, label: str, measure_fn, allow: bool):
         except ImportError:
             diffusers_version = None
         stored[entry] = {"label": label, "torch": torch.__version__, "diffusers": diffusers_version,
-                         "cpu_model": _cpu_model(), "value": value}
+                         "cpu_model": cpu_model(), "value": value}
         path.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
         table[entry] = stored[entry]
     return table[entry]["value"]
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (recorded beside measured coefficients, and by the benchmarks)."""
     import platform
 
     try:

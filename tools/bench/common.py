@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 from jagg_scale.grpo.loss import GRPOStepLoss, StepBatch
 from jagg_scale.grpo.rollout import Trajectories, sample_sde
 from jagg_scale.grpo.schedule import sigma_schedule
+from jagg_scale.estimate.activations import cpu_model
 from jagg_scale.models.sd3 import SD3TransformerVelocity
 
 NOISE_LEVEL, SHIFT, CLIP = 0.7, 3.0, 1e-4
@@ -40,16 +41,6 @@ TEXT_TOKENS = {"full": 32, "quick": 8}
 # ------------------------------------------------------------------------------------------------------------------
 # machine
 # ------------------------------------------------------------------------------------------------------------------
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def cpu_mhz() -> float | None:
     try:
