@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sde import kl_to_reference, sde_step_with_logprob
+from .sde import SDE_STEPS, kl_to_reference
 
 
 @dataclass
@@ -62,6 +62,7 @@ class GRPOStepLoss:
     # evaluates L_k at the guided velocity u_k + g (c_k - u_k), u_k from the batch: a constant for the gradient, so
     # dL/dc = g dL/dv flows through the conditional branch only (Flow-GRPO detaches the unconditional one).
     guidance: float = 1.0
+    sde: str = "flow_grpo"  # the stochastic step the rollout sampled with (grpo/sde.py: flow_grpo | cps)
     metrics: dict = field(default_factory=lambda: defaultdict(list))
 
     def __call__(self, b: StepBatch, k: int, v: torch.Tensor) -> torch.Tensor:
@@ -71,9 +72,9 @@ class GRPOStepLoss:
             u = b.uncond_velocities[k].detach().to(v.dtype)
             v = u + self.guidance * (v - u)
         s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], b.sigmas[1]  # tensors: no host read
-        step = sde_step_with_logprob(
-            b.latents[k], v, s, s_next, noise_level=self.noise_level, sigma_max=sigma_max, prev_sample=b.latents[k + 1]
-        )
+        sde_step = SDE_STEPS[self.sde]
+        step = sde_step(b.latents[k], v, s, s_next, noise_level=self.noise_level, sigma_max=sigma_max,
+                        prev_sample=b.latents[k + 1])
         log_ratio = step.log_prob - b.log_probs[k].float()
         ratio = torch.exp(log_ratio)
         adv = b.advantages.float()
@@ -88,10 +89,8 @@ class GRPOStepLoss:
         if self.beta > 0:
             if b.ref_velocities is None:
                 raise ValueError("beta > 0 needs the rollout's reference velocities (ref_velocities)")
-            ref = sde_step_with_logprob(
-                b.latents[k], b.ref_velocities[k], s, s_next, noise_level=self.noise_level, sigma_max=sigma_max,
-                prev_sample=b.latents[k + 1],
-            )
+            ref = sde_step(b.latents[k], b.ref_velocities[k], s, s_next, noise_level=self.noise_level,
+                           sigma_max=sigma_max, prev_sample=b.latents[k + 1])
             kl = (kl_to_reference(step.mean, ref.mean, step.std) * w).sum() / loss_denom
             loss = loss + self.beta * kl
         with torch.no_grad():

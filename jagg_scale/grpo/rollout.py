@@ -21,7 +21,7 @@ import torch
 
 from ..cond import Cond, cat_cond
 from .loss import StepBatch
-from .sde import ode_step, sde_step_with_logprob, standard_normal
+from .sde import SDE_STEPS, ode_step, standard_normal
 from .solver import OdeSolverState, window_grids
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
@@ -121,11 +121,13 @@ def sample_sde(
     ode_solver: str = "euler",
     ode_steps: int = 0,
     host_sigmas: Sequence[float] | None = None,
+    sde: str = "flow_grpo",
 ) -> Trajectories:
     """Run the sampler from `noise` (the latent x_0 at s_0 = 1) through all T steps of `sigmas`: the SDE (with
     log-probs) on `sde_steps` (all when None), the deterministic ODE elsewhere (Flow-GRPO-Fast / MixGRPO: only the SDE
     steps are explored and trained; their log-probs are 0 elsewhere and never used). With guidance != 1 the
-    model is called with `cond` = (cond, uncond) through `cfg_predictions` and both predictions are kept.
+    model is called with `cond` = (cond, uncond) through `cfg_predictions` and both predictions are kept. `sde` is
+    the stochastic step (sde.py: flow_grpo | cps).
 
     Compressed rollout (MixGRPO-Flash; `sde_steps` one window of consecutive steps): `ode_solver` (euler | dpm2)
     steps the deterministic parts, on `ode_steps` steps in all around the window (0: the schedule's own grid
@@ -143,6 +145,7 @@ def sample_sde(
     sigmas = sigmas.to(x.device)  # once: the per-step scalars below are views of it, never host reads
     sigma_max = sigmas[1]
     trained = [k for k in range(T) if sde_steps is None or k in sde_steps]
+    sde_step = SDE_STEPS[sde]
     step_noise = draw_step_noise(generator, x.shape, len(trained), x.device)
 
     def predict(x, s):
@@ -162,8 +165,8 @@ def sample_sde(
     def sde(k, x):
         s = sigmas[k].expand(n)
         v, velocities[k], uncond_vs[k] = predict(x, s)
-        step = sde_step_with_logprob(x, v, sigmas[k], sigmas[k + 1], noise_level=noise_level, sigma_max=sigma_max,
-                                     noise=step_noise[trained.index(k)])
+        step = sde_step(x, v, sigmas[k], sigmas[k + 1], noise_level=noise_level, sigma_max=sigma_max,
+                        noise=step_noise[trained.index(k)])
         if ref_velocity_fn is not None:  # the KL term is evaluated on the trained (SDE) steps only
             ref_vs[k] = ref_velocity_fn(x, s, cond).float()
         latents[k + 1], log_probs[k] = step.prev_sample, step.log_prob

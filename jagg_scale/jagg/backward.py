@@ -38,7 +38,7 @@ from typing import Callable, Literal, Sequence, get_args
 import torch
 
 from ..cond import Cond, repeat_cond
-from .plans import check_plan, exact_plan, interior_weights, pass_groups, plan_knots
+from .plans import check_plan, exact_plan, interior_weights, pass_groups, per_row, plan_knots
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
 StepLoss = Callable[[int, torch.Tensor], torch.Tensor]
@@ -70,12 +70,13 @@ def _interior_values(model_fn, latents, sigmas, cond, cached, mode, a, v_first, 
     if mode == "forward":
         with torch.no_grad():
             x = latents[1:-1].reshape(-1, *latents.shape[2:])
-            s = sigmas[1:-1].repeat_interleave(B)
+            s = sigmas[1:-1].repeat_interleave(B) if sigmas.ndim == 1 else sigmas[1:-1].reshape(-1)
             v = model_fn(x, s, repeat_cond(cond, n - 2))
         return list(v.reshape(n - 2, B, *v.shape[1:]))
     if mode == "cached":
         return [cached[k] for k in range(1, n - 1)]
     drift_first, drift_last = v_first - cached[0], v_last - cached[-1]
+    a = per_row(a, cached)  # [n, 1, ...] or [n, B, 1, ...]: a[k] broadcasts over one step's rows
     return [cached[k] + (1 - a[k]) * drift_first + a[k] * drift_last for k in range(1, n - 1)]
 
 
@@ -94,7 +95,8 @@ def knot_backward(
 ) -> torch.Tensor:
     """Accumulate the plan's gradient of sum_k step_loss(k, v_k) over T steps into the parameters' .grad.
 
-    latents[T, B, ...] are the x_k, sigmas[T] their noise levels, cond the conditioning of B rows, step_loss(k, v_k)
+    latents[T, B, ...] are the x_k, sigmas[T] their noise levels (or sigmas[T, B]: each row its own, the weights
+    a_k then per row), cond the conditioning of B rows, step_loss(k, v_k)
     with k the position in latents, cached_velocities[T, B, ...] the rollout's velocities (needed by cached /
     interpolate when a segment has interior steps), intermediate in INTERMEDIATE_MODES (the values of interpolated
     steps; knots use their fresh forward). The knots go in the passes of `pass_groups(plan, rows_per_pass)`: per
@@ -106,8 +108,9 @@ def knot_backward(
     if intermediate not in INTERMEDIATE_MODES:
         raise ValueError(f"intermediate must be one of {INTERMEDIATE_MODES}, got {intermediate!r}")
     T, B = latents.shape[:2]
-    if sigmas.shape != (T,):
-        raise ValueError(f"sigmas must have shape ({T},), got {tuple(sigmas.shape)}")
+    if sigmas.shape not in ((T,), (T, B)):
+        raise ValueError(f"sigmas must have shape ({T},) or ({T}, {B}) (a noise level per row), got "
+                         f"{tuple(sigmas.shape)}")
     plan = check_plan(plan, T)
     groups = pass_groups(plan, rows_per_pass)
     interpolated = [seg for seg in plan if seg[1] > seg[0] + 1]
@@ -133,7 +136,8 @@ def knot_backward(
         """Interior values -> g_k -> the (1 - a_k) and a_k weighted sums; once per segment."""
         if (a, b) not in parts:
             w = interior_weights(sigmas, a, b)
-            a_all = torch.cat([w.new_zeros(1), w, w.new_ones(1)]).to(dtype if dtype == torch.float64 else torch.float32)
+            zero, one = w.new_zeros(1, *w.shape[1:]), w.new_ones(1, *w.shape[1:])
+            a_all = torch.cat([zero, w, one]).to(dtype if dtype == torch.float64 else torch.float32)
             ends = (knot_value(a), knot_value(b)) if intermediate == "interpolate" else (None, None)
             cached = None if cached_velocities is None else cached_velocities[a : b + 1]
             values = _interior_values(model_fn, latents[a : b + 1], sigmas[a : b + 1], cond, cached, intermediate,
@@ -141,7 +145,7 @@ def knot_backward(
             seg_losses, grads = zip(*(_upstream(step_loss, k, v) for k, v in zip(range(a + 1, b), values)))
             losses.extend(seg_losses)
             g = torch.stack(grads)
-            w = w.to(g.dtype).reshape(-1, *([1] * (g.ndim - 1)))
+            w = per_row(w.to(g.dtype), g)
             parts[(a, b)] = (((1 - w) * g).sum(0), (w * g).sum(0))
         return parts[(a, b)]
 

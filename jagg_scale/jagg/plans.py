@@ -62,17 +62,24 @@ def split_windows(steps: Sequence[int], window: int) -> list[list[int]]:
 
 
 def window_weights(sigmas: torch.Tensor) -> torch.Tensor:
-    """a_k for the sigmas of one window (float64): 0 at the first step, 1 at the last, linear in sigma."""
+    """a_k for the sigmas of one window (float64): 0 at the first step, 1 at the last, linear in sigma. `sigmas` is
+    [W] (every row at the same noise levels) or [W, B] (each row its own, as DiffusionNFT draws its training
+    timesteps per sample): the weights then have the same shape."""
     sigmas = sigmas.detach().double()
-    if sigmas.numel() == 1:
-        return torch.zeros(1, dtype=torch.float64, device=sigmas.device)
+    if sigmas.shape[0] == 1:
+        return torch.zeros_like(sigmas)
     span = sigmas[-1] - sigmas[0]
     if sigmas.device.type == "cpu":
-        if span == 0:
+        if bool((span == 0).any()):
             raise ValueError("a JAGG window needs distinct endpoint sigmas")
     else:  # checked on the device: reading span back would stall the host at every window
-        torch._assert_async(span != 0, "a JAGG window needs distinct endpoint sigmas")
+        torch._assert_async((span != 0).all(), "a JAGG window needs distinct endpoint sigmas")
     return (sigmas - sigmas[0]) / span
+
+
+def per_row(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Weights of shape [n] or [n, B] (window_weights) shaped to broadcast against values [n, B, ...] like `like`."""
+    return weights.reshape(*weights.shape, *([1] * (like.ndim - weights.ndim)))
 
 
 # ------------------------------------------------------------------ knot plans
@@ -174,7 +181,7 @@ def budget_for_speedup(T: int, S: float) -> int:
 
 
 def interior_weights(sigmas: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    """a_k of the interior steps a < k < b (float64), exactly window_weights of the window a .. b."""
+    """a_k of the interior steps a < k < b (float64, [n] or [n, B]), exactly window_weights of the window a .. b."""
     return window_weights(sigmas[a : b + 1])[1:-1]
 
 
@@ -186,7 +193,7 @@ def composite_upstream(plan: Sequence[tuple[int, int]], g: torch.Tensor, sigmas:
     G = g[knots].clone()
     for a, b in plan:
         if b > a + 1:
-            w = interior_weights(sigmas, a, b).to(g.dtype).reshape(-1, *([1] * (g.ndim - 1)))
+            w = per_row(interior_weights(sigmas, a, b).to(g.dtype), g[a + 1 : b])
             G[slot[a]] += ((1 - w) * g[a + 1 : b]).sum(0)
             G[slot[b]] += (w * g[a + 1 : b]).sum(0)
     return G

@@ -203,7 +203,7 @@ class DeepSpeedEngine(Engine):
         engine.eval()  # DeepSpeedEngine.eval returns None
         return engine
 
-    # ------------------------------------------------------------------ EMA of this rank's fp32 partitions
+    # ------------------------------------------------------------------ shadows of this rank's fp32 partitions
     @property
     def _zero(self):
         """ZeRO-3's optimizer: the flat fp32 master partitions and the 16-bit partitions the forward gathers."""
@@ -211,34 +211,34 @@ class DeepSpeedEngine(Engine):
 
     def init_ema(self) -> None:
         self.ema_decay = float(self.optim.ema_decay)
-        self.ema = None
-        if self.ema_decay <= 0:
-            return
+        self.shadows = {}
+        if self.ema_decay > 0:
+            self.add_shadow("ema")
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        """This rank's flat fp32 master partitions (one per sub-group): what the shadows copy and move towards."""
         zero = self._zero
         flats = getattr(zero, "fp16_partitioned_groups_flat", None)
         if getattr(zero, "fp32_partitioned_groups_flat", None) is None or flats is None:
-            raise ValueError("train.ema_decay with parallel.engine deepspeed needs ZeRO stage 3 (the EMA is kept "
-                             f"of the flat fp32 partitions), got optimizer {type(zero).__name__}")
+            raise ValueError("shadow weights (train.ema_decay, DiffusionNFT's old policy) with parallel.engine "
+                             "deepspeed need ZeRO stage 3 (they are kept of the flat fp32 partitions), got optimizer "
+                             f"{type(zero).__name__}")
         if getattr(zero, "swap_optimizer", False) or any(t is None for t in flats):
-            raise ValueError("train.ema_decay with parallel.engine deepspeed: NVMe offload swaps the partitions "
-                             "out of memory; the EMA needs them in memory (use offload to cpu or none)")
-        self.ema = {f"partition.{i}": t.detach().clone() for i, t in enumerate(zero.fp32_partitioned_groups_flat)}
+            raise ValueError("shadow weights (train.ema_decay, DiffusionNFT's old policy) with parallel.engine "
+                             "deepspeed: NVMe offload swaps the partitions out of memory; they need them in memory "
+                             "(use offload to cpu or none)")
+        return {f"partition.{i}": t for i, t in enumerate(zero.fp32_partitioned_groups_flat)}
 
     @torch.no_grad()
     def update_ema(self) -> None:
-        if self.ema is None or not self.ds.was_step_applied():
-            return
-        for e, p in zip(self.ema.values(), self._zero.fp32_partitioned_groups_flat):
-            e.lerp_(p.detach(), 1.0 - self.ema_decay)
+        if self.ema is not None and self.ds.was_step_applied():
+            self.lerp_shadow("ema", self.ema_decay)
 
     @contextmanager
-    def ema_weights(self):
-        """The engine with the EMA in its 16-bit partitions (collective: every rank enters and leaves)."""
-        if self.ema is None:
-            yield self.model
-            return
+    def shadow_weights(self, name: str):
+        """The engine with the shadow `name` in its 16-bit partitions (collective: every rank enters and leaves)."""
         live = [t.clone() for t in self._zero.fp16_partitioned_groups_flat]
-        self._set_partitions(list(self.ema.values()))
+        self._set_partitions(list(self.shadows[name].values()))
         try:
             yield self.model
         finally:
@@ -292,22 +292,22 @@ class DeepSpeedEngine(Engine):
         """This rank's ZeRO-3 partitions (`ds_tensor`; the parameters' own data is empty between gathers) of the
         trainable weights, and its EMA partitions."""
         named = [(n, getattr(p, "ds_tensor", p)) for n, p in zip(self._trainable, self.params)]
-        return named + [(f"ema.{n}", t) for n, t in (self.ema or {}).items()]
+        return named + [(f"{s}.{n}", t) for s, shadow in self.shadows.items() for n, t in shadow.items()]
 
     # ------------------------------------------------------------------ the checkpoint format: DeepSpeed's own
     # ds/: per rank a model-states file and its fp32-master + optimizer partition (save_checkpoint, tag "ds"), plus
-    # per rank its EMA partition ema_rank<r>.safetensors; resumed on the world size that wrote it
-    def _ema_file(self, directory: Path) -> Path:
-        return directory / f"ema_rank{self.dist.rank:05d}.safetensors"
+    # per rank and shadow its partitions <shadow>_rank<r>.safetensors (ema_rank<r>, old_rank<r>); resumed on the
+    # world size that wrote it
+    def _shadow_file(self, directory: Path, name: str) -> Path:
+        return directory / f"{name}_rank{self.dist.rank:05d}.safetensors"
 
     def _save(self, directory: Path) -> list[Path]:
         self.ds.save_checkpoint(str(directory), tag=TAG, save_latest=False,
                                     exclude_frozen_parameters=not self.full_fine_tune)
         files = self._own_files(directory)
-        if self.ema is not None:
-            from ..checkpoint.local import write_tensors
+        from ..checkpoint.local import write_tensors
 
-            files.append(write_tensors(self._ema_file(directory), self.ema))
+        files += [write_tensors(self._shadow_file(directory, name), shadow) for name, shadow in self.shadows.items()]
         return files
 
     def _own_files(self, directory: Path) -> list[Path]:
@@ -331,19 +331,20 @@ class DeepSpeedEngine(Engine):
                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise CheckpointError(f"no DeepSpeed checkpoint (tag {TAG!r}) in {directory}")
-        if self.ema is not None:
-            from safetensors.torch import load_file
+        from safetensors.torch import load_file
 
-            file = self._ema_file(directory)
+        for shadow_name, shadow in self.shadows.items():
+            file = self._shadow_file(directory, shadow_name)
             if not file.is_file():
-                raise CheckpointError(f"checkpoint {directory} has no EMA partition of rank {self.dist.rank} "
-                                      f"({file.name}) but train.ema_decay > 0")
+                raise CheckpointError(f"checkpoint {directory} has no {shadow_name!r} partition of rank "
+                                      f"{self.dist.rank} ({file.name}) but this run keeps those weights")
             saved = load_file(str(file))
-            if {k: v.shape for k, v in saved.items()} != {k: v.shape for k, v in self.ema.items()}:
-                raise CheckpointError(f"checkpoint {directory}: the EMA partitions of rank {self.dist.rank} do not "
-                                      "fit this engine (DeepSpeed resumes on the world size that wrote it)")
+            if {k: v.shape for k, v in saved.items()} != {k: v.shape for k, v in shadow.items()}:
+                raise CheckpointError(f"checkpoint {directory}: the {shadow_name!r} partitions of rank "
+                                      f"{self.dist.rank} do not fit this engine (DeepSpeed resumes on the world size "
+                                      "that wrote it)")
             for name, value in saved.items():
-                self.ema[name].copy_(value)
+                shadow[name].copy_(value)
 
     @contextmanager
     def _weights_only_loads(self, directory: Path):

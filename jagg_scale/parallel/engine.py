@@ -34,6 +34,11 @@ deepspeed_engine.py import it, never the reverse. The contract, in the order a t
                                         collectives, a NullCounter (same phase()/take()) here
     engine.ema / ema_weights()          ema_decay > 0: the EMA of the trainable weights (None when off), and a
                                         context with it swapped into the model (evaluation, export)
+    engine.add_shadow(name) / lerp_shadow(name, decay) / shadow_weights(name)
+                                        named copies of the trainable weights, held like them (this rank's shards
+                                        or partitions), moved towards them, swapped into the model and
+                                        checkpointed with the engine's state; the EMA is the shadow "ema", the
+                                        old policy of DiffusionNFT (train/nft.py) the shadow "old"
     engine.save(dir) / load(dir)        model + optimizer (+ EMA) state into / from a checkpoint directory
                                         (collective); save returns the files this rank wrote (each rank hashes
                                         its own, checkpoint/digests.py) and refuses non-finite weights
@@ -186,40 +191,64 @@ class Engine:
     optim: OptimizerSettings
     dist: DistContext
 
-    # ------------------------------------------------------------------ EMA of the trainable weights
+    # ------------------------------------------------------------------ shadow weights: the EMA, the old policy
     def init_ema(self) -> None:
-        """ema_decay > 0 keeps an exponential moving average of the trainable weights (shards of them under
-        FSDP2), updated after every optimizer step, checkpointed, and used for evaluation and export."""
+        """The shadow weight sets start empty; ema_decay > 0 adds the EMA of the trainable weights (shards of them
+        under FSDP2), updated after every applied optimizer step, checkpointed, used for evaluation and export."""
         self.ema_decay = float(self.optim.ema_decay)
-        self.ema = ({n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
-                    if self.ema_decay > 0 else None)
+        self.shadows: dict[str, dict[str, torch.Tensor]] = {}
+        if self.ema_decay > 0:
+            self.add_shadow("ema")
+
+    @property
+    def ema(self) -> dict[str, torch.Tensor] | None:
+        return self.shadows.get("ema")
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        """The trainable weights as this engine holds them (local shards where sharded), by name."""
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def add_shadow(self, name: str) -> None:
+        """A named copy of the trainable weights as they are now (this rank's part of them)."""
+        self.shadows[name] = {n: t.detach().clone() for n, t in self._live().items()}
+
+    @torch.no_grad()
+    def lerp_shadow(self, name: str, decay: float) -> None:
+        """shadow = decay x shadow + (1 - decay) x the trainable weights (decay 0: a copy of them)."""
+        shadow = self.shadows[name]
+        for n, t in self._live().items():
+            shadow[n].lerp_(t.detach(), 1.0 - decay)
 
     @torch.no_grad()
     def update_ema(self) -> None:
-        if self.ema is None:
-            return
-        for name, p in self.model.named_parameters():
-            if name in self.ema:
-                self.ema[name].lerp_(p.detach(), 1.0 - self.ema_decay)
+        if self.ema is not None:
+            self.lerp_shadow("ema", self.ema_decay)
 
     @contextmanager
-    def ema_weights(self):
-        """The model with its EMA weights in place (copied in and back: sharded parameters keep their storage);
-        the model unchanged when there is no EMA."""
-        if self.ema is None:
-            yield self.model
-            return
-        params = {n: p for n, p in self.model.named_parameters() if n in self.ema}
+    def shadow_weights(self, name: str):
+        """The model with the shadow `name` in place of its trainable weights (copied in and back: sharded
+        parameters keep their storage). Collective under engines that gather (every rank enters and leaves)."""
+        shadow = self.shadows[name]
+        params = {n: p for n, p in self._live().items() if n in shadow}
         live = {n: p.detach().clone() for n, p in params.items()}
         with torch.no_grad():
             for n, p in params.items():
-                p.copy_(self.ema[n])
+                p.copy_(shadow[n])
         try:
             yield self.model
         finally:
             with torch.no_grad():
                 for n, p in params.items():
                     p.copy_(live[n])
+
+    @contextmanager
+    def ema_weights(self):
+        """The model with its EMA weights in place; the model unchanged when there is no EMA."""
+        if self.ema is None:
+            yield self.model
+            return
+        with self.shadow_weights("ema") as model:
+            yield model
 
     # ------------------------------------------------------------------ one minibatch
     def shard_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -285,7 +314,7 @@ class Engine:
     def _local_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor): this rank's part (its shards, where sharded) of the trainable weights and of their EMA."""
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        named += [(f"ema.{n}", t) for n, t in (self.ema or {}).items()]
+        named += [(f"{s}.{n}", t) for s, shadow in self.shadows.items() for n, t in shadow.items()]
         return [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in named]
 
     @torch.no_grad()
@@ -371,12 +400,12 @@ class LocalEngine(Engine):
         return self.trainable_state_dict()
 
     # ------------------------------------------------------------------ the checkpoint format: safetensors + torch
-    # model.safetensors (the trainable weights), optimizer.pt (read weights-only), ema.safetensors (ema_decay > 0)
+    # model.safetensors (the trainable weights), optimizer.pt (read weights-only), <shadow>.safetensors per shadow
+    # weight set (ema.safetensors with ema_decay > 0, old.safetensors under DiffusionNFT)
     def _save(self, directory: Path) -> list[Path]:
         files = [write_tensors(directory / "model.safetensors", self.trainable_state_dict()),
                  write_object(directory / "optimizer.pt", self.optimizer.state_dict())]
-        if self.ema is not None:
-            files.append(write_tensors(directory / "ema.safetensors", self.ema))
+        files += [write_tensors(directory / f"{name}.safetensors", shadow) for name, shadow in self.shadows.items()]
         return files
 
     def _load(self, directory: Path) -> None:
@@ -393,11 +422,13 @@ class LocalEngine(Engine):
             raise CheckpointError(f"checkpoint {directory} does not fit the model: unexpected {unexpected[:5]}, "
                                   f"missing {sorted(expected - set(state))[:5]}")
         self.optimizer.load_state_dict(load_torch(directory / "optimizer.pt"))  # weights-only: tensors and numbers
-        if self.ema is not None:
-            if not (directory / "ema.safetensors").is_file():
-                raise CheckpointError(f"checkpoint {directory} has no EMA weights but train.ema_decay > 0")
-            for name, value in load_file(str(directory / "ema.safetensors")).items():
-                self.ema[name].copy_(value)
+        for shadow_name, shadow in self.shadows.items():
+            file = directory / f"{shadow_name}.safetensors"
+            if not file.is_file():
+                raise CheckpointError(f"checkpoint {directory} has no {file.name} but this run keeps the "
+                                      f"{shadow_name!r} weights (train.ema_decay > 0, or DiffusionNFT's old policy)")
+            for name, value in load_file(str(file)).items():
+                shadow[name].copy_(value)
 
     @classmethod
     def read_weights(cls, directory: Path, model: torch.nn.Module, trainable: set[str], ema: bool

@@ -210,7 +210,7 @@ class FSDP2Engine(Engine):
     # load (N ranks -> M), read through checkpoint/dcp_reader.py (no unpickling beyond data)
     def _dcp_state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options)
-        return {"model": model_sd, "optimizer": optim_sd, **({"ema": self.ema} if self.ema is not None else {})}
+        return {"model": model_sd, "optimizer": optim_sd, **self.shadows}  # shadows: "ema", "old", as DCP entries
 
     def _save(self, directory: Path) -> list[Path]:
         writer = _ListingWriter(directory / "dcp")

@@ -24,7 +24,8 @@ from ..jagg import trained_steps
 from ..paths import resolve_path
 from .config_sections import *  # noqa: F403 - the sections, their choices and ConfigError are this module's API
 from .config_sections import (ConfigError, DataConfig, EvalConfig, GRPOConfig, JAGGConfig, LogConfig, ModelConfig,
-                              ParallelConfig, RewardConfig, RunConfig, SamplingConfig, TrainConfig, _require)
+                              NFTConfig, ParallelConfig, RewardConfig, RunConfig, SamplingConfig, TrainConfig,
+                              _require)
 from .config_sections import __all__ as _sections_all
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    nft: NFTConfig = field(default_factory=NFTConfig)
     jagg: JAGGConfig = field(default_factory=JAGGConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -46,6 +48,12 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run needs the KL reference (the starting model): grpo.beta > 0, or nft.kl_beta > 0 under
+        DiffusionNFT. Without it no reference is built and none is evaluated."""
+        return (self.nft.kl_beta if self.train.algorithm == "nft" else self.grpo.beta) > 0
 
     def to_dict(self) -> dict:
         """Plain YAML-safe types (tuples -> lists): written to config.yaml and compared on resume."""
@@ -243,12 +251,39 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
              "must be 1.0 with sampling.sde_window (the window decides which steps are trained)")
     _require((t.prompts_per_step * g.group_size) % t.batch_size == 0, "train.batch_size",
              f"must divide train.prompts_per_step * grpo.group_size = {t.prompts_per_step * g.group_size}")
+    _check_algorithm(cfg)
     _warn_window(cfg)
     _check_rewards(cfg.reward)
     if check_files:
         _require(cfg.run.device != "cuda" or torch.cuda.is_available(), "run.device",
                  "is cuda, but torch sees no CUDA device here (use auto or cpu, or run on a GPU node)")
         _check_files(cfg)
+
+
+def _check_algorithm(cfg: Config) -> None:
+    """What each train.algorithm reads: a key only the other one uses, set away from its default, is refused."""
+    s, g = cfg.sampling, cfg.grpo
+    nft = cfg.train.algorithm == "nft"
+    for key, default in (("ode_solver", "euler"), ("ode_steps", 0)):  # MixGRPO-Flash's compressed ODE, or NFT's
+        _require(nft or s.sde_window > 0 or getattr(s, key) == default, f"sampling.{key}",
+                 "acts on the ODE steps outside the SDE window: it needs sampling.sde_window > 0 (with sde_window 0 "
+                 "every step is SDE) or train.algorithm nft (its rollout is the ODE)")
+    if not nft:
+        unused = [f.name for f in dataclasses.fields(NFTConfig)
+                  if getattr(cfg.nft, f.name) != getattr(NFTConfig(), f.name)]
+        _require(not unused, f"nft.{unused[0] if unused else ''}",
+                 "is a DiffusionNFT setting: it needs train.algorithm nft (this run is grpo)")
+        return
+    default = SamplingConfig()
+    for key in ("sde_window", "sde", "noise_level"):  # the NFT rollout is deterministic: no SDE to shape
+        _require(getattr(s, key) == getattr(default, key), f"sampling.{key}",
+                 "shapes the SDE of a GRPO rollout; DiffusionNFT's is the ODE (train.algorithm nft): leave it out")
+    _require(s.guidance == 1.0, "sampling.guidance",
+             "must be 1 with train.algorithm nft (DiffusionNFT samples and trains CFG-free)")
+    for key in ("clip_range", "beta"):
+        _require(getattr(g, key) == getattr(GRPOConfig(), key), f"grpo.{key}",
+                 "is Flow-GRPO's; DiffusionNFT (train.algorithm nft) does not use it"
+                 + (" (its KL weight is nft.kl_beta)" if key == "beta" else ""))
 
 
 def validate_world(cfg: Config, world_size: int) -> None:

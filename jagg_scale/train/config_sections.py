@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, get_args
 
+from ..grpo.sde import SdeKind
 from ..grpo.solver import OdeSolver
 from ..jagg.backward import IntermediateMode
 from ..jagg.knots import ErrorModel
@@ -31,6 +32,8 @@ DType = Literal["float32", "bfloat16"]  # autocast dtype of the model; the SDE m
 Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
 SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
 JaggMode = Literal["jagg", "exact"]  # exact: Flow-GRPO's per-step backward
+Algorithm = Literal["grpo", "nft"]  # train.algorithm: Flow-GRPO on the SDE | DiffusionNFT on the forward process
+NFTTimesteps = Literal["per_row", "per_batch"]  # nft.timesteps: each sample its own training timesteps | one draw
 PlanKind = Literal["uniform", "budget"]  # jagg.plan: windows of jagg.window (shared knots or not) | the DP planner
 Intermediate = Literal[("auto", *get_args(IntermediateMode))]  # auto: chosen per update (train.update)
 DataSource = Literal["list", "wds"]  # prompt_file / prompts in memory | webdataset shards streamed per rank
@@ -42,11 +45,12 @@ ExportDType = Literal["float32", "bfloat16"]  # the exported weights' dtype (run
 RESUME_KEYWORDS = ("none", "auto")  # run.resume: these, or the path of a checkpoint directory
 
 __all__ = [
-    "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "PlanKind", "Intermediate",
+    "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "Algorithm", "NFTTimesteps",
+    "PlanKind", "Intermediate",
     "DataSource", "RewardAggregate", "WandbMode", "Device", "EngineName", "GradSync", "ErrorModel", "IntermediateMode",
-    "RouteBy", "TextEncoders", "ExportDType", "OdeSolver",
+    "RouteBy", "TextEncoders", "ExportDType", "OdeSolver", "SdeKind",
     "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
-    "DataConfig", "RewardConfig", "LogConfig", "EvalConfig", "ParallelConfig", "RunConfig",
+    "DataConfig", "RewardConfig", "LogConfig", "EvalConfig", "NFTConfig", "ParallelConfig", "RunConfig",
 ]
 
 
@@ -113,6 +117,9 @@ class ModelConfig(_Section):
 @dataclass
 class SamplingConfig(_Section):
     num_steps: int = 10
+    # the stochastic step (grpo/sde.py): flow_grpo, Flow-GRPO's SDE | cps, coefficients-preserving sampling (Flow-GRPO's
+    # sde_type "cps", which its README runs at noise level 0.8)
+    sde: SdeKind = "flow_grpo"
     noise_level: float = 0.7
     guidance: float = 1.0  # classifier-free guidance scale; 1.0 disables CFG
     shift: Optional[float] = 3.0  # SD3's time shift; null = the loaded pipeline's own schedule (sd3/flux)
@@ -139,6 +146,9 @@ class SamplingConfig(_Section):
         # upper bounds: past them the SDE's std (noise_level) or the CFG extrapolation overflow float32 math
         _require(0 < self.noise_level <= 10, f"{prefix}.noise_level",
                  f"must be in (0, 10] (Flow-GRPO uses 0.7), got {self.noise_level}")
+        _require(self.sde != "cps" or self.noise_level <= 1, f"{prefix}.noise_level",
+                 f"must be in (0, 1] with {prefix}.sde cps (its noise std is s_next sin(noise_level pi / 2)), got "
+                 f"{self.noise_level}")
         _require(1.0 <= self.guidance <= 100, f"{prefix}.guidance",
                  f"must be in [1, 100] (1 disables CFG), got {self.guidance}")
         _require(self.shift is None or self.shift > 0, f"{prefix}.shift", f"must be > 0, got {self.shift}")
@@ -154,10 +164,7 @@ class SamplingConfig(_Section):
         _require(0 <= self.ode_steps <= self.num_steps - self.sde_window, f"{prefix}.ode_steps",
                  f"must be in [0, num_steps - sde_window] = [0, {self.num_steps - self.sde_window}] (0: the "
                  f"schedule's own steps), got {self.ode_steps}")
-        for key, default in (("ode_solver", "euler"), ("ode_steps", 0)):
-            _require(self.sde_window > 0 or getattr(self, key) == default, f"{prefix}.{key}",
-                     f"acts on the ODE steps outside the SDE window: it needs {prefix}.sde_window > 0 (with "
-                     f"sde_window 0 every step is SDE)")
+
 
 
 @dataclass
@@ -246,7 +253,38 @@ class JAGGConfig(_Section):
 
 
 @dataclass
+class NFTConfig(_Section):
+    """DiffusionNFT (train.algorithm nft; NVlabs/DiffusionNFT config/nft.py and scripts/train_nft_sd3.py): its own
+    settings. The group advantages are grpo's (group_size, global_std, adv_clip_max), the trained timesteps
+    int(num_steps x grpo.timestep_fraction) of the sampling schedule's, the rollout the old policy's ODE
+    (sampling.ode_solver on the whole trajectory), the gradient the jagg section's planner over each sample's
+    timesteps (mode exact: one backward per timestep, as DiffusionNFT)."""
+
+    beta: float = 1.0  # the implicit policies' step: v_+ = beta v + (1 - beta) v_old (its config.beta)
+    kl_beta: float = 1e-4  # weight of ||v - v_ref||^2 to the starting model (its config.train.beta); 0: no reference
+    # the old policy's soft update after every rollout, old = decay old + (1 - decay) trained, decay =
+    # min(max(0, (optimizer steps - flat) x rate), max) as [flat, rate, max]; DiffusionNFT's decay_type 1 (its
+    # default) is [0, 0.001, 0.5], decay_type 2 (OCR) [75, 0.0075, 0.999], decay_type 0 [0, 0, 0]
+    old_decay: tuple[float, float, float] = (0.0, 0.001, 0.5)
+    # one noise draw e per sample for all its training timesteps: x_t = (1 - t) d + t e are then collinear, which is
+    # when JAGG's interpolation is exact for a velocity affine in (x, t) (docs/algorithm.md, section 8). false:
+    # fresh noise per timestep, as DiffusionNFT
+    shared_noise: bool = False
+    timesteps: NFTTimesteps = "per_row"  # per_row: each sample's own random timesteps, as DiffusionNFT
+
+    def check(self, prefix: str) -> None:
+        _require(self.beta > 0, f"{prefix}.beta", f"must be > 0 (the loss divides by it), got {self.beta}")
+        _require(self.kl_beta >= 0, f"{prefix}.kl_beta", f"must be >= 0, got {self.kl_beta}")
+        flat, rate, top = self.old_decay
+        _require(flat >= 0 and rate >= 0 and 0 <= top < 1, f"{prefix}.old_decay",
+                 f"must be [flat >= 0, rate >= 0, max in [0, 1)], got {list(self.old_decay)}")
+
+
+@dataclass
 class TrainConfig(_Section):
+    # grpo: Flow-GRPO's clipped surrogate on SDE rollouts (the grpo section) | nft: DiffusionNFT on ODE rollouts of
+    # its old policy, trained on the forward process (the nft section; train/nft.py)
+    algorithm: Algorithm = "grpo"
     steps: int = 20
     prompts_per_step: int = 4
     batch_size: int = 8  # samples per optimizer step

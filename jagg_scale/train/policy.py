@@ -59,7 +59,7 @@ class Policy:
         return lambda x, sigma, cond: guided_velocity(predict, x, sigma, cond, guidance)
 
     def reference_fn(self) -> Callable | None:
-        if self.cfg.grpo.beta == 0:
+        if not self.cfg.uses_reference:
             return None
         if self.ref_model is not None:
             return self.velocity_fn(self.ref_model)
@@ -113,7 +113,7 @@ class Policy:
                                     noise_level=cfg.sampling.noise_level, generator=gens[chunk],
                                     ref_velocity_fn=ref, sde_steps=sde_steps, guidance=self.guidance,
                                     ode_solver=cfg.sampling.ode_solver, ode_steps=cfg.sampling.ode_steps,
-                                    host_sigmas=self.host_sigmas))
+                                    host_sigmas=self.host_sigmas, sde=cfg.sampling.sde))
             if on_chunk is not None:
                 on_chunk(chunk, parts[-1].final)
         return Trajectories.cat(parts)

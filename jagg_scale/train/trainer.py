@@ -86,7 +86,7 @@ class Trainer:
         # and encoders (rebuilt identically on resume, so checkpoints need not hold it). beta = 0 skips the
         # reference entirely: no copy, no forwards.
         lora = cfg.model.lora.enabled
-        ref = model.reference_copy() if cfg.grpo.beta > 0 and not lora else None
+        ref = model.reference_copy() if cfg.uses_reference and not lora else None
         self.engine = build_engine(model, cfg.parallel, cfg.train, self.dist)
         self.model = self.engine.model
         model.place_frozen(self.device, shard_t5=self._t5_sharder() if cfg.model.shard_t5 else None)
@@ -98,7 +98,12 @@ class Trainer:
             for _, _, component in self.reward.components:
                 shard_reward(component)
         self.steps = trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction)
-        self.updater = Updater(cfg, self.policy, self.engine, self.dist)
+        if cfg.train.algorithm == "nft":  # DiffusionNFT: its own update phase over the same rollout, reward, advantages
+            from .nft import NFTUpdater
+
+            self.updater = NFTUpdater(cfg, self.policy, self.engine, self.dist)
+        else:
+            self.updater = Updater(cfg, self.policy, self.engine, self.dist)
         self.preemption = Preemption()
         self.run_state = RunState(cfg, self.dist, self.engine, self.out)
         self.start_step = self.run_state.resume(self.source)
@@ -153,9 +158,10 @@ class Trainer:
         background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
         scorer = ChunkScorer(self.reward, self.model.decode, background=background, device=self.device)
         on_chunk = lambda chunk, final: scorer.add(final, prompts[chunk], metadata[chunk])
-        with self._comm("rollout"):
-            traj = self.policy.rollout(cond, rows.mine, step, on_chunk=on_chunk,
-                                       sde_steps=set(steps) if cfg.sampling.sde_window else None)
+        # GRPO: the SDE on every step or on the SDE window; DiffusionNFT: the old policy's ODE (no SDE step at all)
+        sde_steps = set() if cfg.train.algorithm == "nft" else set(steps) if cfg.sampling.sde_window else None
+        with self._comm("rollout"), self.updater.behaviour():
+            traj = self.policy.rollout(cond, rows.mine, step, on_chunk=on_chunk, sde_steps=sde_steps)
         t1 = time.perf_counter()
         # 2. reward: gathered so that every rank sees the whole batch (and takes the same decisions)
         local = scorer.finish()

@@ -18,6 +18,7 @@ on this rollout and fresh no-grad forwards after it (cached values are then stal
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -236,6 +237,10 @@ class Updater:
         self.planner = cfg.jagg.planner()
         self.nonfinite_run = 0  # optimizer steps skipped in a row (train.max_nonfinite_steps stops the run)
 
+    def behaviour(self):
+        """The policy that samples the rollout: the trained one itself (DiffusionNFT samples with its old policy)."""
+        return contextlib.nullcontext(self.engine.model)
+
     def __call__(self, traj, cond, adv, rows, step: int, steps: list[int]) -> dict:
         cfg, device = self.cfg, self.dist.device
         # host -> device once per step, asynchronously (advantages are computed on the host, in float64)
@@ -253,7 +258,7 @@ class Updater:
                 loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
                                     beta=cfg.grpo.beta, scale=1.0 / len(steps),
                                     denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
-                                    guidance=self.policy.guidance)
+                                    guidance=self.policy.guidance, sde=cfg.sampling.sde)
                 mb_cond, on_policy = index_cond(cond, local), applied == 0  # a skipped step changed nothing
                 if probing and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
                     t_probe = time.perf_counter()

@@ -63,6 +63,35 @@ def test_exact_on_affine_velocity_with_collinear_inputs(W, mode):
     assert abs(float(loss - ref_loss)) <= 1e-12 * max(1.0, abs(float(ref_loss)))
 
 
+@pytest.mark.parametrize("W", [3, 5])
+@pytest.mark.parametrize("mode", ["cached", "interpolate", "forward"])
+def test_exact_with_a_noise_level_per_row(W, mode):
+    """sigmas [W, B]: each row at its own noise levels (DiffusionNFT draws a sample's training timesteps on its own),
+    every row's inputs collinear in (x, s), x = (1 - s) d + s e: the weights a_k are per row and JAGG stays exact on
+    an affine velocity."""
+    torch.manual_seed(W)
+    model = LinearVelocity().double()
+    B = 3
+    g = torch.Generator().manual_seed(W)
+    sigmas = torch.sort(torch.rand(W, B, generator=g, dtype=torch.float64), dim=0, descending=True).values * 0.9 + 0.05
+    d, e = torch.randn(2, B, 3, 2, 2, generator=g, dtype=torch.float64)
+    s = sigmas.reshape(W, B, 1, 1, 1)
+    latents = (1 - s) * d + s * e
+    cond = torch.randn(B, 4, generator=g, dtype=torch.float64)
+    step_loss = make_step_loss(W, B, seed=W)
+    with torch.no_grad():
+        cached = torch.stack([model(latents[k], sigmas[k], cond) for k in range(W)])
+    _, ref = run(exact_backward, model, model, latents, sigmas, cond, step_loss)
+    _, got = run(jagg_backward, model, model, latents, sigmas, cond, step_loss, cached_velocities=cached,
+                 intermediate=mode)
+    assert rel_err(got, ref) <= 1e-9
+    # per-row noise levels are what the rows have: the first row's for every row (its weights, its model inputs) is not
+    shared = sigmas[:, :1].expand(W, B).contiguous()
+    _, wrong = run(jagg_backward, model, model, latents, shared, cond, step_loss, cached_velocities=cached,
+                   intermediate="cached")
+    assert rel_err(wrong, ref) > 1e-3
+
+
 @pytest.mark.parametrize("W", [1, 2])
 def test_exact_for_one_or_two_steps_on_any_model(W):
     torch.manual_seed(0)

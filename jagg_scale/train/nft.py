@@ -1,0 +1,205 @@
+"""DiffusionNFT's update phase (train.algorithm nft): `NFTUpdater(...)(traj, cond, adv, rows, step, steps)`.
+
+The rollout is the old policy's (the engine's shadow weights "old", swapped in by `behaviour()`), a deterministic ODE
+with sampling.ode_solver, CFG-free; its clean latents d and the group advantages are what training reads. Then, per
+minibatch (rows.py) and per sample, K = int(num_steps x grpo.timestep_fraction) training timesteps drawn from the
+sampling schedule's (a random permutation per sample, its first K, as DiffusionNFT: nft.timesteps per_row; or one
+draw for the whole minibatch: per_batch), sorted from high noise to low:
+
+    x_t = (1 - t) d + t e       e fresh per timestep, or one per sample (nft.shared_noise)
+    v_old, v_ref                the old policy's and the reference's velocities there (no grad)
+    gradient                    of sum_k L_k / K (nft/loss.py) through knot_backward, the planner's knot plan over the
+                                sample's K timesteps: mode exact is DiffusionNFT's one backward per timestep; the
+                                window planner's JAGG windows take one joint pass over each window's two endpoints
+                                (JAGG-NFT). The interior timesteps' velocity values (jagg.intermediate): cached = the
+                                old policy's, interpolate (auto) = the old policy's moved by the endpoints' drift,
+                                forward = fresh no-grad forwards
+    step                        engine.step(), one optimizer step per minibatch
+
+and after the rollout's last minibatch the old policy moves towards the trained one: old = decay old + (1 - decay)
+trained, decay = min(max(0, (optimizer steps - flat) x rate), max) (nft.old_decay; DiffusionNFT's return_decay).
+Every draw is seeded by (run.seed, step, global row), so N ranks draw what one process does and a resumed run what
+the uninterrupted one drew; the old policy is checkpointed with the engine's state.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..cond import index_cond, repeat_cond
+from ..grpo.rollout import to_device
+from ..jagg import exact_plan, knot_backward, pass_groups, plan_knots
+from ..nft import NFTBatch, NFTStepLoss, optimality
+from .rows import step_seed
+from .update import BackwardStats, Updater, _cos, _flat_grad, _norm_ratio, micro_batches, reduce_metrics
+
+__all__ = ["NFTUpdater", "old_decay"]
+
+NOISE_STREAM, TIMESTEP_STREAM = 5, 6  # step_seed streams (rows.py uses 0-3)
+
+
+def old_decay(optimizer_steps: int, schedule) -> float:
+    """DiffusionNFT's return_decay: 0 before `flat` optimizer steps, then rising by `rate` per step up to `max`."""
+    flat, rate, top = schedule
+    return 0.0 if optimizer_steps < flat else min((optimizer_steps - flat) * rate, top)
+
+
+class NFTUpdater(Updater):
+    """The update phase of DiffusionNFT; the non-finite policy and the cross-rank planning statistics are the
+    Updater's (update.py)."""
+
+    def __init__(self, cfg, policy, engine, dist):
+        super().__init__(cfg, policy, engine, dist)
+        if policy.guidance != 1.0:
+            raise ValueError("train.algorithm nft samples and trains CFG-free: sampling.guidance must be 1")
+        # the old policy: the starting weights, held like the trained ones (shards, partitions), checkpointed
+        engine.add_shadow("old")
+        self.sigmas = policy.host_sigmas[: cfg.sampling.num_steps]  # the sampling schedule's noise levels
+        from ..jagg import trained_steps
+
+        self.K = len(trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction))
+
+    def behaviour(self):
+        """The policy that samples the rollout: the old one."""
+        return self.engine.shadow_weights("old")
+
+    # ------------------------------------------------------------------ the training inputs of a minibatch
+    def _timesteps(self, step: int, global_rows: torch.Tensor) -> torch.Tensor:
+        """[K, B] each row's K training timesteps (the sampling schedule's at a random permutation's first K),
+        sorted from high noise to low; per_batch: the first row's draw for every row."""
+        nft = self.cfg.nft
+        draws = []
+        for r in (global_rows[:1] if nft.timesteps == "per_batch" else global_rows).tolist():
+            g = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, TIMESTEP_STREAM) * 1_000_033 + r)
+            picked = torch.randperm(len(self.sigmas), generator=g)[: self.K]
+            draws.append(torch.tensor(sorted((self.sigmas[i] for i in picked.tolist()), reverse=True)))
+        t = torch.stack(draws, dim=1)  # [K, B or 1]
+        return t.expand(self.K, len(global_rows)).contiguous()
+
+    def _noise(self, step: int, global_rows: torch.Tensor, shape) -> torch.Tensor:
+        """[K, B, ...] N(0, 1) per row from its own seeded stream: one draw repeated over the K timesteps with
+        nft.shared_noise, K draws otherwise."""
+        out = []
+        for r in global_rows.tolist():
+            g = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, NOISE_STREAM) * 1_000_033 + r)
+            e = torch.randn(1 if self.cfg.nft.shared_noise else self.K, *shape, generator=g)
+            out.append(e.expand(self.K, *shape))
+        return torch.stack(out, dim=1)
+
+    @torch.no_grad()
+    def _predict(self, fn, x: torch.Tensor, t: torch.Tensor, cond) -> torch.Tensor:
+        """fn at every (x_t, t) of [K, B, ...], in chunks of train.micro_batch_size rows x K."""
+        K, B = x.shape[:2]
+        out = torch.empty_like(x)
+        for rows in micro_batches(B, self.cfg.train.micro_batch_size):
+            n = rows.stop - rows.start
+            v = fn(x[:, rows].reshape(K * n, *x.shape[2:]), t[:, rows].reshape(-1),
+                   repeat_cond(index_cond(cond, rows), K))
+            out[:, rows] = v.float().reshape(K, n, *x.shape[2:])
+        return out
+
+    def _batch(self, traj, cond, r, local, global_rows, step: int) -> NFTBatch:
+        device = self.dist.device
+        clean = traj.final[local].float()
+        t = to_device(self._timesteps(step, global_rows), device)
+        e = to_device(self._noise(step, global_rows, clean.shape[1:]), device)
+        tb = t.reshape(*t.shape, *([1] * (clean.ndim - 1)))
+        noised = (1 - tb) * clean + tb * e
+        mb_cond = index_cond(cond, local)
+        with self.engine.shadow_weights("old"):
+            old = self._predict(self.policy.model_fn(), noised, t, mb_cond)
+        ref_fn = self.policy.reference_fn()
+        ref = self._predict(ref_fn, noised, t, mb_cond) if ref_fn is not None else None
+        return NFTBatch(clean=clean, t=t, noised=noised, old=old, optimality=r[local], mask=self._mask[local],
+                        ref=ref)
+
+    # ------------------------------------------------------------------ the phase
+    def __call__(self, traj, cond, adv, rows, step: int, steps: list[int]) -> dict:
+        cfg, device, nft = self.cfg, self.dist.device, self.cfg.nft
+        self._mask = to_device(adv.mask[rows.mine], device)
+        r = to_device(optimality(adv.values[rows.mine], cfg.grpo.adv_clip_max), device)
+        predict = self.policy.model_fn()
+        intermediate = {"auto": "interpolate"}.get(cfg.jagg.intermediate, cfg.jagg.intermediate)
+        total, per_minibatch, probe = BackwardStats(), {}, {}
+        optimizer_steps = applied = 0
+        probing = cfg.jagg.probe_every > 0 and step % cfg.jagg.probe_every == 0
+        for epoch in range(cfg.grpo.inner_epochs):
+            for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
+                local_d = to_device(local, device)
+                batch = self._batch(traj, cond, r, local_d, rows.mine[local], step)
+                mb_cond = index_cond(cond, local_d)
+                loss = NFTStepLoss(beta=nft.beta, kl_beta=nft.kl_beta, adv_clip_max=cfg.grpo.adv_clip_max,
+                                   scale=1.0 / self.K,
+                                   denominator=float(adv.mask[global_rows].sum()) / rows.world_size)
+                planned = self.planner.plan(batch.old, batch.t.mean(1), reduce=self._reduce,
+                                            grad_norms=lambda loss=loss, batch=batch: self._grad_norms(loss, batch))
+                if probing and optimizer_steps == 0:
+                    t_probe = time.perf_counter()
+                    probe = self._probe(predict, batch, mb_cond, loss, planned.plan, intermediate)
+                    probe["time_probe"] = time.perf_counter() - t_probe
+                stats = self._backward(predict, batch, mb_cond, loss, planned, intermediate)
+                grad_norm = self.engine.step(loss=stats.loss if torch.is_tensor(stats.loss) else None)
+                optimizer_steps += 1
+                applied += self._applied(step)
+                total.add(stats)
+                for key, value in {**reduce_metrics(loss.metrics), "grad_norm": grad_norm}.items():
+                    per_minibatch.setdefault(key, []).append(value)
+        # the old policy moves towards the trained one once per rollout, as DiffusionNFT's epoch end does; the count
+        # of optimizer steps so far is a function of the step (the same minibatches every step): resume-exact
+        decay = old_decay((step + 1) * optimizer_steps, nft.old_decay)
+        self.engine.lerp_shadow("old", decay)
+        return {"loss": total.loss / max(1, optimizer_steps), **reduce_metrics(per_minibatch),
+                "optimizer_steps": optimizer_steps, "nonfinite_steps": optimizer_steps - applied, "old_decay": decay,
+                **probe, **total.metrics()}
+
+    def _grad_norms(self, loss: NFTStepLoss, batch: NFTBatch) -> list[float]:
+        """|g_k| = |dL_k/dv_k| at the old policy's velocities, per timestep position (the planners that rank by it)."""
+        probe = loss.fresh()
+        norms = []
+        for k in range(self.K):
+            v = batch.old[k].detach().float().requires_grad_(True)
+            (g,) = torch.autograd.grad(probe(batch, k, v), v)
+            norms.append(float(g.norm()))
+        return norms
+
+    def _run(self, predict, batch: NFTBatch, cond, loss: NFTStepLoss, plan, intermediate, backward) -> torch.Tensor:
+        return knot_backward(predict, plan, batch.noised, batch.t, cond, loss.on(batch), cached_velocities=batch.old,
+                             intermediate=intermediate, rows_per_pass=self.planner.rows_per_pass, backward=backward)
+
+    def _backward(self, predict, batch: NFTBatch, cond, loss: NFTStepLoss, planned, intermediate) -> BackwardStats:
+        """The plan's gradient over the minibatch, in micro-batches; `last` on the final backward only."""
+        chunks = micro_batches(batch.clean.shape[0], self.cfg.train.micro_batch_size)
+        total = []
+        for i, rows in enumerate(chunks):
+            final = i == len(chunks) - 1
+            sub, sub_cond = (batch, cond) if len(chunks) == 1 else (batch.rows(rows), index_cond(cond, rows))
+
+            def chunk_backward(out, grad, last, final=final):
+                self.engine.backward(out, grad, last=last and final)
+
+            total.append(self._run(predict, sub, sub_cond, loss, planned.plan, intermediate, chunk_backward))
+        knots = plan_knots(planned.plan)
+        interior = sum(b - a - 1 for a, b in planned.plan if b > a + 1)
+        return BackwardStats(
+            windows=planned.num_windows, windows_jagg=planned.jagg_windows,
+            backward_calls=len(pass_groups(planned.plan, self.planner.rows_per_pass)) * len(chunks),
+            backward_passes=len(knots), per_step_equiv=self.K,
+            nograd_forward_passes=interior if intermediate == "forward" else 0,
+            intermediate_forward=planned.jagg_windows if intermediate == "forward" else 0,
+            loss=torch.stack(total).sum(), cosines=planned.cosines,
+            knots=[] if planned.windows is not None else [knots])
+
+    def _probe(self, predict, batch: NFTBatch, cond, loss: NFTStepLoss, plan, intermediate) -> dict:
+        """The fidelity probe: DiffusionNFT's per-timestep gradient beside the plan's on the same noise (cosine,
+        norm ratio); leaves .grad cleared."""
+        grads = []
+        for p_ in (exact_plan(self.K), plan):
+            for p in self.engine.params:
+                p.grad = None
+            self._run(predict, batch, cond, loss.fresh(), p_, intermediate, self.engine.backward)
+            grads.append(_flat_grad(self.engine.params))
+        for p in self.engine.params:
+            p.grad = None
+        return {"probe_cos": _cos(grads[1], grads[0]), "probe_norm_ratio": _norm_ratio(grads[1], grads[0])}
