@@ -392,3 +392,23 @@ def test_ranks_agree_on_non_finite_steps_and_saves(tmp_path):
     assert not rank0["rank1_inf_loss"] and not rank1["rank1_inf_loss"] and rank0["unchanged"]
     assert "a weight on rank 1" in rank0["refused"] and "refusing to save" in rank1["refused"]
     assert rank0["files"] == rank1["files"] == 0
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
+def test_nft_two_processes_match_one_process(tmp_path, engine):
+    """DiffusionNFT (train.algorithm nft) with JAGG windows over shared-noise timesteps: every draw is seeded per
+    global row, the old policy is sharded like the trained weights (FSDP2 shards, ZeRO-3 partitions), so 2 ranks
+    train what 1 process does; the checkpoint of the old policy resumes on the same engine."""
+    if engine == "deepspeed":
+        need("deepspeed")
+    nft = ["train.algorithm=nft", "sampling.ode_solver=dpm2", "nft.shared_noise=true", "nft.kl_beta=0.01",
+           "train.steps=2", "run.checkpoint_every=1"]
+    two = run(2, tmp_path / "two", f"parallel.engine={engine}", *nft)
+    one = run(1, tmp_path / "one", *nft)
+    for ra, rb in zip(two, one):
+        assert ra["reward_mean"] == pytest.approx(rb["reward_mean"], rel=1e-4 if ra["step"] == 0 else 1e-3)
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-3) and ra["grad_norm"] == pytest.approx(rb["grad_norm"],
+                                                                                                        rel=1e-2)
+        assert ra["old_decay"] == rb["old_decay"] and ra["backward_passes"] == rb["backward_passes"]
+    resumed = run(2, tmp_path / "two", f"parallel.engine={engine}", *nft[:-2], "train.steps=3", "run.resume=auto")
+    assert [r["step"] for r in resumed] == [0, 1, 2]
