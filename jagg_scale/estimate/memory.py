@@ -144,7 +144,8 @@ def estimate(s: dict, micro: int | None = None) -> dict:
     planner = cfg.jagg.planner()
     Pt = st["lora_params"] if lora else st["params"]
     cdt = 2 if s["bf16"] else 4
-    cfgg, ref, lat, S = cfg.sampling.guidance != 1.0, cfg.grpo.beta > 0, math.prod(s["latent"]), cfg.sampling.num_steps
+    cfgg, ref, lat, S = cfg.sampling.guidance != 1.0, cfg.uses_reference, math.prod(s["latent"]), cfg.sampling.num_steps
+    nft = cfg.train.algorithm == "nft"
     n_img, T, cond = s["image_tokens"], s["text_tokens"], 4 * s["cond_row"]  # conditioning is float32 (models/sd3.py)
     ckpt = cfg.parallel.activation_checkpointing  # every engine applies it (parallel/blocks.py)
     act = s["act"]
@@ -154,7 +155,8 @@ def estimate(s: dict, micro: int | None = None) -> dict:
         + (2 * st["params"] / div if cfg.parallel.engine == "deepspeed" else 0),  # fp32 master (+ ZeRO-3 bf16 shard)
         "transformer buffers": st["buffers"],  # not sharded (SD3's pos_embed table)
         "optimizer states": 8 * Pt / div,  # AdamW exp_avg + exp_avg_sq, fp32
-        "EMA": 4 * Pt / div if cfg.train.ema_decay > 0 else 0,
+        # the EMA, and DiffusionNFT's old policy: shadow copies of the trainable weights, held like them (engine.py)
+        "EMA": 4 * Pt / div * ((cfg.train.ema_decay > 0) + nft),
         # LoRA: the adapter off; else the transformer alone in its checkpoint's dtype, sharded (Trainer, loading.md)
         "KL reference": (s["ref_bytes"] * st["params"] / div + st["buffers"]) if ref and not lora else 0,
         "frozen encoders + VAE": sum(s["frozen"].values()) * cdt,  # compute-dtype copies on every rank
@@ -170,11 +172,16 @@ def estimate(s: dict, micro: int | None = None) -> dict:
     grads = 4 * Pt if not shard or sync == "boundary" else 4 * Pt / div
     if shard and sync == "boundary":
         grads += 4 * Pt / div  # the reduced shard next to the unsharded accumulation at the boundary
-    row = 4 * lat * ((S + 1) + S * (1 + cfgg + ref)) + 4 * S  # latents, velocities, uncond, ref, log-probs
+    # latents, velocities, uncond, ref, log-probs (a DiffusionNFT rollout keeps no reference velocities: its KL is
+    # evaluated at training time, below)
+    row = 4 * lat * ((S + 1) + S * (1 + cfgg + (ref and not nft))) + 4 * S
     store, cond_all = R * row, R * cond * (1 + cfgg)
     steps_per_rollout = (R // B) * cfg.grpo.inner_epochs
     off_policy_cfg = cfgg and steps_per_rollout > 1  # Updater: the uncond of later minibatches is recomputed
     mb = B * row + B * cond * (1 + off_policy_cfg)  # step_batch and index_cond copies; micro-batches are views
+    if nft:  # train/nft.py: per minibatch the clean latents, and per timestep x_t, the noise, v_old (and v_ref)
+        K = len(trained_steps(S, cfg.grpo.timestep_fraction))
+        mb = B * cond + B * lat * 4 * (1 + K * (3 + ref))
     mb += m * S * lat * 4 if off_policy_cfg else 0  # Policy.fresh_uncond's clone, per micro-batch
     rows = planner.knots_per_pass * m
     pass_in = rows * (4 * 4 * lat + cond)  # stacked latents, v, G and its parts (float32), repeated conditioning

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from ..cond import index_cond, repeat_cond
+from ..cond import index_cond
 from ..grpo.rollout import to_device
 from ..jagg import exact_plan, knot_backward, pass_groups, plan_knots
 from ..nft import NFTBatch, NFTStepLoss, optimality
@@ -90,14 +90,13 @@ class NFTUpdater(Updater):
 
     @torch.no_grad()
     def _predict(self, fn, x: torch.Tensor, t: torch.Tensor, cond) -> torch.Tensor:
-        """fn at every (x_t, t) of [K, B, ...], in chunks of train.micro_batch_size rows x K."""
-        K, B = x.shape[:2]
+        """fn at every (x_t, t) of [K, B, ...]: one timestep of train.micro_batch_size rows per forward (the rows of
+        a with-grad pass at most: the memory estimate's unit)."""
         out = torch.empty_like(x)
-        for rows in micro_batches(B, self.cfg.train.micro_batch_size):
-            n = rows.stop - rows.start
-            v = fn(x[:, rows].reshape(K * n, *x.shape[2:]), t[:, rows].reshape(-1),
-                   repeat_cond(index_cond(cond, rows), K))
-            out[:, rows] = v.float().reshape(K, n, *x.shape[2:])
+        for rows in micro_batches(x.shape[1], self.cfg.train.micro_batch_size):
+            sub = index_cond(cond, rows)
+            for k in range(x.shape[0]):
+                out[k, rows] = fn(x[k, rows], t[k, rows], sub).float()
         return out
 
     def _batch(self, traj, cond, r, local, global_rows, step: int) -> NFTBatch:

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def load(path, overrides=()):
     return load_config(path, list(overrides), check_files=False)  # the production paths do not exist here
 
-PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps"]
+PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps", "sd35m_nft_pickscore"]
 GPU_80GB = 79.2  # GiB torch reports for an 80 GB H100 / A100
 HEADROOM = 0.10
 
@@ -99,7 +99,8 @@ def test_the_jagg_estimate_command_passes_every_production_config_as_shipped(nam
     proc = subprocess.run([sys.executable, "-m", "jagg_scale.estimate.cli", str(ROOT / "configs" / f"{name}.yaml"),
                            "--world-size", "8", "--gpu-mem", str(GPU_80GB)], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "WindowPlanner(window=4" in proc.stdout and "(fits with >= 10%)" in proc.stdout
+    planner = "ExactPlanner()" if "nft" in name else "WindowPlanner(window=4"
+    assert planner in proc.stdout and "(fits with >= 10%)" in proc.stdout
 
 
 def test_a_config_that_does_not_fit_exits_1_and_a_bad_one_2(tmp_path, capsys):

@@ -180,3 +180,23 @@ def test_jagg_train_refuses_a_config_that_cannot_run_on_the_launched_ranks(overr
     argv = [str(ROOT / "configs" / "sd35m_pickscore.yaml"), *stand_in_paths(tmp_path), override]
     assert train_main(argv) == 2
     assert f"config key '{key}'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_nft_recipe_trains_a_step_on_the_tiny_pipeline(sd3_dir, tmp_path):
+    """configs/sd35m_nft_pickscore.yaml (DiffusionNFT's recipe) end to end on the tiny SD3 pipeline: the old policy's
+    dpm2 ODE rollout, 9 of its 10 timesteps trained per sample, one backward each (mode exact), LoRA exported."""
+    shrink = ["model.resolution=null", "sampling.batch_size=8", "grpo.group_size=4", "train.prompts_per_step=2",
+              "train.batch_size=8", "train.micro_batch_size=4", "train.steps=1", "eval.enabled=false",
+              "log.wandb=false", "log.progress=false", "reward.name=jpeg_compressibility", "reward.options={}",
+              "run.resume=none"]
+    cfg = load_config(ROOT / "configs" / "sd35m_nft_pickscore.yaml", _paths("nft", sd3_dir, tmp_path) + shrink)
+    assert cfg.train.algorithm == "nft" and cfg.jagg.planner().name == "exact" and cfg.sampling.ode_solver == "dpm2"
+    trainer = Trainer(cfg)
+    try:
+        (row,) = trainer.fit()
+    finally:
+        trainer.close()
+    assert row["per_step_equiv"] == row["backward_passes"] == 9  # int(10 x 0.99) timesteps, one backward each
+    assert row["optimizer_steps"] == 1 and row["old_decay"] == pytest.approx(0.001)
+    assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").exists()
