@@ -82,16 +82,24 @@ def test_time_to_reward_study_quick_writes_its_table_plot_and_target(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     res = json.loads(out.with_suffix(".json").read_text())["parts"]["time_to_reward"]
     assert "error" not in res and set(res["rows"]) == {
-        "Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JAGG in SDE k4 + dpm2"}
+        "Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JAGG in SDE k4 + dpm2",
+        "per-step in SDE k4 + dpm2", "CPS", "JAGG W4 CPS", "NFT", "NFT shared noise", "JAGG-NFT"}
     for key, value in res["summary"].items():
         assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (key, value)
-    # two worker processes, one seed each, every one training all six arms
+    # two worker processes, one seed each, every one training all the arms
     assert res["setup"]["workers"] == 2 and sorted((r["seed"], r["arm"]) for r in res["runs"]) == sorted(
         (s, a) for s in (0, 1) for a in res["rows"])
     for run in res["runs"]:  # 2 steps, evaluated at 0, 1, 2; whole-step times measured
         assert run["eval_steps"] == [0, 1, 2] and len(run["step_seconds"]) == 2 and min(run["step_seconds"]) > 0
-    assert res["rows"]["JAGG in SDE k4 + dpm2"]["per_step_equiv_per_step"] == 4
-    assert res["rows"]["Fast k2"]["per_step_equiv_per_step"] == 2
+    rows = res["rows"]
+    assert rows["JAGG in SDE k4 + dpm2"]["per_step_equiv_per_step"] == 4
+    assert rows["per-step in SDE k4 + dpm2"]["backward_passes_per_step"] == 4  # MixGRPO-Flash: per step in the window
+    assert rows["JAGG in SDE k4 + dpm2"]["backward_passes_per_step"] == 2  # one joint pass over the window's ends
+    assert rows["Fast k2"]["per_step_equiv_per_step"] == 2
+    # DiffusionNFT: 7 training timesteps per sample (8 x 0.99), one backward each; JAGG-NFT: one window of them
+    assert rows["NFT"]["per_step_equiv_per_step"] == 7 == rows["NFT"]["backward_passes_per_step"]
+    assert rows["JAGG-NFT"]["backward_passes_per_step"] == 2
+    assert all(r["diversity_ratio"] is not None and r["diversity_ratio"] > 0 for r in rows.values())
     md = (out.parent / "benchmarks.md").read_text()
     assert "7. time_to_reward" in md and "benchmarks_time_to_reward.png" in md and "best arm" in md
     assert (out.parent / "benchmarks_time_to_reward.png").stat().st_size > 1000

@@ -13,6 +13,15 @@ computed differs:
     JAGG in SDE k4     a 4-step SDE window (same draw), JAGG W4 on it: one joint backward per sample
     ... + dpm2         the same with the compressed rollout: DPM-Solver++(2M) on 4 ODE steps outside the window
                        (MixGRPO-Flash), 8 model forwards per sample instead of 16
+    per-step in SDE k4 + dpm2   MixGRPO-Flash itself: that rollout with per-step backwards in the window (what JAGG
+                       adds on top of the peers' best practice is the difference to the arm above)
+    CPS, JAGG W4 CPS   coefficients-preserving sampling (sampling.sde cps, noise level 0.8 as Flow-GRPO's README
+                       runs it), per step and with JAGG windows of 4
+    NFT                DiffusionNFT (train.algorithm nft) scaled to digits: the old policy's dpm2 ODE rollout of the
+                       schedule's 16 steps, 15 training timesteps per sample (timestep_fraction 0.99), one backward
+                       each, beta 1, KL 1e-4, decay_type 1, the study's lr; no SDE KL (grpo.beta 0)
+    NFT shared noise   the same with one noise draw per sample for its 15 timesteps
+    JAGG-NFT           that with one JAGG window over the 15 timesteps: 2 backwards per sample instead of 15
 
 All arms of a seed subset live in one process as separate trainers and step round-robin (one training step of
 each, the order rotated every step), so the machine's drifts and the other jobs on it hit every arm alike; the seed
@@ -42,7 +51,8 @@ from .common import ROOT, matmul_gflops, median
 
 from jagg_scale.train import Trainer, load_config
 
-ARMS = ("Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JAGG in SDE k4 + dpm2")
+ARMS = ("Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JAGG in SDE k4 + dpm2",
+        "per-step in SDE k4 + dpm2", "CPS", "JAGG W4 CPS", "NFT", "NFT shared noise", "JAGG-NFT")
 
 
 def arm_overrides(arm: str, num_steps: int) -> list[str]:
@@ -51,13 +61,24 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
     (4 of the 12 outside a 4-step window of 16)."""
     half = f"sampling.sde_window_range=[0, {num_steps // 2}]"
     window4 = ["jagg.mode=jagg", "jagg.window=4", "sampling.sde_window=4", half]
+    dpm2 = ["sampling.ode_solver=dpm2", f"sampling.ode_steps={num_steps // 4}"]
+    cps = ["sampling.sde=cps", "sampling.noise_level=0.8"]
+    nft = ["train.algorithm=nft", "grpo.beta=0", "sampling.ode_solver=dpm2", "grpo.timestep_fraction=0.99",
+           "nft.beta=1.0", "nft.kl_beta=1e-4", "jagg.mode=exact"]
+    K = max(1, int(num_steps * 0.99))
     return {
         "Flow-GRPO": ["jagg.mode=exact"],
         "JAGG W4": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"],
         "budget S2.67": ["jagg.mode=jagg", "jagg.plan=budget", "jagg.window=null", "jagg.speedup=2.67"],
         "Fast k2": ["jagg.mode=exact", "sampling.sde_window=2", half],
         "JAGG in SDE k4": window4,
-        "JAGG in SDE k4 + dpm2": window4 + ["sampling.ode_solver=dpm2", f"sampling.ode_steps={num_steps // 4}"],
+        "JAGG in SDE k4 + dpm2": window4 + dpm2,
+        "per-step in SDE k4 + dpm2": ["jagg.mode=exact", "sampling.sde_window=4", half] + dpm2,
+        "CPS": ["jagg.mode=exact"] + cps,
+        "JAGG W4 CPS": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"] + cps,
+        "NFT": nft,
+        "NFT shared noise": nft + ["nft.shared_noise=true"],
+        "JAGG-NFT": nft[:-1] + ["jagg.mode=jagg", f"jagg.window={K}", "nft.shared_noise=true"],
     }[arm]
 
 
@@ -76,7 +97,7 @@ RECIPE = ["grpo.beta=0.04", "grpo.global_std=false", "train.lr=2e-4", "train.ema
 FULL = {"steps": 64, "eval_every": 8, "seeds": [0, 1, 2, 3], "num_steps": 16, "extra": RECIPE, "workers": 2}
 QUICK = {"steps": 2, "eval_every": 1, "seeds": [0, 1], "num_steps": 8,
          "extra": ["sampling.num_steps=8", "sampling.eval_num_steps=8", "train.prompts_per_step=1",
-                   "train.batch_size=8", "sampling.batch_size=8", "eval.num_per_prompt=1"], "workers": 2}
+                   "train.batch_size=8", "sampling.batch_size=8", "eval.num_per_prompt=2"], "workers": 2}
 
 
 def build(overrides: list[str], seed: int, steps: int, out: Path) -> Trainer:
@@ -126,12 +147,14 @@ def measure(overrides: dict[str, list[str]], seeds: list[int], steps: int, eval_
         trainers = {(a, s): build(overrides[a], s, steps, work_dir / f"{_tag(a)}_s{s}") for a in arms for s in seeds}
         first = trainers[(arms[0], seeds[0])]
         t0 = time.perf_counter()
-        start = first.evaluate(0)["reward_mean"]  # the same weights, the same deterministic evaluation for all
+        base = first.evaluate(0)  # the same weights, the same deterministic evaluation for all
+        start, base_diversity = base["reward_mean"], _diversity(base)
         eval_s = time.perf_counter() - t0
         print(f"    held-out reward at step 0: {start:.4f} ({eval_s:.1f} s per evaluation; seeds {seeds})", flush=True)
         keys = list(trainers)
         runs = {k: {"arm": k[0], "seed": k[1], "step_seconds": [], "eval_steps": [0], "eval_reward": [start],
-                    "phases": [], "backward_passes": 0, "per_step_equiv": 0} for k in keys}
+                    "eval_diversity": [base_diversity], "phases": [], "backward_passes": 0, "per_step_equiv": 0}
+                for k in keys}
         gflops = []
         t_all = time.perf_counter()
         for step in range(steps):
@@ -145,8 +168,10 @@ def measure(overrides: dict[str, list[str]], seeds: list[int], steps: int, eval_
                 runs[key]["per_step_equiv"] += m["per_step_equiv"]
             if (step + 1) % eval_every == 0 or step + 1 == steps:
                 for key in keys:
+                    result = trainers[key].evaluate(step + 1)
                     runs[key]["eval_steps"].append(step + 1)
-                    runs[key]["eval_reward"].append(trainers[key].evaluate(step + 1)["reward_mean"])
+                    runs[key]["eval_reward"].append(result["reward_mean"])
+                    runs[key]["eval_diversity"].append(_diversity(result))
                 gflops.append(matmul_gflops(512, 5))
             done = time.perf_counter() - t_all
             line = ", ".join(f"{a} {statistics.mean(runs[(a, s)]['step_seconds'][-1] for s in seeds):.2f}s"
@@ -180,6 +205,14 @@ def _in_workers(job: dict, seed_sets: list[list[int]]) -> list[dict]:
         if any(codes):
             raise RuntimeError(f"time_to_reward workers exited with {codes} (their output is above)")
         return [json.loads((Path(tmp) / f"job{i}.out.json").read_text()) for i in range(len(seed_sets))]
+
+
+def _diversity(result: dict) -> float | None:
+    """The evaluation's within-prompt diversity (train/diversity.py), as a number."""
+    d = result.get("diversity")
+    if isinstance(d, dict):
+        d = d.get("mean", d.get("value"))
+    return None if d is None else float(d)
 
 
 def _tag(arm: str) -> str:
@@ -245,6 +278,18 @@ def summarize(runs: list[dict], arms: list[str]) -> dict:
         }
     rows[REFERENCE]["gain_over_seed_std"] = (ref_gain / rows[REFERENCE]["gain"][1]
                                              if rows[REFERENCE]["gain"][1] > 0 else None)
+    # against the best arm's final gain too (the study's question is what users would pick, not only Flow-GRPO)
+    best = max(rows, key=lambda a: rows[a]["gain"][0])
+    best_gain = rows[best]["gain"][0]
+    for a, rs in by_arm.items():
+        r = rows[a]
+        c = r["curve"]
+        r["t95_best"] = time_to(c["seconds"], c["reward"], c["reward"][0] + TARGET_FRAC * best_gain)
+        divs = [x["eval_diversity"][-1] for x in rs if x.get("eval_diversity") and x["eval_diversity"][-1] is not None]
+        base = rs[0].get("eval_diversity", [None])[0]
+        r["diversity"] = _mean_std(divs) if divs else None
+        r["diversity_ratio"] = (r["diversity"][0] / base) if divs and base else None
+    rows[best]["best_gain_arm"] = True
     return rows
 
 
@@ -284,19 +329,23 @@ def markdown(res: dict) -> str:
         "| arm | rollout forwards / sample (policy + KL reference) | backward passes / sample (per-step equiv) | "
         "step s (median: rollout + "
         "reward + train) | wall-clock s (mean +- std) | held-out final (mean +- std) | gain (mean +- seed std) | "
-        f"gain / {REFERENCE}'s | s to 95% of {REFERENCE}'s gain | that / {REFERENCE}'s wall-clock |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"gain / {REFERENCE}'s | s to 95% of {REFERENCE}'s gain | that / {REFERENCE}'s wall-clock | "
+        "s to 95% of the best arm's gain | within-prompt diversity at the end / the base model's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     beta = load_config(str(ROOT / s["config"]), s["overrides"]).grpo.beta  # the reference runs on SDE steps
     for a, r in rows.items():
         nfe, sde = _forwards(s["arms"][a], s["num_steps"])
+        nft = "train.algorithm=nft" in s["arms"][a]
+        old = " (and as many old-policy forwards)" if nft else ""
         lines.append(
-            f"| {a} | {nfe} + {sde if beta > 0 else 0} | {r['backward_passes_per_step']:.1f} "
+            f"| {a} | {nfe} + {sde if beta > 0 or nft else 0}{old} | {r['backward_passes_per_step']:.1f} "
             f"({r['per_step_equiv_per_step']:.0f}) | "
             f"{r['step_seconds']:.2f} ({r['phases'][0]:.2f} + {r['phases'][1]:.2f} + {r['phases'][2]:.2f}) | "
             f"{r['wall'][0]:.0f} +- {r['wall'][1]:.0f} | {r['final'][0]:.3f} +- {r['final'][1]:.3f} | "
             f"{r['gain'][0]:+.3f} +- {r['gain'][1]:.3f} | {r['gain_frac'][0]:.2f} +- {r['gain_frac'][1]:.2f} | "
-            f"{_fmt(r['t95'], '{:.0f}')} | {_fmt(r['t95_frac'])} |")
+            f"{_fmt(r['t95'], '{:.0f}')} | {_fmt(r['t95_frac'])} | {_fmt(r.get('t95_best'), '{:.0f}')} | "
+            f"{_fmt(r.get('diversity_ratio'), '{:.2f}', 'n/a')} |")
     ratio = ref.get("gain_over_seed_std")
     lines += [
         "",
@@ -377,6 +426,8 @@ def notes(res: dict) -> list[str]:
 def _forwards(overrides: list[str], num_steps: int) -> tuple[int, int]:
     """(the policy's forwards per sample in the rollout, its SDE steps)."""
     kv = dict(o.split("=", 1) for o in overrides)
+    if kv.get("train.algorithm") == "nft":  # the old policy's ODE; its KL reference runs at training, per timestep
+        return num_steps, max(1, int(num_steps * float(kv.get("grpo.timestep_fraction", 1.0))))
     window = int(kv.get("sampling.sde_window", 0))
     ode = int(kv.get("sampling.ode_steps", 0))
     return (window + ode if window and ode else num_steps), (window or num_steps)
