@@ -74,6 +74,11 @@ def test_a_cps_rollout_is_scored_back_on_policy_and_configured_by_name():
     assert all(float(r) == pytest.approx(1.0, abs=1e-6) for r in loss.metrics["ratio_mean"])  # on-policy
     with pytest.raises(ConfigError, match=r"'sampling.noise_level' must be in \(0, 1\] with sampling.sde cps"):
         load_config(ROOT / "configs" / "tiny_cpu.yaml", ["sampling.sde=cps", "sampling.noise_level=1.5"])
+    with pytest.raises(ConfigError, match="'grpo.timestep_fraction' must leave the last step untrained"):
+        load_config(ROOT / "configs" / "tiny_cpu.yaml", ["sampling.sde=cps", "sampling.noise_level=0.8"])
+    with pytest.raises(ConfigError, match="'sampling.sde_window_range' must end before the last step"):
+        load_config(ROOT / "configs" / "tiny_cpu.yaml", ["sampling.sde=cps", "sampling.noise_level=0.8",
+                                                          "sampling.sde_window=2"])
     with pytest.raises(ConfigError, match="'sampling.sde' must be one of flow_grpo, cps"):
         load_config(ROOT / "configs" / "tiny_cpu.yaml", ["sampling.sde=dance"])
 
@@ -83,13 +88,14 @@ def test_jagg_trains_on_cps_rollouts(tmp_path):
     ratio is 1, and JAGG windows of 2 (exact for W <= 2) give the per-step gradient's update."""
     small = ["model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=16", "sampling.num_steps=4",
              "train.prompts_per_step=2", "train.batch_size=8", "sampling.batch_size=8", "train.steps=1",
-             "sampling.sde=cps", "sampling.noise_level=0.8", "log.progress=false", "run.checkpoint_every=0"]
+             "sampling.sde=cps", "sampling.noise_level=0.8", "grpo.timestep_fraction=0.8", "log.progress=false",
+             "run.checkpoint_every=0"]
     rows = {}
     for name, extra in (("exact", ["jagg.mode=exact"]), ("jagg", ["jagg.window=2"])):
         trainer = Trainer(load_config(ROOT / "configs" / "tiny_cpu.yaml", small + extra
                                       + [f"run.output_dir={tmp_path / name}"]))
         rows[name] = trainer.fit()[0]
         trainer.close()
-    assert rows["jagg"]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and rows["jagg"]["backward_passes"] == 4
+    assert rows["jagg"]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and rows["jagg"]["backward_passes"] == 3
     assert rows["jagg"]["grad_norm"] == pytest.approx(rows["exact"]["grad_norm"], rel=1e-4)
     assert rows["jagg"]["reward_mean"] == rows["exact"]["reward_mean"]

@@ -16,7 +16,8 @@ computed differs:
     per-step in SDE k4 + dpm2   MixGRPO-Flash itself: that rollout with per-step backwards in the window (what JAGG
                        adds on top of the peers' best practice is the difference to the arm above)
     CPS, JAGG W4 CPS   coefficients-preserving sampling (sampling.sde cps, noise level 0.8 as Flow-GRPO's README
-                       runs it), per step and with JAGG windows of 4
+                       runs it), per step and with JAGG windows of 4; the first 15 of the 16 steps trained (the step
+                       to s = 0 injects no noise: timestep_fraction 0.99, Flow-GRPO's)
     NFT                DiffusionNFT (train.algorithm nft) scaled to digits: the old policy's dpm2 ODE rollout of the
                        schedule's 16 steps, 15 training timesteps per sample (timestep_fraction 0.99), one backward
                        each, beta 1, KL 1e-4, decay_type 1, the study's lr; no SDE KL (grpo.beta 0)
@@ -62,7 +63,7 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
     half = f"sampling.sde_window_range=[0, {num_steps // 2}]"
     window4 = ["jagg.mode=jagg", "jagg.window=4", "sampling.sde_window=4", half]
     dpm2 = ["sampling.ode_solver=dpm2", f"sampling.ode_steps={num_steps // 4}"]
-    cps = ["sampling.sde=cps", "sampling.noise_level=0.8"]
+    cps = ["sampling.sde=cps", "sampling.noise_level=0.8", "grpo.timestep_fraction=0.99"]  # its last step: no noise
     nft = ["train.algorithm=nft", "grpo.beta=0", "sampling.ode_solver=dpm2", "grpo.timestep_fraction=0.99",
            "nft.beta=1.0", "nft.kl_beta=1e-4", "jagg.mode=exact"]
     K = max(1, int(num_steps * 0.99))
