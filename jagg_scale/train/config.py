@@ -268,21 +268,21 @@ def _check_algorithm(cfg: Config) -> None:
         _require(nft or s.sde_window > 0 or getattr(s, key) == default, f"sampling.{key}",
                  "acts on the ODE steps outside the SDE window: it needs sampling.sde_window > 0 (with sde_window 0 "
                  "every step is SDE) or train.algorithm nft (its rollout is the ODE)")
-    if s.sde == "cps":  # CPS's last step (to s_T = 0) injects no noise: no density to train on, a KL term of 1 / 0
-        if s.sde_window:
-            hi = (s.sde_window_range or [0, s.num_steps])[1]
-            _require(hi < s.num_steps, "sampling.sde_window_range",
-                     f"must end before the last step with sampling.sde cps (its step to s = 0 is deterministic): "
-                     f"[lo, hi] with hi <= {s.num_steps - 1}, got {s.sde_window_range or [0, s.num_steps]}")
-        else:
-            _require(len(trained_steps(s.num_steps, g.timestep_fraction)) < s.num_steps, "grpo.timestep_fraction",
-                     "must leave the last step untrained with sampling.sde cps (its step to s = 0 is deterministic: "
-                     "no density, a KL term of 1 / 0); Flow-GRPO trains 0.99 of the steps")
     if not nft:
         unused = [f.name for f in dataclasses.fields(NFTConfig)
                   if getattr(cfg.nft, f.name) != getattr(NFTConfig(), f.name)]
         _require(not unused, f"nft.{unused[0] if unused else ''}",
                  "is a DiffusionNFT setting: it needs train.algorithm nft (this run is grpo)")
+        if s.sde == "cps":  # CPS's last step (to s_T = 0) injects no noise: no density to train on, a KL term of 1 / 0
+            if s.sde_window:
+                hi = (s.sde_window_range or [0, s.num_steps])[1]
+                _require(hi < s.num_steps, "sampling.sde_window_range",
+                         f"must end before the last step with sampling.sde cps (its step to s = 0 is deterministic): "
+                         f"[lo, hi] with hi <= {s.num_steps - 1}, got {s.sde_window_range or [0, s.num_steps]}")
+            else:
+                _require(len(trained_steps(s.num_steps, g.timestep_fraction)) < s.num_steps, "grpo.timestep_fraction",
+                         "must leave the last step untrained with sampling.sde cps (its step to s = 0 is "
+                         "deterministic: no density, a KL term of 1 / 0); Flow-GRPO trains 0.99 of the steps")
         return
     default = SamplingConfig()
     for key in ("sde_window", "sde", "noise_level"):  # the NFT rollout is deterministic: no SDE to shape
