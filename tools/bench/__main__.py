@@ -49,6 +49,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: torch's default; 1 with --quick, which must survive a busy "
                         "machine)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a study's size (time_to_reward: steps=32, eval_every=8, seeds=0,1, workers=2, "
+                        "arms='Flow-GRPO;NFT'); only with one part that takes it")
     p.add_argument("--merge", action="store_true", help="keep the parts of an existing OUT.json that are not re-run")
     p.add_argument("--from-json", action="store_true", help="re-render OUT.md and the plots from OUT.json only")
     args = p.parse_args(argv)
@@ -68,6 +71,10 @@ def main(argv=None) -> int:
     unknown = [x for x in parts if x not in PARTS]
     if unknown:
         p.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
+    settings = dict(kv.split("=", 1) for kv in args.set if "=" in kv)
+    if len(settings) != len(args.set) or (settings and (len(parts) != 1 or not hasattr(
+            importlib.import_module(f"tools.bench.{parts[0]}"), "parse_settings"))):
+        p.error(f"--set {args.set}: KEY=VALUE pairs for one part that takes them (time_to_reward)")
     import torch
 
     threads = args.threads or (1 if args.quick else 0)
@@ -91,7 +98,8 @@ def main(argv=None) -> int:
         print(f"== {part}" + ("" if args.quick else f" (budget ~{BUDGET_S[part]} s)"), flush=True)
         t0 = time.perf_counter()
         try:
-            res = importlib.import_module(f"tools.bench.{part}").run(quick=args.quick)
+            mod = importlib.import_module(f"tools.bench.{part}")
+            res = mod.run(quick=args.quick, **(mod.parse_settings(settings) if settings else {}))
         except Exception as exc:
             traceback.print_exc()
             res = {"error": f"{type(exc).__name__}: {exc}"[:2000]}

@@ -54,12 +54,25 @@ from jagg_scale.train import Trainer, load_config
 
 ARMS = ("Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JAGG in SDE k4 + dpm2",
         "per-step in SDE k4 + dpm2", "CPS", "JAGG W4 CPS", "NFT", "NFT shared noise", "JAGG-NFT")
+# Recipe variants, not in the default arms (the same code path as their base arm): JAGG-NFT with a stronger KL to
+# the reference, the lever our GRPO default recipe pulled to keep within-prompt diversity (grpo.beta 0.2).
+VARIANTS = {"JAGG-NFT kl 0.01": ("JAGG-NFT", ["nft.kl_beta=0.01"]),
+            "JAGG-NFT kl 0.1": ("JAGG-NFT", ["nft.kl_beta=0.1"])}
+# What the peers run (issue 23's comparison): the rest are this stack's (JAGG, or NFT's shared noise)
+PEERS = ("Flow-GRPO", "Fast k2", "per-step in SDE k4 + dpm2", "CPS", "NFT")
+PAIRS = (  # (JAGG arm, the same recipe per step, max wall-clock ratio to the latter's 95% line)
+    ("JAGG in SDE k4 + dpm2", "per-step in SDE k4 + dpm2", 0.75),
+    ("JAGG-NFT", "NFT", 0.5),
+)
 
 
 def arm_overrides(arm: str, num_steps: int) -> list[str]:
     """The arm's config overrides for a schedule of `num_steps` steps. SDE windows start in the first half of the
     trajectory (Flow-GRPO-Fast's choice); the compressed rollout runs num_steps / 4 ODE steps around the window
     (4 of the 12 outside a 4-step window of 16)."""
+    if arm in VARIANTS:
+        base, extra = VARIANTS[arm]
+        return arm_overrides(base, num_steps) + extra
     half = f"sampling.sde_window_range=[0, {num_steps // 2}]"
     window4 = ["jagg.mode=jagg", "jagg.window=4", "sampling.sde_window=4", half]
     dpm2 = ["sampling.ode_solver=dpm2", f"sampling.ode_steps={num_steps // 4}"]
@@ -101,6 +114,20 @@ QUICK = {"steps": 2, "eval_every": 1, "seeds": [0, 1], "num_steps": 8,
                    "train.batch_size=8", "sampling.batch_size=8", "eval.num_per_prompt=2"], "workers": 2}
 
 
+def parse_settings(settings: dict[str, str]) -> dict:
+    """`--set` values (strings) as run()'s keywords; an unknown key or arm is an error naming it."""
+    known = {"steps": int, "eval_every": int, "workers": int,
+             "seeds": lambda v: [int(x) for x in v.split(",")], "arms": lambda v: [a.strip() for a in v.split(";")]}
+    bad = sorted(set(settings) - set(known))
+    if bad:
+        raise SystemExit(f"time_to_reward: unknown --set keys {bad}; known: {sorted(known)}")
+    out = {k: known[k](v) for k, v in settings.items()}
+    unknown = [a for a in out.get("arms", []) if a not in ARMS and a not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"time_to_reward: unknown arms {unknown}; known: {[*ARMS, *VARIANTS]}")
+    return out
+
+
 def build(overrides: list[str], seed: int, steps: int, out: Path) -> Trainer:
     return Trainer(load_config(str(ROOT / "configs" / "digits_cpu.yaml"),
                                COMMON + overrides + [f"run.seed={seed}", f"train.steps={steps}",
@@ -136,6 +163,7 @@ def run(quick: bool, steps: int | None = None, eval_every: int | None = None, se
         if a != REFERENCE:
             summary[f"step_speedup_{_tag(a)}"] = ref["step_seconds"] / rows[a]["step_seconds"]
     return {"setup": setup, "runs": runs, "rows": rows, "summary": summary, "target": target(rows),
+            "comparisons": comparisons(rows),
             "matmul_gflops_per_eval": [g for part in parts for g in part["gflops"]], "start_reward": starts[0]}
 
 
@@ -309,6 +337,39 @@ def target(rows: dict) -> dict:
             "reference_gain_over_seed_std": rows[REFERENCE]["gain_over_seed_std"]}
 
 
+def comparisons(rows: dict) -> list[dict]:
+    """Issue 23's questions, each from this run's rows: what JAGG adds to a recipe run per step (its final gain
+    >= 0.95x, its time to 95% of the per-step arm's final gain <= the pair's ratio of the per-step arm's time), and
+    the stack's best arm against the best peer arm (each one's time to 95% of the best arm's final gain; the stack's
+    arm keeping >= 50% of the base model's within-prompt diversity)."""
+    out = []
+    for jagg, step, ratio in PAIRS:
+        if jagg not in rows or step not in rows:
+            continue
+        j, p = rows[jagg], rows[step]
+        level = p["start"] + TARGET_FRAC * p["gain"][0]
+        tj = time_to(j["curve"]["seconds"], j["curve"]["reward"], level)
+        tp = time_to(p["curve"]["seconds"], p["curve"]["reward"], level)
+        gain = j["gain"][0] / p["gain"][0] if p["gain"][0] > 0 else math.nan
+        t = None if tj is None or not tp else tj / tp
+        out.append({"name": f"{jagg} vs {step}", "gain_ratio": gain, "t95_ratio": t, "max_t95_ratio": ratio,
+                    "met": gain >= TARGET_FINAL and t is not None and t <= ratio})
+    peers = [a for a in rows if a in PEERS]
+    ours = [a for a in rows if a not in PEERS and (rows[a].get("diversity_ratio") or 0) >= 0.5]
+    if peers:
+        def first(arms):
+            timed = [a for a in arms if rows[a].get("t95_best") is not None]
+            return min(timed, key=lambda a: rows[a]["t95_best"]) if timed else None
+        bp, bo = first(peers), first(ours)
+        tp = rows[bp]["t95_best"] if bp else None
+        to = rows[bo]["t95_best"] if bo else None
+        ratio = None if to is None else (0.0 if tp is None else to / tp)  # 0: no peer arm reaches the line
+        out.append({"name": "the stack's best arm (diversity >= 0.5x the base's) vs the best peer arm",
+                    "ours": bo, "peer": bp, "t95_ratio": ratio, "max_t95_ratio": 0.7,
+                    "met": ratio is not None and ratio <= 0.7})
+    return out
+
+
 def _fmt(x, f="{:.2f}", none="never"):
     return none if x is None or (isinstance(x, float) and not math.isfinite(x)) else f.format(x)
 
@@ -323,7 +384,7 @@ def markdown(res: dict) -> str:
         f"{s['eval_images']} images (deterministic ODE, Euler, the config's eval) every {s['eval_every']} steps. "
         f"Whole-step wall-clock (rollout + reward + training phase); the {len(rows)} x {len(s['seeds'])} trainers "
         f"step round-robin in {_workers(s)}, so the machine's noise hits every arm alike. "
-        f"Run it: `.venv/bin/python -m tools.bench --parts time_to_reward --threads 1 --merge --out docs/benchmarks` "
+        f"Run it: `{_command(s)}` "
         f"(one torch thread per worker: with other work on a 2-core machine two OpenMP threads spin at every "
         f"barrier and a step ran 6x slower).",
         "",
@@ -359,8 +420,33 @@ def markdown(res: dict) -> str:
         "Wall-clock = the sum of the arm's whole training steps (mean over seeds); the 95% time is read off the "
         "seed-mean curve, linearly interpolated between evaluations.",
     ]
+    lines += [""] if res.get("comparisons") else []
+    for c in res.get("comparisons", []):
+        verdict = "met." if c["met"] else "missed."
+        if "peer" in c:
+            t = ("no peer arm reaches that line" if c["peer"] is None and c["ours"] else
+                 f"time to 95% of the best arm's final gain {_fmt(c['t95_ratio'], '{:.2f}x', 'never')}")
+            lines.append(f"- {c['name']}: {c['ours'] or 'none'} vs {c['peer'] or 'none'}, {t} "
+                         f"(<= {c['max_t95_ratio']}x asked): {verdict}")
+        else:
+            lines.append(f"- {c['name']}: final gain {_fmt(c['gain_ratio'], '{:.2f}x', 'n/a')} (>= {TARGET_FINAL}x "
+                         f"asked), time to 95% of the per-step arm's final gain "
+                         f"{_fmt(c['t95_ratio'], '{:.2f}x', 'never')} its time (<= {c['max_t95_ratio']}x asked): "
+                         + verdict)
     lines += ["", *notes(res)]
     return "\n".join(lines)
+
+
+def _command(setup: dict) -> str:
+    """The command that reruns this study at this size."""
+    sets = [f"--set steps={setup['steps']}", f"--set eval_every={setup['eval_every']}",
+            f"--set seeds={','.join(map(str, setup['seeds']))}", f"--set workers={setup.get('workers', 1)}"]
+    if list(setup["arms"]) != list(ARMS):
+        sets.append(f"--set 'arms={';'.join(setup['arms'])}'")
+    if (setup["steps"], setup["seeds"]) == (FULL["steps"], FULL["seeds"]) and list(setup["arms"]) == list(ARMS):
+        sets = []
+    return " ".join([".venv/bin/python -m tools.bench --parts time_to_reward --threads 1", *sets,
+                     "--merge --out docs/benchmarks"])
 
 
 def _workers(setup: dict) -> str:
