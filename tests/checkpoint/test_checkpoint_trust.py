@@ -189,7 +189,7 @@ def test_deepspeed_partitions_are_read_weights_only(tmp_path):
         pristine = tmp_path / "pristine"
         shutil.copytree(ckpt, pristine)
         t.engine.load(pristine)  # an untampered DeepSpeed checkpoint loads weights-only (its two classes admitted)
-        for name in sorted(p.relative_to(ckpt).as_posix() for p in (ckpt / "ds").glob("*.pt")):
+        for i, name in enumerate(sorted(p.relative_to(ckpt).as_posix() for p in (ckpt / "ds").glob("*.pt"))):
             shutil.rmtree(ckpt)
             shutil.copytree(pristine, ckpt)
             plant_in_torch_file(ckpt, name, marker)
@@ -197,8 +197,9 @@ def test_deepspeed_partitions_are_read_weights_only(tmp_path):
             # unverified: DeepSpeed's own reader, made weights-only
             assert Path(name).name in refusal(marker, lambda: t.engine.load(ckpt), UnsafeCheckpointError)
             assert Path(name).name in refusal(marker, lambda: verify_checkpoint(ckpt))
-            assert Path(name).name in refusal(marker, lambda: eval_main(
-                [TINY, *overrides("deepspeed", run), "--checkpoint", str(ckpt), "--output", str(tmp_path)]))
+            if i == 0:  # jagg-eval, end to end (it reads through the engine's reader checked above for every file)
+                assert Path(name).name in refusal(marker, lambda: eval_main(
+                    [TINY, *overrides("deepspeed", run), "--checkpoint", str(ckpt), "--output", str(tmp_path)]))
             # jagg-eval's reader, unverified
             assert Path(name).name in refusal(marker, lambda: load_trained_weights(build_model(t.cfg.model), ckpt),
                                               UnsafeCheckpointError)

@@ -109,7 +109,7 @@ RECIPE = ["grpo.beta=0.04", "grpo.global_std=false", "train.lr=2e-4", "train.ema
 # x 64 steps, two worker processes of 2 seeds each on a 2-core CPU, one torch thread each (~65 s per round of a
 # worker's 12 trainers, ~50 s per round of its evaluations: about 80 minutes).
 FULL = {"steps": 64, "eval_every": 8, "seeds": [0, 1, 2, 3], "num_steps": 16, "extra": RECIPE, "workers": 2}
-QUICK = {"steps": 2, "eval_every": 1, "seeds": [0, 1], "num_steps": 8,
+QUICK = {"steps": 1, "eval_every": 1, "seeds": [0, 1], "num_steps": 8,
          "extra": ["sampling.num_steps=8", "sampling.eval_num_steps=8", "train.prompts_per_step=1",
                    "train.batch_size=8", "sampling.batch_size=8", "eval.num_per_prompt=2"], "workers": 2}
 
