@@ -92,14 +92,17 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     precision = ("bf16_mp" if sharded else "amp") if bf16 else "fp32"
     tc, vae = tcomp["config"], comps["vae"]["config"]
     scale = 2 ** (len(vae["block_out_channels"]) - 1)
+    tokens = dict(shapes["text_tokens"])
+    if cfg.model.max_sequence_length:  # the T5 length of the config (as models/diffusers_common.t5_length)
+        tokens["t5"] = min(cfg.model.max_sequence_length, tokens.get("t5_limit", 512))
     if kind == "sd3":
         side = cfg.model.resolution // scale if cfg.model.resolution else tc["sample_size"]
         latent, p = (tc["in_channels"], side, side), tc["patch_size"]
-        text = shapes["text_tokens"]["clip"] + shapes["text_tokens"]["t5"]
+        text = tokens["clip"] + tokens["t5"]
     else:
         side = (cfg.model.resolution or vae["sample_size"]) // scale
         latent, p = (tc["in_channels"] // 4, side, side), 2
-        text = shapes["text_tokens"]["t5"]
+        text = tokens["t5"]
     t_key = ("transformer", tcomp["class"], clean(tc), precision, rank, sorted(targets) if rank else None)
     label = f"{shapes.get('name', tcomp['class'])} transformer, {precision}, {'LoRA r%d' % rank if rank else 'full'}"
     act = cached(key(*t_key), label, lambda: M.measure_transformer(tcomp, precision, rank), measure)
@@ -110,7 +113,7 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     for name in frozen[1:]:
         c = comps[name]
         what = "t5" if c["class"].startswith("T5") else ("clip_hidden" if kind == "sd3" else "clip")
-        seq = shapes["text_tokens"]["t5" if what == "t5" else "clip"]
+        seq = tokens["t5" if what == "t5" else "clip"]
         k = key(what, c["class"], clean(c["config"]), str(fdt), seq)
         encoders[name] = {"seq": seq, "coef": cached(k, f"{name} ({c['class']}) no-grad, {fdt}, {seq} tokens",
                           lambda c=c, what=what, seq=seq: M.measure_nograd(c, what, fdt, seq), measure)}

@@ -69,12 +69,12 @@ def _from_directory(path: Path, kind: str) -> dict:
              for n in ("transformer",) + FROZEN[kind] if n in index and index[n][0] is not None}
     comps["transformer"]["stored_dtype"] = str(stored_dtype(path / "transformer")).replace("torch.", "")
 
-    def max_len(tok, cap):
+    def limit(tok, cap):
         f = path / tok / "tokenizer_config.json"
         return min(cap, int(json.loads(f.read_text()).get("model_max_length", cap)) if f.is_file() else cap)
 
-    text = ({"clip": max_len("tokenizer", 77), "t5": max_len("tokenizer_3", 256)} if kind == "sd3"
-            else {"clip": max_len("tokenizer", 77), "t5": max_len("tokenizer_2", 512)})
+    t5 = limit("tokenizer_3" if kind == "sd3" else "tokenizer_2", 512)  # what model.max_sequence_length can reach
+    text = {"clip": limit("tokenizer", 77), "t5": min(256 if kind == "sd3" else 512, t5), "t5_limit": t5}
     return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
 
 

@@ -85,13 +85,14 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
         from .sd3 import SD3Velocity  # diffusers is an optional extra: import it only when asked for
 
         model = SD3Velocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
-                                            t5=cfg.text_encoders == "all")
+                                            t5=cfg.text_encoders == "all", max_sequence_length=cfg.max_sequence_length)
         model.set_attention(cfg.attention)  # raises early when xformers is asked for without CUDA/xformers
     else:
         from .flux import FluxVelocity
 
         model = FluxVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
-                                             guidance_scale=cfg.distilled_guidance)
+                                             guidance_scale=cfg.distilled_guidance,
+                                             max_sequence_length=cfg.max_sequence_length)
     if transformer != torch.float32:
         model.master_dtype = torch.float32  # upcast by the engine, shard by shard, on the device
     if cfg.lora.enabled:

@@ -16,6 +16,7 @@ the frozen starting weights, at the cost of one transformer.
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +24,18 @@ import torch
 from torch import nn
 
 from .base import VelocityModel
+
+log = logging.getLogger(__name__)
+
+
+def t5_length(tokenizer, configured: int | None, default: int) -> int:
+    """The T5 prompt length in tokens: `configured` (model.max_sequence_length) or the pipeline's own default,
+    never past the tokenizer's limit (the tiny test pipelines' T5 tokenizer stops at 32)."""
+    limit = int(getattr(tokenizer, "model_max_length", default)) if tokenizer is not None else default
+    if configured is not None and configured > limit:
+        log.warning("model.max_sequence_length %d is past this pipeline's T5 tokenizer limit %d: %d tokens are used",
+                    configured, limit, limit)
+    return min(configured or default, limit)
 
 
 class DiffusersVelocity(VelocityModel):

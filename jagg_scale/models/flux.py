@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .diffusers_common import DiffusersVelocity
+from .diffusers_common import DiffusersVelocity, t5_length
 
 
 class FluxVelocity(DiffusersVelocity):
@@ -83,10 +83,7 @@ class FluxVelocity(DiffusersVelocity):
         from diffusers import FluxPipeline
 
         pipe = FluxPipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
-        if max_sequence_length is None:
-            # the tokenizer's own limit for tiny test pipelines, FLUX-dev's 512 otherwise
-            t5_max = getattr(pipe.tokenizer_2, "model_max_length", 512) if pipe.tokenizer_2 is not None else 512
-            max_sequence_length = min(512, int(t5_max))
+        max_sequence_length = t5_length(pipe.tokenizer_2, max_sequence_length, 512)  # diffusers' FLUX default
         if resolution is not None:
             latent_size = cls.latent_size_for(pipe, resolution, 2)
         return cls(pipe, max_sequence_length=max_sequence_length, guidance_scale=guidance_scale,

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from .diffusers_common import DiffusersVelocity
+from .diffusers_common import DiffusersVelocity, t5_length
 
 
 class SD3Velocity(DiffusersVelocity):
@@ -68,10 +68,7 @@ class SD3Velocity(DiffusersVelocity):
         no_t5 = {} if t5 else {"text_encoder_3": None}
         pipe = StableDiffusion3Pipeline.from_pretrained(str(Path(path)), dtype=dtype,
                                                         local_files_only=local_files_only, **no_t5)
-        if max_sequence_length is None:
-            # the tokenizer's own limit for tiny test pipelines, diffusers' default 256 otherwise
-            t5_max = getattr(pipe.tokenizer_3, "model_max_length", 256) if pipe.tokenizer_3 is not None else 256
-            max_sequence_length = min(256, int(t5_max))
+        max_sequence_length = t5_length(pipe.tokenizer_3, max_sequence_length, 256)  # diffusers' SD3 default
         latent_size = cls.latent_size_for(pipe, resolution, pipe.transformer.config.patch_size)
         return cls(pipe, max_sequence_length=max_sequence_length, latent_size=latent_size)
 

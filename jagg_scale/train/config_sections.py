@@ -93,6 +93,9 @@ class ModelConfig(_Section):
     # sd3/flux: the T5 encoder sharded with FSDP2 across all ranks for inference (1/world of its weights per rank;
     # every rank must then encode the same number of times: the trainer does)
     shard_t5: bool = False
+    # sd3/flux: T5 prompt tokens; null = the pipeline's default (diffusers: SD3 256, FLUX 512). Recipes set their
+    # own (Flow-GRPO and DiffusionNFT encode SD3.5 prompts at 128). Every transformer pass carries these tokens.
+    max_sequence_length: Optional[int] = None
 
     def check(self, prefix: str) -> None:
         _require(self.kind == "dit" or bool(self.pretrained), f"{prefix}.pretrained",
@@ -110,6 +113,11 @@ class ModelConfig(_Section):
                  f"no_t5 is supported for {prefix}.kind sd3 (FLUX's prompt embeddings are T5's)")
         _require(not self.shard_t5 or (self.kind != "dit" and self.text_encoders == "all"), f"{prefix}.shard_t5",
                  f"needs a T5 encoder: {prefix}.kind sd3 or flux with {prefix}.text_encoders all")
+        n = self.max_sequence_length
+        _require(n is None or self.kind != "dit", f"{prefix}.max_sequence_length",
+                 "is the T5 prompt length of sd3/flux; the dit's is model.dit.max_prompt_length")
+        _require(n is None or 1 <= n <= 512, f"{prefix}.max_sequence_length",
+                 f"must be in [1, 512] T5 tokens (FLUX's and T5's limit), got {n}")
         self.lora.check(f"{prefix}.lora")
         _check_dit(self.dit, f"{prefix}.dit")
 

@@ -149,3 +149,11 @@ def test_hsdp_on_four_nodes_shards_within_a_node_and_still_fits(name):
         assert static(hsdp, c) == pytest.approx(static(node, c)) and static(hsdp, c) > static(fsdp32, c)
     assert hsdp["total"] <= (1 - HEADROOM) * GPU_80GB * E.GiB, E.report(s, hsdp, GPU_80GB)
     assert "HSDP: 4 replicas of 8" in E.report(s, hsdp, GPU_80GB)
+
+
+def test_the_t5_length_is_the_configs():
+    """model.max_sequence_length sets the text tokens of every pass (sd35m: Flow-GRPO's 128); null: diffusers' 256."""
+    path = ROOT / "configs" / "sd35m_pickscore.yaml"
+    shipped, default = (E.prepare(load(path, o), 8) for o in ([], ["model.max_sequence_length=null"]))
+    assert (shipped["text_tokens"], default["text_tokens"]) == (77 + 128, 77 + 256)
+    assert E.estimate(shipped)["total"] < E.estimate(default)["total"]

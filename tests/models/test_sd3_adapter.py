@@ -177,3 +177,21 @@ def test_bf16_autocast_keeps_the_sde_math_in_float32(sd3_dir, tmp_path):
     assert row["windows_jagg"] == 1 and torch.isfinite(torch.tensor(row["grad_norm"]))
     # bf16 rounding makes the joint 2B-row pass differ slightly from the rollout's rows: ratio near, not at, 1
     assert abs(row["ratio_mean"] - 1.0) < 0.05
+
+
+def test_max_sequence_length_sets_the_t5_tokens_every_pass_carries(sd3_dir, tmp_path, caplog):
+    """model.max_sequence_length reaches the pipeline's T5 encoding (the conditioning is CLIP's tokens + this many),
+    never past the tokenizer's limit (the tiny pipeline's is 32: a larger value is capped, with a warning)."""
+    from jagg_scale.models import build_model
+    from jagg_scale.train import load_config
+
+    def embeds(n):
+        cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "sd3_tiny_cpu.yaml"),
+                          [f"model.pretrained={sd3_dir}", f"run.output_dir={tmp_path}",
+                           f"model.max_sequence_length={n}"])
+        m = build_model(cfg.model)
+        return m.max_sequence_length, m.encode_prompts(["a cat"])[0].shape[1]
+
+    clip = SD3Velocity.from_pretrained(sd3_dir).pipe.tokenizer_max_length
+    assert embeds(16) == (16, clip + 16) and embeds(8) == (8, clip + 8)
+    assert embeds(64) == (32, clip + 32) and "past this pipeline's T5 tokenizer limit 32" in caplog.text

@@ -244,3 +244,13 @@ def test_a_jagg_window_longer_than_the_trained_steps_is_warned_about(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "config key 'jagg.window' is 6, more than the 5 steps trained per training step (sampling.num_steps, "
         "grpo.timestep_fraction, sampling.sde_window): one window of all 5 is used"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.max_sequence_length=128"], "is the T5 prompt length of sd3/flux"),
+    (["model.kind=sd3", "model.pretrained=x", "model.max_sequence_length=0"], "must be in [1, 512] T5 tokens"),
+    (["model.kind=flux", "model.pretrained=x", "model.max_sequence_length=513"], "must be in [1, 512] T5 tokens"),
+])
+def test_the_t5_length_is_refused_where_it_cannot_act(overrides, message):
+    err = _err(*overrides)
+    assert err.startswith("config key 'model.max_sequence_length' ") and message in err
