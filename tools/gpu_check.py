@@ -8,7 +8,7 @@ Sections, each in its own try block (a failing one is recorded and the next runs
 
     env      torch / CUDA / GPU, and the bf16 matmul rate (the ceiling the timings are read against)
     window   the real-shape SD3.5-medium transformer (random init, fp32 master weights, bf16 autocast, per-block
-             activation checkpointing, LoRA r32 on Flow-GRPO's targets, 512 px = 64x64x16 latents + 333 text
+             activation checkpointing, LoRA r32 on Flow-GRPO's targets, 512 px = 64x64x16 latents + 205 text
              tokens), an on-policy rollout of `rows` rows, then ONE window of W steps trained two ways: per-step
              (exact_backward: W forwards + W backwards of B rows) and JAGG (jagg_backward, cached values: one
              joint pass of 2B rows). W = 4 and 8; seconds (median of 3 after a warm-up), speedup, peak memory
@@ -50,7 +50,8 @@ from jagg_scale.jagg import exact_backward, jagg_backward
 from jagg_scale.train.host_syncs import CudaSyncs, HostSyncs
 
 NOISE_LEVEL, SHIFT, CLIP, NUM_STEPS = 0.7, 3.0, 1e-4, 10
-TEXT_TOKENS = 333  # CLIP 77 + T5 256, as the SD3 adapter encodes them
+# CLIP 77 + sd35m_pickscore's model.max_sequence_length T5 tokens (Flow-GRPO's 128), as the SD3 adapter encodes them
+TEXT_TOKENS = 77 + 128
 TINY_CFG = dict(sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
                 num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
                 pos_embed_max_size=8, qk_norm="rms_norm", dual_attention_layers=(0,))

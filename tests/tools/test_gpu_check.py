@@ -31,3 +31,14 @@ def test_the_gpu_check_runs_every_section_at_toy_scale(tmp_path):
     for run in ("none", "fsdp2"):
         assert sections["train"][run]["rc"] == 0 and sections["train"][run]["steps_logged"] == 2
     assert "== summary" in proc.stdout
+
+
+def test_the_real_shape_passes_carry_the_production_configs_text_tokens():
+    """The window's rows carry the tokens sd35m_pickscore encodes: CLIP's 77 + its model.max_sequence_length."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    from jagg_scale.train import load_config
+
+    cfg = load_config(ROOT / "configs" / "sd35m_pickscore.yaml", check_files=False)
+    assert gpu_check.TEXT_TOKENS == 77 + cfg.model.max_sequence_length
