@@ -117,6 +117,7 @@ def sample_sde(
     generator: torch.Generator | list[torch.Generator],
     ref_velocity_fn: VelocityFn | None = None,
     sde_steps: Collection[int] | None = None,
+    ref_steps: Collection[int] | None = None,
     guidance: float = 1.0,
     ode_solver: str = "euler",
     ode_steps: int = 0,
@@ -127,7 +128,9 @@ def sample_sde(
     log-probs) on `sde_steps` (all when None), the deterministic ODE elsewhere (Flow-GRPO-Fast / MixGRPO: only the SDE
     steps are explored and trained; their log-probs are 0 elsewhere and never used). With guidance != 1 the
     model is called with `cond` = (cond, uncond) through `cfg_predictions` and both predictions are kept. `sde` is
-    the stochastic step (sde.py: flow_grpo | cps).
+    the stochastic step (sde.py: flow_grpo | cps). The reference (`ref_velocity_fn`, the KL term's) is evaluated on
+    the SDE steps in `ref_steps` (all of them when None): only the trained ones use it (Flow-GRPO's
+    timestep_fraction trains 9 of 10); zeros elsewhere.
 
     Compressed rollout (MixGRPO-Flash; `sde_steps` one window of consecutive steps): `ode_solver` (euler | dpm2)
     steps the deterministic parts, on `ode_steps` steps in all around the window (0: the schedule's own grid
@@ -167,7 +170,7 @@ def sample_sde(
         v, velocities[k], uncond_vs[k] = predict(x, s)
         step = sde_step(x, v, sigmas[k], sigmas[k + 1], noise_level=noise_level, sigma_max=sigma_max,
                         noise=step_noise[trained.index(k)])
-        if ref_velocity_fn is not None:  # the KL term is evaluated on the trained (SDE) steps only
+        if ref_velocity_fn is not None and (ref_steps is None or k in ref_steps):  # the KL term's, where trained
             ref_vs[k] = ref_velocity_fn(x, s, cond).float()
         latents[k + 1], log_probs[k] = step.prev_sample, step.log_prob
         return step.prev_sample

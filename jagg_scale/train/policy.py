@@ -96,10 +96,12 @@ class Policy:
         return dataclasses.replace(batch, uncond_velocities=fresh)
 
     @torch.no_grad()
-    def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None, sde_steps=None) -> Trajectories:
+    def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None, sde_steps=None, ref_steps=None
+                ) -> Trajectories:
         """SDE trajectories of the given global rows (cond holds their conditioning, in that order), in chunks of
         sampling.batch_size rows; `on_chunk(rows, final_latents)` is called after each (reward scoring), `rows` the
-        chunk's slice of `rows`. Nothing here reads a device value back: noise goes up once per chunk,
+        chunk's slice of `rows`; the KL reference runs on `ref_steps` (the trained steps; None: every SDE step).
+        Nothing here reads a device value back: noise goes up once per chunk,
         asynchronously."""
         cfg = self.cfg
         gens = row_generators(cfg.run.seed, step, rows)
@@ -111,7 +113,8 @@ class Policy:
             noise = torch.stack([torch.randn(self.model.latent_shape, generator=g) for g in gens[chunk]])
             parts.append(sample_sde(predict, index_cond(cond, chunk), to_device(noise, self.device), self.sigmas,
                                     noise_level=cfg.sampling.noise_level, generator=gens[chunk],
-                                    ref_velocity_fn=ref, sde_steps=sde_steps, guidance=self.guidance,
+                                    ref_velocity_fn=ref, sde_steps=sde_steps, ref_steps=ref_steps,
+                                    guidance=self.guidance,
                                     ode_solver=cfg.sampling.ode_solver, ode_steps=cfg.sampling.ode_steps,
                                     host_sigmas=self.host_sigmas, sde=cfg.sampling.sde))
             if on_chunk is not None:

@@ -161,7 +161,8 @@ class Trainer:
         # GRPO: the SDE on every step or on the SDE window; DiffusionNFT: the old policy's ODE (no SDE step at all)
         sde_steps = set() if cfg.train.algorithm == "nft" else set(steps) if cfg.sampling.sde_window else None
         with self._comm("rollout"), self.updater.behaviour():
-            traj = self.policy.rollout(cond, rows.mine, step, on_chunk=on_chunk, sde_steps=sde_steps)
+            traj = self.policy.rollout(cond, rows.mine, step, on_chunk=on_chunk, sde_steps=sde_steps,
+                                       ref_steps=set(steps))
         t1 = time.perf_counter()
         # 2. reward: gathered so that every rank sees the whole batch (and takes the same decisions)
         local = scorer.finish()

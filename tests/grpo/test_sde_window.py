@@ -54,3 +54,26 @@ def test_sde_window_config_errors_name_the_key():
                           ("grpo.timestep_fraction=0.5", "grpo.timestep_fraction")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(TINY, SMALL + ["sampling.sde_window=2", override])
+
+
+def test_the_reference_runs_on_the_trained_steps_only():
+    """ref_steps: the KL reference's forwards where they are used (the trained steps); the rest of the trajectory
+    and the reference velocities there are those of a rollout that evaluates it everywhere."""
+    torch.manual_seed(0)
+    velocity = lambda x, s, c: -x * (1 + s[:, None, None, None]) + c
+    calls = []
+    ref = lambda x, s, c: calls.append(float(s[0])) or -0.9 * x + c
+    cond, noise, sigmas = torch.randn(3, 1, 1, 1), torch.randn(3, 2, 4, 4), sigma_schedule(8, 3.0)
+
+    def run(ref_steps):
+        calls.clear()
+        gens = [torch.Generator().manual_seed(i) for i in range(3)]
+        return sample_sde(velocity, cond, noise, sigmas, noise_level=0.7, generator=gens, ref_velocity_fn=ref,
+                          ref_steps=ref_steps), list(calls)
+
+    (every, every_calls), (trained, trained_calls) = run(None), run({0, 1, 2, 3, 4, 5, 6})
+    assert len(every_calls) == 8 and trained_calls == every_calls[:7]  # 7 of 8 forwards, at the trained sigmas
+    for name in ("latents", "velocities", "log_probs"):
+        assert torch.equal(getattr(every, name), getattr(trained, name)), name
+    assert torch.equal(trained.ref_velocities[:7], every.ref_velocities[:7])
+    assert not trained.ref_velocities[7].any() and every.ref_velocities[7].any()

@@ -248,3 +248,18 @@ def test_micro_batched_gradient_is_the_whole_minibatch_gradient(tmp_path, jagg_c
     chunks = -(-6 // micro)
     assert calls[micro] == calls[0] * chunks
     assert float((grads[micro] - grads[0]).norm() / grads[0].norm()) <= 1e-6
+
+
+def test_the_rollout_runs_the_reference_at_the_trained_steps_only(tmp_path):
+    """Flow-GRPO's timestep_fraction 0.5 trains 3 of the 6 steps: the KL reference is called there alone, once per
+    rollout chunk, and the step trains as before."""
+    t = Trainer(small_cfg(tmp_path, "grpo.beta=0.04", "grpo.timestep_fraction=0.5", "sampling.batch_size=6"))
+    try:
+        inner, sigmas = t.policy.reference_fn, []
+        t.policy.reference_fn = lambda: (lambda f: (lambda x, s, c: sigmas.append(float(s[0])) or f(x, s, c)))(
+            inner())
+        m = t.train_step(0)
+    finally:
+        t.close()
+    assert t.steps == [0, 1, 2] and sigmas == [float(t.policy.sigmas[k]) for k in t.steps]
+    assert m["optimizer_steps"] == 1 and torch.isfinite(torch.tensor(m["loss"]))
