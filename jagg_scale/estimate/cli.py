@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # the production paths (model, prompts) need not exist here: the shapes say what the model is
         cfg = load_config(args.config, args.overrides, check_files=False)
-        s = prepare(cfg, args.world_size, args.shapes, args.measure, args.overhead_gb)
+        s = prepare(cfg, args.world_size, args.shapes, args.measure, args.overhead_gb, args.gpu_mem or 79.2)
         est = estimate(s, args.micro)  # as shipped (train.micro_batch_size) unless --micro says otherwise
         if args.micro is None and args.gpu_mem:
             m, best = choose_micro(s, args.gpu_mem, args.headroom)

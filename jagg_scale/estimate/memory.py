@@ -80,7 +80,8 @@ def eval_images(cfg) -> int:
     return e.grid_images if n is None else n * e.num_per_prompt
 
 
-def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = False, overhead_gb: float = 1.5) -> dict:
+def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = False, overhead_gb: float = 1.5,
+            gpu_gib: float = 79.2) -> dict:
     """Everything the estimate needs that does not depend on the micro-batch size."""
     from . import measure as M  # its functions run only when --measure finds a coefficient missing
 
@@ -133,11 +134,13 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
             "encoders": encoders, "ref_bytes": 2 if bf16 and tcomp.get("stored_dtype") == "bfloat16" else 4,
             "decode": decode, "rewards": rewards, "act": act, "latent": latent, "image_tokens": (side // p) ** 2,
             "text_tokens": text, "cond_row": text * tc["joint_attention_dim"] + tc["pooled_projection_dim"],
-            "overhead": overhead_gb * GiB, "vae_scale": scale, "eval_images": eval_images(cfg)}
+            "overhead": overhead_gb * GiB, "vae_scale": scale, "eval_images": eval_images(cfg),
+            "gpu_gib": gpu_gib}  # what sampling.batch_size auto is sized for (an 80 GB GPU unless told)
 
 
-def estimate(s: dict, micro: int | None = None) -> dict:
-    """{phase: {component: bytes}} per rank; `micro` overrides train.micro_batch_size (0 / None: whole share)."""
+def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = None) -> dict:
+    """{phase: {component: bytes}} per rank; `micro` overrides train.micro_batch_size (0 / None: whole share),
+    `sampling_batch` sampling.batch_size (None: the config's; auto: rollout_batch on s["gpu_gib"])."""
     cfg, W = s["cfg"], s["world"]
     st, shard = s["stats"], s["sharded"]
     div = shard_group(cfg, W) if shard else 1  # HSDP: the states are sharded within a replica group only
@@ -209,7 +212,9 @@ def estimate(s: dict, micro: int | None = None) -> dict:
         return ev(s["decode"], n, side * side, 0) + sum(ev(r["coef"], n, 0, 1) for r in s["rewards"].values()) \
             + (2 * img if s["rewards"] else 0)
 
-    bs = cfg.sampling.batch_size
+    bs = sampling_batch or cfg.sampling.batch_size
+    if bs == "auto":
+        bs = rollout_batch(s, s["gpu_gib"])
     sample_rows = bs * (1 + cfgg)
     sampling = (transformer_activations(act, "nograd", sample_rows, n_img, T) + sample_rows * (3 * 4 * lat + cond)
                 + score(bs))
@@ -244,7 +249,20 @@ def estimate(s: dict, micro: int | None = None) -> dict:
     peak = max(PHASES, key=lambda ph: out[ph]["total"])
     return {"phases": out, "peak_phase": peak, "total": out[peak]["total"], "micro_batch_size": m,
             "pass_rows": rows, "local_rows": R, "local_batch": B, "grad_sync": sync, "checkpointing": ckpt,
+            "sampling_batch": bs,
             "planner": repr(planner)}
+
+
+def rollout_batch(s: dict, gpu_gib: float, headroom: float = 0.10) -> int:
+    """sampling.batch_size auto: the largest rollout chunk (rows, before CFG doubles them) whose rollout phase fits
+    `gpu_gib` with `headroom`, at most half of a rank's rows (two chunks or more: the reward of one is scored while
+    the next samples); 1 when none fits (the update phase then decides whether the config fits at all)."""
+    R, _ = local_rows(s["cfg"], s["world"])
+    limit = (1 - headroom) * gpu_gib * GiB
+    for bs in range(-(-R // 2), 1, -1):
+        if estimate(s, sampling_batch=bs)["phases"]["rollout"]["total"] <= limit:
+            return bs
+    return 1
 
 
 def balanced(m: int, share: int) -> int:
@@ -277,7 +295,8 @@ def report(s: dict, est: dict, gpu_gib: float | None = None, headroom: float = 0
             f"{'on' if est['checkpointing'] else 'off'}\n{est['planner']}"
             f"\nrows per rank: {est['local_rows']} sampled, {est['local_batch']} per minibatch, micro-batch "
             f"{est['micro_batch_size']} -> {est['pass_rows']} rows per with-grad pass ({s['image_tokens']} image + "
-            f"{s['text_tokens']} text tokens each)")
+            f"{s['text_tokens']} text tokens each); rollout {est['sampling_batch']} rows per forward"
+            + (" (sampling.batch_size auto)" if cfg.sampling.batch_size == "auto" else ""))
     lines = [head, "", "| component (GiB) | " + " | ".join(PHASES) + " |", "|---" * (len(PHASES) + 1) + "|"]
     for c in COMPONENTS:
         vals = [est["phases"][ph]["components"][c] / GiB for ph in PHASES]

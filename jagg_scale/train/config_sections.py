@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Literal, Optional, Union, get_args
 
 from ..grpo.sde import SdeKind
 from ..grpo.solver import OdeSolver
@@ -131,7 +131,10 @@ class SamplingConfig(_Section):
     noise_level: float = 0.7
     guidance: float = 1.0  # classifier-free guidance scale; 1.0 disables CFG
     shift: Optional[float] = 3.0  # SD3's time shift; null = the loaded pipeline's own schedule (sd3/flux)
-    batch_size: int = 16  # rollout rows per forward
+    # rollout rows per forward (no grad), or auto: the largest chunk whose rollout phase fits the GPU beside
+    # everything else by jagg-estimate's memory model (estimate/memory.rollout_batch), at most half a rank's rows so
+    # the first chunk's reward is scored while the second samples; half a rank's rows off a GPU
+    batch_size: Union[int, Literal["auto"]] = 16
     eval_num_steps: int = 20
     # SDE window (Flow-GRPO-Fast / MixGRPO): only `sde_window` consecutive steps are sampled with the SDE and
     # trained, the others run the ODE; 0 = every step is SDE (Flow-GRPO). The window's start is drawn per step
@@ -160,7 +163,8 @@ class SamplingConfig(_Section):
         _require(1.0 <= self.guidance <= 100, f"{prefix}.guidance",
                  f"must be in [1, 100] (1 disables CFG), got {self.guidance}")
         _require(self.shift is None or self.shift > 0, f"{prefix}.shift", f"must be > 0, got {self.shift}")
-        _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
+        _require(self.batch_size == "auto" or self.batch_size >= 1, f"{prefix}.batch_size",
+                 f"must be >= 1 or auto, got {self.batch_size}")
         _require(0 <= self.sde_window <= self.num_steps, f"{prefix}.sde_window",
                  f"must be in [0, num_steps], got {self.sde_window}")
         rng = self.sde_window_range or [0, self.num_steps]

@@ -17,6 +17,7 @@ Used by the trainer and by `jagg-eval` (which needs only velocity_fn and encode:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable
 
 import torch
@@ -27,13 +28,39 @@ from ..grpo.rollout import to_device
 from .config import Config
 from .rows import row_generators
 
+log = logging.getLogger(__name__)
+
+
+def rollout_batch(cfg: Config, world_size: int, device: torch.device) -> int:
+    """sampling.batch_size, with auto resolved: on a GPU the largest chunk whose rollout fits its memory by the
+    estimator (estimate/memory.rollout_batch, the same number `jagg-estimate` prints), off a GPU or for the built-in
+    DiT (no estimator shapes) half of a rank's rows; a model the estimator cannot size (no shapes or coefficients
+    for it) falls back to that, with a warning."""
+    n = cfg.sampling.batch_size
+    if n != "auto":
+        return n
+    from ..estimate import memory as M  # the estimator sits above the trainer: imported only for auto
+
+    half = -(-M.local_rows(cfg, world_size)[0] // 2)
+    if device.type != "cuda" or cfg.model.kind == "dit":
+        return half
+    try:
+        gib = torch.cuda.get_device_properties(device).total_memory / M.GiB
+        return M.rollout_batch(M.prepare(cfg, world_size, gpu_gib=gib), gib)
+    except (LookupError, ValueError, OSError) as err:  # no shapes or coefficients for this model
+        log.warning("sampling.batch_size auto: the estimator cannot size this model (%s); %d rows per forward",
+                    err, half)
+        return half
+
 
 class Policy:
     def __init__(self, model: torch.nn.Module, cfg: Config, device: torch.device, *,
-                 ref_model: torch.nn.Module | None = None):
+                 ref_model: torch.nn.Module | None = None, rollout_batch: int | None = None):
         """`model` is what to call for velocities (an engine's wrapped module when sharded). The KL reference is
-        `ref_model` (a frozen copy, full fine-tune) or, with LoRA, the same model with its adapter off."""
+        `ref_model` (a frozen copy, full fine-tune) or, with LoRA, the same model with its adapter off.
+        `rollout_batch`: rows per rollout forward (sampling.batch_size, auto resolved by rollout_batch())."""
         self.model, self.ref_model, self.cfg, self.device = model, ref_model, cfg, device
+        self.rollout_batch = rollout_batch or cfg.sampling.batch_size
         sigmas = model_schedule(model, cfg.sampling.num_steps, cfg.sampling.shift)
         self.host_sigmas = sigmas.tolist()  # the rollout's ODE solver computes its coefficients from these
         self.sigmas = sigmas.to(device)
@@ -99,7 +126,7 @@ class Policy:
     def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None, sde_steps=None, ref_steps=None
                 ) -> Trajectories:
         """SDE trajectories of the given global rows (cond holds their conditioning, in that order), in chunks of
-        sampling.batch_size rows; `on_chunk(rows, final_latents)` is called after each (reward scoring), `rows` the
+        self.rollout_batch rows; `on_chunk(rows, final_latents)` is called after each (reward scoring), `rows` the
         chunk's slice of `rows`; the KL reference runs on `ref_steps` (the trained steps; None: every SDE step).
         Nothing here reads a device value back: noise goes up once per chunk,
         asynchronously."""
@@ -107,8 +134,10 @@ class Policy:
         gens = row_generators(cfg.run.seed, step, rows)
         predict, ref = self.model_fn(), self.reference_fn()
         parts = []
-        for start in range(0, len(rows), cfg.sampling.batch_size):
-            chunk = slice(start, min(start + cfg.sampling.batch_size, len(rows)))
+        if self.rollout_batch == "auto":
+            raise ValueError("sampling.batch_size auto: give Policy the resolved rollout_batch (rollout_batch())")
+        for start in range(0, len(rows), self.rollout_batch):
+            chunk = slice(start, min(start + self.rollout_batch, len(rows)))
             # each row's generator draws its initial noise, then its SDE steps' (inside sample_sde), as one stream
             noise = torch.stack([torch.randn(self.model.latent_shape, generator=g) for g in gens[chunk]])
             parts.append(sample_sde(predict, index_cond(cond, chunk), to_device(noise, self.device), self.sigmas,

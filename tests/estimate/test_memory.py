@@ -157,3 +157,27 @@ def test_the_t5_length_is_the_configs():
     shipped, default = (E.prepare(load(path, o), 8) for o in ([], ["model.max_sequence_length=null"]))
     assert (shipped["text_tokens"], default["text_tokens"]) == (77 + 128, 77 + 256)
     assert E.estimate(shipped)["total"] < E.estimate(default)["total"]
+
+
+def test_rollout_batch_auto_is_the_largest_chunk_that_fits_in_two_chunks_or_more():
+    """sampling.batch_size auto: half a rank's rows when they fit (the reward of one chunk overlaps the next
+    chunk's sampling), fewer on a smaller GPU, each the largest whose rollout phase fits; the trainer's resolver
+    gives the estimator's number."""
+    cfg = load(ROOT / "configs" / "sd35m_pickscore.yaml")
+    assert cfg.sampling.batch_size == "auto"
+    s = E.prepare(cfg, 8)
+    big, small = E.rollout_batch(s, GPU_80GB), E.rollout_batch(s, 40.0)
+    assert big == 72 == E.estimate(s)["sampling_batch"]  # 144 rows per rank: two chunks of 72
+    assert 1 <= small < big
+    fits = lambda bs, gib: E.estimate(s, sampling_batch=bs)["phases"]["rollout"]["total"] <= 0.9 * gib * E.GiB
+    assert fits(small, 40.0) and not fits(small + 1, 40.0) and fits(big, GPU_80GB)
+
+
+def test_rollout_batch_auto_off_a_gpu_is_half_a_ranks_rows(tmp_path):
+    import torch
+    from jagg_scale.train.policy import rollout_batch
+
+    cfg = load(ROOT / "configs" / "sd35m_pickscore.yaml")
+    assert rollout_batch(cfg, 8, torch.device("cpu")) == 72 and rollout_batch(cfg, 16, torch.device("cpu")) == 36
+    assert rollout_batch(load(ROOT / "configs" / "sd35m_pickscore.yaml", ["sampling.batch_size=9"]), 8,
+                         torch.device("cpu")) == 9

@@ -76,13 +76,15 @@ def test_what_each_config_asks_the_trainer_for(name, pipe_dirs, tmp_path):
 @pytest.mark.parametrize("name", ALL)
 def test_the_recipe_trains_a_step_on_the_tiny_pipeline(name, pipe_dirs, tmp_path):
     kind = "flux" if name.startswith("flux") else "sd3"
-    shrink = ["model.resolution=null", "sampling.batch_size=8", "grpo.group_size=4", "train.prompts_per_step=2",
+    shrink = ["model.resolution=null", "grpo.group_size=4", "train.prompts_per_step=2",
               "train.batch_size=4", "train.steps=1", "eval.enabled=false", "log.wandb=false", "log.progress=false",
               "reward.name=jpeg_compressibility", "reward.options={}", "run.resume=none"]
     # flux runs its production backend, FSDP2 (one process here): the sharded path on a real diffusers model
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", _paths(name, pipe_dirs[kind], tmp_path) + shrink)
     trainer = Trainer(cfg)
     try:
+        # as shipped (auto); off a GPU half of the rank's 8 rows: two chunks
+        assert trainer.policy.rollout_batch == (4 if cfg.sampling.batch_size == "auto" else cfg.sampling.batch_size)
         rows = trainer.fit()
         trained = trainer.engine.full_state_dict()
     finally:
@@ -186,7 +188,7 @@ def test_jagg_train_refuses_a_config_that_cannot_run_on_the_launched_ranks(overr
 def test_the_nft_recipe_trains_a_step_on_the_tiny_pipeline(sd3_dir, tmp_path):
     """configs/sd35m_nft_pickscore.yaml (DiffusionNFT's recipe) end to end on the tiny SD3 pipeline: the old policy's
     dpm2 ODE rollout, 9 of its 10 timesteps trained per sample, one backward each (mode exact), LoRA exported."""
-    shrink = ["model.resolution=null", "sampling.batch_size=8", "grpo.group_size=4", "train.prompts_per_step=2",
+    shrink = ["model.resolution=null", "grpo.group_size=4", "train.prompts_per_step=2",
               "train.batch_size=8", "train.micro_batch_size=4", "train.steps=1", "eval.enabled=false",
               "log.wandb=false", "log.progress=false", "reward.name=jpeg_compressibility", "reward.options={}",
               "run.resume=none"]
