@@ -157,8 +157,11 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     act = s["act"]
 
     static = {
-        "transformer weights": 4 * st["params"] / div + (4 * st["lora_params"] / div if lora else 0)
-        + (2 * st["params"] / div if cfg.parallel.engine == "deepspeed" else 0),  # fp32 master (+ ZeRO-3 bf16 shard)
+        # full fine-tune: fp32 masters (+ ZeRO-3's bf16 shard); LoRA under bf16: the frozen base stored bf16
+        # (models/__init__.py), the adapter fp32
+        "transformer weights": (2 if lora and s["bf16"] else 4) * st["params"] / div
+        + (4 * st["lora_params"] / div if lora else 0)
+        + (2 * st["params"] / div if cfg.parallel.engine == "deepspeed" and not (lora and s["bf16"]) else 0),
         "transformer buffers": st["buffers"],  # not sharded (SD3's pos_embed table)
         "optimizer states": 8 * Pt / div,  # AdamW exp_avg + exp_avg_sq, fp32
         # the EMA, and DiffusionNFT's old policy: shadow copies of the trainable weights, held like them (engine.py)

@@ -69,7 +69,9 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     config's LoRA, attention and text-encoder options. Every component is loaded straight in the dtype it will be
     used in (diffusers' per-component `dtype=` at from_pretrained time, never float32 then cast): the frozen VAE and
     text encoders in bf16 when model.dtype is bfloat16 (they never feed a gradient), float32 otherwise; the
-    transformer in float32 (master weights; bf16 is autocast), or with `keep_stored_dtype` in its checkpoint's bf16
+    transformer in float32 (master weights; bf16 is autocast), with LoRA under bf16 its frozen base in bf16 (the
+    adapter and its optimizer state float32: the matmuls autocast to bf16 either way, so the base's fp32 copy was
+    only memory and a cast per forward), or with `keep_stored_dtype` in its checkpoint's bf16
     (see build_model)."""
     import torch
 
@@ -77,8 +79,9 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     bf16 = cfg.dtype == "bfloat16"
     frozen = torch.bfloat16 if bf16 else torch.float32
     transformer = torch.float32
-    # LoRA: the adapter is created in the base weights' dtype (peft), so its base stays float32 as before
-    if keep_stored_dtype and bf16 and not cfg.lora.enabled and stored_dtype(path / "transformer") == torch.bfloat16:
+    if bf16 and cfg.lora.enabled:  # the frozen base in the compute dtype; the adapter float32 (add_lora below)
+        transformer = torch.bfloat16
+    elif keep_stored_dtype and bf16 and stored_dtype(path / "transformer") == torch.bfloat16:
         transformer = torch.bfloat16
     dtypes = {"transformer": transformer, "default": frozen}
     if cfg.kind == "sd3":
@@ -93,11 +96,11 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
         model = FluxVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
                                              guidance_scale=cfg.distilled_guidance,
                                              max_sequence_length=cfg.max_sequence_length)
-    if transformer != torch.float32:
+    if transformer != torch.float32 and not cfg.lora.enabled:
         model.master_dtype = torch.float32  # upcast by the engine, shard by shard, on the device
     if cfg.lora.enabled:
         kwargs = {"targets": tuple(cfg.lora.targets)} if cfg.lora.targets else {}
-        model.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, **kwargs)
+        model.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dtype=torch.float32, **kwargs)
     return model
 
 

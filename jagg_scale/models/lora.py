@@ -50,10 +50,12 @@ def lora_module_names(model) -> list[str]:
 
 
 def add_lora(transformer, rank: int = 32, alpha: float = 64, targets: Sequence[str] = DEFAULT_TARGETS,
-             init: str | bool = "gaussian", dropout: float = 0.0, adapter_name: str = ADAPTER_NAME):
+             init: str | bool = "gaussian", dropout: float = 0.0, adapter_name: str = ADAPTER_NAME,
+             dtype: torch.dtype | None = None):
     """Inject a LoRA adapter (peft LoraConfig via diffusers' PeftAdapterMixin.add_adapter) into `transformer`
     (or an adapter's `.transformer`); freezes every base weight so that only the LoRA A/B matrices require grad.
-    New LoRA params take the base weights' dtype and device. Returns the LoraConfig."""
+    New LoRA params take the base weights' device and `dtype` (None: the base's; float32 over a bf16 base: the
+    trained weights and their optimizer state stay float32). Returns the LoraConfig."""
     from peft import LoraConfig
 
     tr = _transformer(transformer)
@@ -61,12 +63,13 @@ def add_lora(transformer, rank: int = 32, alpha: float = 64, targets: Sequence[s
                         lora_dropout=dropout)
     tr.requires_grad_(False)
     ref = next(tr.parameters())
+    dtype = dtype or ref.dtype
     tr.add_adapter(config, adapter_name=adapter_name)
     n_lora = 0
     for name, p in tr.named_parameters():
         is_lora = "lora_" in name
-        if is_lora and (p.dtype != ref.dtype or p.device != ref.device):
-            p.data = p.data.to(device=ref.device, dtype=ref.dtype)
+        if is_lora and (p.dtype != dtype or p.device != ref.device):
+            p.data = p.data.to(device=ref.device, dtype=dtype)
         p.requires_grad_(is_lora)
         n_lora += is_lora
     if n_lora == 0:

@@ -105,10 +105,16 @@ def test_a_bf16_checkpoint_stays_bf16_on_the_host_and_is_upcast_when_placed(sd3_
     assert ref.master_dtype is None and {p.dtype for p in ref.parameters()} == {torch.bfloat16}  # frozen: not upcast
     # float32 asked for: the transformer loads float32 whatever the checkpoint stores
     assert build_model(_model_cfg(bf16_dir), keep_stored_dtype=True).master_dtype is None
-    # LoRA: the adapter takes its base's dtype, so the base loads float32 as before
-    lora = _model_cfg(bf16_dir, dtype="bfloat16")
-    lora.lora.enabled, lora.lora.rank = True, 2
-    assert {p.dtype for p in build_model(lora, keep_stored_dtype=True).parameters()} == {torch.float32}
+    # LoRA under bf16: the frozen base in bf16 (never upcast), the adapter float32, from either checkpoint dtype
+    for path in (bf16_dir, sd3_dir):
+        lora = _model_cfg(path, dtype="bfloat16")
+        lora.lora.enabled, lora.lora.rank = True, 2
+        m = build_model(lora, keep_stored_dtype=True)
+        dtypes = {n: p.dtype for n, p in m.transformer.named_parameters()}
+        assert m.master_dtype is None and {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
+        assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.bfloat16}
+        placed = LocalEngine(m, ParallelConfig(), TrainConfig(), DistContext()).model.transformer
+        assert {n: p.dtype for n, p in placed.named_parameters()} == dtypes
 
     engine = LocalEngine(host, ParallelConfig(), TrainConfig(), DistContext())
     want = fp32.transformer.state_dict()
@@ -291,3 +297,39 @@ def test_text_encoder_options_are_checked():
         ModelConfig(kind="sd3", pretrained="x", text_encoders="no_t5", shard_t5=True).check("model")
     ModelConfig(kind="sd3", pretrained="x", text_encoders="no_t5").check("model")
     ModelConfig(kind="flux", pretrained="x", shard_t5=True).check("model")
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_lora_over_a_bf16_base_has_the_float32_bases_gradient_to_bf16_rounding(kind, sd3_dir, flux_dir):
+    """The LoRA gradient over the bf16-stored base (the trainer's build under model.dtype bfloat16) against the
+    float32-stored base (the old build: model.dtype float32, run under the same bf16 autocast): the matmuls autocast
+    to bf16 either way, so what differs is the rounding of the base's non-matmul weights (norms, biases)."""
+    from jagg_scale.models.lora import lora_parameters
+
+    path = sd3_dir if kind == "sd3" else flux_dir
+
+    def grads(dtype):
+        cfg = ModelConfig(kind=kind, pretrained=str(path), dtype=dtype)
+        cfg.lora.enabled, cfg.lora.rank = True, 4
+        torch.manual_seed(0)
+        m = build_model(cfg)
+        params = lora_parameters(m)
+        with torch.no_grad():  # a trained adapter, not the zero-B init: both A and B get a gradient
+            for p in params:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(2, *m.latent_shape, generator=gen)
+        target = torch.randn(2, *m.latent_shape, generator=gen)
+        cond = m.encode_prompts(["a red cube", "two cats"])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            v = m(x, torch.tensor([0.7, 0.3]), cond)
+        (v.float() * target).sum().backward()
+        base = {p.dtype for n, p in m.transformer.named_parameters() if "lora_" not in n}
+        return torch.cat([p.grad.flatten() for p in params]), base, {p.dtype for p in params}
+
+    g16, base16, lora16 = grads("bfloat16")
+    g32, base32, lora32 = grads("float32")
+    assert (base16, base32, lora16, lora32) == ({torch.bfloat16}, {torch.float32}, {torch.float32}, {torch.float32})
+    cos = torch.nn.functional.cosine_similarity(g16, g32, dim=0)
+    print(f"{kind}: LoRA gradient cosine bf16 base vs float32 base {float(cos):.6f}")
+    assert cos >= 0.999 and not torch.equal(g16, g32), float(cos)
