@@ -14,6 +14,7 @@ import sys
 
 from .activations import CoefficientsMissing
 from .memory import DoesNotDivide, GiB, balanced, choose_micro, estimate, fits, prepare, report
+from . import steptime
 from .shapes import ShapeError, counts
 
 
@@ -53,12 +54,30 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ShapeError, CoefficientsMissing, DoesNotDivide) as err:
         print(f"jagg-estimate: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(est, indent=1) if args.json else report(s, est, args.gpu_mem, args.headroom))
+    times = step_time(cfg, s, est, args)
+    if args.json:
+        print(json.dumps({**est, "step_seconds": times[0], "flow_grpo_step_seconds": times[1]}, indent=1))
+    else:
+        print(report(s, est, args.gpu_mem, args.headroom))
+        print(steptime.report(*times))
     if args.gpu_mem and not fits(est, args.gpu_mem, args.headroom):
         print(f"jagg-estimate: {args.config} does not fit {args.gpu_mem:g} GiB per GPU with "
               f"{100 * args.headroom:.0f}% headroom on {args.world_size} ranks", file=sys.stderr)
         return 1
     return 0
+
+
+def step_time(cfg, s: dict, est: dict, args) -> tuple[dict, dict | None]:
+    """The config's step seconds, and Flow-GRPO's for the same config (a GRPO config only: NFT has no such peer
+    step), each at the estimate's micro-batch and rollout batch."""
+    from ..train.config import load_config
+
+    own = steptime.step_seconds(s, est)
+    if cfg.train.algorithm != "grpo":
+        return own, None
+    peer_cfg = load_config(args.config, [*args.overrides, *steptime.flow_grpo_overrides(cfg)], check_files=False)
+    peer = prepare(peer_cfg, args.world_size, args.shapes, False, args.overhead_gb, args.gpu_mem or 79.2)
+    return own, steptime.step_seconds(peer, estimate(peer), cfg_rows_with_grad=True)
 
 
 if __name__ == "__main__":

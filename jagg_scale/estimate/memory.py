@@ -135,7 +135,8 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
             "decode": decode, "rewards": rewards, "act": act, "latent": latent, "image_tokens": (side // p) ** 2,
             "text_tokens": text, "cond_row": text * tc["joint_attention_dim"] + tc["pooled_projection_dim"],
             "overhead": overhead_gb * GiB, "vae_scale": scale, "eval_images": eval_images(cfg),
-            "gpu_gib": gpu_gib}  # what sampling.batch_size auto is sized for (an 80 GB GPU unless told)
+            # gpu_gib: what sampling.batch_size auto is sized for (an 80 GB GPU unless told)
+            "gpu_gib": gpu_gib, "components": comps}
 
 
 def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = None) -> dict:

@@ -1,0 +1,184 @@
+"""Seconds per phase of one training step on one rank: the step-time model beside the memory model (memory.py).
+
+Every model call of a step is a pass of some rows; a pass of n rows costs n x F forward FLOPs, F the model's
+forward FLOPs per row at the config's tokens (torch's FlopCounterMode on the meta device: nothing is allocated),
+and runs at an achieved rate read off passes measured on a GPU (passes.json: tools/gpu_check.py on an H200, the
+SD3.5-medium transformer with LoRA r32 and activation checkpointing). The rate is a function of a pass's work,
+rows x F: small passes are launch-bound (an 8-row with-grad pass runs at half the rate of a 72-row one), large
+ones compute-bound. A with-grad pass is calibrated as measured (forward + recomputed forward + backward of a LoRA
+model: ~3 forwards); a full fine-tune's backward also computes the weight gradients (x 4/3), and without
+checkpointing there is no recompute (x 2/3).
+
+    rollout    policy forwards: sampling.num_steps per sample (an SDE window with a compressed ODE: the window's
+               steps + sampling.ode_steps), in chunks of the rollout batch, doubled rows under CFG
+    reference  the KL reference's forwards on the trained steps (GRPO with beta > 0)
+    train      the planner's with-grad passes over every minibatch in micro-batches (a JAGG joint pass holds
+               2 x micro rows), the interior forwards of a forward-mode window, CFG's refresh of the unconditional
+               predictions after the first minibatch; DiffusionNFT: K timesteps of old, reference and policy
+    encode     the text encoders on the rank's prompts (once per row, as Policy.encode runs)
+    decode     the VAE decoder and the reward models on the rank's samples
+    eval       an evaluation's forwards and decodes, shared over eval.every steps (0 when eval.every is 0)
+
+Not counted: collectives (FSDP2 prefetches its all-gathers behind compute; they are the comm part of
+docs/benchmarks.md), the optimizer step and host work. So on a GPU not like the calibration's, or with NCCL
+bound by a slow network, the model is optimistic; `compare()` reads every config at the same rates, so ratios
+between configs (the knobs: rollout batch, micro-batch, window, SDE window, dpm2) hold better than seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from ..jagg import trained_steps
+from ..jagg.plans import pass_groups
+from .shapes import meta_module
+
+PASSES = Path(__file__).with_name("passes.json")
+
+
+@functools.lru_cache(maxsize=None)
+def calibration() -> dict:
+    return json.loads(PASSES.read_text())
+
+
+def rate(kind: str, work: float) -> float:
+    """Achieved forward-FLOP rate (FLOP/s) of a pass of `work` forward FLOPs: piecewise linear in the work between
+    the measured passes, constant past the ends (a bigger pass is no faster per FLOP than the biggest measured)."""
+    c = calibration()
+    pts = [(n * c["forward_tflop_per_row"] * 1e12, n * c["forward_tflop_per_row"] * 1e12 / s) for n, s in c[kind]]
+    if work <= pts[0][0]:
+        return pts[0][1]
+    for (w0, r0), (w1, r1) in zip(pts, pts[1:]):
+        if work <= w1:
+            return r0 + (r1 - r0) * (work - w0) / (w1 - w0)
+    return pts[-1][1]
+
+
+def pass_seconds(rows: float, flops_per_row: float, grad: bool = False, factor: float = 1.0) -> float:
+    work = rows * flops_per_row
+    return 0.0 if rows <= 0 else factor * work / rate("grad" if grad else "nograd", work)
+
+
+@functools.lru_cache(maxsize=None)
+def _transformer_flops(comp_json: str, kind: str, latent: tuple, image_tokens: int, text_tokens: int) -> float:
+    comp = json.loads(comp_json)
+    cfg, m = comp["config"], meta_module(comp)
+    meta = lambda *shape: torch.zeros(*shape, device="meta")  # noqa: E731
+    args = {"encoder_hidden_states": meta(1, text_tokens, cfg["joint_attention_dim"]),
+            "pooled_projections": meta(1, cfg["pooled_projection_dim"]), "timestep": meta(1), "return_dict": False}
+    if kind == "sd3":
+        args["hidden_states"] = meta(1, *latent)
+    else:  # FLUX takes packed 2x2 patches, their rope ids and the distilled guidance
+        args.update(hidden_states=meta(1, image_tokens, cfg["in_channels"]), img_ids=meta(image_tokens, 3),
+                    txt_ids=meta(text_tokens, 3), guidance=meta(1) if cfg.get("guidance_embeds") else None)
+    return _count(lambda: m(**args))
+
+
+@functools.lru_cache(maxsize=None)
+def _frozen_flops(comp_json: str, what: str, arg: int) -> float:
+    """Forward FLOPs of one prompt through a text encoder (`arg` tokens) or of one image through the VAE decoder
+    (`arg` latent pixels a side); 0 when the component does not run on the meta device."""
+    comp = json.loads(comp_json)
+    try:
+        m = meta_module(comp)
+        if what == "vae":
+            z = torch.zeros(1, comp["config"]["latent_channels"], arg, arg, device="meta")
+            return _count(lambda: m.decode(z, return_dict=False))
+        ids = torch.zeros(1, arg, dtype=torch.long, device="meta")
+        return _count(lambda: m(ids))
+    except Exception:  # noqa: BLE001 - an encoder the meta device cannot run counts nothing; said in the report
+        return 0.0
+
+
+def _count(fn) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        fn()
+    return float(fc.get_total_flops())
+
+
+def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False) -> dict:
+    """{phase: seconds} of one training step on one rank and their sum ("step"), for the prepared config `s`
+    (memory.prepare) at the estimate `est` (memory.estimate: its micro-batch and rollout batch).
+    cfg_rows_with_grad: train the conditional and unconditional rows of CFG together with grad, as Flow-GRPO's
+    train_sd3.py does (this stack trains the conditional rows and reuses the rollout's unconditional ones)."""
+    cfg, comps = s["cfg"], s["components"]
+    smp, g = cfg.sampling, cfg.grpo
+    S, R, B, m = smp.num_steps, est["local_rows"], est["local_batch"], est["micro_batch_size"]
+    cfgg = 1 + (smp.guidance != 1.0)
+    nft = cfg.train.algorithm == "nft"
+    F = _transformer_flops(json.dumps(comps["transformer"], sort_keys=True), s["kind"], tuple(s["latent"]),
+                           s["image_tokens"], s["text_tokens"])
+    factor = (4 / 3 if s["lora_rank"] == 0 else 1.0) * (1.0 if cfg.parallel.activation_checkpointing else 2 / 3)
+    bs = est["sampling_batch"]
+    chunks = [min(bs, R - i) for i in range(0, R, bs)]
+    forwards = (smp.sde_window + smp.ode_steps) if smp.sde_window and smp.ode_steps else S
+    trained = smp.sde_window or len(trained_steps(S, g.timestep_fraction))
+    out = {"rollout": forwards * sum(pass_seconds(n * cfgg, F) for n in chunks)}
+    out["reference"] = (trained * sum(pass_seconds(n * cfgg, F) for n in chunks)
+                        if cfg.uses_reference and not nft else 0.0)
+    minibatches = (R // B) * g.inner_epochs
+    micro = [min(m, B - i) for i in range(0, B, m)]
+    if nft:  # per timestep: the old policy's and the reference's forwards, then the policy's with-grad pass
+        K = trained
+        ref = 1 + cfg.uses_reference
+        train = K * sum(ref * pass_seconds(n, F) + pass_seconds(n, F, True, factor) for n in micro)
+        nograd = 0.0
+    else:
+        planner = cfg.jagg.planner()
+        plan = planner.plan(torch.randn(trained, 2, 4), torch.linspace(1, 0, trained + 1),
+                            grad_norms=lambda: torch.ones(trained)).plan
+        groups = pass_groups(plan, planner.rows_per_pass)
+        rows_x = cfgg if cfg_rows_with_grad else 1
+        train = sum(pass_seconds(len(k) * n * rows_x, F, True, factor) for k in groups for n in micro)
+        interior = sum(b - a - 1 for a, b in plan if b > a + 1)
+        forward_mode = cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto" and minibatches > 1)
+        nograd = (interior if forward_mode else 0) * sum(pass_seconds(n, F) for n in micro)
+        if cfgg > 1 and not cfg_rows_with_grad:  # the uncond refresh of every minibatch after the first
+            nograd += (minibatches - 1) / minibatches * trained * sum(pass_seconds(n, F) for n in micro)
+    out["train"], out["train_nograd"] = minibatches * train, minibatches * nograd
+    enc = sum(_frozen_flops(json.dumps(comps[n], sort_keys=True), "text", e["seq"]) for n, e in s["encoders"].items()
+              if n in comps)
+    out["encode"] = pass_seconds(R, enc)
+    side = s["latent"][1]
+    vae = _frozen_flops(json.dumps(comps["vae"], sort_keys=True), "vae", side)
+    out["decode"] = sum(pass_seconds(n, vae) for n in chunks)
+    e = cfg.eval
+    if e.enabled and e.every > 0:
+        per = math.ceil(s["eval_images"] / s["world"])
+        ev = [min(e.batch_size, per - i) for i in range(0, per, e.batch_size)]
+        share = smp.eval_num_steps * sum(pass_seconds(n * cfgg, F) for n in ev) + sum(pass_seconds(n, vae) for n in ev)
+        out["eval"] = share / e.every
+    else:
+        out["eval"] = 0.0
+    out["step"] = sum(out.values())
+    out["forward_tflop_per_row"] = F / 1e12
+    return out
+
+
+def flow_grpo_overrides(cfg) -> list[str]:
+    """The config as Flow-GRPO's train_sd3.py would run it (see step_seconds' cfg_rows_with_grad): per-step
+    backward over its first 0.99 of the steps, its 9-row sampling and training batch per GPU, no activation
+    checkpointing, no SDE window (yifan123/flow_grpo config/grpo.py pickscore_sd3, commit ac4c86e: lines 118
+    sample.train_batch_size 9, 124 train.batch_size = it, 127 train.timestep_fraction 0.99)."""
+    return ["jagg.mode=exact", "sampling.batch_size=9", "train.micro_batch_size=9", "grpo.timestep_fraction=0.99",
+            "parallel.activation_checkpointing=false", "sampling.sde_window=0", "sampling.ode_steps=0",
+            "sampling.ode_solver=euler", "sampling.sde_window_range=[]"]
+
+
+def report(t: dict, flow_grpo: dict | None = None) -> str:
+    c = calibration()
+    phases = ("rollout", "reference", "train", "train_nograd", "encode", "decode", "eval")
+    line = ", ".join(f"{p} {t[p]:.1f}" for p in phases if t[p] > 0.05)
+    out = (f"step time per rank: {t['step']:.1f} s ({line}), at the passes measured on an {c['gpu']} "
+           f"(estimate/passes.json; collectives and the optimizer step not counted)")
+    if flow_grpo is not None:
+        out += (f"\nFlow-GRPO's step of the same config (per step, 9-row passes, CFG rows trained with grad, no "
+                f"checkpointing): {flow_grpo['step']:.1f} s: this config {flow_grpo['step'] / t['step']:.2f}x faster")
+    return out

@@ -1,0 +1,73 @@
+"""The step-time model (jagg_scale/estimate/steptime.py): it reproduces the GPU passes it is calibrated on, its
+FLOP count is the one the calibration was read with, and each knob moves the phase it acts on, the way it should."""
+
+from pathlib import Path
+
+import pytest
+from extras import need
+
+need("diffusers")
+need("transformers")
+
+from jagg_scale.estimate import memory as E  # noqa: E402 - after the extras check
+from jagg_scale.estimate import steptime as T  # noqa: E402
+from jagg_scale.estimate.shapes import pipeline_shapes  # noqa: E402
+from jagg_scale.train.config import load_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "sd35m_pickscore.yaml"
+
+
+def seconds(*overrides, **kw):
+    s = E.prepare(load_config(CONFIG, list(overrides), check_files=False), 8)
+    return T.step_seconds(s, E.estimate(s), **kw)
+
+
+def test_the_model_reproduces_its_calibration_passes():
+    c = T.calibration()
+    F = c["forward_tflop_per_row"] * 1e12
+    for kind in ("grad", "nograd"):
+        for rows, measured in c[kind]:
+            assert T.pass_seconds(rows, F, grad=kind == "grad") == pytest.approx(measured, rel=1e-9)
+    # between and past the measured passes: linear in the rate, then the largest pass's rate
+    assert c["grad"][2][1] < T.pass_seconds(100, F, grad=True) < c["grad"][3][1]
+    assert T.pass_seconds(288, F, grad=True) == pytest.approx(2 * c["grad"][3][1])
+
+
+def test_the_flop_count_is_the_calibrations():
+    """FlopCounterMode on the meta SD3.5-medium at the calibration's 1357 tokens gives the stored forward FLOPs."""
+    cfg = load_config(CONFIG, ["model.max_sequence_length=256"], check_files=False)
+    s = E.prepare(cfg, 8)
+    assert s["image_tokens"] + s["text_tokens"] == T.calibration()["tokens_per_row"]
+    comp = pipeline_shapes(cfg)["components"]["transformer"]
+    import json
+
+    F = T._transformer_flops(json.dumps(comp, sort_keys=True), "sd3", tuple(s["latent"]), s["image_tokens"],
+                             s["text_tokens"])
+    assert F / 1e12 == pytest.approx(T.calibration()["forward_tflop_per_row"], rel=1e-3)
+
+
+def test_each_knob_moves_its_phase():
+    shipped = seconds()
+    phases = ("rollout", "reference", "train", "train_nograd", "encode", "decode", "eval")
+    assert shipped["step"] == pytest.approx(sum(shipped[p] for p in phases))
+    assert all(shipped[p] > 0 for p in ("rollout", "reference", "train", "decode"))
+    exact = seconds("jagg.mode=exact")
+    assert exact["train"] > 1.5 * shipped["train"] and exact["rollout"] == shipped["rollout"]  # 9 passes, not 5
+    small = seconds("sampling.batch_size=9")
+    assert small["rollout"] > shipped["rollout"] and small["train"] == shipped["train"]
+    window = seconds("sampling.sde_window=4", "sampling.sde_window_range=[0, 5]", "grpo.timestep_fraction=1.0",
+                     "sampling.ode_solver=dpm2", "sampling.ode_steps=3")
+    assert window["rollout"] < 0.8 * shipped["rollout"] and window["train"] < shipped["train"]
+    assert window["reference"] < 0.5 * shipped["reference"]  # 4 trained steps, not 9
+    assert seconds("grpo.beta=0")["reference"] == 0
+
+
+def test_flow_grpos_step_is_priced_on_the_same_passes():
+    """The Flow-GRPO step (per step, 9-row passes, the CFG pair trained with grad, no checkpointing) costs more than
+    the shipped JAGG config's, in training above all; its rollout at 9-row chunks too."""
+    s = E.prepare(load_config(CONFIG, T.flow_grpo_overrides(None), check_files=False), 8)
+    peer, own = T.step_seconds(s, E.estimate(s), cfg_rows_with_grad=True), seconds()
+    assert peer["train"] > 2 * own["train"] and peer["rollout"] > own["rollout"]
+    assert peer["step"] > own["step"]
+    assert "x faster" in T.report(own, peer)
