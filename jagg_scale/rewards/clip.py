@@ -129,9 +129,11 @@ def resolve_model(reward: str, path, *, processor: bool = False, allow_download:
 
 
 def resolve_dtype(reward: str, dtype: str) -> torch.dtype:
-    if dtype not in _DTYPES:
-        raise ValueError(f"{reward}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
+    """The weights' dtype of a reward's `dtype` option; "autocast" keeps float32 weights and runs the forwards under
+    bf16 autocast (bf16 matmuls, fp32 norms and softmax: ClipBackbone)."""
+    if dtype != "autocast" and dtype not in _DTYPES:
+        raise ValueError(f"{reward}: dtype must be one of {sorted([*_DTYPES, 'autocast'])}, got {dtype!r}")
+    return torch.float32 if dtype == "autocast" else _DTYPES[dtype]
 
 
 def read_norm_stats(path: Path) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -202,6 +204,7 @@ class ClipBackbone:
         self.processor_path = self._processor(reward, processor_path, default_processor, tokenizer, open_clip,
                                               allow_download)
         self.device, self.dtype, self.batch_size = resolve_device(device), resolve_dtype(reward, dtype), batch_size
+        self.autocast = dtype == "autocast"  # float32 weights, bf16 matmuls (the GPU's rate for a frozen scorer)
 
         from transformers import AutoTokenizer, CLIPModel  # heavy: imported only when a CLIP reward is built
 
@@ -246,10 +249,10 @@ class ClipBackbone:
     @torch.no_grad()
     def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
         """Projected image embeddings, float32 [B, D] on the CPU (not normalized)."""
-        out = [
-            _pooled(self.model.get_image_features(pixel_values=self.preprocess(c.to(self.device)).to(self.dtype))).float().cpu()
-            for c in images.split(self.batch_size)
-        ]
+        with self._amp():
+            out = [_pooled(self.model.get_image_features(
+                pixel_values=self.preprocess(c.to(self.device)).to(self.dtype))).float().cpu()
+                for c in images.split(self.batch_size)]
         return torch.cat(out) if out else torch.zeros(0, self.embed_dim)
 
     @torch.no_grad()
@@ -264,9 +267,14 @@ class ClipBackbone:
                 max_length=self.max_length,
                 return_tensors="pt",
             ).to(self.device)
-            feats = self.model.get_text_features(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"])
+            with self._amp():
+                feats = self.model.get_text_features(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"])
             out.append(_pooled(feats).float().cpu())
         return torch.cat(out) if out else torch.zeros(0, self.embed_dim)
+
+    def _amp(self):
+        """bf16 autocast under dtype "autocast" (thread-local: a background scoring thread's own), else nothing."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
 
     def cosine(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """Per-pair cos(image_i, prompt_i), float32 [B]."""
