@@ -56,8 +56,11 @@ ARMS = ("Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JA
         "per-step in SDE k4 + dpm2", "CPS", "JAGG W4 CPS", "NFT", "NFT shared noise", "JAGG-NFT")
 # Recipe variants, not in the default arms (the same code path as their base arm): JAGG-NFT with a stronger KL to
 # the reference, the lever our GRPO default recipe pulled to keep within-prompt diversity (grpo.beta 0.2).
+# JAGG-NFT W4: windows of 4 of the sorted timesteps instead of one window of all (docs/algorithm.md section 8:
+# gradient cosine 0.9996 vs 0.94 at K = 15), 8 backwards per sample instead of 2.
 VARIANTS = {"JAGG-NFT kl 0.01": ("JAGG-NFT", ["nft.kl_beta=0.01"]),
-            "JAGG-NFT kl 0.1": ("JAGG-NFT", ["nft.kl_beta=0.1"])}
+            "JAGG-NFT kl 0.1": ("JAGG-NFT", ["nft.kl_beta=0.1"]),
+            "JAGG-NFT W4": ("JAGG-NFT", ["jagg.window=4"])}
 # What the peers run (issue 23's comparison): the rest are this stack's (JAGG, or NFT's shared noise)
 PEERS = ("Flow-GRPO", "Fast k2", "per-step in SDE k4 + dpm2", "CPS", "NFT")
 PAIRS = (  # (JAGG arm, the same recipe per step, max wall-clock ratio to the latter's 95% line)
@@ -443,10 +446,12 @@ def _command(setup: dict) -> str:
             f"--set seeds={','.join(map(str, setup['seeds']))}", f"--set workers={setup.get('workers', 1)}"]
     if list(setup["arms"]) != list(ARMS):
         sets.append(f"--set 'arms={';'.join(setup['arms'])}'")
-    if (setup["steps"], setup["seeds"]) == (FULL["steps"], FULL["seeds"]) and list(setup["arms"]) == list(ARMS):
+    default = list(setup["arms"]) == list(ARMS)
+    if (setup["steps"], setup["seeds"]) == (FULL["steps"], FULL["seeds"]) and default:
         sets = []
-    return " ".join([".venv/bin/python -m tools.bench --parts time_to_reward --threads 1", *sets,
-                     "--merge --out docs/benchmarks"])
+    # the default study is section 7 of docs/benchmarks.md; another set of arms is a page of its own
+    out = "--merge --out docs/benchmarks" if default else "--out docs/study_algorithms"
+    return " ".join([".venv/bin/python -m tools.bench --parts time_to_reward --threads 1", *sets, out])
 
 
 def _workers(setup: dict) -> str:
