@@ -28,12 +28,14 @@ lint: setup
 	$(BIN)/ruff check jagg_scale tools tests
 
 # What CI runs (.ci/run): the linter, then the whole suite with every optional extra required (a missing one fails the
-# session instead of skipping tests: tests/extras.py). Markers (pyproject.toml): slow = >= ~5 s alone, dist = several
-# processes or DeepSpeed.
+# session instead of skipping tests: tests/extras.py), in one pytest-xdist worker per core (TEST_WORKERS; each runs
+# one torch thread: tests/conftest.py). Markers (pyproject.toml): slow = >= ~5 s alone, dist = several processes or
+# DeepSpeed.
+TEST_WORKERS ?= auto
 test: lint
-	JAGG_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q tests
+	JAGG_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
 
-# The inner loop: everything but slow and dist tests (764 of 836; about 3-4 min on a 2-core machine).
+# The inner loop: everything but slow and dist tests (about 3 min on a 2-core machine).
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not dist" tests
 

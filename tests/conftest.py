@@ -5,6 +5,7 @@ The tests live in folders named after the packages they cover (tests/jagg, tests
 share (minibatch.py, toy_velocity.py, extras.py, ...) sit here, on the import path. Under JAGG_REQUIRE_EXTRAS=1
 (`make test`, CI) the session refuses to start when an optional extra is missing (extras.py)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,17 @@ if str(TESTS) not in sys.path:  # the shared helpers
     sys.path.insert(0, str(TESTS))
 
 from extras import missing, need, required  # noqa: E402 - after the helpers' directory is on the path
+
+
+def pytest_configure(config):
+    # make test runs the suite in pytest-xdist workers, one per core: each worker, and every process it starts,
+    # runs one torch thread (two workers of two OpenMP threads each on 2 cores spin at every barrier; a step ran
+    # 6x slower so). The trainers keep an OMP_NUM_THREADS they find (parallel/dist.py).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def pytest_sessionstart(session):
