@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
+from hang_guard import POLL_S, WAIT_S
 from jagg_scale.cli import train_main
 from jagg_scale.models import build_model
 from jagg_scale.rewards.digits import DigitMatch
@@ -192,10 +194,16 @@ def test_run_reports_diversity_beside_the_base_and_shows_the_evaluations_on_wand
     assert len(list(media.glob("grid_*.png"))) == 3
     assert len(list(media.glob("prompts_*.png"))) >= 3
     # the config (run.output_dir) went with wandb.init: in files/config.yaml once the run is finished, else only in
-    # the (chunked, possibly compressed) record stream
+    # the (chunked, possibly compressed) record stream, which wandb's own process may still be writing on a busy
+    # machine (seen under two test workers: the stream held its 7-byte header alone): wait for it
     config = offline / "files" / "config.yaml"
-    sent = config.read_bytes() if config.exists() else next(offline.glob("*.wandb")).read_bytes()
-    assert str(run).encode() in sent or b"output_dir" in sent
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        sent = config.read_bytes() if config.exists() else next(offline.glob("*.wandb")).read_bytes()
+        if str(run).encode() in sent or b"output_dir" in sent:
+            break
+        assert time.monotonic() < deadline, f"the offline run never recorded its config: {sent[:200]!r}"
+        time.sleep(POLL_S)
 
 
 def test_log_eval_sends_the_scalars_the_grid_and_captioned_prompt_panels(tmp_path, monkeypatch):
