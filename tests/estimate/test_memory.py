@@ -110,6 +110,8 @@ def test_the_jagg_estimate_command_passes_every_production_config_as_shipped(nam
     out = capsys.readouterr().out
     planner = "ExactPlanner()" if "nft" in name else "WindowPlanner(window=4"
     assert planner in out and "(fits with >= 10%)" in out
+    assert "step time per rank: " in out  # and its seconds per phase (estimate/steptime.py)
+    assert ("Flow-GRPO's step of the same config" in out) == ("nft" not in name)
 
 
 def test_a_config_that_does_not_fit_exits_1_and_a_bad_one_2(tmp_path, capsys):
