@@ -33,7 +33,7 @@ from ..grpo.rollout import to_device
 from ..jagg import exact_plan, knot_backward, pass_groups, plan_knots
 from ..nft import NFTBatch, NFTStepLoss, optimality
 from .rows import step_seed
-from .update import BackwardStats, Updater, _cos, _flat_grad, _norm_ratio, micro_batches, reduce_metrics
+from .update import BackwardStats, Updater, UpdateTotals, _cos, _flat_grad, _norm_ratio, micro_batches
 
 __all__ = ["NFTUpdater", "old_decay"]
 
@@ -121,8 +121,7 @@ class NFTUpdater(Updater):
         r = to_device(optimality(adv.values[rows.mine], cfg.grpo.adv_clip_max), device)
         predict = self.policy.model_fn()
         intermediate = {"auto": "interpolate"}.get(cfg.jagg.intermediate, cfg.jagg.intermediate)
-        total, per_minibatch, probe = BackwardStats(), {}, {}
-        optimizer_steps = applied = 0
+        done, probe = UpdateTotals(), {}
         probing = cfg.jagg.probe_every > 0 and step % cfg.jagg.probe_every == 0
         for epoch in range(cfg.grpo.inner_epochs):
             for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
@@ -134,24 +133,17 @@ class NFTUpdater(Updater):
                                    denominator=float(adv.mask[global_rows].sum()) / rows.world_size)
                 planned = self.planner.plan(batch.old, batch.t.mean(1), reduce=self._reduce,
                                             grad_norms=lambda loss=loss, batch=batch: self._grad_norms(loss, batch))
-                if probing and optimizer_steps == 0:
+                if probing and done.optimizer_steps == 0:
                     t_probe = time.perf_counter()
                     probe = self._probe(predict, batch, mb_cond, loss, planned.plan, intermediate)
                     probe["time_probe"] = time.perf_counter() - t_probe
                 stats = self._backward(predict, batch, mb_cond, loss, planned, intermediate)
-                grad_norm = self.engine.step(loss=stats.loss if torch.is_tensor(stats.loss) else None)
-                optimizer_steps += 1
-                applied += self._applied(step)
-                total.add(stats)
-                for key, value in {**reduce_metrics(loss.metrics), "grad_norm": grad_norm}.items():
-                    per_minibatch.setdefault(key, []).append(value)
+                self._optimizer_step(done, stats, loss, step)
         # the old policy moves towards the trained one once per rollout, as DiffusionNFT's epoch end does; the count
         # of optimizer steps so far is a function of the step (the same minibatches every step): resume-exact
-        decay = old_decay((step + 1) * optimizer_steps, nft.old_decay)
+        decay = old_decay((step + 1) * done.optimizer_steps, nft.old_decay)
         self.engine.lerp_shadow("old", decay)
-        return {"loss": total.loss / max(1, optimizer_steps), **reduce_metrics(per_minibatch),
-                "optimizer_steps": optimizer_steps, "nonfinite_steps": optimizer_steps - applied, "old_decay": decay,
-                **probe, **total.metrics()}
+        return done.metrics(old_decay=decay, **probe)
 
     def _grad_norms(self, loss: NFTStepLoss, batch: NFTBatch) -> list[float]:
         """|g_k| = |dL_k/dv_k| at the old policy's velocities, per timestep position (the planners that rank by it)."""

@@ -92,6 +92,22 @@ class BackwardStats:
         }
 
 
+@dataclass
+class UpdateTotals:
+    """What an update phase (Updater, NFTUpdater) counts over its minibatches, and the step's metrics of it."""
+
+    total: BackwardStats = field(default_factory=BackwardStats)
+    per_minibatch: dict = field(default_factory=dict)
+    optimizer_steps: int = 0
+    applied: int = 0  # optimizer steps the engine applied (not skipped as non-finite)
+
+    def metrics(self, **extra) -> dict:
+        """The phase's metrics (metrics.jsonl), `extra` (the probe's, the algorithm's own) before the pass counts."""
+        return {"loss": self.total.loss / max(1, self.optimizer_steps), **reduce_metrics(self.per_minibatch),
+                "optimizer_steps": self.optimizer_steps, "nonfinite_steps": self.optimizer_steps - self.applied,
+                **extra, **self.total.metrics()}
+
+
 def resolve_intermediate(setting: str, on_policy: bool) -> str:
     """`auto`: cached velocities are exact while the parameters are the rollout's, stale after any optimizer
     step (measured: gradient cosine 0.16 cached vs 0.80 forward after one Adam step, docs/algorithm.md section 3)."""
@@ -247,8 +263,7 @@ class Updater:
         adv_values, adv_mask = to_device(adv.values[rows.mine], device), to_device(adv.mask[rows.mine], device)
         predict = self.policy.model_fn()
         cond, uncond = self.policy.split_cond(cond)
-        total, per_minibatch, probe = BackwardStats(), {}, {}
-        optimizer_steps = applied = 0
+        done, probe = UpdateTotals(), {}
         probing = cfg.jagg.probe_every > 0 and step % cfg.jagg.probe_every == 0
         for epoch in range(cfg.grpo.inner_epochs):
             for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
@@ -259,8 +274,8 @@ class Updater:
                                     beta=cfg.grpo.beta, scale=1.0 / len(steps),
                                     denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
                                     guidance=self.policy.guidance, sde=cfg.sampling.sde)
-                mb_cond, on_policy = index_cond(cond, local), applied == 0  # a skipped step changed nothing
-                if probing and optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
+                mb_cond, on_policy = index_cond(cond, local), done.applied == 0  # a skipped step changed nothing
+                if probing and done.optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
                     t_probe = time.perf_counter()
                     probe = probe_minibatch(predict, batch, mb_cond, loss, steps, self.planner,
                                             cfg.jagg.intermediate, self.engine.params, on_policy=on_policy,
@@ -274,15 +289,17 @@ class Updater:
                                            prepare=self._uncond_refresh(index_cond(uncond, local), steps) if refresh
                                            else None)
                 stats.uncond_forward_passes = len(steps) if refresh else 0
-                grad_norm = self.engine.step(loss=stats.loss if torch.is_tensor(stats.loss) else None)
-                optimizer_steps += 1
-                applied += self._applied(step)
-                total.add(stats)
-                for key, value in {**reduce_metrics(loss.metrics), "grad_norm": grad_norm}.items():
-                    per_minibatch.setdefault(key, []).append(value)
-        return {"loss": total.loss / max(1, optimizer_steps), **reduce_metrics(per_minibatch),
-                "optimizer_steps": optimizer_steps, "nonfinite_steps": optimizer_steps - applied, **probe,
-                **total.metrics()}
+                self._optimizer_step(done, stats, loss, step)
+        return done.metrics(**probe)
+
+    def _optimizer_step(self, done: UpdateTotals, stats: BackwardStats, loss, step: int) -> None:
+        """The engine's step after a minibatch's backward, counted in `done` with the loss's metrics."""
+        grad_norm = self.engine.step(loss=stats.loss if torch.is_tensor(stats.loss) else None)
+        done.optimizer_steps += 1
+        done.applied += self._applied(step)
+        done.total.add(stats)
+        for key, value in {**reduce_metrics(loss.metrics), "grad_norm": grad_norm}.items():
+            done.per_minibatch.setdefault(key, []).append(value)
 
     def _uncond_refresh(self, uncond, steps: list[int]):
         """CFG after an optimizer step: each micro-batch's unconditional predictions recomputed at the current
