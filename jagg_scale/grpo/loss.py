@@ -12,12 +12,12 @@ Updater reduces them: train/update.py reduce_metrics).
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
+from ..jagg.backward import MinibatchLoss
 from .sde import SDE_STEPS, kl_to_reference
 
 
@@ -46,7 +46,7 @@ class StepBatch:
 
 
 @dataclass
-class GRPOStepLoss:
+class GRPOStepLoss(MinibatchLoss):
     """L_k of one minibatch at a velocity: `loss(batch, k, v_k)`; `scale` divides each L_k (1 / number of trained
     steps, so the update is the mean over trained steps as in Flow-GRPO's accumulation)."""
 
@@ -104,13 +104,3 @@ class GRPOStepLoss:
             m["ratio_max"].append(ratio.max())
             m["ratio_min"].append(ratio.min())
         return loss * self.scale
-
-    def fresh(self) -> "GRPOStepLoss":
-        """The same loss with its own, empty metrics (for probes and planning that must not be logged)."""
-        return dataclasses.replace(self, metrics=defaultdict(list))
-
-    def on(self, batch: StepBatch, steps: list[int] | None = None):
-        """knot_backward's step_loss(j, v) for this batch; with `steps`, position j is sampling step steps[j]."""
-        if steps is None:
-            return lambda k, v: self(batch, k, v)
-        return lambda j, v: self(batch, steps[j], v)

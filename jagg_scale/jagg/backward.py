@@ -33,6 +33,8 @@ ranks).
 
 from __future__ import annotations
 
+import dataclasses
+from collections import defaultdict
 from typing import Callable, Literal, Sequence, get_args
 
 import torch
@@ -42,6 +44,21 @@ from .plans import check_plan, exact_plan, interior_weights, pass_groups, per_ro
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor]
 StepLoss = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class MinibatchLoss:
+    """The base of a minibatch's per-step loss `loss(batch, k, v)` that keeps its `metrics` (a dataclass field of
+    lists): grpo.GRPOStepLoss, nft.NFTStepLoss."""
+
+    def fresh(self):
+        """The same loss with its own, empty metrics (for probes and planning that must not be logged)."""
+        return dataclasses.replace(self, metrics=defaultdict(list))
+
+    def on(self, batch, positions: Sequence[int] | None = None) -> StepLoss:
+        """knot_backward's step_loss(j, v) for this batch; with `positions`, position j is step positions[j]."""
+        if positions is None:
+            return lambda k, v: self(batch, k, v)
+        return lambda j, v: self(batch, positions[j], v)
 Backward = Callable[..., None]  # backward(out, grad, *, last): last marks the final backward of the call
 
 IntermediateMode = Literal["cached", "interpolate", "forward"]

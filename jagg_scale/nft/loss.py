@@ -22,11 +22,12 @@ closure knot_backward takes. Means over the batch are over its valid rows (`deno
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+
+from ..jagg.backward import MinibatchLoss
 
 __all__ = ["NFTBatch", "NFTStepLoss", "optimality"]
 
@@ -61,7 +62,7 @@ def _mean_over_sample(x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class NFTStepLoss:
+class NFTStepLoss(MinibatchLoss):
     """L_k of one minibatch at a velocity: `loss(batch, k, v_k)`; `scale` divides each L_k (1 / K: the update is the
     mean over a sample's training timesteps, as DiffusionNFT's accumulation over them)."""
 
@@ -104,13 +105,3 @@ class NFTStepLoss:
             m["kl"].append(kl.detach() if kl is not None else torch.zeros((), device=policy.device))
             m["old_deviate"].append((_mean_over_sample((v - old) ** 2) * w).sum() / denom)
         return loss * self.scale
-
-    def fresh(self) -> "NFTStepLoss":
-        """The same loss with its own, empty metrics (probes and planning)."""
-        return dataclasses.replace(self, metrics=defaultdict(list))
-
-    def on(self, batch: NFTBatch, positions: list[int] | None = None):
-        """knot_backward's step_loss(j, v) for this batch; with `positions`, j is position positions[j]."""
-        if positions is None:
-            return lambda k, v: self(batch, k, v)
-        return lambda j, v: self(batch, positions[j], v)
