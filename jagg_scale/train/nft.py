@@ -30,7 +30,7 @@ import torch
 
 from ..cond import index_cond
 from ..grpo.rollout import to_device
-from ..jagg import exact_plan, knot_backward, pass_groups, plan_knots
+from ..jagg import exact_plan, knot_backward, pass_groups, plan_knots, trained_steps
 from ..nft import NFTBatch, NFTStepLoss, optimality
 from .rows import step_seed
 from .update import BackwardStats, Updater, UpdateTotals, _cos, _flat_grad, _norm_ratio, micro_batches
@@ -57,8 +57,6 @@ class NFTUpdater(Updater):
         # the old policy: the starting weights, held like the trained ones (shards, partitions), checkpointed
         engine.add_shadow("old")
         self.sigmas = policy.host_sigmas[: cfg.sampling.num_steps]  # the sampling schedule's noise levels
-        from ..jagg import trained_steps
-
         self.K = len(trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction))
 
     def behaviour(self):
@@ -99,14 +97,14 @@ class NFTUpdater(Updater):
                 out[k, rows] = fn(x[k, rows], t[k, rows], sub).float()
         return out
 
-    def _batch(self, traj, cond, r, local, global_rows, step: int) -> NFTBatch:
+    def _batch(self, traj, mb_cond, r, local, global_rows, step: int) -> NFTBatch:
+        """The minibatch's training inputs; `mb_cond` is its rows' conditioning."""
         device = self.dist.device
         clean = traj.final[local].float()
         t = to_device(self._timesteps(step, global_rows), device)
         e = to_device(self._noise(step, global_rows, clean.shape[1:]), device)
         tb = t.reshape(*t.shape, *([1] * (clean.ndim - 1)))
         noised = (1 - tb) * clean + tb * e
-        mb_cond = index_cond(cond, local)
         with self.engine.shadow_weights("old"):
             old = self._predict(self.policy.model_fn(), noised, t, mb_cond)
         ref_fn = self.policy.reference_fn()
@@ -126,8 +124,8 @@ class NFTUpdater(Updater):
         for epoch in range(cfg.grpo.inner_epochs):
             for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
                 local_d = to_device(local, device)
-                batch = self._batch(traj, cond, r, local_d, rows.mine[local], step)
                 mb_cond = index_cond(cond, local_d)
+                batch = self._batch(traj, mb_cond, r, local_d, rows.mine[local], step)
                 loss = NFTStepLoss(beta=nft.beta, kl_beta=nft.kl_beta, adv_clip_max=cfg.grpo.adv_clip_max,
                                    scale=1.0 / self.K,
                                    denominator=float(adv.mask[global_rows].sum()) / rows.world_size)
