@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..models.diffusers_common import T5_DEFAULT
 from ..models.lora import DEFAULT_TARGETS
 from ..paths import resolve_path
 
@@ -74,7 +75,7 @@ def _from_directory(path: Path, kind: str) -> dict:
         return min(cap, int(json.loads(f.read_text()).get("model_max_length", cap)) if f.is_file() else cap)
 
     t5 = limit("tokenizer_3" if kind == "sd3" else "tokenizer_2", 512)  # what model.max_sequence_length can reach
-    text = {"clip": limit("tokenizer", 77), "t5": min(256 if kind == "sd3" else 512, t5), "t5_limit": t5}
+    text = {"clip": limit("tokenizer", 77), "t5": min(T5_DEFAULT[kind], t5), "t5_limit": t5}
     return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
 
 

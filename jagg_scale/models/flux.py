@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .diffusers_common import DiffusersVelocity, t5_length
+from .diffusers_common import T5_DEFAULT, DiffusersVelocity, t5_length
 
 
 class FluxVelocity(DiffusersVelocity):
@@ -83,7 +83,7 @@ class FluxVelocity(DiffusersVelocity):
         from diffusers import FluxPipeline
 
         pipe = FluxPipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
-        max_sequence_length = t5_length(pipe.tokenizer_2, max_sequence_length, 512)  # diffusers' FLUX default
+        max_sequence_length = t5_length(pipe.tokenizer_2, max_sequence_length, T5_DEFAULT["flux"])
         if resolution is not None:
             latent_size = cls.latent_size_for(pipe, resolution, 2)
         return cls(pipe, max_sequence_length=max_sequence_length, guidance_scale=guidance_scale,

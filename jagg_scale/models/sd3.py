@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from .diffusers_common import DiffusersVelocity, t5_length
+from .diffusers_common import T5_DEFAULT, DiffusersVelocity, t5_length
 
 
 class SD3Velocity(DiffusersVelocity):
@@ -68,7 +68,7 @@ class SD3Velocity(DiffusersVelocity):
         no_t5 = {} if t5 else {"text_encoder_3": None}
         pipe = StableDiffusion3Pipeline.from_pretrained(str(Path(path)), dtype=dtype,
                                                         local_files_only=local_files_only, **no_t5)
-        max_sequence_length = t5_length(pipe.tokenizer_3, max_sequence_length, 256)  # diffusers' SD3 default
+        max_sequence_length = t5_length(pipe.tokenizer_3, max_sequence_length, T5_DEFAULT["sd3"])
         latent_size = cls.latent_size_for(pipe, resolution, pipe.transformer.config.patch_size)
         return cls(pipe, max_sequence_length=max_sequence_length, latent_size=latent_size)
 
