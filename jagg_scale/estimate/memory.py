@@ -257,13 +257,17 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
             "planner": repr(planner)}
 
 
+def rollout_cap(cfg, world: int) -> int:
+    """The most rows sampling.batch_size auto gives a rollout chunk: half of a rank's rows (rounded up)."""
+    return -(-local_rows(cfg, world)[0] // 2)
+
+
 def rollout_batch(s: dict, gpu_gib: float, headroom: float = 0.10) -> int:
     """sampling.batch_size auto: the largest rollout chunk (rows, before CFG doubles them) whose rollout phase fits
     `gpu_gib` with `headroom`, at most half of a rank's rows (two chunks or more: the reward of one is scored while
     the next samples); 1 when none fits (the update phase then decides whether the config fits at all)."""
-    R, _ = local_rows(s["cfg"], s["world"])
     limit = (1 - headroom) * gpu_gib * GiB
-    for bs in range(-(-R // 2), 1, -1):
+    for bs in range(rollout_cap(s["cfg"], s["world"]), 1, -1):
         if estimate(s, sampling_batch=bs)["phases"]["rollout"]["total"] <= limit:
             return bs
     return 1

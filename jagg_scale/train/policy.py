@@ -41,7 +41,7 @@ def rollout_batch(cfg: Config, world_size: int, device: torch.device) -> int:
         return n
     from ..estimate import memory as M  # the estimator sits above the trainer: imported only for auto
 
-    half = -(-M.local_rows(cfg, world_size)[0] // 2)
+    half = M.rollout_cap(cfg, world_size)
     if device.type != "cuda" or cfg.model.kind == "dit":
         return half
     try:
