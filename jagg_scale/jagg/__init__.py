@@ -19,7 +19,8 @@ from .knots import (ERROR_MODELS, ErrorModel, cosine_error, plan_budget, plan_co
 from .planners import (PLANNERS, ROUTE_BY, BudgetPlanner, ExactPlanner, Planned, Planner, PlannerSettingError, RouteBy,
                        Routing, SharedKnotPlanner, WindowPlanner, build_planner, endpoint_cosines, num_routed,
                        planner_keys, route_windows)
-from .plans import (Plan, budget_for_speedup, check_plan, composite_upstream, exact_plan, knots_from_windows,
+from .plans import (Plan, budget_for_speedup, check_plan, composite_upstream, exact_plan, fill_interior,
+                    knots_from_windows,
                     pass_groups, plan_from_knots, plan_knots, plan_uniform, restrict_plan, split_windows,
                     trained_steps, window_weights)
 
@@ -30,7 +31,8 @@ __all__ = [
     "segment_costs", "velocity_cosines",
     "PLANNERS", "BudgetPlanner", "ExactPlanner", "Planned", "Planner", "PlannerSettingError", "SharedKnotPlanner",
     "WindowPlanner", "build_planner", "planner_keys",
-    "Plan", "budget_for_speedup", "check_plan", "composite_upstream", "exact_plan", "knots_from_windows",
+    "Plan", "budget_for_speedup", "check_plan", "composite_upstream", "exact_plan", "fill_interior",
+    "knots_from_windows",
     "pass_groups", "plan_from_knots", "plan_knots", "plan_uniform", "restrict_plan",
     "ROUTE_BY", "RouteBy", "Routing", "endpoint_cosines", "num_routed", "route_windows",
     "split_windows", "trained_steps", "window_weights",

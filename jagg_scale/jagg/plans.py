@@ -185,6 +185,19 @@ def interior_weights(sigmas: torch.Tensor, a: int, b: int) -> torch.Tensor:
     return window_weights(sigmas[a : b + 1])[1:-1]
 
 
+def fill_interior(plan: Sequence[tuple[int, int]], values: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """values [T, B, ...] whose entries at the plan's knots are set, with each segment's interior steps replaced by
+    the linear blend of its two knots in sigma, (1 - a_k) v_a + a_k v_b (the JAGG assumption applied to values);
+    `sigmas` [T] or [T, B]. Returns a new tensor; the knots' entries are unchanged."""
+    plan = check_plan(plan, values.shape[0])
+    out = values.clone()
+    for a, b in plan:
+        if b > a + 1:
+            w = per_row(interior_weights(sigmas, a, b).to(values.device, torch.float32), values[a + 1 : b])
+            out[a + 1 : b] = ((1 - w) * values[a].float() + w * values[b].float()).to(values.dtype)
+    return out
+
+
 def composite_upstream(plan: Sequence[tuple[int, int]], g: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
     """G [n_knots, ...] in plan_knots order from the per-step g [T, ...]: g_q plus the split interior g_k."""
     plan = check_plan(plan, g.shape[0])

@@ -294,6 +294,14 @@ def _check_algorithm(cfg: Config) -> None:
         _require(getattr(g, key) == getattr(GRPOConfig(), key), f"grpo.{key}",
                  "is Flow-GRPO's; DiffusionNFT (train.algorithm nft) does not use it"
                  + (" (its KL weight is nft.kl_beta)" if key == "beta" else ""))
+    j, kind = cfg.jagg, cfg.jagg.planner_kind
+    _require(cfg.nft.noise != "per_window" or kind == "window", "nft.noise",
+             f"per_window draws one noise per JAGG window: it needs the window planner (jagg.mode jagg, jagg.plan "
+             f"uniform, jagg.share_knots false), this run has the {kind} planner")
+    _require(cfg.nft.old_at != "knots" or (kind == "window" and (j.jagg_frac is None or j.jagg_frac == 1.0)),
+             "nft.old_at", "knots interpolates inside JAGG windows: it needs every timestep in one (jagg.mode jagg, "
+             f"jagg.plan uniform, jagg.share_knots false, jagg.jagg_frac 1), this run has the {kind} planner"
+             + (f" at jagg_frac {j.jagg_frac}" if kind == "window" else ""))
 
 
 def validate_world(cfg: Config, world_size: int) -> None:

@@ -34,6 +34,8 @@ SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
 JaggMode = Literal["jagg", "exact"]  # exact: Flow-GRPO's per-step backward
 Algorithm = Literal["grpo", "nft"]  # train.algorithm: Flow-GRPO on the SDE | DiffusionNFT on the forward process
 NFTTimesteps = Literal["per_row", "per_batch"]  # nft.timesteps: each sample its own training timesteps | one draw
+NFTNoise = Literal["per_timestep", "per_sample", "per_window"]  # nft.noise: which training timesteps share a draw
+NFTOldAt = Literal["timesteps", "knots"]  # nft.old_at: where the old policy's and the reference's velocities are run
 PlanKind = Literal["uniform", "budget"]  # jagg.plan: windows of jagg.window (shared knots or not) | the DP planner
 Intermediate = Literal[("auto", *get_args(IntermediateMode))]  # auto: chosen per update (train.update)
 DataSource = Literal["list", "wds"]  # prompt_file / prompts in memory | webdataset shards streamed per rank
@@ -46,7 +48,7 @@ RESUME_KEYWORDS = ("none", "auto")  # run.resume: these, or the path of a checkp
 
 __all__ = [
     "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "Algorithm", "NFTTimesteps",
-    "PlanKind", "Intermediate",
+    "NFTNoise", "NFTOldAt", "PlanKind", "Intermediate",
     "DataSource", "RewardAggregate", "WandbMode", "Device", "EngineName", "GradSync", "ErrorModel", "IntermediateMode",
     "RouteBy", "TextEncoders", "ExportDType", "OdeSolver", "SdeKind",
     "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
@@ -278,10 +280,18 @@ class NFTConfig(_Section):
     # min(max(0, (optimizer steps - flat) x rate), max) as [flat, rate, max]; DiffusionNFT's decay_type 1 (its
     # default) is [0, 0.001, 0.5], decay_type 2 (OCR) [75, 0.0075, 0.999], decay_type 0 [0, 0, 0]
     old_decay: tuple[float, float, float] = (0.0, 0.001, 0.5)
-    # one noise draw e per sample for all its training timesteps: x_t = (1 - t) d + t e are then collinear, which is
-    # when JAGG's interpolation is exact for a velocity affine in (x, t) (docs/algorithm.md, section 8). false:
-    # fresh noise per timestep, as DiffusionNFT
-    shared_noise: bool = False
+    # which of a sample's training timesteps share one noise draw e. Inputs x_t = (1 - t) d + t e of one draw are
+    # collinear, which is when JAGG's interpolation is exact for a velocity affine in (x, t) (docs/algorithm.md,
+    # section 8). per_timestep: fresh noise at each, as DiffusionNFT; per_sample: one draw for all K; per_window: one
+    # draw per JAGG window (jagg.window of the sorted timesteps), fresh between windows: each window on its own line,
+    # a draw per window instead of one per sample
+    noise: NFTNoise = "per_timestep"
+    # where the old policy's and the reference's velocities (no grad) are run: at every training timestep, as
+    # DiffusionNFT, or at the plan's knots only and linear in t between them inside a window (the JAGG assumption
+    # applied to the frozen models' values: exact for velocities affine along a window's line): 2 forwards per
+    # window of each instead of one per timestep. knots needs JAGG windows on every timestep (jagg.mode jagg,
+    # jagg.plan uniform, jagg_frac 1)
+    old_at: NFTOldAt = "timesteps"
     timesteps: NFTTimesteps = "per_row"  # per_row: each sample's own random timesteps, as DiffusionNFT
 
     def check(self, prefix: str) -> None:

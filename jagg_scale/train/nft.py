@@ -6,8 +6,9 @@ minibatch (rows.py) and per sample, K = int(num_steps x grpo.timestep_fraction) 
 sampling schedule's (a random permutation per sample, its first K, as DiffusionNFT: nft.timesteps per_row; or one
 draw for the whole minibatch: per_batch), sorted from high noise to low:
 
-    x_t = (1 - t) d + t e       e fresh per timestep, or one per sample (nft.shared_noise)
-    v_old, v_ref                the old policy's and the reference's velocities there (no grad)
+    x_t = (1 - t) d + t e       e fresh per timestep, one per sample, or one per JAGG window (nft.noise)
+    v_old, v_ref                the old policy's and the reference's velocities there (no grad); with nft.old_at
+                                knots at the plan's knots only, linear in t inside each window (fill_interior)
     gradient                    of sum_k L_k / K (nft/loss.py) through knot_backward, the planner's knot plan over the
                                 sample's K timesteps: mode exact is DiffusionNFT's one backward per timestep; the
                                 window planner's JAGG windows take one joint pass over each window's two endpoints
@@ -30,7 +31,8 @@ import torch
 
 from ..cond import index_cond
 from ..grpo.rollout import to_device
-from ..jagg import exact_plan, knot_backward, pass_groups, plan_knots, trained_steps
+from ..jagg import (exact_plan, fill_interior, knot_backward, pass_groups, plan_knots, plan_uniform, split_windows,
+                    trained_steps)
 from ..nft import NFTBatch, NFTStepLoss, optimality
 from .rows import step_seed
 from .update import BackwardStats, Updater, UpdateTotals, _cos, _flat_grad, _norm_ratio, micro_batches
@@ -58,6 +60,13 @@ class NFTUpdater(Updater):
         engine.add_shadow("old")
         self.sigmas = policy.host_sigmas[: cfg.sampling.num_steps]  # the sampling schedule's noise levels
         self.K = len(trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction))
+        # which draw each timestep position takes (nft.noise), and the plan the frozen models' values are filled by
+        # (nft.old_at knots; config.py allows it only with JAGG windows on every timestep, a velocity-free plan)
+        groups = {"per_timestep": [[k] for k in range(self.K)], "per_sample": [list(range(self.K))],
+                  "per_window": split_windows(range(self.K), self.planner.window if cfg.nft.noise == "per_window"
+                                              else self.K)}[cfg.nft.noise]
+        self.draw_of = torch.tensor([i for i, g in enumerate(groups) for _ in g])
+        self.old_plan = plan_uniform(self.K, self.planner.window) if cfg.nft.old_at == "knots" else None
 
     def behaviour(self):
         """The policy that samples the rollout: the old one."""
@@ -77,25 +86,27 @@ class NFTUpdater(Updater):
         return t.expand(self.K, len(global_rows)).contiguous()
 
     def _noise(self, step: int, global_rows: torch.Tensor, shape) -> torch.Tensor:
-        """[K, B, ...] N(0, 1) per row from its own seeded stream: one draw repeated over the K timesteps with
-        nft.shared_noise, K draws otherwise."""
+        """[K, B, ...] N(0, 1) per row from its own seeded stream: one draw per group of timesteps (nft.noise),
+        repeated over the group's positions."""
+        draws = int(self.draw_of[-1]) + 1
         out = []
         for r in global_rows.tolist():
             g = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, NOISE_STREAM) * 1_000_033 + r)
-            e = torch.randn(1 if self.cfg.nft.shared_noise else self.K, *shape, generator=g)
-            out.append(e.expand(self.K, *shape))
+            out.append(torch.randn(draws, *shape, generator=g)[self.draw_of])
         return torch.stack(out, dim=1)
 
     @torch.no_grad()
     def _predict(self, fn, x: torch.Tensor, t: torch.Tensor, cond) -> torch.Tensor:
-        """fn at every (x_t, t) of [K, B, ...]: one timestep of train.micro_batch_size rows per forward (the rows of
-        a with-grad pass at most: the memory estimate's unit)."""
+        """fn at every (x_t, t) of [K, B, ...] (nft.old_at timesteps), or at the knots of self.old_plan and filled in
+        between (knots): one timestep of train.micro_batch_size rows per forward (the rows of a with-grad pass at
+        most: the memory estimate's unit)."""
         out = torch.empty_like(x)
+        positions = range(x.shape[0]) if self.old_plan is None else plan_knots(self.old_plan)
         for rows in micro_batches(x.shape[1], self.cfg.train.micro_batch_size):
             sub = index_cond(cond, rows)
-            for k in range(x.shape[0]):
+            for k in positions:
                 out[k, rows] = fn(x[k, rows], t[k, rows], sub).float()
-        return out
+        return out if self.old_plan is None else fill_interior(self.old_plan, out, t)
 
     def _batch(self, traj, mb_cond, r, local, global_rows, step: int) -> NFTBatch:
         """The minibatch's training inputs; `mb_cond` is its rows' conditioning."""

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from jagg_scale.jagg import (budget_for_speedup, check_plan, composite_upstream, cosine_error, exact_backward,
-                             jagg_backward, knot_backward, knots_from_windows, pass_groups, plan_budget, plan_cost,
-                             plan_from_knots, plan_knots, plan_uniform, split_windows, residual_error, segment_costs,
-                             velocity_cosines, window_weights)
+                             fill_interior, jagg_backward, knot_backward, knots_from_windows, pass_groups, plan_budget,
+                             plan_cost, plan_from_knots, plan_knots, plan_uniform, split_windows, residual_error,
+                             segment_costs, velocity_cosines, window_weights)
 from toy_velocity import CountingModel, LinearVelocity, MLPVelocity
 
 MODES = ["cached", "interpolate", "forward"]
@@ -141,6 +141,24 @@ def test_composite_upstream_is_the_weighted_split():
             expect[b] += w * g[k]
     assert torch.allclose(G, torch.stack([expect[q] for q in plan_knots(plan)]), atol=1e-14)
     assert torch.allclose(G.sum(0), g.sum(0), atol=1e-13)  # the split weights sum to one
+
+
+def test_fill_interior_blends_each_segment_in_sigma_per_row():
+    """Values at the knots are kept; an interior step gets (1 - a_k) v_a + a_k v_b with each row's own a_k, so values
+    affine in sigma come back exactly and anything else does not."""
+    T, B = 7, 3
+    sigmas = torch.sort(torch.rand(T, B, dtype=torch.float64), dim=0, descending=True).values
+    slope, offset = torch.randn(B, 4, dtype=torch.float64), torch.randn(B, 4, dtype=torch.float64)
+    affine = sigmas[..., None] * slope + offset  # [T, B, 4], affine in each row's sigma
+    plan = [(0, 3), (4, 4), (5, 6)]
+    holes = affine.clone()
+    holes[[1, 2]] = float("nan")  # only the knots may be read
+    filled = fill_interior(plan, holes, sigmas)
+    assert torch.allclose(filled, affine, atol=1e-12)
+    assert torch.isnan(holes[1]).all()  # a new tensor
+    curved = affine ** 2
+    assert not torch.allclose(fill_interior(plan, curved, sigmas)[1:3], curved[1:3], atol=1e-3)
+    assert torch.equal(fill_interior(plan, curved, sigmas)[[0, 3, 4, 5, 6]], curved[[0, 3, 4, 5, 6]])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -61,6 +61,55 @@ def test_jagg_nft_is_exact_with_shared_noise_on_an_affine_velocity(intermediate)
         assert (err < 1e-9) if exact else (err > 1e-4), (shared, intermediate, err)
 
 
+@pytest.mark.parametrize("noise,window,expect", [("per_timestep", None, [0, 1, 2, 3]), ("per_sample", None, [0] * 4),
+                                                  ("per_window", 3, [0, 0, 0, 1])])
+def test_nft_noise_draws_one_noise_per_group_of_timesteps(tmp_path, noise, window, expect):
+    """nft.noise: which of a sample's K = 4 sorted timesteps share a draw (per_window: jagg.window 3 gives windows
+    [0-2] [3]); the draws differ between rows and between groups."""
+    over = NFT + [f"nft.noise={noise}", f"run.output_dir={tmp_path}"] + ([f"jagg.window={window}"] if window else [])
+    trainer = Trainer(load_config(TINY, over))
+    e = trainer.updater._noise(step=3, global_rows=torch.tensor([5, 9]), shape=(2, 2))
+    assert e.shape == (4, 2, 2, 2)
+    for row in range(2):
+        groups = {}
+        for k, group in enumerate(expect):
+            groups.setdefault(group, e[k, row])
+            assert torch.equal(e[k, row], groups[group]), (noise, k)
+        assert len({tuple(v.flatten().tolist()) for v in groups.values()}) == len(groups)
+    assert not torch.equal(e[0, 0], e[0, 1])
+    again = trainer.updater._noise(step=3, global_rows=torch.tensor([9]), shape=(2, 2))
+    assert torch.equal(again[:, 0], e[:, 1])  # a row's draws are its own: seeded by (seed, step, row)
+    trainer.close()
+
+
+def test_nft_old_at_knots_runs_the_frozen_models_at_the_knots_only(tmp_path):
+    """nft.old_at knots: the old policy's and the reference's velocities come from forwards at the windows' knots
+    (K = 4 in windows [0-2] [3]: positions 0, 2, 3) and are linear in each row's t inside a window, which is the
+    true value when the velocity is affine along a shared-noise line."""
+    over = NFT + ["jagg.window=3", "nft.noise=per_sample", "nft.old_at=knots", f"run.output_dir={tmp_path}"]
+    updater = Trainer(load_config(TINY, over)).updater
+    K, B = 4, 3
+    d, e = torch.randn(B, 4, dtype=torch.float64), torch.randn(B, 4, dtype=torch.float64)
+    t = torch.sort(torch.rand(K, B, dtype=torch.float64), dim=0, descending=True).values
+    x = (1 - t[..., None]) * d + t[..., None] * e  # one line per row
+    A = torch.randn(4, 4, dtype=torch.float64)
+    seen = []
+
+    def affine(x_k, t_k, cond):
+        seen.append(x_k.shape[0])
+        return x_k @ A + 2.0 * t_k[:, None] + cond
+
+    cond = torch.randn(B, 4, dtype=torch.float64)
+    got = updater._predict(affine, x, t, cond)
+    assert len(seen) == 3  # three knots, one micro-batch of B rows each, instead of K forwards
+    expect = torch.stack([x[k] @ A + 2.0 * t[k][:, None] + cond for k in range(K)])
+    assert torch.allclose(got.double(), expect, atol=1e-5)
+    seen.clear()
+    x_fresh = (1 - t[..., None]) * d + t[..., None] * torch.randn(K, B, 4, dtype=torch.float64)  # off the line
+    assert not torch.allclose(updater._predict(affine, x_fresh, t, cond)[1].double(),
+                              x_fresh[1] @ A + 2.0 * t[1][:, None] + cond, atol=1e-3)
+
+
 def test_the_old_policy_decay_schedule_is_diffusion_nfts():
     assert [old_decay(s, (0, 0.001, 0.5)) for s in (0, 1, 100, 499, 500, 10_000)] == [0.0, 0.001, 0.1, 0.499, 0.5, 0.5]
     assert [old_decay(s, (75, 0.0075, 0.999)) for s in (0, 74, 75, 76, 300)] == [0.0, 0.0, 0.0, 0.0075, 0.999]
@@ -69,7 +118,8 @@ def test_the_old_policy_decay_schedule_is_diffusion_nfts():
 
 @pytest.mark.slow
 def test_nft_trains_resumes_exactly_and_keeps_its_old_policy(tmp_path):
-    common = NFT + ["nft.shared_noise=true", "jagg.window=3", "train.ema_decay=0.5"]
+    # one noise draw per window and the frozen models at the knots only: the draws and the fill are resume-exact too
+    common = NFT + ["nft.noise=per_window", "nft.old_at=knots", "jagg.window=3", "train.ema_decay=0.5"]
     full = Trainer(load_config(TINY, common + [f"run.output_dir={tmp_path / 'full'}", "train.steps=3"]))
     rows = full.fit()
     old = {n: t.clone() for n, t in full.engine.shadows["old"].items()}
@@ -99,7 +149,7 @@ def test_nft_with_lora_keeps_the_old_adapter_and_exports_a_diffusers_lora(sd3_di
         f"model.pretrained={sd3_dir}", "model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8",
         "train.algorithm=nft", "sampling.guidance=1", "sampling.ode_solver=dpm2", "sampling.num_steps=4",
         "train.steps=2",
-        "nft.shared_noise=true", "jagg.window=4", "nft.kl_beta=0.01", f"run.output_dir={tmp_path}",
+        "nft.noise=per_sample", "jagg.window=4", "nft.kl_beta=0.01", f"run.output_dir={tmp_path}",
         "log.progress=false", "eval.enabled=false"])
     trainer = Trainer(cfg)
     assert trainer.policy.ref_model is None  # the reference is the adapter off, as under GRPO
@@ -123,6 +173,11 @@ def test_nft_with_lora_keeps_the_old_adapter_and_exports_a_diffusers_lora(sd3_di
     (["train.algorithm=nft", "grpo.beta=0.01"], "grpo.beta"),
     (["train.algorithm=nft", "nft.old_decay=[0, 0.1, 1.0]"], "nft.old_decay"),
     (["train.algorithm=nft", "nft.beta=0"], "nft.beta"),
+    (["train.algorithm=nft", "nft.noise=per_window", "jagg.mode=exact"], "nft.noise"),  # windows need the planner
+    (["train.algorithm=nft", "nft.noise=per_window", "jagg.share_knots=true"], "nft.noise"),
+    (["train.algorithm=nft", "nft.old_at=knots", "jagg.jagg_frac=0.5"], "nft.old_at"),  # routed steps: no window
+    (["train.algorithm=nft", "nft.old_at=knots", "jagg.plan=budget"], "nft.old_at"),
+    (["nft.noise=per_sample"], "nft.noise"),
 ])
 def test_what_nft_does_not_use_is_refused_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=f"config key '{key}'"):

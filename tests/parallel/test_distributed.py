@@ -401,7 +401,7 @@ def test_nft_two_processes_match_one_process(tmp_path, engine):
     train what 1 process does; the checkpoint of the old policy resumes on the same engine."""
     if engine == "deepspeed":
         need("deepspeed")
-    nft = ["train.algorithm=nft", "sampling.ode_solver=dpm2", "nft.shared_noise=true", "nft.kl_beta=0.01",
+    nft = ["train.algorithm=nft", "sampling.ode_solver=dpm2", "nft.noise=per_sample", "nft.kl_beta=0.01",
            "train.steps=2", "run.checkpoint_every=1"]
     two = run(2, tmp_path / "two", f"parallel.engine={engine}", *nft)
     one = run(1, tmp_path / "one", *nft)
