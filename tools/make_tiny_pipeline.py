@@ -79,12 +79,12 @@ def _t5_tokenizer():
     return tok
 
 
-def _tiny_vae(scaling_factor: float, shift_factor: float):
-    """AutoencoderKL with 2 blocks of 8 channels: 8x8x4 latents <-> 16x16 RGB."""
+def _tiny_vae(scaling_factor: float, shift_factor: float, latent_channels: int = 4, sample_size: int = 16):
+    """AutoencoderKL with 2 blocks of 8 channels: 8x8x4 latents <-> 16x16 RGB (scale factor 2)."""
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, sample_size=16,
+        in_channels=3, out_channels=3, latent_channels=latent_channels, sample_size=sample_size,
         block_out_channels=(8, 8), layers_per_block=1, norm_num_groups=4,
         down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
         up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
@@ -92,21 +92,21 @@ def _tiny_vae(scaling_factor: float, shift_factor: float):
     )
 
 
-def _tiny_clip_config(tokenizer):
+def _tiny_clip_config(tokenizer, projection_dim: int = 16):
     from transformers import CLIPTextConfig
 
     return CLIPTextConfig(
         bos_token_id=0, eos_token_id=1, pad_token_id=1, vocab_size=len(tokenizer), hidden_size=16,
         intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH,
-        projection_dim=16, hidden_act="gelu",
+        projection_dim=projection_dim, hidden_act="gelu",
     )
 
 
-def _tiny_t5(tokenizer):
+def _tiny_t5(tokenizer, d_model: int = 32):
     from transformers import T5Config, T5EncoderModel
 
     return T5EncoderModel(T5Config(
-        vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        vocab_size=len(tokenizer), d_model=d_model, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     ))
 
@@ -118,27 +118,35 @@ def _save(pipe, out_dir) -> Path:
     return out
 
 
-def build_tiny_sd3(seed: int = 0):
-    """The tiny random StableDiffusion3Pipeline (in memory)."""
+TINY_SD3 = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+                joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32, out_channels=4,
+                pos_embed_max_size=16)
+
+
+def build_tiny_sd3(seed: int = 0, transformer: dict | None = None):
+    """The tiny random StableDiffusion3Pipeline (in memory). `transformer`: another SD3Transformer2DModel config
+    (the bench's SD3-shaped one); the VAE, the CLIP projections and T5's width follow it (latent channels, pooled
+    projection = the two CLIP projections, T5 d_model = joint_attention_dim)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
 
     tokenizer, tokenizer_2, tokenizer_3 = _clip_tokenizer(), _clip_tokenizer(), _t5_tokenizer()
+    shape = dict(TINY_SD3 if transformer is None else transformer)
+    if shape["pooled_projection_dim"] % 2:
+        raise ValueError("pooled_projection_dim must be even: it is the two CLIP projections concatenated")
 
     torch.manual_seed(seed)
-    transformer = SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
-        joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32, out_channels=4,
-        pos_embed_max_size=16,
-    )
+    transformer = SD3Transformer2DModel(**shape)
     torch.manual_seed(seed + 1)
-    vae = _tiny_vae(scaling_factor=1.5035, shift_factor=0.0609)  # SD3's latent statistics
+    vae = _tiny_vae(scaling_factor=1.5035, shift_factor=0.0609,  # SD3's latent statistics
+                    latent_channels=shape["in_channels"], sample_size=2 * shape["sample_size"])
+    clip = _tiny_clip_config(tokenizer, projection_dim=shape["pooled_projection_dim"] // 2)
     torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModelWithProjection(_tiny_clip_config(tokenizer))
+    text_encoder = CLIPTextModelWithProjection(clip)
     torch.manual_seed(seed + 3)
-    text_encoder_2 = CLIPTextModelWithProjection(_tiny_clip_config(tokenizer))
+    text_encoder_2 = CLIPTextModelWithProjection(clip)
     torch.manual_seed(seed + 4)
-    text_encoder_3 = _tiny_t5(tokenizer_3)
+    text_encoder_3 = _tiny_t5(tokenizer_3, d_model=shape["joint_attention_dim"])
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     return StableDiffusion3Pipeline(
         transformer=transformer, scheduler=scheduler, vae=vae,
@@ -148,9 +156,9 @@ def build_tiny_sd3(seed: int = 0):
     )
 
 
-def make_tiny_sd3(out_dir, seed: int = 0) -> Path:
-    """Build the tiny SD3 pipeline and `save_pretrained` it to out_dir; returns the directory."""
-    return _save(build_tiny_sd3(seed), out_dir)
+def make_tiny_sd3(out_dir, seed: int = 0, transformer: dict | None = None) -> Path:
+    """Build the tiny SD3 pipeline (build_tiny_sd3) and `save_pretrained` it to out_dir; returns the directory."""
+    return _save(build_tiny_sd3(seed, transformer), out_dir)
 
 
 def build_tiny_flux(seed: int = 0):

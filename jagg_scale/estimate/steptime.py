@@ -11,10 +11,12 @@ checkpointing there is no recompute (x 2/3).
 
     rollout    policy forwards: sampling.num_steps per sample (an SDE window with a compressed ODE: the window's
                steps + sampling.ode_steps), in chunks of the rollout batch, doubled rows under CFG
-    reference  the KL reference's forwards on the trained steps (GRPO with beta > 0)
+    reference  the KL reference's forwards on the trained steps, or on the plan's knots (grpo.ref_at; GRPO with
+               beta > 0)
     train      the planner's with-grad passes over every minibatch in micro-batches (a JAGG joint pass holds
                2 x micro rows), the interior forwards of a forward-mode window, CFG's refresh of the unconditional
-               predictions after the first minibatch; DiffusionNFT: K timesteps of old, reference and policy
+               predictions after the first minibatch; DiffusionNFT: the old policy's and the reference's forwards
+               at the K timesteps (or the knots: nft.old_at), then the plan's with-grad passes
     encode     the text encoders on the rank's prompts (once per row, as Policy.encode runs)
     decode     the VAE decoder and the reward models on the rank's samples
     eval       an evaluation's forwards and decodes, shared over eval.every steps (0 when eval.every is 0)
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..jagg import trained_steps
-from ..jagg.plans import pass_groups
+from ..jagg.plans import pass_groups, plan_knots
 from .shapes import meta_module
 
 PASSES = Path(__file__).with_name("passes.json")
@@ -46,10 +48,11 @@ def calibration() -> dict:
     return json.loads(PASSES.read_text())
 
 
-def rate(kind: str, work: float) -> float:
+def rate(kind: str, work: float, calib: dict | None = None) -> float:
     """Achieved forward-FLOP rate (FLOP/s) of a pass of `work` forward FLOPs: piecewise linear in the work between
-    the measured passes, constant past the ends (a bigger pass is no faster per FLOP than the biggest measured)."""
-    c = calibration()
+    the measured passes, constant past the ends (a bigger pass is no faster per FLOP than the biggest measured).
+    `calib`: passes measured elsewhere in passes.json's format (the CPU benchmark's own); default passes.json."""
+    c = calib or calibration()
     pts = [(n * c["forward_tflop_per_row"] * 1e12, n * c["forward_tflop_per_row"] * 1e12 / s) for n, s in c[kind]]
     if work <= pts[0][0]:
         return pts[0][1]
@@ -59,9 +62,10 @@ def rate(kind: str, work: float) -> float:
     return pts[-1][1]
 
 
-def pass_seconds(rows: float, flops_per_row: float, grad: bool = False, factor: float = 1.0) -> float:
+def pass_seconds(rows: float, flops_per_row: float, grad: bool = False, factor: float = 1.0,
+                 calib: dict | None = None) -> float:
     work = rows * flops_per_row
-    return 0.0 if rows <= 0 else factor * work / rate("grad" if grad else "nograd", work)
+    return 0.0 if rows <= 0 else factor * work / rate("grad" if grad else "nograd", work, calib)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,11 +107,12 @@ def _count(fn) -> float:
     return float(fc.get_total_flops())
 
 
-def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False) -> dict:
+def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: dict | None = None) -> dict:
     """{phase: seconds} of one training step on one rank and their sum ("step"), for the prepared config `s`
     (memory.prepare) at the estimate `est` (memory.estimate: its micro-batch and rollout batch).
     cfg_rows_with_grad: train the conditional and unconditional rows of CFG together with grad, as Flow-GRPO's
-    train_sd3.py does (this stack trains the conditional rows and reuses the rollout's unconditional ones)."""
+    train_sd3.py does (this stack trains the conditional rows and reuses the rollout's unconditional ones).
+    calib: the measured passes to price with (rate()); default passes.json, the H200's."""
     cfg, comps = s["cfg"], s["components"]
     smp, g = cfg.sampling, cfg.grpo
     S, R, B, m = smp.num_steps, est["local_rows"], est["local_batch"], est["micro_batch_size"]
@@ -116,45 +121,46 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False) -> dict:
     F = _transformer_flops(json.dumps(comps["transformer"], sort_keys=True), s["kind"], tuple(s["latent"]),
                            s["image_tokens"], s["text_tokens"])
     factor = (4 / 3 if s["lora_rank"] == 0 else 1.0) * (1.0 if cfg.parallel.activation_checkpointing else 2 / 3)
+
+    def fwd(rows_per_pass: list, flops: float = F, x: int = 1) -> float:  # no-grad passes, `x` times the rows each
+        return sum(pass_seconds(n * x, flops, calib=calib) for n in rows_per_pass)
+
     bs = est["sampling_batch"]
     chunks = [min(bs, R - i) for i in range(0, R, bs)]
     forwards = (smp.sde_window + smp.ode_steps) if smp.sde_window and smp.ode_steps else S
     trained = smp.sde_window or len(trained_steps(S, g.timestep_fraction))
-    out = {"rollout": forwards * sum(pass_seconds(n * cfgg, F) for n in chunks)}
-    out["reference"] = (trained * sum(pass_seconds(n * cfgg, F) for n in chunks)
-                        if cfg.uses_reference and not nft else 0.0)
+    planner = cfg.jagg.planner()
+    plan = planner.plan(torch.randn(trained, 2, 4), torch.linspace(1, 0, trained + 1),
+                        grad_norms=lambda: torch.ones(trained)).plan
+    knots = len(plan_knots(plan))
+    out = {"rollout": forwards * fwd(chunks, x=cfgg)}
+    ref_runs = knots if g.ref_at == "knots" else trained  # the KL reference on the trained steps or their knots
+    out["reference"] = ref_runs * fwd(chunks, x=cfgg) if cfg.uses_reference and not nft else 0.0
     minibatches = (R // B) * g.inner_epochs
     micro = [min(m, B - i) for i in range(0, B, m)]
-    if nft:  # per timestep: the old policy's and the reference's forwards, then the policy's with-grad pass
-        K = trained
-        ref = 1 + cfg.uses_reference
-        train = K * sum(ref * pass_seconds(n, F) + pass_seconds(n, F, True, factor) for n in micro)
-        nograd = 0.0
+    groups = pass_groups(plan, planner.rows_per_pass)
+    rows_x = cfgg if cfg_rows_with_grad else 1
+    train = sum(pass_seconds(len(k) * n * rows_x, F, True, factor, calib=calib) for k in groups for n in micro)
+    interior = sum(b - a - 1 for a, b in plan if b > a + 1)
+    if nft:  # the old policy's and the reference's forwards at every timestep (or the knots), then the plan's
+        frozen = (1 + cfg.uses_reference) * (knots if cfg.nft.old_at == "knots" else trained)
+        nograd = (frozen + (interior if cfg.jagg.intermediate == "forward" else 0)) * fwd(micro)
     else:
-        planner = cfg.jagg.planner()
-        plan = planner.plan(torch.randn(trained, 2, 4), torch.linspace(1, 0, trained + 1),
-                            grad_norms=lambda: torch.ones(trained)).plan
-        groups = pass_groups(plan, planner.rows_per_pass)
-        rows_x = cfgg if cfg_rows_with_grad else 1
-        train = sum(pass_seconds(len(k) * n * rows_x, F, True, factor) for k in groups for n in micro)
-        interior = sum(b - a - 1 for a, b in plan if b > a + 1)
         forward_mode = cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto" and minibatches > 1)
-        nograd = (interior if forward_mode else 0) * sum(pass_seconds(n, F) for n in micro)
+        nograd = (interior if forward_mode else 0) * fwd(micro)
         if cfgg > 1 and not cfg_rows_with_grad:  # the uncond refresh of every minibatch after the first
-            nograd += (minibatches - 1) / minibatches * trained * sum(pass_seconds(n, F) for n in micro)
+            nograd += (minibatches - 1) / minibatches * trained * fwd(micro)
     out["train"], out["train_nograd"] = minibatches * train, minibatches * nograd
     enc = sum(_frozen_flops(json.dumps(comps[n], sort_keys=True), "text", e["seq"]) for n, e in s["encoders"].items()
               if n in comps)
-    out["encode"] = pass_seconds(R, enc)
-    side = s["latent"][1]
-    vae = _frozen_flops(json.dumps(comps["vae"], sort_keys=True), "vae", side)
-    out["decode"] = sum(pass_seconds(n, vae) for n in chunks)
+    out["encode"] = fwd([R], enc)
+    vae = _frozen_flops(json.dumps(comps["vae"], sort_keys=True), "vae", s["latent"][1])
+    out["decode"] = fwd(chunks, vae)
     e = cfg.eval
     if e.enabled and e.every > 0:
         per = math.ceil(s["eval_images"] / s["world"])
         ev = [min(e.batch_size, per - i) for i in range(0, per, e.batch_size)]
-        share = smp.eval_num_steps * sum(pass_seconds(n * cfgg, F) for n in ev) + sum(pass_seconds(n, vae) for n in ev)
-        out["eval"] = share / e.every
+        out["eval"] = (smp.eval_num_steps * fwd(ev, x=cfgg) + fwd(ev, vae)) / e.every
     else:
         out["eval"] = 0.0
     out["step"] = sum(out.values())
@@ -164,10 +170,12 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False) -> dict:
 
 def flow_grpo_overrides(cfg) -> list[str]:
     """The config as Flow-GRPO's train_sd3.py would run it (see step_seconds' cfg_rows_with_grad): per-step
-    backward over its first 0.99 of the steps, its 9-row sampling and training batch per GPU, no activation
-    checkpointing, no SDE window (yifan123/flow_grpo config/grpo.py pickscore_sd3, commit ac4c86e: lines 118
-    sample.train_batch_size 9, 124 train.batch_size = it, 127 train.timestep_fraction 0.99)."""
-    return ["jagg.mode=exact", "sampling.batch_size=9", "train.micro_batch_size=9", "grpo.timestep_fraction=0.99",
+    backward over its first 0.99 of the steps, the KL reference on each of them, its 9-row sampling and training
+    batch per GPU, no activation checkpointing, no SDE window (yifan123/flow_grpo config/grpo.py pickscore_sd3,
+    commit ac4c86e: lines 118 sample.train_batch_size 9, 124 train.batch_size = it, 127 train.timestep_fraction
+    0.99)."""
+    return ["jagg.mode=exact", "grpo.ref_at=steps", "sampling.batch_size=9", "train.micro_batch_size=9",
+            "grpo.timestep_fraction=0.99",
             "parallel.activation_checkpointing=false", "sampling.sde_window=0", "sampling.ode_steps=0",
             "sampling.ode_solver=euler", "sampling.sde_window_range=[]"]
 

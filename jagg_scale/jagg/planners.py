@@ -25,7 +25,8 @@ every data-parallel rank runs the same plan (a sharded model's collectives must 
 What else a planner knows about itself: `rows_per_pass`, what knot_backward takes (None: one pass per segment);
 `knots_per_pass`, the most knots one with-grad pass stacks (the pass holds that many times the micro-batch's rows:
 the memory estimate's unit); `max_interior(T)`, the most interior steps of one segment (the extra no-grad rows of
-the `forward` intermediate values).
+the `forward` intermediate values); `fixed_plan(T)`, the plan when it does not depend on what the rollout holds
+(None when it does): what lets a run evaluate frozen models at the knots alone before the plan is made.
 
 The run config builds one from its `jagg` section (`build_planner(kind, **settings)`, train/config_sections.py):
 a planner's settings are its dataclass fields, so a key the chosen planner has no field for is refused, naming
@@ -166,6 +167,9 @@ class ExactPlanner:
     def max_interior(self, T: int) -> int:
         return 0
 
+    def fixed_plan(self, T: int) -> Plan:
+        return exact_plan(T)
+
     def plan(self, velocities: torch.Tensor, sigmas: torch.Tensor, *, grad_norms: GradNorms | None = None,
              reduce: Reduce | None = None) -> Planned:
         T = velocities.shape[0]
@@ -199,6 +203,10 @@ class WindowPlanner:
 
     def max_interior(self, T: int) -> int:
         return max(0, min(self.window, T) - 2) if self.jagg_frac > 0 else 0
+
+    def fixed_plan(self, T: int) -> Plan | None:
+        """Every window routed (jagg_frac 1, no min_cos): the plan is known before the rollout."""
+        return plan_uniform(T, self.window) if self.jagg_frac == 1.0 and self.min_cos is None else None
 
     def plan(self, velocities: torch.Tensor, sigmas: torch.Tensor, *, grad_norms: GradNorms | None = None,
              reduce: Reduce | None = None) -> Planned:
@@ -235,9 +243,12 @@ class SharedKnotPlanner:
     def max_interior(self, T: int) -> int:
         return max(0, min(self.window, T) - 2)
 
+    def fixed_plan(self, T: int) -> Plan:
+        return plan_uniform(T, self.window, share=True)
+
     def plan(self, velocities: torch.Tensor, sigmas: torch.Tensor, *, grad_norms: GradNorms | None = None,
              reduce: Reduce | None = None) -> Planned:
-        plan = plan_uniform(velocities.shape[0], self.window, share=True)
+        plan = self.fixed_plan(velocities.shape[0])
         return Planned(plan, jagg_windows=_interpolated(plan))
 
 
@@ -265,6 +276,9 @@ class BudgetPlanner:
 
     def max_interior(self, T: int) -> int:
         return max(0, T - budget_for_speedup(T, self.speedup)) if T > 1 else 0
+
+    def fixed_plan(self, T: int) -> None:
+        return None  # the DP reads the rollout's velocities and |g_k|
 
     def plan(self, velocities: torch.Tensor, sigmas: torch.Tensor, *, grad_norms: GradNorms | None = None,
              reduce: Reduce | None = None) -> Planned:

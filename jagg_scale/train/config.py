@@ -269,6 +269,10 @@ def _check_algorithm(cfg: Config) -> None:
                  "acts on the ODE steps outside the SDE window: it needs sampling.sde_window > 0 (with sde_window 0 "
                  "every step is SDE) or train.algorithm nft (its rollout is the ODE)")
     if not nft:
+        if g.ref_at == "knots":
+            _require(g.beta > 0, "grpo.ref_at", "knots places the KL reference's forwards, but grpo.beta is 0 (no "
+                     "reference runs): leave it out")
+            _require(_fixed_windows(cfg), "grpo.ref_at", _FIXED_WINDOWS)
         unused = [f.name for f in dataclasses.fields(NFTConfig)
                   if getattr(cfg.nft, f.name) != getattr(NFTConfig(), f.name)]
         _require(not unused, f"nft.{unused[0] if unused else ''}",
@@ -290,18 +294,26 @@ def _check_algorithm(cfg: Config) -> None:
                  "shapes the SDE of a GRPO rollout; DiffusionNFT's is the ODE (train.algorithm nft): leave it out")
     _require(s.guidance == 1.0, "sampling.guidance",
              "must be 1 with train.algorithm nft (DiffusionNFT samples and trains CFG-free)")
-    for key in ("clip_range", "beta"):
+    for key in ("clip_range", "beta", "ref_at"):
         _require(getattr(g, key) == getattr(GRPOConfig(), key), f"grpo.{key}",
                  "is Flow-GRPO's; DiffusionNFT (train.algorithm nft) does not use it"
-                 + (" (its KL weight is nft.kl_beta)" if key == "beta" else ""))
-    j, kind = cfg.jagg, cfg.jagg.planner_kind
+                 + {"beta": " (its KL weight is nft.kl_beta)", "ref_at": " (its reference runs where nft.old_at says)"
+                    }.get(key, ""))
+    kind = cfg.jagg.planner_kind
     _require(cfg.nft.noise != "per_window" or kind == "window", "nft.noise",
              f"per_window draws one noise per JAGG window: it needs the window planner (jagg.mode jagg, jagg.plan "
              f"uniform, jagg.share_knots false), this run has the {kind} planner")
-    _require(cfg.nft.old_at != "knots" or (kind == "window" and (j.jagg_frac is None or j.jagg_frac == 1.0)),
-             "nft.old_at", "knots interpolates inside JAGG windows: it needs every timestep in one (jagg.mode jagg, "
-             f"jagg.plan uniform, jagg.share_knots false, jagg.jagg_frac 1), this run has the {kind} planner"
-             + (f" at jagg_frac {j.jagg_frac}" if kind == "window" else ""))
+    _require(cfg.nft.old_at != "knots" or _fixed_windows(cfg), "nft.old_at", _FIXED_WINDOWS)
+
+
+# what grpo.ref_at knots and nft.old_at knots need: JAGG windows known before the rollout (the frozen models run at
+# their knots before the plan of a minibatch would be made)
+_FIXED_WINDOWS = ("knots evaluates a frozen model at the JAGG plan's knots alone: it needs windows known before the "
+                  "rollout (jagg.mode jagg with jagg.plan uniform and jagg_frac 1, no min_cos; or share_knots true)")
+
+
+def _fixed_windows(cfg: Config) -> bool:
+    return cfg.jagg.mode == "jagg" and cfg.jagg.planner().fixed_plan(2) is not None
 
 
 def validate_world(cfg: Config, world_size: int) -> None:

@@ -36,6 +36,7 @@ Algorithm = Literal["grpo", "nft"]  # train.algorithm: Flow-GRPO on the SDE | Di
 NFTTimesteps = Literal["per_row", "per_batch"]  # nft.timesteps: each sample its own training timesteps | one draw
 NFTNoise = Literal["per_timestep", "per_sample", "per_window"]  # nft.noise: which training timesteps share a draw
 NFTOldAt = Literal["timesteps", "knots"]  # nft.old_at: where the old policy's and the reference's velocities are run
+RefAt = Literal["steps", "knots"]  # grpo.ref_at: where the rollout runs the KL reference
 PlanKind = Literal["uniform", "budget"]  # jagg.plan: windows of jagg.window (shared knots or not) | the DP planner
 Intermediate = Literal[("auto", *get_args(IntermediateMode))]  # auto: chosen per update (train.update)
 DataSource = Literal["list", "wds"]  # prompt_file / prompts in memory | webdataset shards streamed per rank
@@ -48,7 +49,7 @@ RESUME_KEYWORDS = ("none", "auto")  # run.resume: these, or the path of a checkp
 
 __all__ = [
     "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "Algorithm", "NFTTimesteps",
-    "NFTNoise", "NFTOldAt", "PlanKind", "Intermediate",
+    "NFTNoise", "NFTOldAt", "RefAt", "PlanKind", "Intermediate",
     "DataSource", "RewardAggregate", "WandbMode", "Device", "EngineName", "GradSync", "ErrorModel", "IntermediateMode",
     "RouteBy", "TextEncoders", "ExportDType", "OdeSolver", "SdeKind",
     "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
@@ -187,6 +188,11 @@ class GRPOConfig(_Section):
     clip_range: float = 1e-4
     adv_clip_max: float = 5.0
     beta: float = 0.0  # KL weight; 0 skips the reference model entirely
+    # where the rollout runs the KL reference: on every trained step (Flow-GRPO), or on the JAGG plan's knots only,
+    # its velocity linear in sigma between them inside a window (the window's own assumption, applied to the frozen
+    # model's values; exact for a velocity affine along the window's line): 5 of 9 reference forwards at W 4.
+    # knots needs a plan known before the rollout (jagg.mode jagg with jagg_frac 1, or share_knots)
+    ref_at: RefAt = "steps"
     timestep_fraction: float = 1.0
     inner_epochs: int = 1
     global_std: bool = False
@@ -289,8 +295,8 @@ class NFTConfig(_Section):
     # where the old policy's and the reference's velocities (no grad) are run: at every training timestep, as
     # DiffusionNFT, or at the plan's knots only and linear in t between them inside a window (the JAGG assumption
     # applied to the frozen models' values: exact for velocities affine along a window's line): 2 forwards per
-    # window of each instead of one per timestep. knots needs JAGG windows on every timestep (jagg.mode jagg,
-    # jagg.plan uniform, jagg_frac 1)
+    # window of each instead of one per timestep. knots needs a plan known before training (jagg.mode jagg with
+    # jagg_frac 1, or share_knots)
     old_at: NFTOldAt = "timesteps"
     timesteps: NFTTimesteps = "per_row"  # per_row: each sample's own random timesteps, as DiffusionNFT
 

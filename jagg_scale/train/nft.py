@@ -31,8 +31,7 @@ import torch
 
 from ..cond import index_cond
 from ..grpo.rollout import to_device
-from ..jagg import (exact_plan, fill_interior, knot_backward, pass_groups, plan_knots, plan_uniform, split_windows,
-                    trained_steps)
+from ..jagg import exact_plan, fill_interior, knot_backward, pass_groups, plan_knots, split_windows, trained_steps
 from ..nft import NFTBatch, NFTStepLoss, optimality
 from .rows import step_seed
 from .update import BackwardStats, Updater, UpdateTotals, _cos, _flat_grad, _norm_ratio, micro_batches
@@ -61,12 +60,12 @@ class NFTUpdater(Updater):
         self.sigmas = policy.host_sigmas[: cfg.sampling.num_steps]  # the sampling schedule's noise levels
         self.K = len(trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction))
         # which draw each timestep position takes (nft.noise), and the plan the frozen models' values are filled by
-        # (nft.old_at knots; config.py allows it only with JAGG windows on every timestep, a velocity-free plan)
+        # (nft.old_at knots; config.py allows it only for a plan known before the rollout)
         groups = {"per_timestep": [[k] for k in range(self.K)], "per_sample": [list(range(self.K))],
                   "per_window": split_windows(range(self.K), self.planner.window if cfg.nft.noise == "per_window"
                                               else self.K)}[cfg.nft.noise]
         self.draw_of = torch.tensor([i for i, g in enumerate(groups) for _ in g])
-        self.old_plan = plan_uniform(self.K, self.planner.window) if cfg.nft.old_at == "knots" else None
+        self.old_plan = self.planner.fixed_plan(self.K) if cfg.nft.old_at == "knots" else None
 
     def behaviour(self):
         """The policy that samples the rollout: the old one."""

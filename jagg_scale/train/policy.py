@@ -25,6 +25,7 @@ import torch
 from ..cond import index_cond, map_cond
 from ..grpo import StepBatch, Trajectories, guided_velocity, model_schedule, sample_sde
 from ..grpo.rollout import to_device
+from ..jagg import fill_interior, plan_knots
 from .config import Config
 from .rows import row_generators
 
@@ -123,11 +124,13 @@ class Policy:
         return dataclasses.replace(batch, uncond_velocities=fresh)
 
     @torch.no_grad()
-    def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None, sde_steps=None, ref_steps=None
-                ) -> Trajectories:
+    def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None, sde_steps=None, ref_steps=None,
+                ref_plan=None, trained=None) -> Trajectories:
         """SDE trajectories of the given global rows (cond holds their conditioning, in that order), in chunks of
         self.rollout_batch rows; `on_chunk(rows, final_latents)` is called after each (reward scoring), `rows` the
         chunk's slice of `rows`; the KL reference runs on `ref_steps` (the trained steps; None: every SDE step).
+        With `ref_plan` (a plan over the `trained` steps whose knots are ref_steps: grpo.ref_at knots) the other
+        trained steps' reference velocities are filled in, linear in sigma between the knots (fill_interior).
         Nothing here reads a device value back: noise goes up once per chunk,
         asynchronously."""
         cfg = self.cfg
@@ -148,4 +151,7 @@ class Policy:
                                     host_sigmas=self.host_sigmas, sde=cfg.sampling.sde))
             if on_chunk is not None:
                 on_chunk(chunk, parts[-1].final)
-        return Trajectories.cat(parts)
+        traj = Trajectories.cat(parts)
+        if ref_plan is not None and traj.ref_velocities is not None and len(plan_knots(ref_plan)) < len(trained):
+            traj.ref_velocities[trained] = fill_interior(ref_plan, traj.ref_velocities[trained], traj.sigmas[trained])
+        return traj

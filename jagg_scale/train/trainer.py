@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from ..data import ListPromptSource, PromptSet, StreamPromptSource
-from ..jagg import trained_steps
+from ..jagg import plan_knots, trained_steps
 from ..models import build_model
 from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
@@ -161,9 +161,11 @@ class Trainer:
         on_chunk = lambda chunk, final: scorer.add(final, prompts[chunk], metadata[chunk])
         # GRPO: the SDE on every step or on the SDE window; DiffusionNFT: the old policy's ODE (no SDE step at all)
         sde_steps = set() if cfg.train.algorithm == "nft" else set(steps) if cfg.sampling.sde_window else None
+        ref_plan = self.updater.ref_plan(len(steps))  # the KL reference on the trained steps, or their knots
+        ref_steps = set() if ref_plan is None else {steps[q] for q in plan_knots(ref_plan)}
         with self._comm("rollout"), self.updater.behaviour():
             traj = self.policy.rollout(cond, rows.mine, step, on_chunk=on_chunk, sde_steps=sde_steps,
-                                       ref_steps=set(steps))
+                                       ref_steps=ref_steps, ref_plan=ref_plan, trained=steps)
         t1 = time.perf_counter()
         # 2. reward: gathered so that every rank sees the whole batch (and takes the same decisions)
         local = scorer.finish()

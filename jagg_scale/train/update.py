@@ -29,8 +29,8 @@ import torch
 from ..cond import Cond, index_cond
 from ..grpo.loss import GRPOStepLoss, StepBatch
 from ..grpo.rollout import to_device
-from ..jagg import (Backward, ModelFn, Planned, Planner, autograd_backward, exact_plan, knot_backward, pass_groups,
-                    plan_knots, restrict_plan)
+from ..jagg import (Backward, ModelFn, Plan, Planned, Planner, autograd_backward, exact_plan, knot_backward,
+                    pass_groups, plan_knots, restrict_plan)
 from ..parallel.engine import NonFiniteError
 
 log = logging.getLogger(__name__)
@@ -256,6 +256,12 @@ class Updater:
     def behaviour(self):
         """The policy that samples the rollout: the trained one itself (DiffusionNFT samples with its old policy)."""
         return contextlib.nullcontext(self.engine.model)
+
+    def ref_plan(self, T: int) -> Plan | None:
+        """The plan over the T trained steps on whose knots the rollout runs the KL reference (grpo.ref_at): every
+        step, or the JAGG plan's knots (known before the rollout: config.py allows nothing else); None: none in
+        the rollout."""
+        return self.planner.fixed_plan(T) if self.cfg.grpo.ref_at == "knots" else exact_plan(T)
 
     def __call__(self, traj, cond, adv, rows, step: int, steps: list[int]) -> dict:
         cfg, device = self.cfg, self.dist.device

@@ -61,6 +61,26 @@ def test_each_knob_moves_its_phase():
     assert window["rollout"] < 0.8 * shipped["rollout"] and window["train"] < shipped["train"]
     assert window["reference"] < 0.5 * shipped["reference"]  # 4 trained steps, not 9
     assert seconds("grpo.beta=0")["reference"] == 0
+    knots = seconds("grpo.ref_at=knots")  # windows [0-3] [4-7] [8]: the reference on 5 of the 9 trained steps
+    assert knots["reference"] == pytest.approx(shipped["reference"] * 5 / 9)
+    assert {p: knots[p] for p in phases if p != "reference"} == {p: shipped[p] for p in phases if p != "reference"}
+
+
+def test_nft_prices_the_frozen_forwards_where_they_run():
+    """DiffusionNFT: the old policy's and the reference's forwards at its 9 timesteps per sample, or at the knots
+    (nft.old_at); with-grad passes by the plan (exact: 9, one JAGG window: one joint pass of 2 rows)."""
+    nft = ROOT / "configs" / "sd35m_nft_pickscore.yaml"
+
+    def nft_seconds(*overrides):
+        s = E.prepare(load_config(nft, list(overrides), check_files=False), 8)
+        return T.step_seconds(s, E.estimate(s))
+
+    exact = nft_seconds()
+    one = nft_seconds("jagg.mode=jagg", "jagg.window=9", "nft.noise=per_sample")
+    knots = nft_seconds("jagg.mode=jagg", "jagg.window=9", "nft.noise=per_sample", "nft.old_at=knots")
+    assert one["train"] < 0.5 * exact["train"] and one["train_nograd"] == pytest.approx(exact["train_nograd"])
+    assert knots["train_nograd"] == pytest.approx(exact["train_nograd"] * 2 / 9) and knots["train"] == one["train"]
+    assert exact["reference"] == 0 and exact["rollout"] == knots["rollout"]
 
 
 def test_flow_grpos_step_is_priced_on_the_same_passes():

@@ -11,6 +11,7 @@ import torch
 from hang_guard import RUN_S
 from jagg_scale.cli import train_main
 from jagg_scale.grpo import GRPOStepLoss
+from jagg_scale.jagg import fill_interior, plan_knots
 from jagg_scale.train import ConfigError, Trainer, load_config
 from jagg_scale.train import update as update_mod
 from jagg_scale.train.logging import read_metrics
@@ -263,3 +264,47 @@ def test_the_rollout_runs_the_reference_at_the_trained_steps_only(tmp_path):
         t.close()
     assert t.steps == [0, 1, 2] and sigmas == [float(t.policy.sigmas[k]) for k in t.steps]
     assert m["optimizer_steps"] == 1 and torch.isfinite(torch.tensor(m["loss"]))
+
+
+@pytest.mark.parametrize("extra,knots", [(["jagg.window=4"], [0, 3, 4, 5]),  # windows [0-3] [4-5]
+                                         (["jagg.window=3", "jagg.share_knots=true"], [0, 2, 4, 5])])
+def test_ref_at_knots_runs_the_reference_at_the_knots_and_fills_the_rest(tmp_path, extra, knots):
+    """grpo.ref_at knots: the rollout calls the KL reference at the plan's knots only (6 trained steps), the other
+    trained steps' reference velocities are the knots' blend in sigma, and the trajectory itself, the knots'
+    reference velocities and the step's plan are those of ref_at steps."""
+    def rollout(ref_at):
+        t = Trainer(small_cfg(tmp_path / ref_at, "grpo.beta=0.04", "sampling.batch_size=6", *extra,
+                              f"grpo.ref_at={ref_at}"))
+        calls = []
+        inner = t.policy.reference_fn
+        t.policy.reference_fn = lambda: (lambda f: (lambda x, s, c: calls.append(float(s[0])) or f(x, s, c)))(
+            inner())
+        traj = t.policy.rollout(t.policy.encode(["a", "b"] * 3), torch.arange(6), 0, ref_steps=set(
+            t.steps[q] for q in plan_knots(t.updater.ref_plan(6))), ref_plan=t.updater.ref_plan(6), trained=t.steps)
+        seen = list(calls)
+        m = t.train_step(0)  # the trainer's own rollout makes the same calls
+        t.close()
+        assert calls == seen + seen
+        return t, traj, seen, m
+
+    t, full, calls_all, m_all = rollout("steps")
+    t_knots, part, calls, m = rollout("knots")
+    sig = [float(s) for s in t.policy.sigmas]
+    assert calls_all == sig[:6] and calls == [sig[k] for k in knots]
+    assert torch.equal(part.latents, full.latents) and torch.equal(part.log_probs, full.log_probs)
+    assert torch.equal(part.ref_velocities[knots], full.ref_velocities[knots])
+    plan = t_knots.updater.ref_plan(6)
+    assert plan_knots(plan) == knots
+    assert torch.allclose(part.ref_velocities[:6], fill_interior(plan, full.ref_velocities[:6], full.sigmas[:6]))
+    inner = [k for k in range(6) if k not in knots]
+    assert not torch.allclose(part.ref_velocities[inner], full.ref_velocities[inner])  # an approximation
+    assert m["backward_passes"] == m_all["backward_passes"] and m["kl"] != m_all["kl"]
+
+
+@pytest.mark.parametrize("override", [["jagg.mode=exact"], ["jagg.jagg_frac=0.5"], ["jagg.min_cos=0.5"],
+                                      ["jagg.plan=budget"], ["grpo.beta=0"]])
+def test_ref_at_knots_needs_a_reference_and_windows_known_before_the_rollout(tmp_path, override):
+    with pytest.raises(ConfigError, match="config key 'grpo.ref_at'"):
+        small_cfg(tmp_path, "grpo.beta=0.04", "grpo.ref_at=knots", *override)
+    with pytest.raises(ConfigError, match="config key 'grpo.ref_at'"):
+        small_cfg(tmp_path, "train.algorithm=nft", "grpo.ref_at=knots")
