@@ -33,7 +33,8 @@ import torch
 from ..jagg import trained_steps
 from ..models.lora import DEFAULT_TARGETS
 from ..train.rows import StepRows
-from .activations import cached, ev, key, reduce_buffers, transformer_activations
+from .activations import cached as _cached
+from .activations import ev, key, reduce_buffers, transformer_activations
 from .shapes import FROZEN, clean, component_params, pipeline_shapes, reward_models, transformer_stats
 
 __all__ = ["COMPONENTS", "GiB", "PHASES", "balanced", "choose_micro", "estimate", "local_rows", "prepare", "report",
@@ -81,9 +82,13 @@ def eval_images(cfg) -> int:
 
 
 def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = False, overhead_gb: float = 1.5,
-            gpu_gib: float = 79.2) -> dict:
-    """Everything the estimate needs that does not depend on the micro-batch size."""
+            gpu_gib: float = 79.2, memory: bool = True) -> dict:
+    """Everything the estimate needs that does not depend on the micro-batch size. memory=False: the shapes and
+    token counts alone (what the step-time model reads), without the measured activation coefficients."""
     from . import measure as M  # its functions run only when --measure finds a coefficient missing
+
+    def cached(k, label, fn, measure):  # the coefficients only when the memory model needs them
+        return _cached(k, label, fn, measure) if memory else None
 
     shapes = pipeline_shapes(cfg, shapes_name)
     kind, comps = shapes["kind"], shapes["components"]

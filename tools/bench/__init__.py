@@ -17,10 +17,14 @@ Studies (run only when named in --parts; they train for longer than the whole de
 
     time_to_reward  held-out reward vs wall-clock on digits: Flow-GRPO, JAGG, the planner, SDE windows, the
                     compressed ODE rollout (python -m tools.bench --parts time_to_reward --merge --out docs/benchmarks)
+    whole_step      one rank's share of sd35m_pickscore's step at production proportions, phase by phase:
+                    Flow-GRPO as its train_sd3.py runs it, the shipped recipe, SDE k4 + dpm2; the step-time model
+                    priced with passes measured here (python -m tools.bench --parts whole_step --merge
+                    --out docs/benchmarks)
 
 Outputs: OUT.md (generated report), OUT.json (every number), OUT_<part>.png (plots).
 """
 
 DEFAULT_PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling", "cfg")
-STUDIES = ("time_to_reward",)
+STUDIES = ("time_to_reward", "whole_step")
 PARTS = DEFAULT_PARTS + STUDIES

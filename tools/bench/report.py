@@ -16,6 +16,7 @@ TITLES = {
     "subsampling": "5. subsampling: JAGG composed with SDE-window subsampling",
     "cfg": "6. cfg: training under classifier-free guidance",
     "time_to_reward": "7. time_to_reward: held-out reward against wall-clock (a study)",
+    "whole_step": "8. whole_step: one rank's production step, phase by phase, beside Flow-GRPO's (a study)",
 }
 
 WHAT = {
@@ -79,6 +80,15 @@ WHAT = {
         "before and after the window in proportion to the schedule's steps there, at least one on a non-empty "
         "side, and re-spaced evenly in the schedule's step index; the window keeps its own sigmas, log-probs and "
         "JAGG windows). A study, not in the default run."),
+    "whole_step": (
+        "One rank's share of `configs/sd35m_pickscore.yaml`'s training step at production proportions "
+        "(`tools/bench/whole_step.py`): three trainers built from that config on the SD3-shaped bench model, scaled "
+        "by rows only, step round-robin after a warm-up step each. Flow-GRPO runs its train_sd3.py update "
+        "(FlowGRPOUpdater: its 9-row batch scaled, the conditional and unconditional rows in one forward with grad, "
+        "the reference at training, no checkpointing); the shipped recipe as shipped; SDE k4 + dpm2 the fastest "
+        "recipe we ship. Phases are timed by wrapping the trainer's own callables. The step-time model "
+        "(`jagg_scale/estimate/steptime.py`) is priced with this model's passes measured in the same run and set "
+        "beside the measured phases. A study, not in the default run."),
 }
 
 
