@@ -22,6 +22,14 @@ Sections, each in its own try block (a failing one is recorded and the next runs
              (torch.cuda sync debug mode), with where they happen
     train    `jagg-train` of the tiny SD3 pipeline for 2 steps with run.device=<device>: backend none, then fsdp2
              under torchrun with one process (NCCL on a GPU)
+    step     one rank's share of sd35m_pickscore's whole training step at the real shape, every pipeline component
+             at its published size, Flow-GRPO's update beside the shipped recipe and SDE k4 + dpm2, phase by phase
+             with achieved TFLOP/s and peak memory (tools/gpu_step.py)
+    profile  device time by kernel class of one with-grad and one no-grad pass at the production micro-batch,
+             eager and under parallel.compile (tools/gpu_step.py)
+
+By default the check runs env, step and profile (~7 min on an H200 at --step-world 16); window, memory, syncs and
+train were measured on an H200 already (docs/gpu_check.json) and run when named: --sections env,window,memory,...
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ from jagg_scale.grpo.sde import sde_step_with_logprob
 from jagg_scale.grpo.schedule import sigma_schedule
 from jagg_scale.jagg import exact_backward, jagg_backward
 from jagg_scale.train.host_syncs import CudaSyncs, HostSyncs
+
+import gpu_step  # noqa: E402 - tools/ is on the path above
 
 NOISE_LEVEL, SHIFT, CLIP, NUM_STEPS = 0.7, 3.0, 1e-4, 10
 # CLIP 77 + sd35m_pickscore's model.max_sequence_length T5 tokens (Flow-GRPO's 128), as the SD3 adapter encodes them
@@ -401,6 +411,7 @@ def markdown(runs: list[dict]) -> str:
                 f"{syn.get('cuda_syncs_per_step', '-')} real CUDA syncs in the process (torch sync debug mode), of "
                 f"which {main} in the training thread and the rest in the reward worker on its own stream; "
                 f"{syn['host_syncs_per_step']} reads of device tensors by the training thread. By line: {calls}.", ""]
+    out += gpu_step.markdown(sec)
     tr = sec.get("train")
     if tr:
         out += ["**`jagg-train` on the device** (tiny SD3 pipeline, 2 steps): "
@@ -410,7 +421,8 @@ def markdown(runs: list[dict]) -> str:
 
 
 SECTIONS = {"env": section_env, "window": section_window, "memory": section_memory, "syncs": section_syncs,
-            "train": section_train}
+            "train": section_train, "step": gpu_step.section_step, "profile": gpu_step.section_profile}
+DEFAULT_SECTIONS = ("env", "step", "profile")
 
 
 def main(argv=None) -> int:
@@ -418,7 +430,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="toy shapes (the CPU smoke test)")
-    p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS), help=f"of {','.join(SECTIONS)}")
+    p.add_argument("--step-world", type=int, default=16,
+                   help="the step section runs one rank's share of sd35m_pickscore on this many ranks (16: 72 rows)")
     p.add_argument("--rows", type=int, default=None, help="rows B of the window section (default 8; tiny 2)")
     p.add_argument("--micro-rows", type=int, default=None, help="memory section rows (default 72; tiny 2)")
     p.add_argument("--widths", default="4,8")

@@ -144,13 +144,13 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     interior = sum(b - a - 1 for a, b in plan if b > a + 1)
     if nft:  # the old policy's and the reference's forwards at every timestep (or the knots), then the plan's
         frozen = (1 + cfg.uses_reference) * (knots if cfg.nft.old_at == "knots" else trained)
-        nograd = (frozen + (interior if cfg.jagg.intermediate == "forward" else 0)) * fwd(micro)
+        nograd_passes = frozen + (interior if cfg.jagg.intermediate == "forward" else 0)
     else:
         forward_mode = cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto" and minibatches > 1)
-        nograd = (interior if forward_mode else 0) * fwd(micro)
+        nograd_passes = interior if forward_mode else 0
         if cfgg > 1 and not cfg_rows_with_grad:  # the uncond refresh of every minibatch after the first
-            nograd += (minibatches - 1) / minibatches * trained * fwd(micro)
-    out["train"], out["train_nograd"] = minibatches * train, minibatches * nograd
+            nograd_passes += (minibatches - 1) / minibatches * trained
+    out["train"], out["train_nograd"] = minibatches * train, minibatches * nograd_passes * fwd(micro)
     enc = sum(_frozen_flops(json.dumps(comps[n], sort_keys=True), "text", e["seq"]) for n, e in s["encoders"].items()
               if n in comps)
     out["encode"] = fwd([R], enc)
@@ -165,6 +165,13 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
         out["eval"] = 0.0
     out["step"] = sum(out.values())
     out["forward_tflop_per_row"] = F / 1e12
+    # the arithmetic of each phase (TFLOP), to read a measured phase's achieved rate: a with-grad pass is ~3
+    # forwards with checkpointing (forward, recomputed forward, backward of a LoRA model), `factor` of that otherwise
+    grad_rows = minibatches * sum(len(k) for k in groups) * B * rows_x
+    out["tflop"] = {"rollout": forwards * R * cfgg * F / 1e12,
+                    "reference": out["reference"] and ref_runs * R * cfgg * F / 1e12,
+                    "train": 3 * factor * grad_rows * F / 1e12,
+                    "train_nograd": minibatches * nograd_passes * B * F / 1e12}
     return out
 
 

@@ -17,12 +17,20 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_the_gpu_check_runs_every_section_at_toy_scale(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--tiny", "--device", "cpu",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=RUN_S)
+                           "--out", str(tmp_path), "--sections", "env,window,memory,syncs,train,step,profile"],
+                          capture_output=True, text=True, timeout=RUN_S)
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]
     failed = {k: v.get("error") for k, v in sections.items() if not v["ok"]}
     assert proc.returncode == 0 and not failed, f"{failed}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    assert list(sections) == ["env", "window", "memory", "syncs", "train"]
+    assert list(sections) == ["env", "window", "memory", "syncs", "train", "step", "profile"]
+    step = sections["step"]  # the whole step of one rank, three arms through the Trainer, every phase timed
+    assert set(step["arms"]) == {"Flow-GRPO", "shipped", "SDE k4 + dpm2"}
+    for arm, r in step["arms"].items():
+        assert r["seconds"]["step"] > 0 and r["seconds"]["sampling"] > 0 and r["seconds"]["train"] > 0, arm
+    fg, shipped = step["arms"]["Flow-GRPO"]["seconds"], step["arms"]["shipped"]["seconds"]
+    assert fg["train_nograd"] == 0 and fg["backward_passes"] > shipped["backward_passes"]
+    assert sum(sections["profile"]["eager"]["grad"]["by_class"].values()) > 99
     for W in (4, 8):  # JAGG's one joint pass against W per-step passes, on the same window
         case = sections["window"]["windows"][f"W{W}"]
         assert case["per_step"]["seconds"] > 0 and case["jagg_cached"]["seconds"] > 0 and case["speedup"] > 0

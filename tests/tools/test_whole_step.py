@@ -63,7 +63,7 @@ def test_the_study_runs_at_toy_size_with_every_phase_and_the_models_prices():
     assert set(res["arms"]) == set(W.ARMS)
     for arm, r in res["arms"].items():
         assert r["step"] > 0 and r["sampling"] > 0 and r["train"] > 0, arm
-        assert r["model"]["step"] > 0 and all(math.isfinite(v) for v in r["model"].values())
+        assert r["model"]["step"] > 0 and all(math.isfinite(v) for v in r["model"].values() if not isinstance(v, dict))
     fg, shipped = res["arms"]["Flow-GRPO"], res["arms"]["shipped"]
     assert fg["reference"] > 0 and fg["train_nograd"] == 0  # Flow-GRPO: the reference at training, no refresh
     assert shipped["train_nograd"] > 0 and shipped["backward_passes"] < fg["backward_passes"]

@@ -110,20 +110,24 @@ class FlowGRPOUpdater(Updater):
 
 
 class PhaseClock:
-    """Seconds per phase of one training step, from wrappers around the trainer's own callables."""
+    """Seconds per phase of one training step, from wrappers around the trainer's own callables. On a GPU pass
+    `sync` (torch.cuda.synchronize): each timed call is then closed by it, so its kernels are counted in its phase."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, sync=None):
         self.t, self.where, self.in_ref = {}, "rollout", False
+        done = sync or (lambda: None)
         policy, model, updater = trainer.policy, trainer.model, trainer.updater
         model_fn, reference_fn, encode = policy.model_fn, policy.reference_fn, policy.encode
         decode, score = model.decode, trainer.reward.score_components
 
         def timed(fn, phase):
             def run(*a, **k):
+                done()
                 t0 = time.perf_counter()
                 try:
                     return fn(*a, **k)
                 finally:
+                    done()
                     key = phase() if callable(phase) else phase
                     self.t[key] = self.t.get(key, 0.0) + time.perf_counter() - t0
             return run
