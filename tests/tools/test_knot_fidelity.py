@@ -1,0 +1,27 @@
+"""tools/knot_fidelity.py at toy size: both measurements run through the trainer's own updater and report cosines
+that could fail (in [-1, 1], the reference-at-knots gradient close to the reference-everywhere one)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_knot_fidelity_quick(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import knot_fidelity
+
+    assert knot_fidelity.main(["--quick", "--out", str(tmp_path / "kf")]) == 0
+    res = json.loads((tmp_path / "kf.json").read_text())
+    (case,) = res["ref_at"]
+    assert 0.99 < case["knots_vs_steps"] <= 1.0 + 1e-9 and 0.5 < case["steps_vs_exact"] <= 1.0 + 1e-9
+    schemes = res["nft"]["schemes"]
+    assert set(schemes) == {name for name, *_ in knot_fidelity.NFT_SCHEMES}
+    assert all(-1 <= s["cos_to_expected"] <= 1 and s["train_seconds"] > 0 for s in schemes.values())
+    assert not (tmp_path / "kf.work").exists()
