@@ -309,7 +309,8 @@ def _check_algorithm(cfg: Config) -> None:
 # what grpo.ref_at knots and nft.old_at knots need: JAGG windows known before the rollout (the frozen models run at
 # their knots before the plan of a minibatch would be made)
 _FIXED_WINDOWS = ("knots evaluates a frozen model at the JAGG plan's knots alone: it needs windows known before the "
-                  "rollout (jagg.mode jagg with jagg.plan uniform and jagg_frac 1, no min_cos; or share_knots true)")
+                  "rollout (jagg.mode jagg with jagg.plan uniform and jagg_frac 1, no min_cos; or share_knots true); "
+                  "with another plan set it to its default (grpo.ref_at=steps, nft.old_at=timesteps)")
 
 
 def _fixed_windows(cfg: Config) -> bool:
