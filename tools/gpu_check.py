@@ -241,15 +241,20 @@ def section_window(args, device, state) -> dict:
     return info
 
 
-def section_memory(args, device, state) -> dict:
-    """Peak memory of one per-step pass and one joint pass at the production micro-batch (random trajectories:
-    the values do not change the memory)."""
+def micro_batch_inputs(args, device, state, seed: int):
+    """(policy, its config, B = the production micro-batch's rows, a seeded generator, their conditioning): the
+    window section's policy when it ran, else a new one."""
     policy, cfg = state.get("policy"), state.get("cfg")
     if policy is None:
         policy, cfg, _ = build_policy(args, device)
-    B = args.micro_rows
-    gen = torch.Generator(device).manual_seed(1)
-    cond = random_cond(cfg, B, args.text_tokens, device, gen)
+    gen = torch.Generator(device).manual_seed(seed)
+    return policy, cfg, args.micro_rows, gen, random_cond(cfg, args.micro_rows, args.text_tokens, device, gen)
+
+
+def section_memory(args, device, state) -> dict:
+    """Peak memory of one per-step pass and one joint pass at the production micro-batch (random trajectories:
+    the values do not change the memory)."""
+    policy, cfg, B, gen, cond = micro_batch_inputs(args, device, state, seed=1)
     shape = (cfg["in_channels"], cfg["sample_size"], cfg["sample_size"])
     sigmas = sigma_schedule(NUM_STEPS, SHIFT).to(device)
     lat = torch.randn(5, B, *shape, generator=gen, device=device)
@@ -433,6 +438,8 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS), help=f"of {','.join(SECTIONS)}")
     p.add_argument("--step-world", type=int, default=16,
                    help="the step section runs one rank's share of sd35m_pickscore on this many ranks (16: 72 rows)")
+    p.add_argument("--step-budget", type=float, default=330,
+                   help="seconds after which the step section starts no further arm")
     p.add_argument("--rows", type=int, default=None, help="rows B of the window section (default 8; tiny 2)")
     p.add_argument("--micro-rows", type=int, default=None, help="memory section rows (default 72; tiny 2)")
     p.add_argument("--widths", default="4,8")

@@ -142,7 +142,12 @@ def section_step(args, device, state) -> dict:
     out = {"layout": f"sd35m_pickscore, one rank of {args.step_world} (estimate/layout.py rank_share), one process",
            "components": built, "arms": {}}
     print(f"  components written in {built['seconds']} s", flush=True)
-    for arm in ARMS:
+    t_section = time.perf_counter()
+    for arm in ("shipped", "Flow-GRPO", "SDE k4 + dpm2"):  # the ratio's two arms first
+        assert arm in ARMS
+        if time.perf_counter() - t_section > args.step_budget:  # the device's minutes are counted: stop in time
+            out["arms"][arm] = {"skipped": f"the section had run {args.step_budget} s (--step-budget)"}
+            continue
         cfg = arm_config(arm, args, pipe, reward, work / f"step_{arm.replace(' ', '_').replace('+', 'plus')}")
         t0 = time.perf_counter()
         trainer = Trainer(cfg)
@@ -176,8 +181,9 @@ def section_step(args, device, state) -> dict:
             del trainer
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    steps = {a: r["seconds"]["step"] for a, r in out["arms"].items()}
-    out["speedup_vs_flow_grpo"] = {a: round(steps["Flow-GRPO"] / t, 3) for a, t in steps.items()}
+    steps = {a: r["seconds"]["step"] for a, r in out["arms"].items() if "seconds" in r}
+    out["speedup_vs_flow_grpo"] = {a: round(steps["Flow-GRPO"] / t, 3) for a, t in steps.items()
+                                   if "Flow-GRPO" in steps}
     return out
 
 
@@ -238,16 +244,11 @@ def profile_pass(fn, device) -> dict:
 
 
 def section_profile(args, device, state) -> dict:
-    from gpu_check import build_policy, random_cond
+    from gpu_check import micro_batch_inputs
 
     from jagg_scale.parallel.blocks import compile_blocks
 
-    policy, cfg = state.get("policy"), state.get("cfg")
-    if policy is None:
-        policy, cfg, _ = build_policy(args, device)
-    B = args.micro_rows
-    gen = torch.Generator(device).manual_seed(2)
-    cond = random_cond(cfg, B, args.text_tokens, device, gen)
+    policy, cfg, B, gen, cond = micro_batch_inputs(args, device, state, seed=2)
     x = torch.randn(B, cfg["in_channels"], cfg["sample_size"], cfg["sample_size"], generator=gen, device=device)
     s = torch.rand(B, generator=gen, device=device)
 
@@ -306,11 +307,14 @@ def markdown(sec: dict) -> list[str]:
                 "| arm | step s | sampling | reference | train (grad) | train (no grad) | encode | decode | reward | "
                 "TFLOP/s sampling / train | peak GiB | vs Flow-GRPO |", "|---" * 12 + "|"]
         for arm, r in step["arms"].items():
+            if "seconds" not in r:
+                out.append(f"| {arm} | {r.get('skipped', '-')} |" + " |" * 10)
+                continue
             t, f = r["seconds"], r["tflops"]
             out.append(f"| {arm} | {t['step']:.1f} | " + " | ".join(f"{t[p]:.1f}" for p in (
                 "sampling", "reference", "train", "train_nograd", "encode", "decode", "reward")) +
                 f" | {f.get('sampling', '-')} / {f.get('train', '-')} | {r.get('peak_gib', '-')} | "
-                f"{step['speedup_vs_flow_grpo'][arm]:.2f}x |")
+                f"{step['speedup_vs_flow_grpo'].get(arm, float('nan')):.2f}x |")
         out.append("")
     prof = sec.get("profile")
     if prof:

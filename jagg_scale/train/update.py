@@ -264,39 +264,45 @@ class Updater:
         return self.planner.fixed_plan(T) if self.cfg.grpo.ref_at == "knots" else exact_plan(T)
 
     def __call__(self, traj, cond, adv, rows, step: int, steps: list[int]) -> dict:
-        cfg, device = self.cfg, self.dist.device
-        # host -> device once per step, asynchronously (advantages are computed on the host, in float64)
-        adv_values, adv_mask = to_device(adv.values[rows.mine], device), to_device(adv.mask[rows.mine], device)
+        cfg = self.cfg
         predict = self.policy.model_fn()
         cond, uncond = self.policy.split_cond(cond)
         done, probe = UpdateTotals(), {}
         probing = cfg.jagg.probe_every > 0 and step % cfg.jagg.probe_every == 0
+        for local, batch, loss in self.minibatches(traj, adv, rows, step, steps, self.policy.guidance):
+            mb_cond, on_policy = index_cond(cond, local), done.applied == 0  # a skipped step changed nothing
+            if probing and done.optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
+                t_probe = time.perf_counter()
+                probe = probe_minibatch(predict, batch, mb_cond, loss, steps, self.planner,
+                                        cfg.jagg.intermediate, self.engine.params, on_policy=on_policy,
+                                        backward=self.engine.backward)
+                probe["time_probe"] = time.perf_counter() - t_probe
+            refresh = uncond is not None and not on_policy  # the rollout's uncond is stale: recomputed
+            stats = backward_minibatch(predict, batch, mb_cond, loss, steps, self.planner,
+                                       intermediate=cfg.jagg.intermediate, on_policy=on_policy,
+                                       backward=self.engine.backward, reduce=self._reduce,
+                                       micro_batch_size=cfg.train.micro_batch_size,
+                                       prepare=self._uncond_refresh(index_cond(uncond, local), steps) if refresh
+                                       else None)
+            stats.uncond_forward_passes = len(steps) if refresh else 0
+            self._optimizer_step(done, stats, loss, step)
+        return done.metrics(**probe)
+
+    def minibatches(self, traj, adv, rows, step: int, steps: list[int], guidance: float):
+        """(local rows on the device, StepBatch, GRPOStepLoss) of every minibatch of every inner epoch; the loss
+        guides with `guidance` (1: it is called with the guided velocity itself)."""
+        cfg, device = self.cfg, self.dist.device
+        # host -> device once per step, asynchronously (advantages are computed on the host, in float64)
+        adv_values, adv_mask = to_device(adv.values[rows.mine], device), to_device(adv.mask[rows.mine], device)
         for epoch in range(cfg.grpo.inner_epochs):
             for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
                 local = to_device(local, device)
-                batch = traj.step_batch(local, adv_values, adv_mask)
                 # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
                 loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
                                     beta=cfg.grpo.beta, scale=1.0 / len(steps),
                                     denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
-                                    guidance=self.policy.guidance, sde=cfg.sampling.sde)
-                mb_cond, on_policy = index_cond(cond, local), done.applied == 0  # a skipped step changed nothing
-                if probing and done.optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
-                    t_probe = time.perf_counter()
-                    probe = probe_minibatch(predict, batch, mb_cond, loss, steps, self.planner,
-                                            cfg.jagg.intermediate, self.engine.params, on_policy=on_policy,
-                                            backward=self.engine.backward)
-                    probe["time_probe"] = time.perf_counter() - t_probe
-                refresh = uncond is not None and not on_policy  # the rollout's uncond is stale: recomputed
-                stats = backward_minibatch(predict, batch, mb_cond, loss, steps, self.planner,
-                                           intermediate=cfg.jagg.intermediate, on_policy=on_policy,
-                                           backward=self.engine.backward, reduce=self._reduce,
-                                           micro_batch_size=cfg.train.micro_batch_size,
-                                           prepare=self._uncond_refresh(index_cond(uncond, local), steps) if refresh
-                                           else None)
-                stats.uncond_forward_passes = len(steps) if refresh else 0
-                self._optimizer_step(done, stats, loss, step)
-        return done.metrics(**probe)
+                                    guidance=guidance, sde=cfg.sampling.sde)
+                yield local, traj.step_batch(local, adv_values, adv_mask), loss
 
     def _optimizer_step(self, done: UpdateTotals, stats: BackwardStats, loss, step: int) -> None:
         """The engine's step after a minibatch's backward, counted in `done` with the loss's metrics."""

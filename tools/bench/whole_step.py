@@ -48,8 +48,7 @@ from .grpo_step import _quiet
 from jagg_scale.cond import cat_cond, index_cond
 from jagg_scale.estimate import memory as E
 from jagg_scale.estimate import steptime as T
-from jagg_scale.grpo.loss import GRPOStepLoss
-from jagg_scale.grpo.rollout import guide, to_device
+from jagg_scale.grpo.rollout import guide
 from jagg_scale.train import Trainer, load_config
 from jagg_scale.train.update import BackwardStats, Updater, UpdateTotals, micro_batches
 
@@ -72,40 +71,32 @@ class FlowGRPOUpdater(Updater):
         return None
 
     def __call__(self, traj, cond, adv, rows, step: int, steps: list[int]) -> dict:
-        cfg, device, g = self.cfg, self.dist.device, self.policy.guidance
-        adv_values, adv_mask = to_device(adv.values[rows.mine], device), to_device(adv.mask[rows.mine], device)
+        cfg, g = self.cfg, self.policy.guidance
         predict, ref = self.policy.model_fn(), self.policy.reference_fn()
         c_all, u_all = self.policy.split_cond(cond)
         done = UpdateTotals()
-        for epoch in range(cfg.grpo.inner_epochs):
-            for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
-                local = to_device(local, device)
-                batch = traj.step_batch(local, adv_values, adv_mask)
-                loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
-                                    beta=cfg.grpo.beta, scale=1.0 / len(steps),
-                                    denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
-                                    guidance=1.0, sde=cfg.sampling.sde)  # called with the guided velocity
-                chunks = micro_batches(len(local), cfg.train.micro_batch_size)
-                total = []
-                for i, mrows in enumerate(chunks):
-                    sub, idx = batch.rows(mrows), local[mrows]
-                    c, u_cond = index_cond(c_all, idx), index_cond(u_all, idx)
-                    n = sub.latents.shape[1]
-                    for j, k in enumerate(steps):
-                        x, s = sub.latents[k], sub.sigmas[k].expand(n)
-                        if ref is not None:
-                            with torch.no_grad():
-                                sub.ref_velocities[k] = ref(x, s, (c, u_cond)).float()
-                        out = predict(torch.cat([x, x]), torch.cat([s, s]), cat_cond([u_cond, c]))
-                        v = guide(out[n:], out[:n].detach(), g).float()
-                        value = loss(sub, k, v)
-                        last = i == len(chunks) - 1 and j == len(steps) - 1
-                        self.engine.backward(value, torch.ones_like(value), last=last)
-                        total.append(value.detach())
-                stats = BackwardStats(windows=len(steps), backward_calls=len(steps) * len(chunks),
-                                      backward_passes=len(steps), per_step_equiv=len(steps),
-                                      loss=torch.stack(total).sum())
-                self._optimizer_step(done, stats, loss, step)
+        for local, batch, loss in self.minibatches(traj, adv, rows, step, steps, guidance=1.0):  # v guided below
+            chunks = micro_batches(len(local), cfg.train.micro_batch_size)
+            total = []
+            for i, mrows in enumerate(chunks):
+                sub, idx = batch.rows(mrows), local[mrows]
+                c, u_cond = index_cond(c_all, idx), index_cond(u_all, idx)
+                n = sub.latents.shape[1]
+                for j, k in enumerate(steps):
+                    x, s = sub.latents[k], sub.sigmas[k].expand(n)
+                    if ref is not None:
+                        with torch.no_grad():
+                            sub.ref_velocities[k] = ref(x, s, (c, u_cond)).float()
+                    out = predict(torch.cat([x, x]), torch.cat([s, s]), cat_cond([u_cond, c]))
+                    v = guide(out[n:], out[:n].detach(), g).float()
+                    value = loss(sub, k, v)
+                    last = i == len(chunks) - 1 and j == len(steps) - 1
+                    self.engine.backward(value, torch.ones_like(value), last=last)
+                    total.append(value.detach())
+            stats = BackwardStats(windows=len(steps), backward_calls=len(steps) * len(chunks),
+                                  backward_passes=len(steps), per_step_equiv=len(steps),
+                                  loss=torch.stack(total).sum())
+            self._optimizer_step(done, stats, loss, step)
         return done.metrics()
 
 
