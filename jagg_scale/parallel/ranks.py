@@ -1,7 +1,8 @@
 """Find out who we are in a distributed job, in one place.
 
-Jobs get launched by torchrun, by Slurm's ``srun``, by ``mpirun`` (Open MPI or
-MPICH) or as a plain single process.  Each launcher describes the process group
+Jobs get launched by torchrun, by DeepSpeed's launcher (torchrun's variables
+but LOCAL_SIZE), by Slurm's ``srun``, by ``mpirun`` (Open MPI or MPICH) or as a
+plain single process.  Each launcher describes the process group
 with its own environment variables.  Rather than sprinkling ``os.environ``
 lookups around the code base, :func:`discover` reads them once, validates them
 (a bad value fails here, naming the variable, instead of hanging in
@@ -36,7 +37,7 @@ class RankInfo:
     local_world_size: int
     master_addr: str
     master_port: int
-    source: str  # "torchrun" | "slurm" | "mpi" | "single"
+    source: str  # "torchrun" | "deepspeed" | "slurm" | "mpi" | "single"
 
 
 # ---------------------------------------------------------------- parsing
@@ -132,18 +133,26 @@ def _expand_tasks_per_node(s: str, name: str) -> list[int]:
 # ---------------------------------------------------------------- launchers
 
 
+def _local_size_var(env: Mapping[str, str]) -> str:
+    """torchrun's LOCAL_WORLD_SIZE, or DeepSpeed's LOCAL_SIZE: its launch.py sets RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT as torchrun does but names the node's process count LOCAL_SIZE (deepspeed 0.19.8,
+    deepspeed/launcher/launch.py:182)."""
+    return "LOCAL_SIZE" if "LOCAL_WORLD_SIZE" not in env and "LOCAL_SIZE" in env else "LOCAL_WORLD_SIZE"
+
+
 def _from_torchrun(env: Mapping[str, str]) -> RankInfo:
-    missing = [v for v in _TORCHRUN_VARS if v not in env]
+    local_size = _local_size_var(env)
+    missing = [v for v in _TORCHRUN_VARS if v not in env and not (v == "LOCAL_WORLD_SIZE" and local_size in env)]
     if missing:
         raise ValueError(f"RANK/WORLD_SIZE set but torchrun variable(s) missing: {', '.join(missing)}")
     return RankInfo(
         rank=_int(env, "RANK"),
         world_size=_int(env, "WORLD_SIZE", minimum=1),
         local_rank=_int(env, "LOCAL_RANK"),
-        local_world_size=_int(env, "LOCAL_WORLD_SIZE", minimum=1),
+        local_world_size=_int(env, local_size, minimum=1),
         master_addr=env["MASTER_ADDR"],
         master_port=_port(env),
-        source="torchrun",
+        source="deepspeed" if local_size == "LOCAL_SIZE" else "torchrun",
     )
 
 
@@ -245,7 +254,7 @@ def discover(env: Mapping[str, str] | None = None, *, use_mpi: bool = True) -> R
     env = os.environ if env is None else env
 
     if "RANK" in env and "WORLD_SIZE" in env:
-        return _check(_from_torchrun(env), _TORCHRUN_VARS[:4])
+        return _check(_from_torchrun(env), (*_TORCHRUN_VARS[:3], _local_size_var(env)))
 
     if "SLURM_PROCID" in env:
         tpn = "SLURM_NTASKS_PER_NODE" if "SLURM_NTASKS_PER_NODE" in env else "SLURM_TASKS_PER_NODE"
@@ -300,6 +309,6 @@ def launcher_env(base: Mapping[str, str] | None = None) -> dict:
     """A copy of the environment without the variables that describe this process's own job, so that a launcher
     started from it (torchrun, mpirun) sets up a fresh one; one intra-op thread per rank, unbuffered output."""
     env = dict(os.environ if base is None else base, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in (*_TORCHRUN_VARS, "SLURM_PROCID"):
+    for key in (*_TORCHRUN_VARS, "LOCAL_SIZE", "SLURM_PROCID"):
         env.pop(key, None)
     return env

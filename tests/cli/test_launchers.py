@@ -2,7 +2,8 @@
 
 Most checks render the command with DRY_RUN=1 and parse it with shlex; Slurm's scontrol/srun and nvidia-smi
 are stub scripts on PATH. The trap path of the sbatch template runs for real against a stub srun, and each
-launcher starts two processes of a stub trainer once, to check the ranks it gets.
+launcher starts two processes of a stub trainer once, to check the ranks it gets, and two real jagg-train workers
+that train a step together (the real path: DeepSpeed's launcher broke there while its stub tests passed).
 """
 
 from __future__ import annotations
@@ -334,6 +335,33 @@ def test_launcher_starts_two_ranks(script, tool, stubs, stub_train):
     assert all("SIZE=2" in ln for ln in lines)
     backend = " parallel.engine=deepspeed" if tool == "deepspeed" else ""
     assert all(ln.endswith(f"ARGS={CONFIG} train.steps=1 data.x=a b{backend}") for ln in lines), lines
+
+
+TINY = ["train.steps=1", "model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=8",
+        "model.dit.patch_size=2", "sampling.num_steps=4", "train.prompts_per_step=2", "train.batch_size=8",
+        "sampling.batch_size=8", "run.checkpoint_every=1", "log.progress=false"]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("script,tool,engine", [("torchrun.sh", "torchrun", ["parallel.engine=fsdp2"]),
+                                                ("mpirun.sh", "mpirun", ["parallel.engine=fsdp2"]),
+                                                ("deepspeed.sh", "deepspeed", [])])
+def test_launcher_trains_a_step_with_real_workers(script, tool, engine, stubs, tmp_path):
+    """The real path: each launcher starts two real jagg-train processes (no stub), which find their ranks from the
+    launcher's own variables (DeepSpeed's LOCAL_SIZE), train one step together and save a checkpoint."""
+    if not (VENV_BIN / tool).exists():
+        pytest.skip(f"{tool} is not installed next to {sys.executable}")
+    env = _env(stubs, JAGG_TRAIN=str(VENV_BIN / "jagg-train"), OMP_NUM_THREADS="1")
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env['PATH']}"
+    out = tmp_path / "run"
+    r = _run(LAUNCHERS / script, [str(ROOT / CONFIG), *TINY, *engine, f"run.output_dir={out}"], env, timeout=RUN_S)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and '"step": 0' in rows[0]
+    assert (out / "checkpoints" / "step_00000001" / "COMPLETE").exists()
+    ranks = re.findall(r"rank (\d)/2 \(local \d", r.stdout + r.stderr)
+    assert sorted(set(ranks)) == ["0", "1"], (r.stdout + r.stderr)[-3000:]
 
 
 # ------------------------------------------------------------------ slurm/jagg.sbatch

@@ -23,6 +23,18 @@ def test_torchrun():
     assert discover(TORCHRUN, use_mpi=False) == RankInfo(5, 8, 1, 4, "10.0.0.1", 29400, "torchrun")
 
 
+def test_deepspeed_names_the_nodes_process_count_local_size():
+    """DeepSpeed's launch.py sets torchrun's variables but LOCAL_SIZE for LOCAL_WORLD_SIZE (and CROSS_RANK /
+    CROSS_SIZE for the node); a bad one is named by its own name."""
+    env = {k: v for k, v in TORCHRUN.items() if k != "LOCAL_WORLD_SIZE"} | {"LOCAL_SIZE": "4", "CROSS_RANK": "1",
+                                                                         "CROSS_SIZE": "2"}
+    assert discover(env, use_mpi=False) == RankInfo(5, 8, 1, 4, "10.0.0.1", 29400, "deepspeed")
+    with pytest.raises(ValueError, match="LOCAL_RANK=1 must be < LOCAL_SIZE=1"):
+        discover(env | {"LOCAL_SIZE": "1"}, use_mpi=False)
+    with pytest.raises(ValueError, match="missing: LOCAL_WORLD_SIZE"):
+        discover({k: v for k, v in env.items() if k != "LOCAL_SIZE"}, use_mpi=False)
+
+
 @pytest.mark.parametrize("nodelist, hosts", [
     ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
     ("gpu-a[1-2],gpu-b5", ["gpu-a1", "gpu-a2", "gpu-b5"]),
