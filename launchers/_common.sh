@@ -24,6 +24,12 @@ fi
 PROG=${0##*/}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
+# The CUDA caching allocator with expandable segments (less fragmentation between the rollout's and the joint
+# pass's shapes), as slurm/jagg.sbatch sets it, unless the caller chose an allocator setting (either name).
+if [[ -z "${PYTORCH_ALLOC_CONF:-}" && -z "${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+fi
+
 # usage [CODE]: the usage message (with the launcher's USAGE_ENV) on stderr; exit CODE (2).
 usage() {
     cat >&2 <<EOF

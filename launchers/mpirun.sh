@@ -67,7 +67,8 @@ cmd=("$MPIRUN" -np "$NP")
 cmd+=(--bind-to "${MPI_BIND:-none}")
 [[ -n "${CPU_DEFAULT:-}" ]] && cmd+=(--oversubscribe)
 cmd+=(-x "MASTER_ADDR=$MASTER_ADDR" -x "MASTER_PORT=$MASTER_PORT" -x PATH)
-for v in LD_LIBRARY_PATH PYTHONPATH VIRTUAL_ENV CUDA_VISIBLE_DEVICES OMP_NUM_THREADS ${MPI_EXPORT:-}; do
+for v in LD_LIBRARY_PATH PYTHONPATH VIRTUAL_ENV CUDA_VISIBLE_DEVICES OMP_NUM_THREADS PYTORCH_CUDA_ALLOC_CONF \
+         PYTORCH_ALLOC_CONF ${MPI_EXPORT:-}; do
     [[ -n "${!v+x}" ]] && cmd+=(-x "$v")
 done
 append_extra_args "${MPIRUN_ARGS:-}"

@@ -66,6 +66,7 @@ import copy
 import json
 import logging
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -124,6 +125,29 @@ def build_ds_config(parallel: ParallelConfig, optim: OptimizerSettings, bf16: bo
         pin = torch.cuda.is_available()
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     return deep_merge(ds, user)
+
+
+# The DeepSpeed releases whose internals this engine calls (ZeRO-3's fp32_partitioned_groups_flat and
+# _partition_all_parameters, the engine's _get_ckpt_name) are verified on: another release is refused at config
+# validation instead of failing mid-run (pyproject.toml pins the same range).
+TESTED_DEEPSPEED = ((0, 19, 8), (0, 20, 0))  # [low, high)
+
+
+def deepspeed_problem() -> str | None:
+    """Why parallel.engine deepspeed cannot run here (not installed, or an untested release), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("deepspeed")
+    except PackageNotFoundError:
+        return "is deepspeed, but DeepSpeed is not installed (pip install -c constraints.txt -e '.[deepspeed]')"
+    parts = tuple(int(p) for p in re.findall(r"\d+", found)[:3])
+    low, high = TESTED_DEEPSPEED
+    if not low <= parts < high:
+        return (f"is deepspeed, but DeepSpeed {found} is installed: this engine calls DeepSpeed internals verified on "
+                f">= {'.'.join(map(str, low))}, < {'.'.join(map(str, high))} only (pip install "
+                f"'deepspeed>={'.'.join(map(str, low))},<{'.'.join(map(str, high))}')")
+    return None
 
 
 class DeepSpeedEngine(Engine):

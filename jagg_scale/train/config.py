@@ -392,6 +392,11 @@ def _check_files(cfg: Config) -> None:
     if cfg.model.kind != "dit" and pretrained is not None:
         _require((pretrained / "model_index.json").is_file(), "model.pretrained",
                  f"is not a diffusers pipeline directory (no model_index.json): {cfg.model.pretrained}")
+    if cfg.parallel.engine == "deepspeed":
+        from ..parallel.deepspeed_engine import deepspeed_problem
+
+        problem = deepspeed_problem()
+        _require(problem is None, "parallel.engine", problem)
 
 
 def load_prompt_file(key: str, value: str):

@@ -45,6 +45,7 @@ NCCL_SETTINGS = {
 }
 
 STUB_TRAIN = """#!/usr/bin/env bash
+echo "ALLOC ${RANK:-${OMPI_COMM_WORLD_RANK:-}}=${PYTORCH_CUDA_ALLOC_CONF:-unset}"
 echo "RANK=${RANK:-${OMPI_COMM_WORLD_RANK:-}} SIZE=${WORLD_SIZE:-${OMPI_COMM_WORLD_SIZE:-}} \
 MASTER=${MASTER_ADDR:-}:${MASTER_PORT:-} ARGS=$*"
 """
@@ -335,6 +336,9 @@ def test_launcher_starts_two_ranks(script, tool, stubs, stub_train):
     assert all("SIZE=2" in ln for ln in lines)
     backend = " parallel.engine=deepspeed" if tool == "deepspeed" else ""
     assert all(ln.endswith(f"ARGS={CONFIG} train.steps=1 data.x=a b{backend}") for ln in lines), lines
+    # every rank gets the allocator setting the sbatch sets (expandable segments), unless one is given
+    assert sorted(ln for ln in r.stdout.splitlines() if ln.startswith("ALLOC")) == [
+        "ALLOC 0=expandable_segments:True", "ALLOC 1=expandable_segments:True"], r.stdout
 
 
 TINY = ["train.steps=1", "model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=8",

@@ -254,3 +254,28 @@ def test_a_jagg_window_longer_than_the_trained_steps_is_warned_about(caplog):
 def test_the_t5_length_is_refused_where_it_cannot_act(overrides, message):
     err = _err(*overrides)
     assert err.startswith("config key 'model.max_sequence_length' ") and message in err
+
+
+@pytest.mark.parametrize("installed,ok", [("0.19.8", True), ("0.19.11", True), ("0.18.2", False), ("0.20.0", False),
+                                          (None, False)])
+def test_deepspeed_outside_the_tested_releases_is_refused_naming_the_version(monkeypatch, installed, ok):
+    """parallel.engine deepspeed calls ZeRO-3 internals verified on 0.19.8: another release (or none) is refused
+    when the run starts, naming the key and the version found, before any model is built."""
+    import importlib.metadata as md
+
+    real = md.version
+
+    def version(name):
+        if name != "deepspeed":
+            return real(name)
+        if installed is None:
+            raise md.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(md, "version", version)
+    if ok:
+        assert load_config(TINY, ["parallel.engine=deepspeed"]).parallel.engine == "deepspeed"
+    else:
+        with pytest.raises(ConfigError, match="config key 'parallel.engine' is deepspeed, but DeepSpeed "
+                                              + (f"{installed} is installed" if installed else "is not installed")):
+            load_config(TINY, ["parallel.engine=deepspeed"])
