@@ -25,7 +25,10 @@ stream waits for it before reading the chunk, and the worker hands back CPU scor
 
 from __future__ import annotations
 
+import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -34,6 +37,8 @@ import torch
 
 from ..grpo.advantages import Advantages, combine_advantages, compute_advantages
 from .base import Reward, RewardOutput, build_reward, score_safely
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RewardMix", "ChunkScorer", "ComponentScores", "build_reward_mix", "check_failures", "gather_components"]
 
@@ -197,6 +202,8 @@ class ChunkScorer:
         self.pool = (ThreadPoolExecutor(1, thread_name_prefix="reward", initializer=self.lane.bind)
                      if background else None)
         self.pending: list[Future | dict] = []
+        self.sizes: list[int] = []  # rows per chunk
+        self.late = 0  # rows masked by finish()'s deadline
 
     def _score(self, latents, prompts, metadata, ready=None) -> dict[str, ComponentScores]:
         with torch.no_grad(), self.lane.scoring(ready):
@@ -205,17 +212,36 @@ class ChunkScorer:
             return {n: ComponentScores(p.scores.cpu(), p.valid.cpu()) for n, p in parts.items()}
 
     def add(self, latents: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> None:
+        self.sizes.append(len(prompts))
         if self.pool is None:
             self.pending.append(self._score(latents, list(prompts), list(metadata)))
         else:
             ready = self.lane.produced()
             self.pending.append(self.pool.submit(self._score, latents, list(prompts), list(metadata), ready))
 
-    def finish(self) -> dict[str, ComponentScores]:
+    def finish(self, deadline_s: float | None = None) -> dict[str, ComponentScores]:
+        """Every chunk's scores, waiting at most `deadline_s` seconds from now for the worker's: a chunk not scored
+        by then is masked (valid False; its rows counted in `late`) and the worker is left to finish it alone (its
+        thread ends when the reward's own timeout and retries run out), so a hung reward host costs this step's
+        late samples, not the job."""
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        chunks = []
         try:
-            chunks = [p.result() if isinstance(p, Future) else p for p in self.pending]
+            for p, n in zip(self.pending, self.sizes):
+                if not isinstance(p, Future):
+                    chunks.append(p)
+                    continue
+                try:
+                    chunks.append(p.result(timeout=None if end is None else max(0.0, end - time.monotonic())))
+                except FutureTimeout:
+                    self.late += n
+                    chunks.append({name: ComponentScores(torch.zeros(n), torch.zeros(n, dtype=torch.bool))
+                                   for name in self.mix.names})
         finally:
             if self.pool is not None:
-                self.pool.shutdown(wait=True)
+                self.pool.shutdown(wait=self.late == 0, cancel_futures=True)
+        if self.late:
+            log.warning("reward: %d of %d samples not scored within reward.deadline_s=%g s: masked", self.late,
+                        sum(self.sizes), deadline_s)
         return {n: ComponentScores(torch.cat([c[n].scores for c in chunks]), torch.cat([c[n].valid for c in chunks]))
                 for n in self.mix.names}

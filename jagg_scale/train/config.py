@@ -55,6 +55,12 @@ class Config:
         DiffusionNFT. Without it no reference is built and none is evaluated."""
         return (self.nft.kl_beta if self.train.algorithm == "nft" else self.grpo.beta) > 0
 
+    @property
+    def reward_deadline_s(self) -> float:
+        """reward.deadline_s, or half of parallel.collective_timeout_s (null)."""
+        d = self.reward.deadline_s
+        return self.parallel.collective_timeout_s / 2 if d is None else float(d)
+
     def to_dict(self) -> dict:
         """Plain YAML-safe types (tuples -> lists): written to config.yaml and compared on resume."""
         return _plain(self)
@@ -254,10 +260,18 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     _check_algorithm(cfg)
     _warn_window(cfg)
     _check_rewards(cfg.reward)
+    # deadlines nest: a rank's wait for its rewards ends inside the collective timeout of the all-gather after it
+    c = cfg.parallel.collective_timeout_s
+    _require(cfg.reward_deadline_s + DEADLINE_MARGIN_S <= c, "reward.deadline_s",
+             f"{cfg.reward_deadline_s:g} s must end {DEADLINE_MARGIN_S} s inside parallel.collective_timeout_s={c} "
+             "(the other ranks wait for this one in the reward all-gather): lower it or raise the collective timeout")
     if check_files:
         _require(cfg.run.device != "cuda" or torch.cuda.is_available(), "run.device",
                  "is cuda, but torch sees no CUDA device here (use auto or cpu, or run on a GPU node)")
         _check_files(cfg)
+
+
+DEADLINE_MARGIN_S = 30  # reward.deadline_s's distance from parallel.collective_timeout_s: the gather's own time
 
 
 def _check_algorithm(cfg: Config) -> None:

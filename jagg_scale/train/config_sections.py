@@ -374,10 +374,18 @@ class RewardConfig(_Section):
     aggregate: RewardAggregate = "sum"
     max_fail_frac: float = 0.25  # per reward: a larger failed fraction of a batch stops the run
     background: bool = True  # decode + score rollout chunks in a worker thread while the next chunk samples
+    # the most seconds a rank waits, once its rollout is done, for the chunks its worker is still scoring; a chunk
+    # not scored by then is masked (its rows count as failed rewards, metric reward_late) and the step goes on, so a
+    # hung reward host costs samples, never the job. null: half of parallel.collective_timeout_s. It must end well
+    # inside that timeout (the other ranks wait for this one in the reward all-gather that follows): validated.
+    # Background scoring only (inline and sharded scoring run inside the rollout and cannot be cut off)
+    deadline_s: Optional[float] = None
     shard: bool = False  # split reward-model weights across ranks (FSDP2, inference); each rank scores its images
 
     def check(self, prefix: str) -> None:
         _require(0.0 <= self.max_fail_frac <= 1.0, f"{prefix}.max_fail_frac", "must be in [0, 1]")
+        _require(self.deadline_s is None or self.deadline_s > 0, f"{prefix}.deadline_s",
+                 f"must be > 0 seconds (null: half of parallel.collective_timeout_s), got {self.deadline_s}")
         for name, spec in self.components.items():
             weight = (spec or {}).get("weight", 1.0)
             _require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),

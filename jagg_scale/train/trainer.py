@@ -168,7 +168,7 @@ class Trainer:
                                        ref_steps=ref_steps, ref_plan=ref_plan, trained=steps)
         t1 = time.perf_counter()
         # 2. reward: gathered so that every rank sees the whole batch (and takes the same decisions)
-        local = scorer.finish()
+        local = scorer.finish(deadline_s=cfg.reward_deadline_s if background else None)
         with self._comm("reward"):
             parts = gather_components(local, rows.all_rows, len(records),
                                       lambda t: self.dist.all_gather_tensor(t.to(self.device)))
@@ -187,6 +187,7 @@ class Trainer:
             "step": step,
             **self._reward_metrics(parts, failed),
             "zero_std_groups": adv.zero_std_groups,
+            "reward_late": scorer.late,  # this rank's samples masked by reward.deadline_s (mean over ranks)
             **update,
             **({"sde_window_start": steps[0]} if cfg.sampling.sde_window else {}),
             "time_rollout": t1 - t0,  # includes the reward scoring that overlapped it

@@ -153,3 +153,39 @@ def test_score_safely_wrong_length_counts_as_failure():
 def test_score_safely_real_jpeg_reward_all_valid():
     scores, valid, n_failed = score_safely(build_reward("jpeg_compressibility"), *_batch(2), max_fail_frac=0.0)
     assert n_failed == 0 and valid.all() and (scores < 0).all()
+
+
+def test_a_chunk_not_scored_within_the_deadline_is_masked_and_the_step_goes_on():
+    """ChunkScorer.finish(deadline_s): the background worker's chunk that is still being scored when the deadline
+    passes is masked (valid False, counted in `late`) and finish returns on time; the chunks scored before it keep
+    their scores. Without a deadline finish waits for every chunk."""
+    import threading
+    import time
+
+    from jagg_scale.rewards.multi import ChunkScorer, RewardMix
+
+    release = threading.Event()
+
+    class Hangs(Reward):
+        name = "hangs"
+
+        def __call__(self, images, prompts, metadata):
+            if prompts[0] == "hang":
+                release.wait(30)  # a reward host that stopped answering (until the test lets it go)
+            return RewardOutput(images.flatten(1).mean(1))
+
+    mix = RewardMix([("hangs", 1.0, Hangs())])
+    scorer = ChunkScorer(mix, decode=lambda x: x, background=True)
+    scorer.add(torch.full((2, 3, 4, 4), 0.5), ["ok", "ok"], [{}, {}])
+    scorer.add(torch.full((3, 3, 4, 4), 0.5), ["hang"] * 3, [{}] * 3)
+    t0 = time.monotonic()
+    parts = scorer.finish(deadline_s=0.5)
+    waited = time.monotonic() - t0
+    release.set()
+    assert 0.4 < waited < 10  # the deadline, not the hung call
+    p = parts["hangs"]
+    assert p.valid.tolist() == [True, True, False, False, False] and scorer.late == 3
+    assert torch.allclose(p.scores[:2], torch.tensor([0.5, 0.5]))
+    again = ChunkScorer(mix, decode=lambda x: x, background=True)
+    again.add(torch.full((3, 3, 4, 4), 0.25), ["hang"] * 3, [{}] * 3)  # released: no deadline, scored
+    assert again.finish()["hangs"].valid.all() and again.late == 0
