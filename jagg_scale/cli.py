@@ -44,25 +44,36 @@ def _train(argv: list[str] | None) -> int:
         cfg = load_config(args.config, args.overrides)
         validate_world(cfg, discover().world_size)  # the launch's process count, before any model is loaded
     except ConfigError as err:  # before any work: name the key and stop
-        print(f"jagg-train: {err}", file=sys.stderr)
-        return 2
+        return _failed(err, 2)
     from .parallel.engine import NonFiniteError
 
     try:
         trainer = Trainer(cfg)
     except ConfigError as err:  # found once the run directory is read: an earlier run there, a checkpoint past steps
-        print(f"jagg-train: {err}", file=sys.stderr)
-        return 2
+        return _failed(err, 2)
     try:
         history = trainer.fit()
         if trainer.is_main:
             _summary(trainer, cfg, history)
     except NonFiniteError as err:  # diverged, or refused to checkpoint NaN weights: a failed run, said plainly
-        print(f"jagg-train: {err}", file=sys.stderr)
-        return 1
+        return _failed(err, 1)
     finally:
         trainer.close()  # the process group, then the run lock (after the last write into the run directory)
     return 0
+
+
+def _failed(err: Exception, code: int) -> int:
+    """A failure no retry can fix: one line on stderr, and (rank 0) the same line in the file JAGG_FAILED_FILE names
+    when it is set: slurm/jagg.sbatch sets it to OUTPUT_DIR/FAILED, which tells it not to requeue the job."""
+    print(f"jagg-train: {err}", file=sys.stderr)
+    marker = os.environ.get("JAGG_FAILED_FILE")
+    if marker and os.environ.get("RANK", "0") == "0":
+        try:
+            with open(marker, "w") as f:
+                f.write(f"jagg-train exit {code}: {err}\n")
+        except OSError as oserr:  # the message above is the report
+            print(f"jagg-train: could not write JAGG_FAILED_FILE={marker}: {oserr}", file=sys.stderr)
+    return code
 
 
 def _summary(trainer, cfg, history: list[dict]) -> None:

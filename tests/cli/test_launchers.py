@@ -35,7 +35,7 @@ KNOBS = {
     "JAGG_TRAIN", "TORCHRUN", "TORCHRUN_ARGS", "DRY_RUN", "HOSTFILE", "NUM_NODES", "NUM_GPUS", "DS_LAUNCHER",
     "DEEPSPEED", "DEEPSPEED_ARGS", "NP", "MPI_BIND", "MPI_EXPORT", "MPIRUN", "MPIRUN_ARGS", "GPUS", "OUTPUT_DIR",
     "RESUME", "MAX_REQUEUES", "PYTHON", "SRUN_ARGS", "CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-    "REPLICATE", "COLLECTIVE_TIMEOUT",
+    "REPLICATE", "COLLECTIVE_TIMEOUT", "RESTARTS", "MAX_RESTARTS", "JAGG_FAILED_FILE",
 }
 # The NCCL / torch settings jagg.sbatch exports (and older names it reads): cleared the same way.
 NCCL_SETTINGS = {
@@ -78,6 +78,7 @@ case "${STUB_MODE:-}" in
     preempt) touch "$OUTPUT_DIR/PREEMPTED"; exit 138 ;;
     env) env > "$OUTPUT_DIR/srun.env"; exit 0 ;;
     exitcode) exit "$STUB_RC" ;;
+    fail) echo "jagg-train exit 2: config key 'x' is bad" > "$JAGG_FAILED_FILE"; exit 1 ;;
     wait)
         trap 'on_sig USR1' USR1
         trap 'on_sig TERM' TERM
@@ -504,13 +505,46 @@ def test_sbatch_requeues_after_preemption_marker(stubs, tmp_path):
     assert r.returncode == 0
 
 
-@pytest.mark.parametrize("rc", [0, 1])
-def test_sbatch_no_requeue_without_marker(rc, stubs, tmp_path):
-    env = _slurm_env(stubs, tmp_path, STUB_MODE="exitcode", STUB_RC=rc)
+def test_sbatch_no_requeue_after_a_finished_run(stubs, tmp_path):
+    env = _slurm_env(stubs, tmp_path, STUB_MODE="exitcode", STUB_RC=0)
     (Path(env["OUTPUT_DIR"]) / "PREEMPTED").write_text("stale")  # from an earlier job: removed before srun
     r = _run(SBATCH, [CONFIG], env)
-    assert r.returncode == rc
+    assert r.returncode == 0
     assert not any(ln.startswith("requeue") for ln in _log(tmp_path)), r.stderr
+
+
+def test_sbatch_requeues_a_crash_within_its_budget_then_fails(stubs, tmp_path):
+    """A non-zero exit without preemption (an NCCL error, a lost node): requeued, counted in OUTPUT_DIR/CRASHES,
+    RESTARTS times; the next crash writes OUTPUT_DIR/FAILED with the reason and ends the job with srun's code."""
+    env = _slurm_env(stubs, tmp_path, STUB_MODE="exitcode", STUB_RC=1, RESTARTS=2)
+    out = Path(env["OUTPUT_DIR"])
+    (out / "FAILED").write_text("stale")  # from an earlier job: removed before srun
+    for crash in (1, 2):
+        r = _run(SBATCH, [CONFIG], env)
+        assert r.returncode == 0 and _log(tmp_path).count("requeue 123") == crash, r.stderr
+        assert (out / "CRASHES").read_text().strip() == str(crash) and not (out / "FAILED").exists()
+        assert f"crash {crash} of RESTARTS=2" in r.stderr
+    r = _run(SBATCH, [CONFIG], env)
+    assert r.returncode == 1 and _log(tmp_path).count("requeue 123") == 2, r.stderr
+    assert "RESTARTS=2 requeues used up" in (out / "FAILED").read_text()
+
+
+def test_sbatch_does_not_requeue_what_the_trainer_says_a_retry_cannot_fix(stubs, tmp_path):
+    """The trainer writes JAGG_FAILED_FILE (OUTPUT_DIR/FAILED) on a config error or a diverged run: no requeue."""
+    env = _slurm_env(stubs, tmp_path, STUB_MODE="fail")
+    r = _run(SBATCH, [CONFIG], env)
+    assert r.returncode == 1 and not any(ln.startswith("requeue") for ln in _log(tmp_path)), r.stderr
+    assert "a retry cannot help" in r.stderr and "config key 'x' is bad" in r.stderr
+    assert not (Path(env["OUTPUT_DIR"]) / "CRASHES").exists()
+
+
+def test_sbatch_exposes_torchruns_restarts_and_says_its_budget(stubs, tmp_path):
+    argv = _dry(SBATCH, [CONFIG], _slurm_env(stubs, tmp_path, MAX_RESTARTS=2, DRY_RUN=1))
+    assert _opt(argv, "--max-restarts") == "2"
+    r = _run(SBATCH, [CONFIG], _slurm_env(stubs, tmp_path, DRY_RUN=1))
+    assert "requeue budget: 3 crash(es), 50 requeues in all, torchrun --max-restarts 0" in r.stderr
+    r = _run(SBATCH, [CONFIG], _slurm_env(stubs, tmp_path, DRY_RUN=1, RESTARTS="x"))
+    assert r.returncode == 2 and "RESTARTS=x must be a non-negative integer" in r.stderr
 
 
 def test_sbatch_requeues_on_preemption_exit_code(stubs, tmp_path):

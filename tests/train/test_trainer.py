@@ -89,6 +89,19 @@ def test_bad_config_names_the_key(tmp_path, override, key):
     assert not (tmp_path / "x").exists()  # failed before any work
 
 
+def test_a_config_error_is_written_where_jagg_failed_file_says(tmp_path, monkeypatch, capsys):
+    """slurm/jagg.sbatch sets JAGG_FAILED_FILE=OUTPUT_DIR/FAILED: a failure no retry can fix is written there (rank
+    0), and the job is not requeued; unset, nothing is written anywhere."""
+    marker = tmp_path / "FAILED"
+    assert train_main([TINY, "jagg.widow=4", f"run.output_dir={tmp_path / 'x'}"]) == 2 and not marker.exists()
+    monkeypatch.setenv("JAGG_FAILED_FILE", str(marker))
+    assert train_main([TINY, "jagg.widow=4", f"run.output_dir={tmp_path / 'x'}"]) == 2
+    assert marker.read_text().startswith("jagg-train exit 2: unknown config key 'jagg.widow'")
+    marker.unlink()
+    monkeypatch.setenv("RANK", "1")  # another rank: rank 0 writes it
+    assert train_main([TINY, "jagg.widow=4", f"run.output_dir={tmp_path / 'x'}"]) == 2 and not marker.exists()
+
+
 def test_bad_yaml_file_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("jagg:\n  window: 4\n  widow: 2\n")
