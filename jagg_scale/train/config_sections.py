@@ -44,7 +44,7 @@ RewardAggregate = Literal["sum", "advantage"]  # GRPO on sum_c w_c r_c | sum_c w
 WandbMode = Literal["offline", "online", "disabled"]
 Device = Literal["auto", "cpu", "cuda"]
 TextEncoders = Literal["all", "no_t5"]  # sd3: no_t5 loads no T5 encoder (zero T5 embeddings, as diffusers does)
-ExportDType = Literal["float32", "bfloat16"]  # the exported weights' dtype (run.export_dtype)
+ExportDType = Literal["auto", "float32", "bfloat16"]  # the exported weights' dtype (run.export_dtype)
 RESUME_KEYWORDS = ("none", "auto")  # run.resume: these, or the path of a checkpoint directory
 
 __all__ = [
@@ -436,7 +436,9 @@ class RunConfig(_Section):
     # out/lora | out/transformer: at the last step, and every export_every steps when > 0; never on preemption (the
     # signal's lead time is the checkpoint's alone: docs/launchers.md)
     export_every: int = 0
-    export_dtype: ExportDType = "float32"  # bfloat16: half the bytes (FLUX: 23.8 GB instead of 47.6 GB)
+    # auto: the dtype model.pretrained's transformer is published in (SD3.5, FLUX: bfloat16, half the bytes of
+    # float32: FLUX 23.8 GB instead of 47.6 GB), float32 for anything else (the built-in DiT, mixed dtypes)
+    export_dtype: ExportDType = "auto"
     device: Device = "auto"
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
 

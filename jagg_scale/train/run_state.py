@@ -4,7 +4,8 @@
                                      state.json; written collectively and atomically (checkpoint/local.py), each
                                      rank hashing its own files
     out/lora | out/transformer       the weights in the backbone's own format (diffusers), rank 0, in
-                                     run.export_dtype, with jagg_export.json ({"step", "dtype"}) inside
+                                     run.export_dtype (auto: the published dtype), with jagg_export.json
+                                     ({"step", "dtype"}) inside
 
 When (`after_step`, called by the trainer after every step): a checkpoint every run.checkpoint_every steps, at the
 last step and on preemption; an export at the last step and every run.export_every steps, never on preemption: a
@@ -99,6 +100,7 @@ class RunState:
         self.out = Path(out)
         self.ckpt_root = self.out / "checkpoints"
         self.exported_step: int | None = None  # the step of the export this process wrote, if any
+        self.export_dtype = export_dtype(cfg)
 
     # ------------------------------------------------------------------ after a training step
     def after_step(self, next_step: int, source, model, *, last: bool, preempted: bool) -> None:
@@ -124,7 +126,7 @@ class RunState:
             record = self._export_dir() / EXPORT_RECORD
             done = json.loads(record.read_text()) if record.is_file() else None
         done = self.dist.broadcast_object(done)
-        if done != {"step": steps, "dtype": self.cfg.run.export_dtype}:
+        if done != {"step": steps, "dtype": self.export_dtype}:
             self.export(model, steps)
 
     # ------------------------------------------------------------------ checkpoints
@@ -217,7 +219,7 @@ class RunState:
         if not hasattr(model, "save_full"):
             return None
         lora = self.cfg.model.lora.enabled
-        dtype = self.cfg.run.export_dtype
+        dtype = self.export_dtype
         with self.engine.ema_weights():
             state = self.engine.full_state_dict()  # gathered on rank 0 when sharded (collective)
             if not self.dist.is_main:
@@ -235,6 +237,22 @@ class RunState:
         self.exported_step = step
         log.info("exported %s weights of step %s to %s", dtype, step, final)
         return final
+
+
+def export_dtype(cfg) -> str:
+    """run.export_dtype, with auto resolved: the dtype model.pretrained's transformer is stored in when that is
+    bfloat16 (the published SD3.5 and FLUX weights), else float32 (read from the safetensors headers alone)."""
+    if cfg.run.export_dtype != "auto":
+        return cfg.run.export_dtype
+    if cfg.model.kind == "dit" or not cfg.model.pretrained:
+        return "float32"
+    from ..models import pretrained_path, stored_dtype
+
+    try:
+        stored = stored_dtype(pretrained_path(cfg.model, allow_download=False) / "transformer")
+    except Exception:  # noqa: BLE001 - not readable here (a hub id not cached): the safe full precision
+        return "float32"
+    return "bfloat16" if stored == torch.bfloat16 else "float32"
 
 
 def no_valid_checkpoint(root: Path, problems: list[str]) -> str:

@@ -42,7 +42,7 @@ def _err(*overrides):
     ("log.wandb_mode", "offline, online, disabled"),
     ("parallel.engine", "none, fsdp2, deepspeed"),
     ("run.device", "auto, cpu, cuda"),
-    ("run.export_dtype", "float32, bfloat16"),
+    ("run.export_dtype", "auto, float32, bfloat16"),
 ])
 def test_a_bad_choice_names_the_key_and_the_choices(key, choices):
     assert _err(f"{key}=foo") == f"config key '{key}' must be one of {choices}, got 'foo'"
@@ -75,8 +75,8 @@ def test_non_finite_floats_are_rejected(key, value):
     assert _err(f"{key}={value}").startswith(f"config key '{key}' must be a finite number, got ")
 
 
-def test_export_keys_default_to_a_float32_export_at_the_end_and_are_checked_by_name():
-    assert (Config().run.export_every, Config().run.export_dtype) == (0, "float32")
+def test_export_keys_default_to_an_export_at_the_end_in_the_published_dtype_and_are_checked_by_name():
+    assert (Config().run.export_every, Config().run.export_dtype) == (0, "auto")
     cfg = load_config(TINY, ["run.export_every=50", "run.export_dtype=bfloat16"])
     assert (cfg.run.export_every, cfg.run.export_dtype) == (50, "bfloat16")
     assert _err("run.export_every=-1") == "config key 'run.export_every' must be >= 0 (0: only at the end)"

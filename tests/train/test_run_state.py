@@ -135,3 +135,22 @@ def test_bfloat16_export_halves_the_bytes_and_rounds_the_weights(tmp_path):
     fp32.engine.model.save_full = fake_save
     full = fp32.export(fp32.engine.model, 7) / "weights.safetensors"
     assert 1.9 < full.stat().st_size / (out / "weights.safetensors").stat().st_size < 2.1
+
+
+def test_export_dtype_auto_is_the_published_transformers_dtype(tmp_path, sd3_dir):
+    """run.export_dtype auto: bfloat16 for a pipeline whose transformer safetensors hold bf16 (SD3.5, FLUX as
+    published), float32 for a float32 one and for the built-in DiT; an explicit value wins."""
+    import shutil
+
+    from jagg_scale.train.run_state import export_dtype
+
+    sd3 = ["model.kind=sd3", f"model.pretrained={sd3_dir}"]
+    assert export_dtype(load_config(TINY, sd3)) == "float32"  # the tiny pipeline is saved in float32
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(sd3_dir, bf16)
+    for f in (bf16 / "transformer").glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(f))
+    assert export_dtype(load_config(TINY, ["model.kind=sd3", f"model.pretrained={bf16}"])) == "bfloat16"
+    assert export_dtype(load_config(TINY, ["model.kind=sd3", f"model.pretrained={bf16}",
+                                           "run.export_dtype=float32"])) == "float32"
+    assert export_dtype(load_config(TINY, [])) == "float32"  # the built-in DiT
