@@ -39,7 +39,17 @@ from .config import Config, load_prompt_file
 from .diversity import compare_to_base, diversity_features, mean_pairwise_distance
 from .grid import image_grid, to_uint8
 
-__all__ = ["EvalNoise", "eval_prompts", "eval_share", "evaluate", "evaluate_checkpoint", "image_grid", "load_eval"]
+__all__ = ["EvalInterrupted", "EvalNoise", "eval_prompts", "eval_share", "evaluate", "evaluate_checkpoint",
+           "image_grid", "load_eval"]
+
+
+class EvalInterrupted(Exception):
+    """`stop()` said so between two batches: `partial` holds this rank's batches so far (pass it back as `resume`
+    to the same evaluation on the same world size to continue where it stopped)."""
+
+    def __init__(self, partial: dict):
+        super().__init__(f"evaluation interrupted after {partial['batches']} batch(es)")
+        self.partial = partial
 
 
 def eval_prompts(cfg: Config) -> PromptSet:
@@ -111,14 +121,19 @@ def _gather_to_main(dist, obj) -> list | None:
 
 @torch.no_grad()
 def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet, out_dir: Path | None,
-             dist=None, base: dict | None = None) -> dict:
+             dist=None, base: dict | None = None, stop=None, resume: dict | None = None) -> dict:
     """Sample eval.num_per_prompt images per prompt with the ODE, score them, measure each prompt's diversity, write
     eval.json and grid.png.
 
     With a DistContext `dist` of several ranks each samples its share (module docstring); every rank must call this
     (the same number of forwards), every rank returns the same result, and `out_dir` is written where it is given
     (the trainer gives it to rank 0 only). `base`: the base model's result of the same protocol (the step-0
-    evaluation), reported beside this one with the diversity ratio."""
+    evaluation), reported beside this one with the diversity ratio.
+
+    Preemption: `stop()`, called before every batch (on every rank: it must return the same everywhere, the trainer
+    agrees on it across ranks), ends the evaluation with EvalInterrupted carrying this rank's batches so far;
+    `resume` (that `partial`, of the same world size and images) skips them. The noise of image i is the same
+    either way (EvalNoise), so an interrupted and resumed evaluation is the uninterrupted one."""
     e = cfg.eval
     active = dist is not None and dist.active
     rank, world = (dist.rank, dist.world_size) if active else (0, 1)
@@ -130,11 +145,22 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
     sigmas = model_schedule(model, cfg.sampling.eval_num_steps, cfg.sampling.shift).to(device)
     grid_n = min(e.grid_images, n)
     scores, valid, feats, grid = [], [], [], []
-    space = None
+    space, done = None, 0
+    if resume is not None:
+        if (resume["world"], resume["images"]) != (world, n):
+            raise ValueError(f"an evaluation of {resume['images']} images on {resume['world']} ranks resumes only "
+                             f"there, not with {n} images on {world}")
+        scores, valid, feats, grid = (list(resume[k]) for k in ("scores", "valid", "feats", "grid"))
+        space, done = resume["space"], resume["batches"]
     was_training = model.training
     model.eval()
     try:
-        for rows, mine in zip(index.split(e.batch_size), real.split(e.batch_size)):
+        for b, (rows, mine) in enumerate(zip(index.split(e.batch_size), real.split(e.batch_size))):
+            if b < done:
+                continue
+            if stop is not None and stop():
+                raise EvalInterrupted({"batches": b, "world": world, "images": n, "scores": scores, "valid": valid,
+                                       "feats": feats, "grid": grid, "space": space})
             batch = [records[i] for i in rows.tolist()]
             texts = [r.prompt for r in batch]
             final = sample_ode(velocity_fn, encode(texts), noise.rows(rows).to(device), sigmas)

@@ -101,6 +101,7 @@ class RunState:
         self.ckpt_root = self.out / "checkpoints"
         self.exported_step: int | None = None  # the step of the export this process wrote, if any
         self.export_dtype = export_dtype(cfg)
+        self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote, if any
 
     # ------------------------------------------------------------------ after a training step
     def after_step(self, next_step: int, source, model, *, last: bool, preempted: bool) -> None:
@@ -139,8 +140,10 @@ class RunState:
             files = self.engine.save(tmp)
             return [*files, write_object(tmp / f"rng_rank{self.dist.rank:05d}.pt", capture_rng_state())]
 
-        return save_checkpoint_dir(self.ckpt_root, next_step, write=write, state=state,
+        path = save_checkpoint_dir(self.ckpt_root, next_step, write=write, state=state,
                                    keep_last=self.cfg.run.keep_last, dist=self.dist)
+        self.saved_step = next_step
+        return path
 
     def load(self, path: Path) -> None:
         """Engine state from a checkpoint directory, verified first (collective: each file hashed once, on one

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from ..checkpoint.local import write_object
+from ..checkpoint.pickles import load_torch
 from ..data import ListPromptSource, PromptSet, StreamPromptSource
 from ..jagg import plan_knots, trained_steps
 from ..models import build_model
@@ -35,7 +37,7 @@ from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
 from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
 from .config import Config, load_prompt_file, validate_world
-from .evaluate import eval_prompts, evaluate, load_eval
+from .evaluate import EvalInterrupted, eval_prompts, evaluate, load_eval
 from .logging import RunLogger
 from .policy import Policy, rollout_batch
 from .preemption import Preemption
@@ -246,14 +248,27 @@ class Trainer:
         history = []
 
         def evaluate_and_log(step: int) -> None:  # every rank evaluates; rank 0 also shows it on wandb
-            result = self.evaluate(step)
+            try:
+                result = self.evaluate(step)
+            except EvalInterrupted:  # preempted mid-evaluation: the state after `step` saved, the eval resumes
+                if step > 0 and self.run_state.saved_step != step:
+                    self.run_state.save(step, self.source)
+                self._exit_preempted(step)
             if logger is not None:
                 logger.log_eval(step, result, self.eval_dir(step))
 
+        def eval_due(step: int) -> bool:
+            if self.eval_prompts is None:
+                return False
+            if step == 0:
+                return cfg.eval.at_start
+            return step == cfg.train.steps or bool(cfg.eval.every and step % cfg.eval.every == 0)
+
         try:
             with self.preemption.armed():
-                if self.eval_prompts is not None and self.start_step == 0 and cfg.eval.at_start:
-                    evaluate_and_log(0)
+                if eval_due(self.start_step) and (self.start_step == 0 or not (
+                        self.eval_dir(self.start_step) / "eval.json").is_file()):
+                    evaluate_and_log(self.start_step)  # step 0's, or one a preemption stopped (or never began)
                 for step in range(self.start_step, cfg.train.steps):
                     metrics = self.train_step(step)
                     if logger is not None:
@@ -264,8 +279,7 @@ class Trainer:
                     self.run_state.after_step(step + 1, self.source, self.model, last=last, preempted=preempted)
                     if preempted:
                         self._exit_preempted(step + 1)
-                    if self.eval_prompts is not None and (last or (cfg.eval.every
-                                                                   and (step + 1) % cfg.eval.every == 0)):
+                    if eval_due(step + 1):
                         evaluate_and_log(step + 1)
                 self.run_state.finish(self.model, cfg.train.steps)  # the final export, if the loop did not write it
                 # every rank leaves together: rank 0 may still be sealing the last checkpoint, and a rank that tore
@@ -300,9 +314,23 @@ class Trainer:
         the step-0 evaluation (the base model; read back from its eval.json in a resumed run) is reported beside it."""
         out_dir = self.eval_dir(step)
         base = None if step == 0 else self.evals.get(0) or load_eval(self.eval_dir(0))
-        with self.engine.ema_weights():  # the EMA weights when train.ema_decay > 0
-            result = evaluate(self.model, self.policy.velocity_fn(), self.policy.encode, self.reward, self.cfg,
-                              self.eval_prompts, out_dir if self.dist.is_main else None, self.dist, base=base)
+        # preemption between batches: this rank's batches so far kept beside the eval, resumed from there
+        partial = out_dir / f"partial_rank{self.dist.rank:05d}.pt"
+        resume = load_torch(partial) if partial.is_file() else None
+        if resume is not None and (resume["world"] != self.dist.world_size):
+            resume = None  # another world size: its shares differ, the evaluation starts over
+        try:
+            with self.engine.ema_weights():  # the EMA weights when train.ema_decay > 0
+                result = evaluate(self.model, self.policy.velocity_fn(), self.policy.encode, self.reward, self.cfg,
+                                  self.eval_prompts, out_dir if self.dist.is_main else None, self.dist, base=base,
+                                  stop=lambda: self._agree(self.preemption.requested), resume=resume)
+        except EvalInterrupted as stopped:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            write_object(partial, stopped.partial)
+            log.warning("preempted during the evaluation after %d steps: %d batch(es) kept in %s", step,
+                        stopped.partial["batches"], partial)
+            raise
+        partial.unlink(missing_ok=True)
         self.evals[step] = result
         log.info("eval after %d steps: %s %.4f +- %.4f over %d images, diversity %s", step, result["reward"],
                  result["reward_mean"], result["reward_std"], result["num_images"], result["diversity"])

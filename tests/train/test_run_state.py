@@ -154,3 +154,49 @@ def test_export_dtype_auto_is_the_published_transformers_dtype(tmp_path, sd3_dir
     assert export_dtype(load_config(TINY, ["model.kind=sd3", f"model.pretrained={bf16}",
                                            "run.export_dtype=float32"])) == "float32"
     assert export_dtype(load_config(TINY, [])) == "float32"  # the built-in DiT
+
+
+@pytest.mark.slow
+def test_a_preemption_during_an_evaluation_saves_the_step_and_the_resumed_run_finishes_it_exactly(tmp_path):
+    """A signal between two evaluation batches (evaluate's stop(), agreed across ranks) ends the evaluation: this
+    rank's batches so far are kept beside it, the state after the step is checkpointed (checkpoint_every 0 had not
+    saved it), PREEMPTED is written, exit 128 + signal. The resumed run finishes that evaluation from its batches
+    first, then trains on: every evaluation and every step is the uninterrupted run's."""
+    common = SMALL + ["train.steps=3", "eval.enabled=true", "eval.at_start=false", "eval.every=1",
+                      "eval.prompts=[a red apple, a blue sky, a green field, a cat]", "eval.num_per_prompt=2",
+                      "eval.batch_size=2"]  # 8 images, 4 batches per evaluation
+    full = Trainer(load_config(TINY, common + [f"run.output_dir={tmp_path / 'full'}"]))
+    rows = full.fit()
+
+    cut = Trainer(load_config(TINY, common + [f"run.output_dir={tmp_path / 'cut'}"]))
+    calls = []
+    agree = cut._agree
+
+    def signal_mid_eval(flag):  # _agree: once after each step, then once before each evaluation batch
+        calls.append(flag)
+        if len(calls) == 1 + 1 + 2:  # step 0, its evaluation's batch 0, then batch 1 of it... stop before batch 2
+            cut.preemption.signal_number = signal.SIGTERM
+        return agree(cut.preemption.requested)
+
+    cut._agree = signal_mid_eval
+    with pytest.raises(SystemExit) as code:
+        cut.fit()
+    assert code.value.code == 128 + signal.SIGTERM
+    cut_dir = tmp_path / "cut"
+    assert (cut_dir / "PREEMPTED").is_file()
+    assert (cut_dir / "checkpoints" / "step_00000001" / "COMPLETE").is_file()  # saved for the evaluation
+    partial = cut_dir / "eval" / "step_00000001" / "partial_rank00000.pt"
+    assert partial.is_file() and not (partial.parent / "eval.json").exists()
+    assert torch.load(partial, weights_only=True)["batches"] == 2
+
+    resumed = Trainer(load_config(TINY, common + [f"run.output_dir={cut_dir}", "run.resume=auto"]))
+    assert resumed.start_step == 1
+    resumed.fit()
+    assert not partial.exists()
+    for step in (1, 2, 3):
+        a = json.loads((tmp_path / "full" / "eval" / f"step_{step:08d}" / "eval.json").read_text())
+        b = json.loads((cut_dir / "eval" / f"step_{step:08d}" / "eval.json").read_text())
+        assert a["per_prompt"] == b["per_prompt"] and a["reward_mean"] == b["reward_mean"], step
+    later = [json.loads(line) for line in (cut_dir / "metrics.jsonl").read_text().splitlines()]
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("time_")}  # noqa: E731
+    assert [strip(r) for r in later] == [strip(r) for r in rows]
