@@ -43,7 +43,9 @@ GB = 1e9
 MODELS = {"sd35_medium": "SD3.5-medium", "sd35_large": "SD3.5-large", "flux1_dev": "FLUX.1-dev"}
 LORA_RANK = 32  # the shipped LoRA configs (configs/sd35m_*.yaml)
 NODES = (1, 2, 4)
-SAFETY, MARGIN_S = 2.0, 30  # the lead beyond the step: 2 x t_save + 30 s (exit, a slow node, a busy filesystem)
+# the lead beyond the step (2 x t_save + 30 s) and t_save itself: jagg_scale/estimate/preemption.py, which
+# slurm/jagg.sbatch checks a job against
+from jagg_scale.estimate.preemption import MARGIN_S, SAFETY, save_seconds  # noqa: E402
 
 
 def measure(gb: float, repeats: int, directory: Path) -> dict:
@@ -106,10 +108,6 @@ def checkpoint_bytes() -> dict[str, dict[str, float]]:
         out[name] = {"params": st["params"], "lora_params": st["lora_params"], "full": 12 * st["params"],
                      "full+ema": 16 * st["params"], "lora": 12 * st["lora_params"]}
     return out
-
-
-def save_seconds(nbytes: float, nodes: int, gpus: int, node_gbps: float, hash_gbps: float) -> float:
-    return nbytes / (nodes * node_gbps * GB) + nbytes / (nodes * gpus * hash_gbps * GB)
 
 
 def table(sizes: dict, gpus: int, node_gbps: float, hash_gbps: float) -> str:

@@ -35,7 +35,7 @@ KNOBS = {
     "JAGG_TRAIN", "TORCHRUN", "TORCHRUN_ARGS", "DRY_RUN", "HOSTFILE", "NUM_NODES", "NUM_GPUS", "DS_LAUNCHER",
     "DEEPSPEED", "DEEPSPEED_ARGS", "NP", "MPI_BIND", "MPI_EXPORT", "MPIRUN", "MPIRUN_ARGS", "GPUS", "OUTPUT_DIR",
     "RESUME", "MAX_REQUEUES", "PYTHON", "SRUN_ARGS", "CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-    "REPLICATE", "COLLECTIVE_TIMEOUT", "RESTARTS", "MAX_RESTARTS", "JAGG_FAILED_FILE",
+    "REPLICATE", "COLLECTIVE_TIMEOUT", "RESTARTS", "MAX_RESTARTS", "JAGG_FAILED_FILE", "USR1_LEAD", "PREEMPT_CHECK",
 }
 # The NCCL / torch settings jagg.sbatch exports (and older names it reads): cleared the same way.
 NCCL_SETTINGS = {
@@ -379,7 +379,7 @@ def _slurm_env(stubs: Path, tmp_path: Path, **extra) -> dict:
     out.mkdir(exist_ok=True)
     return _env(stubs, **{**dict(SLURM_JOB_NODELIST="node[01-02]", SLURM_NNODES=2, SLURM_JOB_ID=123,
                                  SLURM_GPUS_ON_NODE=4, STUB_LOG=tmp_path / "stub.log", OUTPUT_DIR=out,
-                                 JAGG_TRAIN="jt", REPLICATE=2), **extra})
+                                 JAGG_TRAIN="jt", REPLICATE=2, PREEMPT_CHECK=0), **extra})
 
 
 def _log(tmp_path: Path) -> list[str]:
@@ -536,6 +536,26 @@ def test_sbatch_does_not_requeue_what_the_trainer_says_a_retry_cannot_fix(stubs,
     assert r.returncode == 1 and not any(ln.startswith("requeue") for ln in _log(tmp_path)), r.stderr
     assert "a retry cannot help" in r.stderr and "config key 'x' is bad" in r.stderr
     assert not (Path(env["OUTPUT_DIR"]) / "CRASHES").exists()
+
+
+@pytest.mark.slow
+def test_sbatch_estimates_the_preemption_and_refuses_a_lead_too_short(stubs, tmp_path):
+    """Deadlines that nest: the step in progress and the checkpoint must fit in torchrun's SHUTDOWN_TIMEOUT, and
+    that in the signal's lead. For sd35m_pickscore (LoRA: a 0.3 GB checkpoint) the defaults do; for FLUX.1-dev's
+    full fine-tune on 2 nodes (a 143 GB checkpoint) they do not: refused before srun, naming the values to submit
+    with, which then pass."""
+    env = _slurm_env(stubs, tmp_path, PREEMPT_CHECK=1, PYTHON=sys.executable, GPUS=8)
+    r = _run(SBATCH, ["configs/sd35m_pickscore.yaml"], {**env, "DRY_RUN": "1"}, timeout=RUN_S)
+    assert r.returncode == 0, r.stderr
+    need = re.search(r"needs SHUTDOWN_TIMEOUT >= (\d+) s \(have 240\), a signal lead >= (\d+) s", r.stderr)
+    assert need and int(need.group(1)) < 240 and int(need.group(2)) <= 300, r.stderr
+    r = _run(SBATCH, ["configs/flux1_dev_hps.yaml"], env, timeout=RUN_S)
+    m = re.search(r"needs SHUTDOWN_TIMEOUT >= (\d+) s and a signal lead >= (\d+) s \(a step ~\d+ s \+ 2 x a ~(\d+) s "
+                  r"save of a 143 GB checkpoint", r.stderr)
+    assert r.returncode == 2 and m and int(m.group(1)) > 240, r.stderr
+    assert f"sbatch --signal=B:USR1@{m.group(2)}" in r.stderr and not _log(tmp_path)  # srun never ran
+    env.update(SHUTDOWN_TIMEOUT=m.group(1), USR1_LEAD=m.group(2), DRY_RUN="1")
+    assert _run(SBATCH, ["configs/flux1_dev_hps.yaml"], env, timeout=RUN_S).returncode == 0
 
 
 def test_sbatch_exposes_torchruns_restarts_and_says_its_budget(stubs, tmp_path):
