@@ -38,10 +38,14 @@ class TooManyLocalRanksError(RuntimeError):
 
 
 def local_device_index(local_rank: int, local_world_size: int) -> int:
-    """The GPU of a process: its local rank. A node running more processes than it has visible GPUs is refused:
-    wrapping around (local_rank % device_count) would put two ranks on one GPU, silently, each with half the
-    memory it was sized for."""
+    """The GPU of a process: its local rank, or the one GPU it sees when it sees exactly one (a scheduler that binds
+    a GPU per task: `srun --gpus-per-task=1`, `--gpu-bind`; init_distributed then checks that no two ranks of a node
+    share it). A node running more processes than it has visible GPUs is refused otherwise: wrapping around
+    (local_rank % device_count) would put two ranks on one GPU, silently, each with half the memory it was sized
+    for."""
     count = torch.cuda.device_count()
+    if count == 1 and local_world_size > 1:
+        return 0
     if local_world_size > count or local_rank >= count:
         raise TooManyLocalRanksError(
             f"LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE={local_world_size} processes on this node, but "
@@ -203,11 +207,32 @@ def _rebuild(report: tuple[bytes | None, str, str], rank: int) -> Exception:
     return exc
 
 
+def _check_one_gpu_each(info, dev: torch.device) -> None:
+    """Per-task GPU binding: every rank sees one GPU as cuda:0; two ranks of one host on the same physical GPU
+    (a CUDA_VISIBLE_DEVICES the same for all, not a binding) are refused, naming them, on every rank."""
+    import socket
+
+    uuid = str(torch.cuda.get_device_properties(dev).uuid)
+    seen = [None] * info.world_size
+    dist.all_gather_object(seen, (socket.gethostname(), uuid, os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")))
+    by_gpu: dict = {}
+    for rank, (host, gpu, visible) in enumerate(seen):
+        by_gpu.setdefault((host, gpu), []).append((rank, visible))
+    shared = {key: ranks for key, ranks in by_gpu.items() if len(ranks) > 1}
+    if shared:
+        (host, gpu), ranks = next(iter(shared.items()))
+        raise TooManyLocalRanksError(
+            f"ranks {[r for r, _ in ranks]} on {host} all see one GPU, the same one ({gpu}; CUDA_VISIBLE_DEVICES="
+            f"{ranks[0][1]}): bind one GPU per task (srun --gpus-per-task=1), or make every GPU visible to each "
+            "process (one per local rank)")
+
+
 def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistContext:
     """Discover ranks and start the process group when there is more than one process.
 
     device: auto | cpu | cuda. With CUDA each process takes GPU `local_rank` (the launcher decides how many
-    processes a node runs; more than it has visible GPUs is refused, see local_device_index)."""
+    processes a node runs; more than it has visible GPUs is refused, see local_device_index), or the one GPU a
+    per-task binding shows it (checked to be its own once the group is up)."""
     info = discover()
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
@@ -224,6 +249,8 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistContext
     if not dist.is_initialized():
         dist.init_process_group(backend=library, timeout=timedelta(seconds=timeout_s),
                                 **({"device_id": dev} if use_cuda else {}))
+    if use_cuda and torch.cuda.device_count() == 1 and info.local_world_size > 1:
+        _check_one_gpu_each(info, dev)
     log.info("rank %d/%d (local %d, %s) on %s via %s", info.rank, info.world_size, info.local_rank, info.source,
              dev, library)
     # one thread pool per process: on a shared CPU node N ranks x all cores would thrash

@@ -213,3 +213,31 @@ def test_jagg_eval_builds_its_reward_on_the_ranks_device(monkeypatch):
     with pytest.raises(Stop):
         evaluate.evaluate_checkpoint(cfg, None, None)
     assert seen == [torch.device("cuda", 2)]
+
+
+def test_a_gpu_bound_per_task_is_each_ranks_own_and_a_shared_one_is_refused(monkeypatch):
+    """Direct srun with a GPU per task (--gpus-per-task=1): every process sees one GPU as cuda:0, whatever its local
+    rank; once the group is up the ranks of a host compare their GPUs' UUIDs, and two on the same physical GPU (one
+    CUDA_VISIBLE_DEVICES for all, not a binding) are refused on every rank, naming them."""
+    import types
+
+    from jagg_scale.parallel.dist import TooManyLocalRanksError, _check_one_gpu_each, local_device_index
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert [local_device_index(r, 4) for r in range(4)] == [0, 0, 0, 0]
+    info = RankInfo(1, 4, 1, 2, "127.0.0.1", 29500, "slurm")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(uuid="GPU-b"))
+
+    def gathered(rows):
+        def all_gather_object(out, obj):
+            assert obj[1] == "GPU-b"  # this rank's own GPU goes in
+            out[:] = rows
+        return all_gather_object
+
+    own = [("n1", "GPU-a", "0"), ("n1", "GPU-b", "1"), ("n2", "GPU-a", "0"), ("n2", "GPU-b", "1")]
+    monkeypatch.setattr(dist_module.dist, "all_gather_object", gathered(own))
+    _check_one_gpu_each(info, torch.device("cuda", 0))  # two hosts, two GPUs each, one per rank: fine
+    shared = [("n1", "GPU-a", "0"), ("n1", "GPU-a", "0"), ("n2", "GPU-a", "0"), ("n2", "GPU-b", "1")]
+    monkeypatch.setattr(dist_module.dist, "all_gather_object", gathered(shared))
+    with pytest.raises(TooManyLocalRanksError, match=r"ranks \[0, 1\] on n1 all see one GPU, the same one"):
+        _check_one_gpu_each(info, torch.device("cuda", 0))
