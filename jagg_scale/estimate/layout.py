@@ -15,7 +15,7 @@ import dataclasses
 
 import yaml
 
-__all__ = ["rank_share"]
+__all__ = ["rank_share", "replicas_per_node"]
 
 
 def _value(v) -> str:
@@ -34,3 +34,27 @@ def rank_share(cfg, world_size: int) -> list[str]:
         data = dataclasses.asdict(getattr(cfg, section))
         out += [f"{section}.{k}={_value(v)}" for k, v in data.items()]
     return out
+
+
+def replicas_per_node(cfg, nodes: int, gpus: int, gpu_gib: float = 79.2, headroom: float = 0.10) -> tuple[int, str]:
+    """(parallel.replicate, why) for a config left at replicate 1 on `nodes` nodes of `gpus` GPUs (slurm/jagg.sbatch
+    asks). HSDP with one replica per node keeps FSDP's per-block all-gathers of the weights on a node's NVLink and
+    sends only the gradient's reduction between nodes (FLUX.1-dev: 23.8 GB of bf16 weights gathered per forward
+    otherwise cross the network). A LoRA run takes it always (its sharded state is small); a full fine-tune when its
+    per-rank peak, sharded over one node instead of all, still fits the GPU by the memory model (else flat FSDP:
+    the state needs every node's memory)."""
+    p = cfg.parallel
+    if nodes <= 1 or p.engine != "fsdp2" or p.replicate != 1:
+        return p.replicate, "one node, or not fsdp2, or parallel.replicate set: as configured"
+    if cfg.model.lora.enabled:
+        return nodes, "LoRA: only the adapter's gradient crosses nodes"
+    from .memory import GiB, estimate, fits, prepare
+
+    hsdp = dataclasses.replace(cfg, parallel=dataclasses.replace(p, replicate=nodes))
+    est = estimate(prepare(hsdp, nodes * gpus, gpu_gib=gpu_gib))
+    peak, limit = est["total"] / GiB, (1 - headroom) * gpu_gib
+    if fits(est, gpu_gib, headroom):
+        return nodes, (f"full fine-tune: sharded over one node it peaks at {peak:.1f} GiB per rank, within "
+                       f"{limit:.1f} GiB: HSDP keeps the weights' all-gathers inside a node")
+    return 1, (f"full fine-tune: sharded over one node it would peak at {peak:.1f} GiB per rank, over {limit:.1f} GiB: "
+               "flat FSDP over every node")

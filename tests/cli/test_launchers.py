@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from hang_guard import POLL_S, RUN_S, WAIT_S
-from stand_ins import stand_in_paths
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = ROOT / "launchers"
@@ -426,20 +425,28 @@ def test_sbatch_output_dir_from_override_or_config(stubs, tmp_path):
     assert shlex.split(r.stdout)[-3:] == ["parallel.engine=fsdp2", "parallel.replicate=2", "run.resume=auto"]
 
 
-def test_sbatch_uses_hsdp_over_the_nodes_for_lora(stubs, tmp_path):
-    """LoRA on fsdp2 across nodes: parallel.replicate = the node count, unless the layout is given; a full
-    fine-tune and a one-node job keep the config's (the config is read with the venv's Python)."""
-    def replicate_overrides(config, nodes, *args):
-        env = _slurm_env(stubs, tmp_path, SLURM_NNODES=nodes, PYTHON=sys.executable)
+@pytest.mark.slow
+def test_sbatch_uses_hsdp_over_the_nodes_where_it_fits(stubs, tmp_path):
+    """fsdp2 across nodes: parallel.replicate = the node count for LoRA, and for a full fine-tune whose state
+    sharded over one node fits the GPU by the memory model (FLUX.1-dev on 8 GPUs a node: 56 GiB per rank; on 2 GPUs
+    a node it does not fit: flat FSDP), unless the layout is given; one node keeps the config's. The log says why."""
+    def replicate_overrides(config, nodes, *args, gpus=4):  # the config's own paths: the shapes are the model's
+        env = _slurm_env(stubs, tmp_path, SLURM_NNODES=nodes, PYTHON=sys.executable, GPUS=gpus)
         del env["REPLICATE"]
-        tail = _tail(_dry(SBATCH, [config, *stand_in_paths(tmp_path), *args], env), "jt")
+        r = _run(SBATCH, [config, *args], {**env, "DRY_RUN": "1"}, timeout=RUN_S)
+        assert r.returncode == 0, r.stderr
+        tail = _tail(shlex.split(r.stdout.splitlines()[-1]), "jt")
         assert tail[-1] == "run.resume=auto"
-        return [a for a in tail if a.startswith("parallel.replicate=")]
+        return [a for a in tail if a.startswith("parallel.replicate=")], r.stderr
 
-    assert replicate_overrides("configs/sd35m_pickscore.yaml", 4) == ["parallel.replicate=4"]
-    assert replicate_overrides("configs/sd35m_pickscore.yaml", 4, "parallel.replicate=1") == ["parallel.replicate=1"]
-    assert replicate_overrides("configs/sd35m_pickscore.yaml", 1) == []
-    assert replicate_overrides("configs/flux1_dev_hps.yaml", 4) == []
+    assert replicate_overrides("configs/sd35m_pickscore.yaml", 4)[0] == ["parallel.replicate=4"]
+    assert replicate_overrides("configs/sd35m_pickscore.yaml", 4, "parallel.replicate=1")[0] == [
+        "parallel.replicate=1"]
+    assert replicate_overrides("configs/sd35m_pickscore.yaml", 1)[0] == []
+    flux, log = replicate_overrides("configs/flux1_dev_hps.yaml", 2, gpus=8)
+    assert flux == ["parallel.replicate=2"] and "peaks at 56.2 GiB per rank, within 71.3 GiB" in log
+    flux, log = replicate_overrides("configs/flux1_dev_hps.yaml", 2, gpus=2)
+    assert flux == [] and "flat FSDP over every node" in log
 
 
 def test_sbatch_replicate_and_collective_timeout_knobs(stubs, tmp_path):
