@@ -234,8 +234,10 @@ def load_eval(out_dir: Path) -> dict | None:
 
 def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> dict:
     """`jagg-eval`: the model the config builds, with a verified checkpoint's trained weights (its EMA when
-    train.ema_decay > 0) when given: model weights only, no engine, no optimizer. Under a launcher of N processes
-    (torchrun, Slurm) every rank holds the whole model and evaluates its share of the images; rank 0 writes."""
+    train.ema_decay > 0) when given: model weights only, no engine, no optimizer, the transformer in its published
+    dtype (bf16 for SD3.5 / FLUX under model.dtype bfloat16). Under a launcher of N processes (torchrun, Slurm)
+    every rank holds the whole model (read into it one rank at a time) and evaluates its share of the images; rank
+    0 writes."""
     from ..checkpoint import verify_checkpoint
     from ..models import build_model
     from ..parallel.dist import init_distributed
@@ -248,10 +250,16 @@ def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> 
     try:
         reward = build_reward_mix(cfg.reward)  # after the rank's device is set: a reward's "auto" is that device
         torch.manual_seed(cfg.run.seed)
-        model = build_model(cfg.model).to(dist.device)
+        # no optimizer, no fp32 master: a transformer published in bf16 is held in bf16 under model.dtype bfloat16
+        # (the forwards autocast to bf16 either way; FLUX: 23.8 GB a GPU, not 47.6)
+        model = build_model(cfg.model, keep_stored_dtype=True).to(dist.device)
         if checkpoint is not None:
             verify_checkpoint(checkpoint, dist)  # collective: each rank hashes its share, all fail alike
-            load_trained_weights(model, checkpoint, ema=cfg.train.ema_decay > 0)
+            # one rank at a time: each reads the trained weights whole (a full fine-tune's fp32 state: FLUX 47.6 GB
+            # of host memory) and copies them into its model; all ranks of a node at once would hold N copies
+            for turn in range(dist.world_size):  # a rank's error raised on every rank at its turn, none waits
+                dist.on_every_rank(lambda turn=turn: load_trained_weights(
+                    model, checkpoint, ema=cfg.train.ema_decay > 0) if turn == dist.rank else None)
         policy = Policy(model, cfg, dist.device)
         return evaluate(model, policy.velocity_fn(), policy.encode, reward, cfg, prompts,
                         out_dir if dist.is_main else None, dist)

@@ -91,13 +91,27 @@ def test_frozen_parts_load_in_their_compute_dtype_bit_for_bit(sd3_dir):
     assert {p.dtype for p in new.transformer.parameters()} == {torch.float32} and new.master_dtype is None
 
 
+def test_jagg_eval_holds_a_bf16_published_transformer_in_bf16(bf16_dir, tmp_path, monkeypatch):
+    """jagg-eval has no optimizer and no fp32 master to keep: under model.dtype bfloat16 a transformer published in
+    bf16 is held in bf16 (FLUX: 23.8 GB a GPU, not 47.6)."""
+    from jagg_scale.train import evaluate as ev
+    from jagg_scale.train import load_config
+
+    seen = {}
+    monkeypatch.setattr(ev, "evaluate", lambda model, *a, **k: seen.setdefault("model", model) and {})
+    cfg = load_config(ROOT / "configs" / "sd3_tiny_cpu.yaml",
+                      [f"model.pretrained={bf16_dir}", "model.dtype=bfloat16", "eval.prompts=[a cat]"])
+    ev.evaluate_checkpoint(cfg, None, tmp_path)
+    assert {p.dtype for p in seen["model"].transformer.parameters()} == {torch.bfloat16}
+
+
 def test_a_bf16_checkpoint_stays_bf16_on_the_host_and_is_upcast_when_placed(sd3_dir, bf16_dir):
     from jagg_scale.parallel.config import ParallelConfig
     from jagg_scale.parallel.engine import LocalEngine
     from jagg_scale.train.config import TrainConfig
 
     assert stored_dtype(Path(bf16_dir) / "transformer") == torch.bfloat16
-    fp32 = build_model(_model_cfg(bf16_dir, dtype="bfloat16"))  # jagg-eval's load: float32 right away
+    fp32 = build_model(_model_cfg(bf16_dir, dtype="bfloat16"))  # float32 right away (keep_stored_dtype off)
     host = build_model(_model_cfg(bf16_dir, dtype="bfloat16"), keep_stored_dtype=True)
     assert {t.dtype for t in (*host.transformer.parameters(), *host.transformer.buffers())} == {torch.bfloat16}
     assert host.master_dtype == torch.float32  # no float32 copy of the transformer on the host
