@@ -54,8 +54,12 @@ from pathlib import Path
 
 from .common import ROOT, matmul_gflops, median
 
-from jagg_scale.jagg import plan_knots, plan_uniform
 from jagg_scale.train import Trainer, load_config
+
+# the study's report (its table, notes and plot: what tools/bench/report.py calls on this part) and the names both
+# halves read
+from .time_to_reward_report import (REFERENCE, TARGET_FINAL, TARGET_FRAC, TARGET_TIME, markdown,  # noqa: E402,F401
+                                    notes, plot, value_at)
 
 ARMS = ("Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JAGG in SDE k4 + dpm2",
         "per-step in SDE k4 + dpm2", "CPS", "JAGG W4 CPS", "NFT", "NFT shared noise", "JAGG-NFT")
@@ -116,9 +120,7 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
     }[arm]
 
 
-REFERENCE = "Flow-GRPO"
 PARTIAL = Path(tempfile.gettempdir()) / "jagg_time_to_reward_partial.json"
-TARGET_FRAC, TARGET_TIME, TARGET_FINAL = 0.95, 0.5, 0.95
 COMMON = ["eval.enabled=true", "eval.every=0", "eval.at_start=false", "run.checkpoint_every=0",
           "log.progress=false", "log.wandb=false", "jagg.probe_every=0", "run.resume=none"]
 # The study's recipe, pinned so that retuning the default job does not move it: the digits job's reward-seeking
@@ -176,7 +178,8 @@ def run(quick: bool, steps: int | None = None, eval_every: int | None = None, se
     setup = {"config": "configs/digits_cpu.yaml", "overrides": size["extra"], "steps": steps, "eval_every": eval_every,
              "seeds": seeds, "workers": workers, "num_steps": parts[0]["num_steps"],
              "samples_per_step": parts[0]["samples_per_step"], "eval_images": parts[0]["eval_images"],
-             "arms": {a: arm_overrides(a, size["num_steps"]) for a in arms}, "reference": REFERENCE}
+             "arms": {a: arm_overrides(a, size["num_steps"]) for a in arms}, "reference": REFERENCE,
+             "default_arms": list(ARMS), "full": {"steps": FULL["steps"], "seeds": FULL["seeds"]}}
     ref = rows[REFERENCE]
     summary = {"reference_wall_seconds": ref["wall"][0], "reference_step_seconds": ref["step_seconds"]}
     for a in arms:
@@ -294,14 +297,6 @@ def time_to(times: list[float], values: list[float], level: float) -> float | No
     return None
 
 
-def value_at(times: list[float], values: list[float], t: float) -> float:
-    """The piecewise-linear curve at time t (its last value past its end)."""
-    for i in range(1, len(times)):
-        if times[i] >= t:
-            return values[i - 1] + (values[i] - values[i - 1]) * (t - times[i - 1]) / (times[i] - times[i - 1])
-    return values[-1]
-
-
 def summarize(runs: list[dict], arms: list[str]) -> dict:
     by_arm = {a: [r for r in runs if r["arm"] == a] for a in arms}
     ref_gains = [r["eval_reward"][-1] - r["eval_reward"][0] for r in by_arm[REFERENCE]]
@@ -390,20 +385,6 @@ def comparisons(rows: dict) -> list[dict]:
     return out
 
 
-def _forwards(overrides: list[str], num_steps: int) -> tuple[int, int]:
-    """(the policy's forwards per sample in the rollout, its SDE steps)."""
-    kv = dict(o.split("=", 1) for o in overrides)
-    if kv.get("train.algorithm") == "nft":  # the old policy's ODE; its KL reference runs at training, per timestep
-        K = max(1, int(num_steps * float(kv.get("grpo.timestep_fraction", 1.0))))  # or at the windows' knots
-        return num_steps, (len(plan_knots(plan_uniform(K, int(kv["jagg.window"])))) if kv.get("nft.old_at") == "knots"
-                           else K)
-    window = int(kv.get("sampling.sde_window", 0))
-    ode = int(kv.get("sampling.ode_steps", 0))
-    return (window + ode if window and ode else num_steps), (window or num_steps)
-
-
-# the report half (the study's table, its generated notes, its plot): what tools/bench/report.py calls on this part
-from .time_to_reward_report import markdown, notes, plot  # noqa: E402,F401  (it reads this module's names)
 
 
 if __name__ == "__main__":  # one worker of run(workers > 1): JOB.json OUT.json THREADS

@@ -7,7 +7,11 @@ import math
 
 from .common import ROOT
 
+from jagg_scale.jagg import plan_knots, plan_uniform
 from jagg_scale.train import load_config
+
+REFERENCE = "Flow-GRPO"  # the arm every other is read against
+TARGET_FRAC, TARGET_TIME, TARGET_FINAL = 0.95, 0.5, 0.95  # 95% of its gain, in <= 0.5x its time, >= 0.95x at the end
 
 
 def _fmt(x, f="{:.2f}", none="never"):
@@ -15,8 +19,6 @@ def _fmt(x, f="{:.2f}", none="never"):
 
 
 def markdown(res: dict) -> str:
-    from .time_to_reward import REFERENCE, TARGET_FINAL, _forwards  # here, not at the top: that module imports this one
-
     s, rows, t = res["setup"], res["rows"], res["target"]
     ref = rows[REFERENCE]
     extra = f" `{' '.join(s['overrides'])}`" if s["overrides"] else ""
@@ -48,7 +50,8 @@ def markdown(res: dict) -> str:
             f"{r['step_seconds']:.2f} ({r['phases'][0]:.2f} + {r['phases'][1]:.2f} + {r['phases'][2]:.2f}) | "
             f"{r['wall'][0]:.0f} +- {r['wall'][1]:.0f} | {r['final'][0]:.3f} +- {r['final'][1]:.3f} | "
             f"{r['gain'][0]:+.3f} +- {r['gain'][1]:.3f} | {r['gain_frac'][0]:.2f} +- {r['gain_frac'][1]:.2f} | "
-            f"{_fmt(r['t95'], '{:.0f}')} | {_fmt(r['t95_frac'])} | {_fmt(r.get('t95_best'), '{:.0f}')} | "
+            f"{_fmt(r['t95'], '{:.0f}')} | {_fmt(r['t95_frac'])} | "
+            f"{_fmt(r['t95_best'], '{:.0f}') if 't95_best' in r else 'n/a'} | "
             f"{_fmt(r.get('diversity_ratio'), '{:.2f}', 'n/a')} |")
     ratio = ref.get("gain_over_seed_std")
     lines += [
@@ -80,15 +83,14 @@ def markdown(res: dict) -> str:
 
 
 def _command(setup: dict) -> str:
-    """The command that reruns this study at this size."""
-    from .time_to_reward import ARMS, FULL  # here, not at the top: that module imports this one
-
+    """The command that reruns this study at this size (the default arms and size as the run recorded them)."""
     sets = [f"--set steps={setup['steps']}", f"--set eval_every={setup['eval_every']}",
             f"--set seeds={','.join(map(str, setup['seeds']))}", f"--set workers={setup.get('workers', 1)}"]
-    if list(setup["arms"]) != list(ARMS):
+    default = list(setup["arms"]) == list(setup.get("default_arms", []))
+    if not default:
         sets.append(f"--set 'arms={';'.join(setup['arms'])}'")
-    default = list(setup["arms"]) == list(ARMS)
-    if (setup["steps"], setup["seeds"]) == (FULL["steps"], FULL["seeds"]) and default:
+    full = setup.get("full", {})
+    if (setup["steps"], setup["seeds"]) == (full.get("steps"), full.get("seeds")) and default:
         sets = []
     # the default study is section 7 of docs/benchmarks.md; another set of arms is a page of its own
     out = "--merge --out docs/benchmarks" if default else "--out docs/study_algorithms"
@@ -102,8 +104,6 @@ def _workers(setup: dict) -> str:
 
 def notes(res: dict) -> list[str]:
     """What the numbers say against the study's conditions, generated from them (the doc is not hand-edited)."""
-    from .time_to_reward import REFERENCE, TARGET_FINAL, TARGET_FRAC, TARGET_TIME, value_at  # (see markdown)
-
     rows, t, s = res["rows"], res["target"], res["setup"]
     ref = rows[REFERENCE]
     out = ["Reading it:", ""]
@@ -159,8 +159,6 @@ def notes(res: dict) -> list[str]:
 
 
 def plot(res: dict, ax) -> None:
-    from .time_to_reward import REFERENCE, TARGET_FRAC  # here, not at the top: that module imports this one
-
     for i, (a, r) in enumerate(res["rows"].items()):
         c = r["curve"]
         lo = [m - s for m, s in zip(c["reward"], c["reward_std"])]
@@ -175,3 +173,23 @@ def plot(res: dict, ax) -> None:
            title=f"digits: held-out reward vs wall-clock ({len(res['setup']['seeds'])} seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def value_at(times: list[float], values: list[float], t: float) -> float:
+    """The piecewise-linear curve at time t (its last value past its end)."""
+    for i in range(1, len(times)):
+        if times[i] >= t:
+            return values[i - 1] + (values[i] - values[i - 1]) * (t - times[i - 1]) / (times[i] - times[i - 1])
+    return values[-1]
+
+
+def _forwards(overrides: list[str], num_steps: int) -> tuple[int, int]:
+    """(the policy's forwards per sample in the rollout, its SDE steps)."""
+    kv = dict(o.split("=", 1) for o in overrides)
+    if kv.get("train.algorithm") == "nft":  # the old policy's ODE; its KL reference runs at training, per timestep
+        K = max(1, int(num_steps * float(kv.get("grpo.timestep_fraction", 1.0))))  # or at the windows' knots
+        return num_steps, (len(plan_knots(plan_uniform(K, int(kv["jagg.window"])))) if kv.get("nft.old_at") == "knots"
+                           else K)
+    window = int(kv.get("sampling.sde_window", 0))
+    ode = int(kv.get("sampling.ode_steps", 0))
+    return (window + ode if window and ode else num_steps), (window or num_steps)
