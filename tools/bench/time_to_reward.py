@@ -70,7 +70,8 @@ ARMS = ("Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JA
 # JAGG-NFT Wn lines: windows of n, a noise draw per window (its own line), the frozen models at the knots only: the
 # gradient's cosine to the expected NFT gradient (over noise draws) is 0.970 (W4) and 0.961 (W5) against 0.990 for
 # NFT's own per-timestep draw and 0.870 for one shared window (docs/algorithm.md section 8). NFT kl 0.1: the peer's
-# recipe with the KL weight our diversity lever needed (the pilot's JAGG-NFT kl 0.1 kept 60% of the diversity).
+# recipe with the KL weight our diversity lever needed (the pilot's JAGG-NFT kl 0.1 kept 60% of the diversity);
+# kl 1: the full study's kl 0.1 kept 40% (after 64 steps), so the follow-up on diversity pulls harder.
 LINES = ["nft.noise=per_window", "nft.old_at=knots"]
 VARIANTS = {"JAGG-NFT kl 0.01": ("JAGG-NFT", ["nft.kl_beta=0.01"]),
             "JAGG-NFT kl 0.1": ("JAGG-NFT", ["nft.kl_beta=0.1"]),
@@ -78,15 +79,18 @@ VARIANTS = {"JAGG-NFT kl 0.01": ("JAGG-NFT", ["nft.kl_beta=0.01"]),
             "NFT kl 0.1": ("NFT", ["nft.kl_beta=0.1"]),
             "JAGG-NFT W4 lines": ("JAGG-NFT", ["jagg.window=4"] + LINES),
             "JAGG-NFT W5 lines": ("JAGG-NFT", ["jagg.window=5"] + LINES),
-            "JAGG-NFT W5 lines kl 0.1": ("JAGG-NFT", ["jagg.window=5", "nft.kl_beta=0.1"] + LINES)}
+            "JAGG-NFT W5 lines kl 0.1": ("JAGG-NFT", ["jagg.window=5", "nft.kl_beta=0.1"] + LINES),
+            "NFT kl 1": ("NFT", ["nft.kl_beta=1.0"]),
+            "JAGG-NFT W5 lines kl 1": ("JAGG-NFT", ["jagg.window=5", "nft.kl_beta=1.0"] + LINES)}
 # What the peers run (issue 23's comparison): the rest are this stack's (JAGG, or NFT's shared noise)
-PEERS = ("Flow-GRPO", "Fast k2", "per-step in SDE k4 + dpm2", "CPS", "NFT", "NFT kl 0.1")
+PEERS = ("Flow-GRPO", "Fast k2", "per-step in SDE k4 + dpm2", "CPS", "NFT", "NFT kl 0.1", "NFT kl 1")
 PAIRS = (  # (JAGG arm, the same recipe per step, max wall-clock ratio to the latter's 95% line)
     ("JAGG in SDE k4 + dpm2", "per-step in SDE k4 + dpm2", 0.75),
     ("JAGG-NFT", "NFT", 0.5),
     ("JAGG-NFT W4 lines", "NFT", 0.5),
     ("JAGG-NFT W5 lines", "NFT", 0.5),
     ("JAGG-NFT W5 lines kl 0.1", "NFT kl 0.1", 0.5),
+    ("JAGG-NFT W5 lines kl 1", "NFT kl 1", 0.5),
 )
 
 
