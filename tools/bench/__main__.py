@@ -105,6 +105,7 @@ def main(argv=None) -> int:
             res = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             failed.append(part)
         res["wall_seconds"] = time.perf_counter() - t0
+        res["out"] = args.out  # where it was written: what its report's rerun command names
         res["measured_at"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         results["parts"][part] = _clean(res)
         print(f"== {part}: {res['wall_seconds']:.1f} s", flush=True)

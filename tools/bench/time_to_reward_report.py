@@ -28,7 +28,7 @@ def markdown(res: dict) -> str:
         f"{s['eval_images']} images (deterministic ODE, Euler, the config's eval) every {s['eval_every']} steps. "
         f"Whole-step wall-clock (rollout + reward + training phase); the {len(rows)} x {len(s['seeds'])} trainers "
         f"step round-robin in {_workers(s)}, so the machine's noise hits every arm alike. "
-        f"Run it: `{_command(s)}` "
+        f"Run it: `{_command(s, res.get('out'))}` "
         f"(one torch thread per worker: with other work on a 2-core machine two OpenMP threads spin at every "
         f"barrier and a step ran 6x slower).",
         "",
@@ -82,8 +82,9 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _command(setup: dict) -> str:
-    """The command that reruns this study at this size (the default arms and size as the run recorded them)."""
+def _command(setup: dict, out: str | None = None) -> str:
+    """The command that reruns this study at this size (the default arms and size as the run recorded them) into
+    `out`, where this run was written (tools.bench records it; older results: by the arms)."""
     sets = [f"--set steps={setup['steps']}", f"--set eval_every={setup['eval_every']}",
             f"--set seeds={','.join(map(str, setup['seeds']))}", f"--set workers={setup.get('workers', 1)}"]
     default = list(setup["arms"]) == list(setup.get("default_arms", []))
@@ -93,8 +94,9 @@ def _command(setup: dict) -> str:
     if (setup["steps"], setup["seeds"]) == (full.get("steps"), full.get("seeds")) and default:
         sets = []
     # the default study is section 7 of docs/benchmarks.md; another set of arms is a page of its own
-    out = "--merge --out docs/benchmarks" if default else "--out docs/study_algorithms"
-    return " ".join([".venv/bin/python -m tools.bench --parts time_to_reward --threads 1", *sets, out])
+    out = out or ("docs/benchmarks" if default else "docs/study_algorithms")
+    where = f"--merge --out {out}" if out.endswith("docs/benchmarks") else f"--out {out}"
+    return " ".join([".venv/bin/python -m tools.bench --parts time_to_reward --threads 1", *sets, where])
 
 
 def _workers(setup: dict) -> str:
