@@ -31,6 +31,7 @@ uninterrupted run drew; the RNG state (tensors and numbers) is saved for the few
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -100,8 +101,12 @@ class RunState:
         self.out = Path(out)
         self.ckpt_root = self.out / "checkpoints"
         self.exported_step: int | None = None  # the step of the export this process wrote, if any
-        self.export_dtype = export_dtype(cfg)
         self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote, if any
+
+    @functools.cached_property
+    def export_dtype(self) -> str:
+        """Resolved on first use (an export, or the check that one is done): a run that only loads reads no headers."""
+        return export_dtype(self.cfg)
 
     # ------------------------------------------------------------------ after a training step
     def after_step(self, next_step: int, source, model, *, last: bool, preempted: bool) -> None:

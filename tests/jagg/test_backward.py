@@ -218,6 +218,8 @@ def test_weights_come_from_sigmas_not_indices():
     a = window_weights(sigmas)
     assert torch.allclose(a, torch.tensor([0.0, 0.1, 0.5, 1.0], dtype=torch.float64))
     assert window_weights(torch.tensor([0.3])).tolist() == [0.0]
+    with pytest.raises(RuntimeError, match="distinct endpoint sigmas"):  # one row of [W, B] with equal endpoints
+        window_weights(torch.tensor([[0.9, 0.8], [0.5, 0.8]]))
 
 
 def _velocities_with_cosines(cos_per_window, window=2, B=4):
