@@ -65,15 +65,20 @@ def _train(argv: list[str] | None) -> int:
 def _failed(err: Exception, code: int) -> int:
     """A failure no retry can fix: one line on stderr, and (rank 0) the same line in the file JAGG_FAILED_FILE names
     when it is set: slurm/jagg.sbatch sets it to OUTPUT_DIR/FAILED, which tells it not to requeue the job."""
-    print(f"jagg-train: {err}", file=sys.stderr)
+    print(f"jagg-train: {_one_line(err)}", file=sys.stderr)
     marker = os.environ.get("JAGG_FAILED_FILE")
     if marker and os.environ.get("RANK", "0") == "0":
         try:
             with open(marker, "w") as f:
-                f.write(f"jagg-train exit {code}: {err}\n")
+                f.write(f"jagg-train exit {code}: {_one_line(err)}\n")
         except OSError as oserr:  # the message above is the report
             print(f"jagg-train: could not write JAGG_FAILED_FILE={marker}: {oserr}", file=sys.stderr)
     return code
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (a list of checkpoints and their problems becomes '; '-separated)."""
+    return "; ".join(part.strip(" -") for part in str(err).splitlines() if part.strip(" -")) or type(err).__name__
 
 
 def _summary(trainer, cfg, history: list[dict]) -> None:
@@ -176,10 +181,12 @@ def _eval(argv: list[str] | None) -> int:
                 return 2
             path = found
         out = Path(args.output) if args.output else eval_dir_beside(path)
+    from .checkpoint import CheckpointError
+
     try:
         result = evaluate_checkpoint(cfg, path, out)  # under a launcher of N processes: each its share, rank 0 writes
-    except ConfigError as err:  # a prompt file whose every line is a bad record
-        print(f"jagg-eval: {err}", file=sys.stderr)
+    except (ConfigError, CheckpointError) as err:  # a prompt file of bad records; a checkpoint that fails its checks
+        print(f"jagg-eval: {_one_line(err)}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: v for k, v in result.items() if k not in ("per_prompt", "grid")}, indent=2))

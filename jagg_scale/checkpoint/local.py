@@ -36,7 +36,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -116,7 +116,10 @@ def save_checkpoint_dir(root: str | os.PathLike, step: int, *, write: Callable[[
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
-    state_bytes = json.dumps(state, indent=2, sort_keys=True).encode()  # fail on bad state before any I/O
+    if state.get("step", step) != step:
+        raise ValueError(f"state['step'] is {state['step']!r}, but the checkpoint is of step {step}")
+    # fail on bad state before any I/O; the step is always in it: verification checks it against the directory
+    state_bytes = json.dumps({**state, "step": step}, indent=2, sort_keys=True).encode()
     multi = dist is not None and dist.active
     main = dist is None or dist.is_main
     barrier = dist.barrier if dist is not None else (lambda: None)
@@ -340,14 +343,19 @@ def _read_manifest(path: Path) -> dict:
     def fail(problem: str):
         raise CheckpointError(f"checkpoint {path}: {problem}")
 
+    if path.is_symlink():  # a link can point anywhere: a checkpoint is read only where it was written
+        fail("is a symbolic link (a checkpoint is read only in place, never through a link)")
     if not path.is_dir():
         fail("not a directory")
+    links = _links_inside(path)
+    if links:
+        fail(f"holds symbolic links ({', '.join(links[:3])}): its files are read only in place, never through a link")
     if not (path / COMPLETE).is_file():
         fail(f"missing {COMPLETE} marker (the save did not finish)")
     if not (path / MANIFEST).is_file():
         fail(f"missing {MANIFEST}")
-    raw = (path / MANIFEST).read_bytes()
-    if (path / COMPLETE).read_text().strip() != hashlib.sha256(raw).hexdigest():
+    raw = _read_small(path / MANIFEST, fail)
+    if _read_small(path / COMPLETE, fail).decode(errors="replace").strip() != hashlib.sha256(raw).hexdigest():
         fail(f"{MANIFEST} sha256 does not match the {COMPLETE} marker")
     try:
         manifest = json.loads(raw)
@@ -355,8 +363,8 @@ def _read_manifest(path: Path) -> dict:
         step = int(manifest["step"])
         files = {n: (int(e["bytes"]), str(e["sha256"])) for n, e in manifest["files"].items()}
         listed = [f"{n}.safetensors" for n in manifest["tensors"]] + [f"{n}.pt" for n in manifest["objects"]]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        fail(f"unreadable {MANIFEST} ({e!r})")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        fail(f"unreadable {MANIFEST} ({type(e).__name__}: {str(e)[:200]})")
     if version > FORMAT_VERSION:
         fail(f"{MANIFEST} has format_version {version}; this code reads up to {FORMAT_VERSION} (a newer jagg_scale "
              "wrote it)")
@@ -373,7 +381,42 @@ def _read_manifest(path: Path) -> dict:
             fail(f"missing file {name}")
         if f.stat().st_size != nbytes:
             fail(f"{name} is {f.stat().st_size} bytes but {MANIFEST} says {nbytes} (truncated or overwritten)")
+    _check_state(path, step, fail)
     return manifest
+
+
+# manifest.json, COMPLETE and state.json are read whole and parsed: bounded, so that a file planted in a checkpoint
+# cannot exhaust memory (a run's state.json is a few KB: its config and the prompt source's position)
+MAX_SMALL_FILE = 64 << 20
+
+
+def _read_small(path: Path, fail) -> bytes:
+    size = path.stat().st_size
+    if size > MAX_SMALL_FILE:
+        fail(f"{path.name} is {size} bytes (at most {MAX_SMALL_FILE} are read)")
+    return path.read_bytes()
+
+
+def _links_inside(path: Path) -> list[str]:
+    """The symbolic links anywhere under `path` (not followed), relative to it."""
+    found = []
+    for parent, dirs, files in os.walk(path, followlinks=False):
+        for name in dirs + files:
+            if os.path.islink(os.path.join(parent, name)):
+                found.append(Path(parent, name).relative_to(path).as_posix())
+    return sorted(found)
+
+
+def _check_state(path: Path, step: int, fail) -> None:
+    """state.json is JSON holding the manifest's step (written by the same save): a step dir whose state says another
+    step would resume at the wrong step and overwrite the rows and checkpoints after it."""
+    try:
+        state = json.loads(_read_small(path / STATE, fail))
+        saved = state["step"]
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        fail(f"unreadable {STATE} ({type(e).__name__}: {str(e)[:200]})")
+    if isinstance(saved, bool) or not isinstance(saved, int) or saved != step:
+        fail(f"{STATE} says step {saved!r} but {MANIFEST} and the directory say {step}")
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Checkpoint:
@@ -396,20 +439,26 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Check
 def newest_valid_checkpoint(root: str | os.PathLike, dist=None) -> tuple[Path | None, list[str]]:
     """(newest checkpoint under `root` that verifies or None, why each newer one does not): every checkpoint is
     named in the second part when none verifies, so that a caller can refuse to start over silently."""
+    problems: list[str] = []
+    return next(iter(valid_checkpoints(root, dist, problems)), None), problems
+
+
+def valid_checkpoints(root: str | os.PathLike, dist=None, problems: list[str] | None = None) -> Iterator[Path]:
+    """The checkpoints under `root` that verify, newest first, verified one at a time as the caller asks for the
+    next (collective: every rank gets the same sequence); why each skipped one failed is appended to `problems`."""
     found = list_checkpoints(root)
     if dist is not None and dist.active:  # rank 0's listing, so that every rank tries the same candidates
         found = [Path(p) for p in dist.broadcast_object([str(p) for p in found])]
-    problems = []
     for path in reversed(found):
         try:
             _verify(path, dist)
         except CheckpointError as e:
             if dist is None or dist.is_main:
                 log.warning("skipping checkpoint for resume: %s", e)
-            problems.append(str(e))
+            if problems is not None:
+                problems.append(str(e))
             continue
-        return path, problems
-    return None, problems
+        yield path
 
 
 def capture_rng_state() -> dict:

@@ -357,16 +357,19 @@ class DeepSpeedEngine(Engine):
             raise CheckpointError(f"no DeepSpeed checkpoint (tag {TAG!r}) in {directory}")
         from safetensors.torch import load_file
 
+        from ..checkpoint.fits import check_fits
+
         for shadow_name, shadow in self.shadows.items():
             file = self._shadow_file(directory, shadow_name)
             if not file.is_file():
                 raise CheckpointError(f"checkpoint {directory} has no {shadow_name!r} partition of rank "
                                       f"{self.dist.rank} ({file.name}) but this run keeps those weights")
             saved = load_file(str(file))
-            if {k: v.shape for k, v in saved.items()} != {k: v.shape for k, v in shadow.items()}:
+            if set(saved) != set(shadow):
                 raise CheckpointError(f"checkpoint {directory}: the {shadow_name!r} partitions of rank "
                                       f"{self.dist.rank} do not fit this engine (DeepSpeed resumes on the world size "
                                       "that wrote it)")
+            check_fits(directory, file.name, saved, shadow)
             for name, value in saved.items():
                 shadow[name].copy_(value)
 

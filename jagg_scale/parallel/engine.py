@@ -60,6 +60,7 @@ from typing import Protocol
 
 import torch
 
+from ..checkpoint.fits import check_fits
 from ..checkpoint.local import write_bytes, write_object, write_tensors
 from .blocks import compile_blocks, enable_activation_checkpointing
 from .comm import NullCounter
@@ -317,11 +318,29 @@ class Engine:
         named += [(f"{s}.{n}", t) for s, shadow in self.shadows.items() for n, t in shadow.items()]
         return [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in named]
 
-    @torch.no_grad()
     def check_finite(self, directory: Path) -> None:
         """NonFiniteError on every rank unless every trainable weight (and its EMA) is finite on every rank:
         checked before any rank writes, so a checkpoint of NaN weights is never sealed as complete, and no rank
         leaves the others waiting in the save's collectives. One host read per save."""
+        what = self._non_finite()
+        if what:
+            raise NonFiniteError(f"refusing to save checkpoint {directory}: the trainable weights are not finite "
+                                 f"({what} has NaN or inf values); the newest complete checkpoint is the last good "
+                                 "state")
+
+    def check_loaded(self, directory: Path) -> None:
+        """CheckpointError on every rank when a weight just loaded from `directory` (any engine's format, its EMA
+        and old policy included) is not finite: refused on load as on save (collective)."""
+        from ..checkpoint import CheckpointError
+
+        what = self._non_finite()
+        if what:
+            raise CheckpointError(f"checkpoint {directory}: {what} has NaN or inf values; refusing to resume from it")
+
+    @torch.no_grad()
+    def _non_finite(self) -> str | None:
+        """The first trainable weight (or EMA / old-policy weight) that is not finite on any rank, named, or None
+        (collective: every rank gets the same answer)."""
         tensors = self._local_weights()
         device = self.dist.device
         bad = torch.stack([~torch.isfinite(t).all().to(device) for _, t in tensors]
@@ -329,11 +348,9 @@ class Engine:
         first = torch.where(bad.any(), bad.to(torch.int64).argmax(), -1).reshape(1)  # the first bad one, or -1
         verdicts = (self.dist.all_gather_tensor(first) if self.dist.active else first).tolist()
         if max(verdicts) < 0:
-            return
+            return None
         mine, rank = verdicts[self.dist.rank], next(r for r, v in enumerate(verdicts) if v >= 0)
-        what = f"'{tensors[mine][0]}'" if mine >= 0 else f"a weight on rank {rank}"
-        raise NonFiniteError(f"refusing to save checkpoint {directory}: the trainable weights are not finite "
-                             f"({what} has NaN or inf values); the newest complete checkpoint is the last good state")
+        return f"'{tensors[mine][0]}'" if mine >= 0 else f"a weight on rank {rank}"
 
     def load(self, directory: Path) -> None:
         """State from a checkpoint `directory` written by the same engine (CheckpointError otherwise)."""
@@ -414,21 +431,30 @@ class LocalEngine(Engine):
         from ..checkpoint import CheckpointError
         from ..checkpoint.pickles import load_torch
 
+        # everything read and checked (names, shapes, dtypes, finite) before anything is copied into the model
         state = load_file(str(directory / "model.safetensors"))
-        strict = len(self.params) == sum(1 for _ in self.model.parameters())
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        expected = set(self.trainable_state_dict())
-        if unexpected or set(state) != expected or (strict and missing):
-            raise CheckpointError(f"checkpoint {directory} does not fit the model: unexpected {unexpected[:5]}, "
-                                  f"missing {sorted(expected - set(state))[:5]}")
-        self.optimizer.load_state_dict(load_torch(directory / "optimizer.pt"))  # weights-only: tensors and numbers
+        live = self.trainable_state_dict()
+        if set(state) != set(live):
+            raise CheckpointError(f"checkpoint {directory} does not fit the model: unexpected "
+                                  f"{sorted(set(state) - set(live))[:5]}, missing {sorted(set(live) - set(state))[:5]}")
+        check_fits(directory, "model.safetensors", state, live)
+        shadows = {}
         for shadow_name, shadow in self.shadows.items():
             file = directory / f"{shadow_name}.safetensors"
             if not file.is_file():
                 raise CheckpointError(f"checkpoint {directory} has no {file.name} but this run keeps the "
                                       f"{shadow_name!r} weights (train.ema_decay > 0, or DiffusionNFT's old policy)")
-            for name, value in load_file(str(file)).items():
-                shadow[name].copy_(value)
+            saved = shadows[shadow_name] = load_file(str(file))
+            if set(saved) != set(shadow):
+                raise CheckpointError(f"checkpoint {directory}: {file.name} does not hold this run's "
+                                      f"{shadow_name!r} weights (missing {sorted(set(shadow) - set(saved))[:5]})")
+            check_fits(directory, file.name, saved, shadow)
+        optimizer = load_torch(directory / "optimizer.pt")  # weights-only: tensors and numbers
+        self.model.load_state_dict(state, strict=False)
+        self.optimizer.load_state_dict(optimizer)
+        for shadow_name, saved in shadows.items():
+            for name, value in saved.items():
+                self.shadows[shadow_name][name].copy_(value)
 
     @classmethod
     def read_weights(cls, directory: Path, model: torch.nn.Module, trainable: set[str], ema: bool

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.fits import check_fits
 from .build import engine_class
 from .engine import checkpoint_engine
 
@@ -40,10 +41,8 @@ def load_trained_weights(model: torch.nn.Module, directory: str | Path, *, ema: 
     if unexpected or missing:
         raise CheckpointError(f"checkpoint {directory} does not fit the model: unexpected {unexpected[:5]}, "
                               f"missing {missing[:5]}")
-    for name, value in weights.items():
-        if value.shape != params[name].shape:
-            raise CheckpointError(f"checkpoint {directory} does not fit the model: {name} has shape "
-                                  f"{tuple(value.shape)} there, {tuple(params[name].shape)} in the model")
+    # the model here may hold a published bf16 transformer (jagg-eval): float32 (what every engine writes) also fits
+    check_fits(directory, "the trained weights", weights, params, also=torch.float32)
     with torch.no_grad():
         for name, value in weights.items():
             params[name].copy_(value.to(params[name].dtype))

@@ -40,8 +40,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointError, capture_rng_state, newest_valid_checkpoint, restore_rng_state
-from ..checkpoint.local import STATE, write_bytes, write_object, save_checkpoint_dir, verify_checkpoint
+from ..checkpoint import CheckpointError, capture_rng_state, restore_rng_state
+from ..checkpoint.local import (STATE, save_checkpoint_dir, valid_checkpoints, verify_checkpoint, write_bytes,
+                                write_object)
 from ..checkpoint.pickles import allowed_globals, load_torch
 from .config import Config, ConfigError
 from .logging import METRICS, MetricsFileError, parse_metrics
@@ -155,26 +156,40 @@ class RunState:
         rank; a problem raises the same CheckpointError on every rank), then loaded on every rank: any rank's
         loading error is raised on every rank at once (no rank waits for one that failed)."""
         verify_checkpoint(path, self.dist)
-        self.dist.on_every_rank(lambda: self.engine.load(Path(path)))
+        self._load_engine(Path(path))
+
+    def _load_engine(self, path: Path) -> None:
+        self.dist.on_every_rank(lambda: self.engine.load(path))  # shapes, dtypes checked before any copy
+        self.engine.check_loaded(path)  # and every weight finite, in every engine's format (collective)
 
     def resume(self, source) -> int:
-        """The step to start from: run.resume none -> 0; auto -> the newest complete checkpoint, 0 when there is
-        none, CheckpointError (naming each one and why) when there are some but none verifies; a path -> that
+        """The step to start from: run.resume none -> 0; auto -> the newest checkpoint that verifies and loads
+        (weights that fit the model and are finite), falling back to the one before, 0 when there is none,
+        CheckpointError (naming each one and why) when there are some but none can be resumed; a path -> that
         checkpoint. Verified once, by all ranks together; restores the engine, the RNG state (same world size) and
         the prompt source."""
         setting = self.cfg.run.resume
         if setting == "none":
             return 0
-        if setting == "auto":
-            path, problems = newest_valid_checkpoint(self.ckpt_root, self.dist)  # verifies (collective)
-            if path is None and problems:
-                raise CheckpointError(no_valid_checkpoint(self.ckpt_root, problems))
-            if path is None:
-                log.info("run.resume=auto: no checkpoint under %s, starting fresh", self.ckpt_root)
-                return 0
-        else:
+        if setting != "auto":
             path = Path(setting)
             verify_checkpoint(path, self.dist)
+            return self._resume_from(path, source)
+        problems: list[str] = []
+        for path in valid_checkpoints(self.ckpt_root, self.dist, problems):  # each verified (collective)
+            try:
+                return self._resume_from(path, source)
+            except CheckpointError as err:  # the same error on every rank: all try the previous one together
+                if self.dist.is_main:
+                    log.warning("skipping checkpoint for resume: %s", err)
+                problems.append(str(err))
+        if problems:
+            raise CheckpointError(no_valid_checkpoint(self.ckpt_root, problems))
+        log.info("run.resume=auto: no checkpoint under %s, starting fresh", self.ckpt_root)
+        return 0
+
+    def _resume_from(self, path: Path, source) -> int:
+        """Resume from verified checkpoint `path` (its state.json's step equals its directory's: verification)."""
         state = json.loads((path / STATE).read_text())
         saved_model = state.get("config", {}).get("model")
         if saved_model is not None and saved_model != self.cfg.to_dict()["model"]:
@@ -185,7 +200,7 @@ class RunState:
                               f"{step}: there is nothing to train, and its later steps would be dropped from "
                               f"metrics.jsonl. Raise train.steps to at least {step}, or resume an earlier checkpoint")
         self._check_metrics()
-        self.dist.on_every_rank(lambda: self.engine.load(path))  # verified above: not hashed again
+        self._load_engine(path)  # verified above: not hashed again
         if state.get("world_size", 1) == self.dist.world_size:  # the same decision on every rank
             self.dist.on_every_rank(lambda: self._restore_rng(path))
         else:  # every draw is seeded per step/row, so only unseeded global draws (none in training) differ

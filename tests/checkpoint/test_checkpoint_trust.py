@@ -158,11 +158,12 @@ def test_resume_by_path_refuses_a_planted_pickle_without_running_it(tampered):
     assert "refused" in err and name.split("/")[-1] in err
 
 
-def test_jagg_eval_refuses_a_planted_pickle_without_running_it(tampered):
+def test_jagg_eval_refuses_a_planted_pickle_without_running_it(tampered, capsys):
     backend, name, run, marker = tampered
-    err = refusal(marker, lambda: eval_main([TINY, *overrides(backend, run), "--checkpoint", str(run / STEP),
-                                             "--output", str(run / "e")]))
-    assert "refused" in err and name.split("/")[-1] in err
+    rc = eval_main([TINY, *overrides(backend, run), "--checkpoint", str(run / STEP), "--output", str(run / "e")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert not marker.exists(), "the checkpoint ran code"
+    assert rc == 2 and len(err) == 1 and "refused" in err[0] and name.split("/")[-1] in err[0]  # one line, exit 2
     # given the run directory, jagg-eval looks for a valid checkpoint, finds none, and says why
     assert eval_main([TINY, *overrides(backend, run), "--checkpoint", str(run), "--output", str(run / "e")]) == 2
     assert not marker.exists()

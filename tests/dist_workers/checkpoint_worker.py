@@ -134,7 +134,11 @@ def main(out: Path, timeout_s: int) -> None:
     if rank == 0:
         shutil.copytree(step2, bad)
         manifest = json.loads((bad / "manifest.json").read_text())
-        manifest["step"] = 3  # a consistent step 3 whose shard then rots
+        manifest["step"] = 3  # a consistent step 3 (manifest, state.json, directory) whose shard then rots
+        state = json.loads((bad / "state.json").read_text())
+        (bad / "state.json").write_text(json.dumps({**state, "step": 3}))
+        manifest["files"]["state.json"].update(bytes=(bad / "state.json").stat().st_size,
+                                               sha256=digests.sha256_file(bad / "state.json"))
         raw = json.dumps(manifest, indent=2, sort_keys=True).encode()
         (bad / "manifest.json").write_bytes(raw)
         (bad / "COMPLETE").write_text(hashlib.sha256(raw).hexdigest() + "\n")
@@ -201,6 +205,8 @@ def reseal(ckpt: Path, step: int) -> None:
     """A tamperer's manifest: every file's size and sha256, its hash in COMPLETE."""
     manifest = json.loads((ckpt / "manifest.json").read_text())
     manifest["step"] = step
+    state = json.loads((ckpt / "state.json").read_text())
+    (ckpt / "state.json").write_text(json.dumps({**state, "step": step}))  # consistent: only the planted file is bad
     files = [p for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name not in ("manifest.json", "COMPLETE")]
     manifest["files"] = {p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size,
                                                           "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}

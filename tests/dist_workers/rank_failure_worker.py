@@ -21,7 +21,7 @@ from jagg_scale.train.run_state import RunState
 
 
 class Engine:
-    """What RunState.load asks of an engine: load(directory), failing on the ranks in `fail_on`."""
+    """What RunState.load asks of an engine: load(directory), failing on the ranks in `fail_on`, then check_loaded."""
 
     def __init__(self, rank: int, fail_on: set[int]):
         self.rank, self.fail_on, self.loaded = rank, fail_on, []
@@ -30,6 +30,9 @@ class Engine:
         if self.rank in self.fail_on:
             raise OSError(f"rank {self.rank} cannot read {directory.name}/model.safetensors")
         self.loaded.append(directory.name)
+
+    def check_loaded(self, directory: Path) -> None:  # the real engines' collective finiteness check: nothing here
+        pass
 
 
 def outcome(fn) -> dict:

@@ -1,0 +1,27 @@
+"""A checkpoint's tensors against the live tensors they are about to replace (every engine's load and jagg-eval's)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .errors import CheckpointError
+
+
+def check_fits(directory, what: str, saved: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor], *,
+               also: torch.dtype | None = None) -> None:
+    """CheckpointError, naming the tensor, unless every saved tensor has its live tensor's shape (no broadcast) and
+    dtype (or `also`), is floating point and finite: checked before anything is copied, so that wrong weights never
+    load silently (a (1,)-shaped EMA broadcast over (768,), int32 weights cast, NaN weights evaluated)."""
+    for name, value in saved.items():
+        target = live[name]
+        problem = None
+        if tuple(value.shape) != tuple(target.shape):
+            problem = f"has shape {tuple(value.shape)}, the model's is {tuple(target.shape)}"
+        elif not value.dtype.is_floating_point or value.dtype not in (target.dtype, also):
+            problem = f"has dtype {value.dtype}, the model's is {target.dtype}"
+        elif not bool(torch.isfinite(value).all()):
+            problem = "has NaN or inf values"
+        if problem:
+            raise CheckpointError(f"checkpoint {directory}: {what}: tensor {name!r} {problem}")
