@@ -45,17 +45,22 @@ def _train(argv: list[str] | None) -> int:
         validate_world(cfg, discover().world_size)  # the launch's process count, before any model is loaded
     except ConfigError as err:  # before any work: name the key and stop
         return _failed(err, 2)
+    from .checkpoint import CheckpointError
     from .parallel.engine import NonFiniteError
+    from .train.run_lock import RunDirLocked
 
     try:
         trainer = Trainer(cfg)
-    except ConfigError as err:  # found once the run directory is read: an earlier run there, a checkpoint past steps
+    except (ConfigError, RunDirLocked, CheckpointError) as err:
+        # found once the run directory is read: an earlier run there, another job on it, no checkpoint that resumes
         return _failed(err, 2)
+    except OSError as err:  # the machine, not the input (a full disk, a read-only mount): one line naming the path
+        return _failed(err, 1)
     try:
         history = trainer.fit()
         if trainer.is_main:
             _summary(trainer, cfg, history)
-    except NonFiniteError as err:  # diverged, or refused to checkpoint NaN weights: a failed run, said plainly
+    except (NonFiniteError, OSError) as err:  # diverged / refused to save NaN weights; the disk: said plainly
         return _failed(err, 1)
     finally:
         trainer.close()  # the process group, then the run lock (after the last write into the run directory)

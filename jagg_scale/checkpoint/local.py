@@ -223,10 +223,15 @@ def write_bytes(path: Path, data: bytes) -> Path:
 
 
 def _write_fsynced(path: Path, write) -> Path:
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:  # a write or fsync error names no file: name the one being written (a full disk)
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+        raise
     return path
 
 

@@ -199,15 +199,57 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# A config is a few hundred values; these bounds stop a hostile file (an anchor bomb: a few lines whose aliases
+# expand to billions of values once any code walks them; a deeply nested one) before anything walks it.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000  # scalars and containers, every alias counted as often as it is used
+MAX_YAML_DEPTH = 32
+
+
 def _yaml(text: str, where: str) -> Any:
-    """yaml.safe_load, with a YAML syntax error as a ConfigError naming `where` and the line and column."""
+    """yaml.safe_load within the bounds above, with a YAML syntax error (or a bound passed) as a ConfigError naming
+    `where` (and the line and column)."""
+    if len(text) > MAX_YAML_BYTES:
+        raise ConfigError(f"{where} is {len(text)} characters; a config is read up to {MAX_YAML_BYTES}")
+    loader = yaml.SafeLoader(text)
     try:
-        return yaml.safe_load(text)
+        node = loader.get_single_node()  # the node graph: aliases are references here, nothing expanded yet
+        if node is None:
+            return None
+        values, depth = _expanded(node, {})
+        if values > MAX_YAML_VALUES or depth > MAX_YAML_DEPTH:
+            raise ConfigError(f"{where} expands to {values} values nested {depth} deep (aliases counted each time "
+                              f"they are used); a config may hold {MAX_YAML_VALUES} nested {MAX_YAML_DEPTH} deep")
+        return loader.construct_document(node)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err)
         raise ConfigError(f"{where} is not valid YAML{at}: {problem}") from None
+    except RecursionError:  # the composer recurses once per level
+        raise ConfigError(f"{where} is nested too deeply (a config may nest {MAX_YAML_DEPTH} deep)") from None
+    finally:
+        loader.dispose()
+
+
+def _expanded(node, memo: dict) -> tuple[int, int]:
+    """(values, depth) of `node` with every alias expanded, computed once per node (an alias is the same node
+    object): the cost of walking the constructed data, without constructing it."""
+    key = id(node)
+    if key not in memo:
+        memo[key] = (1, 1)  # a recursive alias (a node inside itself) counts once, then the bound catches its use
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        else:
+            children = []
+        values, depth = 1, 0
+        for child in children:
+            v, d = _expanded(child, memo)
+            values, depth = min(values + v, 1 << 62), max(depth, d)
+        memo[key] = (values, depth + 1)
+    return memo[key]
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -228,6 +270,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
+        if path.stat().st_size > MAX_YAML_BYTES:
+            raise ConfigError(f"config file {path} is {path.stat().st_size} bytes; a config is read up to "
+                              f"{MAX_YAML_BYTES}")
         data = _yaml(path.read_text(), f"config file {path}") or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")

@@ -356,6 +356,9 @@ class DataConfig(_Section):
     prompts: list[str] = field(default_factory=list)
     shards: Optional[str] = None  # wds: brace pattern of tar shards (tools/make_prompt_shards.py)
     num_workers: int = 0  # wds: DataLoader workers per rank
+    # webdataset runs `pipe:CMD` shard URLs as shell commands: a config file would run code. Refused unless this is
+    # true (the user's own config, e.g. pipe:aws s3 cp ...); plain paths and http(s) URLs need nothing.
+    allow_pipe: bool = False
 
     def check(self, prefix: str) -> None:
         _require(self.source != "list" or bool(self.prompt_file) or len(self.prompts) > 0, f"{prefix}.prompt_file",
@@ -363,6 +366,12 @@ class DataConfig(_Section):
         _require(self.source != "wds" or bool(self.shards), f"{prefix}.shards",
                  f"is required when {prefix}.source is wds")
         _require(self.num_workers >= 0, f"{prefix}.num_workers", "must be >= 0")
+        _require(self.allow_pipe or not (self.shards or "").lstrip().startswith("pipe:"), f"{prefix}.shards",
+                 f"is a pipe: URL ({self.shards!r}), which runs a shell command: set {prefix}.allow_pipe=true if "
+                 "this config is your own")
+        for i, p in enumerate(self.prompts):
+            _require(isinstance(p, str) and bool(p.strip()), f"{prefix}.prompts",
+                     f"entry #{i} must be a non-empty string, got {p!r}")
 
 
 @dataclass
@@ -419,6 +428,9 @@ class EvalConfig(_Section):
         _require(self.every >= 0, f"{prefix}.every", "must be >= 0")
         _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
         _require(self.grid_images >= 0, f"{prefix}.grid_images", "must be >= 0 (0: no grid.png)")
+        for i, p in enumerate(self.prompts):
+            _require(isinstance(p, str) and bool(p.strip()), f"{prefix}.prompts",
+                     f"entry #{i} must be a non-empty string, got {p!r}")
 
 
 @dataclass
@@ -445,6 +457,9 @@ class RunConfig(_Section):
     def check(self, prefix: str) -> None:
         _require(bool(self.output_dir.strip()), f"{prefix}.output_dir",
                  "must not be empty (the run directory: checkpoints, metrics.jsonl, exports)")
+        _require(not Path(self.output_dir).exists() or Path(self.output_dir).is_dir(), f"{prefix}.output_dir",
+                 f"is {self.output_dir!r}, which exists and is not a directory")
+        _require(0 <= self.seed < 2**32, f"{prefix}.seed", f"must be in [0, 2**32) (numpy's seeds), got {self.seed}")
         if self.resume not in RESUME_KEYWORDS:
             # a path must exist now: a typo of a keyword ('Auto') would otherwise fail later as a missing state.json
             # (a file check in a section's own check: the run section owns it)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .run_lock import write_run_file
+
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
@@ -58,8 +60,7 @@ class RunLogger:
 
     def log(self, metrics: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(clean) + "\n")
+        write_run_file(self.path, json.dumps(clean) + "\n", append=True)  # never through a planted link
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", loss=f"{metrics['loss']:.2e}",
                              bwd=f"{metrics['backward_passes']}/{metrics['per_step_equiv']}")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCK_FILE", "RunDirLocked", "RunLock"]
+__all__ = ["LOCK_FILE", "RunDirLocked", "RunLock", "write_run_file"]
 
 LOCK_FILE = ".lock"
 
@@ -47,6 +47,7 @@ class RunDirLocked(RuntimeError):
 class _Held:
     fd: int
     count: int
+    created: list[Path]  # what this acquisition made (the lock file, the run directory): a refused start removes it
 
 
 _HELD: dict[str, _Held] = {}  # this process's locks, by lock file path
@@ -74,7 +75,10 @@ class RunLock:
             raise RunDirLocked(problem)
         return lock
 
-    def release(self) -> None:
+    def release(self, *, refused: bool = False) -> None:
+        """Drop this hold (the flock goes with the last one). `refused`: the start was refused before the run wrote
+        anything, so the lock file and the run directory this acquisition created are removed too (an empty
+        directory only): a refused start leaves nothing behind."""
         if self.path is None:
             return
         key, self.path = str(self.path), None
@@ -85,19 +89,35 @@ class RunLock:
             held.count -= 1
             if held.count == 0:
                 del _HELD[key]
+                if refused:
+                    for made in held.created:  # the file first, then its directory if nothing else is in it
+                        try:
+                            made.unlink() if made.name == LOCK_FILE else made.rmdir()
+                        except OSError:
+                            pass
                 os.close(held.fd)  # drops the flock
 
 
 def _lock(path: Path) -> Path | None:
     import fcntl
 
-    key = str(path.resolve())
+    key = str(path.parent.resolve() / path.name)  # the lock file itself is never resolved: never followed
     with _GUARD:
         if key in _HELD:  # this process holds it already
             _HELD[key].count += 1
             return Path(key)
+        if path.is_symlink():
+            raise RunDirLocked(f"run directory lock {path} is a symbolic link: refusing to follow it (a lock written "
+                               "through it would overwrite its target); remove it")
+        created = [] if path.parent.is_dir() else [path.parent]
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        created = ([] if path.exists() else [path]) + created
+        try:  # O_NOFOLLOW: a link planted between the check above and here fails instead of being written through
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise RunDirLocked(f"run directory lock {path} is a symbolic link: refusing to follow it") from None
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -113,7 +133,7 @@ def _lock(path: Path) -> Path | None:
                 **({"slurm_job": os.environ["SLURM_JOB_ID"]} if "SLURM_JOB_ID" in os.environ else {})}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        _HELD[key] = _Held(fd, 1)
+        _HELD[key] = _Held(fd, 1, created)
         return Path(key)
 
 
@@ -127,3 +147,18 @@ def _holder(path: Path) -> str:
         return who + (f" ({', '.join(extra)})" if extra else "")
     except (OSError, ValueError, KeyError, TypeError):
         return "another process (it has not written its pid yet)"
+
+
+def write_run_file(path: Path, text: str, *, append: bool = False) -> None:
+    """Write (or append to) a file of the run directory without following a link planted in its place: a run writes
+    only its own files (O_NOFOLLOW: ELOOP, named, instead of writing through to the link's target)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "is a symbolic link: a run writes only its own files, never through a link",
+                          str(path)) from None
+        raise
+    with os.fdopen(fd, "a" if append else "w") as f:
+        f.write(text)

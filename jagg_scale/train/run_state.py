@@ -72,6 +72,17 @@ def earlier_run(out: Path) -> list[str]:
     return found
 
 
+def check_run_dir(out: Path) -> None:
+    """Before the lock is taken: a directory holding a config.yaml but no run's lock file is someone's own directory
+    (a configs folder, another tool's output), not a run dir: refused, naming the file, instead of overwriting it."""
+    from .run_lock import LOCK_FILE
+
+    foreign = Path(out) / "config.yaml"
+    if (foreign.exists() or foreign.is_symlink()) and not (Path(out) / LOCK_FILE).exists():
+        raise RunDirExistsError(f"config key 'run.output_dir': {out} holds a config.yaml that no run wrote (there is "
+                                f"no {LOCK_FILE}): a run would overwrite {foreign}. Train into a new run.output_dir")
+
+
 def check_fresh_start(cfg: Config, out: Path) -> None:
     """run.resume none into a directory holding a run: RunDirExistsError unless run.overwrite (then a warning)."""
     found = earlier_run(out) if cfg.run.resume == "none" else []

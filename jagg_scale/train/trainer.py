@@ -36,14 +36,14 @@ from ..models import build_model
 from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
 from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
-from .config import Config, load_prompt_file, validate_world
+from .config import Config, ConfigError, load_prompt_file, validate_world
 from .evaluate import EvalInterrupted, eval_prompts, evaluate, load_eval
 from .logging import RunLogger
 from .policy import Policy, rollout_batch
 from .preemption import Preemption
 from .rows import StepRows, step_seed
-from .run_lock import RunLock
-from .run_state import RunState, check_fresh_start, clear_earlier_run
+from .run_lock import RunLock, write_run_file
+from .run_state import RunState, check_fresh_start, check_run_dir, clear_earlier_run
 from .update import Updater
 
 log = logging.getLogger(__name__)
@@ -61,12 +61,13 @@ class Trainer:
         self.lock = None
         try:
             validate_world(cfg, self.dist.world_size)
+            self.dist.on_main(lambda: check_run_dir(self.out))  # someone's own directory: before the lock is made
             self.lock = RunLock.acquire(self.out, self.dist)  # one job per run directory: fails on every rank if taken
             # run.resume none into an earlier run: refused (unless run.overwrite), before any model is built
             self.dist.on_main(lambda: check_fresh_start(cfg, self.out))
             self._build()
-        except BaseException:  # a refused start leaves no lock and no process group behind
-            self.close()
+        except BaseException:  # a refused start leaves no lock (nor a lock file it created) and no process group
+            self.close(refused=True)
             raise
 
     def _build(self) -> None:
@@ -74,7 +75,10 @@ class Trainer:
         self.device = self.dist.device
         # Inputs first: a bad prompt file or reward name fails before a model is built.
         self.source = self._prompt_source()
-        self.reward = build_reward_mix(cfg.reward)
+        try:
+            self.reward = build_reward_mix(cfg.reward)
+        except (FileNotFoundError, ValueError) as err:  # a reward's model path or option: the user's input
+            raise ConfigError(f"config key 'reward': {err}") from err
         self.eval_prompts = eval_prompts(cfg) if cfg.eval.enabled else None
         self.evals: dict[int, dict] = {}
 
@@ -115,12 +119,13 @@ class Trainer:
     def is_main(self) -> bool:
         return self.dist.is_main
 
-    def close(self) -> None:
+    def close(self, *, refused: bool = False) -> None:
         """End the run's hold on the machine: the process group (every rank) and the run directory's lock (after
-        the last write into it). Idempotent; jagg-train calls it once the run (and rank 0's summary) is done."""
+        the last write into it; `refused`: a start that wrote nothing removes the lock file and directory it made).
+        Idempotent; jagg-train calls it once the run (and rank 0's summary) is done."""
         self.dist.close()
         if self.lock is not None:
-            self.lock.release()
+            self.lock.release(refused=refused)
             self.lock = None
 
     def _t5_sharder(self):
@@ -240,7 +245,7 @@ class Trainer:
             if cfg.run.overwrite and self.start_step == 0:
                 clear_earlier_run(self.out)  # what check_fresh_start found: the user said to replace it
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            write_run_file(self.out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             (self.out / "PREEMPTED").unlink(missing_ok=True)
         wandb_cfg = {"project": cfg.log.wandb_project, "mode": cfg.log.wandb_mode} if cfg.log.wandb else None
         logger = RunLogger(self.out, total_steps=cfg.train.steps, start_step=self.start_step,
