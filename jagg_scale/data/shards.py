@@ -189,11 +189,42 @@ def _decode(sample: dict) -> tuple:
 
 
 def _samples(url: str) -> Iterator[dict]:
-    """The raw samples of one shard; any failure to read it is a ShardReadError naming it."""
+    """The raw samples of one shard; any failure to read it is a ShardReadError naming it. A local shard is checked
+    whole first (_check_complete): a tar cut at a member boundary reads as a shorter valid one."""
     try:
+        if not _REMOTE.match(url):
+            _check_complete(url)
         yield from _wds().tarfile_samples([dict(url=url)])
+    except ShardReadError:
+        raise
     except Exception as e:
         raise ShardReadError(f"cannot read prompt shard {url}: {type(e).__name__}: {e.args[0] if e.args else e}") from e
+
+
+_COMPLETE: dict[tuple, bool] = {}  # (path, size, mtime) of local shards found complete: checked once per version
+
+
+def _check_complete(path: str) -> None:
+    """ShardReadError unless the tar at `path` ends with its end-of-archive marker (two zero blocks) right after
+    the last member's data: tarfile (and webdataset over it) read a truncated file silently up to the cut. Reads
+    the headers alone (the members' data is skipped by seeking)."""
+    import tarfile
+
+    st = os.stat(path)
+    key = (path, st.st_size, st.st_mtime_ns)
+    if key in _COMPLETE:
+        return
+    with tarfile.open(path, mode="r:") as tar:
+        end = 0
+        for member in tar:
+            end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+        with open(path, "rb") as f:
+            f.seek(end)
+            marker = f.read(2 * tarfile.BLOCKSIZE)
+    if len(marker) < 2 * tarfile.BLOCKSIZE or any(marker):
+        raise ShardReadError(f"prompt shard {path} is truncated or damaged: no end-of-archive marker after its last "
+                             f"complete member (byte {end} of {st.st_size}); re-copy it")
+    _COMPLETE[key] = True
 
 
 def _slot_items(urls: list[str], seed: int, skip: int = 0) -> Iterator[tuple]:

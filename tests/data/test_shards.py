@@ -212,6 +212,23 @@ def test_corrupt_shard_raises_naming_it(tmp_path, num_workers):
             s.next_records(100)
 
 
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_shard_cut_at_a_member_boundary_raises_instead_of_reading_part(tmp_path, num_workers):
+    """tarfile reads a tar cut between two members as a shorter valid one: 5 records counted, the rest lost
+    silently, before the end-of-archive check."""
+    good = _shards(tmp_path, n_shards=1, per_shard=50)[0]
+    with tarfile.open(good) as tf:
+        cut = tf.getmembers()[20].offset  # the header of a member: everything before it is whole
+    trunc = tmp_path / "cut.tar"
+    trunc.write_bytes(Path(good).read_bytes()[:cut])
+    with ShardPromptStream([str(trunc)], num_workers=num_workers) as s:
+        with pytest.raises(ShardReadError, match=r"prompt shard .*cut.tar is truncated"):
+            s.next_records(100)
+    with ShardPromptStream([str(good)], num_workers=num_workers) as s:  # the whole shard still reads
+        assert len(s.next_records(50)) == 50
+
+
 # ------------------------------------------------------------------------------------------ shared prompts
 
 
