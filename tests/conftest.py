@@ -56,3 +56,8 @@ def sd3_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def flux_dir(tmp_path_factory):
     return _maker("make_tiny_flux")(tmp_path_factory.mktemp("tiny_flux") / "pipe", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwenimage_dir(tmp_path_factory):
+    return _maker("make_tiny_qwenimage")(tmp_path_factory.mktemp("tiny_qwenimage") / "pipe", seed=0)

@@ -1,12 +1,13 @@
 """Write a tiny, random, fully offline diffusers pipeline (for tests and smoke runs of the adapters).
 
-    python tools/make_tiny_pipeline.py OUT_DIR --kind sd3|flux [--seed 0]
+    python tools/make_tiny_pipeline.py OUT_DIR --kind sd3|flux|qwenimage [--seed 0]
 
 Nothing is downloaded: every component is built from a config with seeded random weights, and the tokenizers
 are built locally from a small vocabulary (no model hub). The result loads with
 
     StableDiffusion3Pipeline.from_pretrained(OUT_DIR, local_files_only=True)     (--kind sd3)
     FluxPipeline.from_pretrained(OUT_DIR, local_files_only=True)                 (--kind flux)
+    QwenImagePipeline.from_pretrained(OUT_DIR, local_files_only=True)            (--kind qwenimage)
 
 SD3 layout (sizes chosen so that the pipeline's shape bookkeeping holds):
 
@@ -33,8 +34,10 @@ FLUX layout (FLUX.1-dev-like: guidance-distilled, dynamic shifting):
     text_encoder_2  T5EncoderModel, d_model 32
     tokenizer, tokenizer_2   the CLIP and T5 tokenizers above
 
-`make_tiny_sd3(out_dir, seed=0) -> Path` and `make_tiny_flux(out_dir, seed=0) -> Path` are importable
-(tests put tools/ on sys.path).
+Qwen-Image layout: build_tiny_qwenimage's docstring.
+
+`make_tiny_sd3(out_dir, seed=0) -> Path`, `make_tiny_flux` and `make_tiny_qwenimage` are importable (tests put
+tools/ on sys.path).
 """
 
 from __future__ import annotations
@@ -196,7 +199,74 @@ def make_tiny_flux(out_dir, seed: int = 0) -> Path:
     return _save(build_tiny_flux(seed), out_dir)
 
 
-MAKERS = {"sd3": make_tiny_sd3, "flux": make_tiny_flux}
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # what QwenImagePipeline's prompt template uses
+# The words of the template's system part, whole: QwenImagePipeline drops the template's first 34 tokens (what
+# Qwen2.5-VL's tokenizer makes of "<|im_start|>system\nDescribe the image by detailing ... background:<|im_end|>
+# \n<|im_start|>user\n"), so the tiny tokenizer must make 34 of them too, or the user's prompt would be cut away.
+QWEN_TEMPLATE_WORDS = ["system", "\n", "Describe", " the", " image", " by", " detailing", " color", " shape", " size",
+                       " texture", " quantity", " text", " spatial", " relationships", " of", " objects", " and",
+                       " background", "user"]
+
+
+def _qwen_tokenizer():
+    """Qwen2's byte-level BPE with an alphabet-only vocabulary (every byte) and no merges, plus the chat template's
+    special tokens and system words: any text tokenizes, one token per byte outside them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Qwen2TokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for special in QWEN_SPECIALS:
+        vocab[special] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(QWEN_SPECIALS)
+    tok.add_tokens([AddedToken(w, normalized=False) for w in QWEN_TEMPLATE_WORDS])
+    return Qwen2TokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                              unk_token=None, model_max_length=2048)
+
+
+def build_tiny_qwenimage(seed: int = 0):
+    """The tiny random QwenImagePipeline (in memory): 8x8x4 latents packed into 2x2 tokens (in_channels 16),
+    2 double-stream layers of 2 heads x 8, rope axes (2, 2, 4), joint_attention_dim 32 (= the text encoder's
+    hidden size); a 2-level AutoencoderKLQwenImage (scale factor 2, z_dim 4, its per-channel latents mean/std); a
+    2-layer Qwen2.5-VL text model (its vision tower one block, unused for text); dynamic shifting with an
+    exponential time shift and a terminal shift, as Qwen-Image's scheduler uses them."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from diffusers import QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = _qwen_tokenizer()
+    ids = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+           "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"), "pad_token_id": tokenizer.pad_token_id}
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                              attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+                                              axes_dims_rope=(2, 2, 4))
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+                                 latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 1.0])
+    torch.manual_seed(seed + 2)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=2048,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, **ids),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0]),
+        **ids))
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                                base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                                                time_shift_type="exponential")
+    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer,
+                             transformer=transformer)
+
+
+def make_tiny_qwenimage(out_dir, seed: int = 0) -> Path:
+    """Build the tiny Qwen-Image pipeline and `save_pretrained` it to out_dir; returns the directory."""
+    return _save(build_tiny_qwenimage(seed), out_dir)
+
+
+MAKERS = {"sd3": make_tiny_sd3, "flux": make_tiny_flux, "qwenimage": make_tiny_qwenimage}
 
 
 def main(argv=None) -> None:

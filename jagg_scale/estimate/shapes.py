@@ -46,6 +46,9 @@ def clean(config: dict) -> dict:
 
 def pipeline_shapes(cfg, name: str | None = None) -> dict:
     """{kind, components: {name: {class, library, config}}, text_tokens} from a pipeline directory or a shape file."""
+    if cfg.model.kind not in FROZEN:
+        raise ShapeError(f"model.kind {cfg.model.kind}: the estimator sizes {' and '.join(FROZEN)} pipelines; this "
+                         "family's shapes and activation coefficients are not in it yet")
     if name is None:
         path = resolve_path(cfg.model.pretrained)
         if (path / "model_index.json").is_file():

@@ -1,7 +1,8 @@
 """Velocity models behind one interface (base.py): v = model(x, sigma, cond), encode_prompts, decode.
 
     dit.py                the built-in DiT (one readable file), with its hash tokenizer
-    sd3.py, flux.py       diffusers SD3/SD3.5 and FLUX.1 pipelines as velocity models (diffusers_common.py)
+    sd3.py, flux.py,      diffusers SD3/SD3.5, FLUX.1 and Qwen-Image pipelines as velocity models
+    qwenimage.py          (diffusers_common.py: what they share)
     lora.py               peft LoRA on the diffusers transformers; adapter off is the KL reference
 
 `build_model(cfg.model)` is the one way the trainer and jagg-eval make a model, on the host. The trainer asks for
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from ..hub import resolve_model_path
 from ..paths import resolve_path
-from .base import VelocityModel
+from .base import PIPELINE_KINDS, VelocityModel
 from .dit import DiT, DiTConfig, HashTokenizer
 
 
@@ -28,7 +29,7 @@ def build_model(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     False (jagg-eval, tests): the transformer is float32 right away, as before."""
     import torch
 
-    if cfg.kind in ("sd3", "flux"):
+    if cfg.kind in PIPELINE_KINDS:
         model = _build_diffusers(cfg, keep_stored_dtype=keep_stored_dtype)
     elif cfg.kind == "dit":
         model = DiT(cfg.dit)
@@ -49,7 +50,7 @@ def pretrained_path(cfg, *, allow_download: bool | None = None):
     ORG/NAME/FILE.safetensors for the dit) from the local hub cache (jagg_scale/hub.py), downloaded only with
     `model.allow_download: true` (`allow_download` overrides it: config validation looks without downloading)."""
     download = cfg.allow_download if allow_download is None else allow_download
-    pipeline = cfg.kind in ("sd3", "flux")
+    pipeline = cfg.kind in PIPELINE_KINDS
     return resolve_model_path(cfg.pretrained, what="model.pretrained", allow_download=download,
                               markers=("model_index.json",) if pipeline else (),
                               fetch=_fetch_pipeline if pipeline else None,
@@ -90,12 +91,17 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
         model = SD3Velocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
                                             t5=cfg.text_encoders == "all", max_sequence_length=cfg.max_sequence_length)
         model.set_attention(cfg.attention)  # raises early when xformers is asked for without CUDA/xformers
-    else:
+    elif cfg.kind == "flux":
         from .flux import FluxVelocity
 
         model = FluxVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
                                              guidance_scale=cfg.distilled_guidance,
                                              max_sequence_length=cfg.max_sequence_length)
+    else:
+        from .qwenimage import QwenImageVelocity
+
+        model = QwenImageVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
+                                                  max_sequence_length=cfg.max_sequence_length)
     if transformer != torch.float32 and not cfg.lora.enabled:
         model.master_dtype = torch.float32  # upcast by the engine, shard by shard, on the device
     if cfg.lora.enabled:

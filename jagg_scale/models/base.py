@@ -26,6 +26,8 @@ from torch import nn
 
 from ..cond import Cond
 
+PIPELINE_KINDS = ("sd3", "flux", "qwenimage")  # the diffusers families, one adapter module each (models/<kind>.py)
+
 
 class VelocityModel(nn.Module):
     """Base class: a velocity field v_theta(x, sigma, cond) with prompt encoding and decoding to images."""

@@ -21,13 +21,16 @@ from ..jagg.backward import IntermediateMode
 from ..jagg.knots import ErrorModel
 from ..jagg.planners import ExactPlanner, Planner, PlannerSettingError, build_planner
 from ..jagg.planners import RouteBy
+from ..models.base import PIPELINE_KINDS
 from ..models.dit import DiTConfig
 from ..parallel.config import ParallelConfig
 from ..parallel.types import EngineName, GradSync
 from ..sections import ConfigError, require as _require
 from ..sections import Section as _Section
 
-ModelKind = Literal["dit", "sd3", "flux"]  # built-in DiT | diffusers StableDiffusion3Pipeline | FluxPipeline
+# built-in DiT | diffusers StableDiffusion3Pipeline | FluxPipeline | QwenImagePipeline
+ModelKind = Literal["dit", "sd3", "flux", "qwenimage"]
+PROMPT_TOKEN_LIMITS = {"sd3": 512, "flux": 512, "qwenimage": 1024}  # T5's; QwenImagePipeline's own check
 DType = Literal["float32", "bfloat16"]  # autocast dtype of the model; the SDE math stays float32
 Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
 SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
@@ -80,7 +83,7 @@ def _check_dit(d: DiTConfig, prefix: str) -> None:
 
 @dataclass
 class ModelConfig(_Section):
-    kind: ModelKind = "dit"  # sd3/flux: a diffusers pipeline directory
+    kind: ModelKind = "dit"  # sd3/flux/qwenimage: a diffusers pipeline directory
     pretrained: Optional[str] = None  # dit: a safetensors state dict; sd3/flux: the pipeline directory (required)
     # pretrained may be a hub id (ORG/NAME, dit: ORG/NAME/FILE) found in the local hub cache; true: fetch it when
     # it is not there (false: a missing id fails at once, naming the command that fetches it)
@@ -98,13 +101,14 @@ class ModelConfig(_Section):
     shard_t5: bool = False
     # sd3/flux: T5 prompt tokens; null = the pipeline's default (diffusers: SD3 256, FLUX 512). Recipes set their
     # own (Flow-GRPO and DiffusionNFT encode SD3.5 prompts at 128). Every transformer pass carries these tokens.
+    # qwenimage: the Qwen2.5-VL prompt tokens every prompt is padded to (null: the pipeline's 512; at most 1024)
     max_sequence_length: Optional[int] = None
 
     def check(self, prefix: str) -> None:
         _require(self.kind == "dit" or bool(self.pretrained), f"{prefix}.pretrained",
                  f"must name the diffusers pipeline directory when {prefix}.kind is {self.kind}")
         _require(not self.lora.enabled or self.kind != "dit", f"{prefix}.lora.enabled",
-                 f"is supported for {prefix}.kind sd3 and flux, not dit")
+                 f"is supported for the diffusers kinds ({', '.join(PIPELINE_KINDS)}), not dit")
         _require(self.resolution is None or self.kind != "dit", f"{prefix}.resolution",
                  f"is for sd3/flux; the dit's size is {prefix}.dit.image_size")
         _require(self.resolution is None or self.resolution >= 16, f"{prefix}.resolution",
@@ -115,12 +119,14 @@ class ModelConfig(_Section):
         _require(self.text_encoders == "all" or self.kind == "sd3", f"{prefix}.text_encoders",
                  f"no_t5 is supported for {prefix}.kind sd3 (FLUX's prompt embeddings are T5's)")
         _require(not self.shard_t5 or (self.kind != "dit" and self.text_encoders == "all"), f"{prefix}.shard_t5",
-                 f"needs a T5 encoder: {prefix}.kind sd3 or flux with {prefix}.text_encoders all")
+                 f"needs a large text encoder (T5; Qwen-Image's Qwen2.5-VL): {prefix}.kind "
+                 f"{', '.join(PIPELINE_KINDS)} with {prefix}.text_encoders all")
         n = self.max_sequence_length
         _require(n is None or self.kind != "dit", f"{prefix}.max_sequence_length",
-                 "is the T5 prompt length of sd3/flux; the dit's is model.dit.max_prompt_length")
-        _require(n is None or 1 <= n <= 512, f"{prefix}.max_sequence_length",
-                 f"must be in [1, 512] T5 tokens (FLUX's and T5's limit), got {n}")
+                 "is the prompt length of a diffusers pipeline; the dit's is model.dit.max_prompt_length")
+        limit = PROMPT_TOKEN_LIMITS.get(self.kind, 512)
+        _require(n is None or 1 <= n <= limit, f"{prefix}.max_sequence_length",
+                 f"must be in [1, {limit}] prompt tokens for {prefix}.kind {self.kind}, got {n}")
         self.lora.check(f"{prefix}.lora")
         _check_dit(self.dit, f"{prefix}.dit")
 

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from jagg_scale.jagg.backward import INTERMEDIATE_MODES, IntermediateMode
+from jagg_scale.models.base import PIPELINE_KINDS
 from jagg_scale.jagg.knots import ErrorModel
 from jagg_scale.jagg.planners import RouteBy
 from jagg_scale.parallel.types import EngineName
@@ -27,7 +28,7 @@ def _err(*overrides):
 
 
 @pytest.mark.parametrize("key,choices", [
-    ("model.kind", "dit, sd3, flux"),
+    ("model.kind", "dit, sd3, flux, qwenimage"),
     ("model.dtype", "float32, bfloat16"),
     ("model.attention", "sdpa, xformers"),
     ("model.text_encoders", "all, no_t5"),
@@ -119,7 +120,7 @@ def test_every_shipped_config_loads_and_round_trips(path, tmp_path):
         cfg = load_config(path)
     except ConfigError as err:  # the diffusers configs name a model directory (and prompt files) not on this machine
         assert "config key 'model.pretrained'" in str(err) or "config key 'data.prompt_file'" in str(err), err
-        assert yaml.safe_load(path.read_text())["model"]["kind"] in ("sd3", "flux")
+        assert yaml.safe_load(path.read_text())["model"]["kind"] in PIPELINE_KINDS
         cfg = load_config(path, stand_in_paths(tmp_path))
     data = cfg.to_dict()
     assert yaml.safe_load(yaml.safe_dump(data, sort_keys=False)) == data  # config.yaml holds plain types
@@ -247,9 +248,11 @@ def test_a_jagg_window_longer_than_the_trained_steps_is_warned_about(caplog):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["model.max_sequence_length=128"], "is the T5 prompt length of sd3/flux"),
-    (["model.kind=sd3", "model.pretrained=x", "model.max_sequence_length=0"], "must be in [1, 512] T5 tokens"),
-    (["model.kind=flux", "model.pretrained=x", "model.max_sequence_length=513"], "must be in [1, 512] T5 tokens"),
+    (["model.max_sequence_length=128"], "is the prompt length of a diffusers pipeline"),
+    (["model.kind=sd3", "model.pretrained=x", "model.max_sequence_length=0"], "must be in [1, 512] prompt tokens"),
+    (["model.kind=flux", "model.pretrained=x", "model.max_sequence_length=513"], "must be in [1, 512] prompt tokens"),
+    (["model.kind=qwenimage", "model.pretrained=x", "model.max_sequence_length=1025"],
+     "must be in [1, 1024] prompt tokens for model.kind qwenimage"),
 ])
 def test_the_t5_length_is_refused_where_it_cannot_act(overrides, message):
     err = _err(*overrides)

@@ -1,0 +1,141 @@
+"""Qwen-Image (diffusers) as a `VelocityModel`: the transformer is the policy, the rest is frozen.
+
+How diffusers' QwenImagePipeline maps onto the interface of base.py (docs/algorithm.md's rectified flow,
+x_s = (1 - s) d + s e):
+
+    cond = encode_prompts(prompts)     QwenImagePipeline.encode_prompt (no grad): the last hidden states of the
+                                       Qwen2.5-VL text encoder over the pipeline's prompt template, its system part
+                                       dropped, (prompt_embeds [B, L, joint_attention_dim], mask [B, L]) padded to
+                                       L = model.max_sequence_length tokens (see "Padding")
+    v    = forward(x, sigma, cond)     x [N, C, H, W] UNPACKED latents (C = in_channels / 4) packed into 2x2 tokens
+                                       [N, H/2 * W/2, 4 C] (QwenImagePipeline._pack_latents), transformer(
+                                       hidden_states, timestep=sigma, encoder_hidden_states, mask, img_shapes),
+                                       unpacked back to [N, C, H, W]
+    img  = decode(x)                   the VAE works on video-shaped latents [N, C, 1, H, W], normalised per channel:
+                                       vae.decode(x * latents_std + latents_mean)[:, :, 0], [-1, 1] -> [0, 1]
+
+Timestep: the pipeline passes `timestep / 1000` = sigma (the transformer scales by 1000 itself), as FLUX's does.
+Sign: the transformer predicts v = e - d and the scheduler's Euler step is x_next = x + (s_next - s) v: the
+convention of docs/algorithm.md, passed through unchanged (tests/models/test_qwenimage_adapter.py checks the
+adapter's Euler loop against the pipeline's own sampling).
+
+Padding: the pipeline pads a batch's prompts to its longest; the trainer concatenates conditionings encoded at
+different times (a rollout's chunks, the unconditional prompt), so every prompt is padded to the same
+`max_sequence_length` tokens here (zeros, mask 0). The transformer masks padded text tokens out of the joint
+attention and gives text token i the same rotary position whatever the padded length, so the velocity is the
+pipeline's (tested); the cost is attention over the padding.
+
+Guidance: Qwen-Image's "true CFG" rescales the guided prediction to the conditional one's norm per token; the
+trainer's CFG (`grpo.rollout.guide`) is the plain combination, so configs refuse `sampling.guidance != 1` for this
+family until the rescale is one of its guidance rules (eff_grpo's Qwen-Image recipe trains without CFG:
+fastvideo/train_grpo_qwenimage_eff.py passes guidance=None and the conditional prompt alone).
+
+The text encoder (Qwen2.5-VL, 7B in the published model) is `t5_name`: `model.shard_t5` shards it for inference
+like SD3's and FLUX's T5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .diffusers_common import DiffusersVelocity
+
+PROMPT_TOKENS_DEFAULT = 512  # QwenImagePipeline.__call__'s max_sequence_length
+
+
+class QwenImageVelocity(DiffusersVelocity):
+    """v_theta(x, sigma, cond) of a diffusers QwenImagePipeline's transformer, on unpacked latents [N, C, H, W]."""
+
+    frozen_names = ("vae", "text_encoder")
+    t5_name = "text_encoder"
+
+    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None):
+        super().__init__(pipe, max_sequence_length)
+        cfg = self.transformer.config
+        if cfg.in_channels % 4:
+            raise ValueError(f"Qwen-Image transformer in_channels {cfg.in_channels} is not 4 x latent channels")
+        self.vae_scale_factor = pipe.vae_scale_factor
+        latent_size = int(latent_size or pipe.default_sample_size)  # the pipeline's default: 128 latents (1024 px)
+        if latent_size % 2:
+            raise ValueError(f"Qwen-Image latent size must be even (2x2 packing), got {latent_size}")
+        self.latent_shape = (cfg.in_channels // 4, latent_size, latent_size)
+        self.image_size = latent_size * self.vae_scale_factor
+        self.patch_size = 2
+        self._latent_stats: dict = {}  # the VAE's per-channel mean / std by (device, dtype): copied to a device once
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | dict = torch.float32, *, max_sequence_length: int | None = None,
+                        resolution: int | None = None, local_files_only: bool = True) -> "QwenImageVelocity":
+        """Load a saved QwenImagePipeline directory (offline by default); `dtype` as for SD3Velocity.from_pretrained."""
+        from diffusers import QwenImagePipeline
+
+        pipe = QwenImagePipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
+        latent_size = cls.latent_size_for(pipe, resolution, 2) if resolution is not None else None
+        return cls(pipe, max_sequence_length=min(max_sequence_length or PROMPT_TOKENS_DEFAULT, 1024),
+                   latent_size=latent_size)
+
+    # ------------------------------------------------------------------ packing and schedule
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> the 2x2 token sequence [N, H/2 * W/2, 4 C]."""
+        n, c, h, w = x.shape
+        return self.pipe._pack_latents(x, n, c, h, w)
+
+    def unpack(self, tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """[N, H/2 * W/2, 4 C] -> [N, C, H, W] (H, W: latent size; the pipeline's frame axis dropped)."""
+        f = self.vae_scale_factor
+        return self.pipe._unpack_latents(tokens, height * f, width * f, f)[:, :, 0]
+
+    def _pipeline_sigma_grid(self, num_steps: int):
+        """QwenImagePipeline passes the unshifted grid linspace(1, 1/N, N), shifted by mu (dynamic shifting)."""
+        return np.linspace(1.0, 1 / num_steps, num_steps)
+
+    # ------------------------------------------------------------------ the VelocityModel interface
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt_embeds [B, L, D] in the transformer's dtype, mask [B, L] int64), L = max_sequence_length."""
+        embeds, mask = self.pipe.encode_prompt(prompt=list(prompts), device=self.device, num_images_per_prompt=1,
+                                               max_sequence_length=self.max_sequence_length)
+        n, length, dim = embeds.shape
+        if mask is None:  # the pipeline drops an all-ones mask (every prompt as long as the longest)
+            mask = torch.ones(n, length, dtype=torch.int64, device=embeds.device)
+        pad = self.max_sequence_length - length
+        if pad > 0:
+            embeds = torch.cat([embeds, embeds.new_zeros(n, pad, dim)], dim=1)
+            mask = torch.cat([mask, mask.new_zeros(n, pad)], dim=1)
+        return embeds.to(self.dtype).detach(), mask.to(torch.int64)
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        """Velocity v = e - d at unpacked latents x [N, C, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
+        embeds, mask = cond
+        dtype = self.dtype
+        n, _, h, w = x.shape
+        sigma = torch.as_tensor(sigma, device=x.device)
+        if sigma.ndim == 0:
+            sigma = sigma.expand(n)
+        out = self.transformer(
+            hidden_states=self.pack(x.to(dtype)),
+            timestep=sigma.to(dtype),  # the pipeline's timestep / 1000: the transformer scales by 1000 itself
+            guidance=None,
+            encoder_hidden_states=embeds.to(dtype),
+            encoder_hidden_states_mask=mask,
+            img_shapes=[[(1, h // 2, w // 2)]] * n,  # Python data: no device copy
+            return_dict=False,
+        )[0]
+        return self.unpack(out, h, w).to(x.dtype)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Latents [N, C, H, W] -> float32 images [N, 3, H, W] in [0, 1], as QwenImagePipeline decodes."""
+        vae = self.frozen["vae"]
+        key = (str(x.device), vae.dtype)
+        if key not in self._latent_stats:
+            c = vae.config
+            self._latent_stats[key] = tuple(torch.tensor(v, dtype=vae.dtype).view(1, c.z_dim, 1, 1, 1).to(x.device)
+                                            for v in (c.latents_mean, c.latents_std))
+        mean, std = self._latent_stats[key]
+        latents = x.to(vae.dtype).unsqueeze(2) * std + mean
+        img = vae.decode(latents, return_dict=False)[0][:, :, 0]
+        return ((img.float() + 1) / 2).clamp(0, 1)
