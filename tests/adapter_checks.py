@@ -1,5 +1,6 @@
-"""Checks shared by the diffusers adapter tests (test_sd3_adapter.py, test_flux_adapter.py): the GRPO log-prob
-round trip (rollout vs training pass) and JAGG W = 2 == per-step on the real transformer."""
+"""Checks shared by the diffusers adapter tests (test_sd3_adapter.py, test_flux_adapter.py,
+test_qwenimage_adapter.py): the GRPO log-prob round trip (rollout vs training pass) and JAGG W = 2 == per-step on the
+real transformer, under each family's own CFG (its guidance rule and negative prompt)."""
 
 import torch
 
@@ -14,8 +15,8 @@ PROMPTS = ["a red cat", "two dogs on a photo"]
 def guided(model, guidance):
     """(velocity fn with CFG, the conditioning it takes): the (cond, uncond) pair when guidance != 1."""
     c = model.encode_prompts(PROMPTS)
-    cond = c if guidance == 1.0 else (c, model.encode_prompts([""] * len(PROMPTS)))
-    return (lambda x, s, cc: guided_velocity(model, x, s, cc, guidance)), cond
+    cond = c if guidance == 1.0 else (c, model.encode_prompts([model.negative_prompt] * len(PROMPTS)))
+    return (lambda x, s, cc: guided_velocity(model, x, s, cc, guidance, model.guidance_rule)), cond
 
 
 def check_rollout_logprobs_recomputed(model, sigmas, guidance):

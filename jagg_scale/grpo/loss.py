@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..jagg.backward import MinibatchLoss
+from .guidance import guide
 from .sde import SDE_STEPS, kl_to_reference
 
 
@@ -62,6 +63,7 @@ class GRPOStepLoss(MinibatchLoss):
     # evaluates L_k at the guided velocity u_k + g (c_k - u_k), u_k from the batch: a constant for the gradient, so
     # dL/dc = g dL/dv flows through the conditional branch only (Flow-GRPO detaches the unconditional one).
     guidance: float = 1.0
+    guidance_rule: str = "plain"  # the model family's CFG rule (grpo/guidance.py), as the rollout sampled with it
     sde: str = "flow_grpo"  # the stochastic step the rollout sampled with (grpo/sde.py: flow_grpo | cps)
     metrics: dict = field(default_factory=lambda: defaultdict(list))
 
@@ -70,7 +72,7 @@ class GRPOStepLoss(MinibatchLoss):
             if b.uncond_velocities is None:
                 raise ValueError("guidance != 1 needs the unconditional predictions (StepBatch.uncond_velocities)")
             u = b.uncond_velocities[k].detach().to(v.dtype)
-            v = u + self.guidance * (v - u)
+            v = guide(v, u, self.guidance, self.guidance_rule)
         s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], b.sigmas[1]  # tensors: no host read
         sde_step = SDE_STEPS[self.sde]
         step = sde_step(b.latents[k], v, s, s_next, noise_level=self.noise_level, sigma_max=sigma_max,

@@ -20,6 +20,7 @@ from typing import Callable, Collection, Sequence
 import torch
 
 from ..cond import Cond, cat_cond
+from .guidance import GuidanceRule, guide
 from .loss import StepBatch
 from .sde import SDE_STEPS, ode_step, standard_normal
 from .solver import OdeSolverState, window_grids
@@ -36,18 +37,13 @@ def cfg_predictions(model: VelocityFn, x: torch.Tensor, sigma: torch.Tensor,
     return v[n:], v[:n]
 
 
-def guide(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance: float) -> torch.Tensor:
-    """The guided velocity v = v_u + g (v_c - v_u)."""
-    return v_uncond + guidance * (v_cond - v_uncond)
-
-
 def guided_velocity(model: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, cond: Cond,
-                    guidance: float) -> torch.Tensor:
+                    guidance: float, rule: GuidanceRule = "plain") -> torch.Tensor:
     """The policy's velocity under classifier-free guidance (sampling, evaluation, the KL reference). `cond` is the
     prompt conditioning, or a pair (cond, uncond) when guidance != 1."""
     if guidance == 1.0:
         return model(x, sigma, cond)
-    return guide(*cfg_predictions(model, x, sigma, cond), guidance)
+    return guide(*cfg_predictions(model, x, sigma, cond), guidance, rule)
 
 
 @dataclass
@@ -119,6 +115,7 @@ def sample_sde(
     sde_steps: Collection[int] | None = None,
     ref_steps: Collection[int] | None = None,
     guidance: float = 1.0,
+    guidance_rule: GuidanceRule = "plain",
     ode_solver: str = "euler",
     ode_steps: int = 0,
     host_sigmas: Sequence[float] | None = None,
@@ -157,7 +154,7 @@ def sample_sde(
             v = velocity_fn(x, s, cond).float()
             return v, v, None
         c, u = cfg_predictions(velocity_fn, x, s, cond)
-        return guide(c, u, guidance).float(), c.float(), u.float()  # the very ops of guided_velocity
+        return guide(c, u, guidance, guidance_rule).float(), c.float(), u.float()  # guided_velocity's very ops
 
     latents: list = [x] + [None] * T
     velocities: list = [None] * T

@@ -40,6 +40,10 @@ class VelocityModel(nn.Module):
     #: the dtype the model computes in under the trainer's autocast (model.dtype: float32 or bfloat16); a training
     #: engine reads it (FSDP2's bf16 gathers, DeepSpeed's bf16 weights)
     compute_dtype: torch.dtype = torch.float32
+    #: classifier-free guidance: how the (conditional, unconditional) pair combines (grpo/guidance.py) and the
+    #: prompt the unconditional half encodes
+    guidance_rule: str = "plain"
+    negative_prompt: str = ""
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError

@@ -25,10 +25,11 @@ different times (a rollout's chunks, the unconditional prompt), so every prompt 
 attention and gives text token i the same rotary position whatever the padded length, so the velocity is the
 pipeline's (tested); the cost is attention over the padding.
 
-Guidance: Qwen-Image's "true CFG" rescales the guided prediction to the conditional one's norm per token; the
-trainer's CFG (`grpo.rollout.guide`) is the plain combination, so configs refuse `sampling.guidance != 1` for this
-family until the rescale is one of its guidance rules (eff_grpo's Qwen-Image recipe trains without CFG:
-fastvideo/train_grpo_qwenimage_eff.py passes guidance=None and the conditional prompt alone).
+Guidance: Qwen-Image's "true CFG" (QwenImagePipeline.__call__) rescales the guided prediction, per packed token,
+to the conditional prediction's norm there, with the negative prompt " " (its docstring: CFG needs a negative prompt,
+"even an empty negative prompt like ' '"): `guidance_rule = "token_norm"` (grpo/guidance.py) and `negative_prompt`,
+used by rollout, evaluation and the GRPO loss alike. (eff_grpo's Qwen-Image recipe trains without CFG:
+fastvideo/train_grpo_qwenimage_eff.py passes guidance=None and the conditional prompt alone.)
 
 The text encoder (Qwen2.5-VL, 7B in the published model) is `t5_name`: `model.shard_t5` shards it for inference
 like SD3's and FLUX's T5.
@@ -52,6 +53,8 @@ class QwenImageVelocity(DiffusersVelocity):
 
     frozen_names = ("vae", "text_encoder")
     t5_name = "text_encoder"
+    guidance_rule = "token_norm"
+    negative_prompt = " "
 
     def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None):
         super().__init__(pipe, max_sequence_length)

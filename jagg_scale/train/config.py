@@ -298,11 +298,6 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     m, s, g, t = cfg.model, cfg.sampling, cfg.grpo, cfg.train
     _require(s.shift is not None or m.kind != "dit", "sampling.shift",
              "null (the pipeline's own schedule) needs a diffusers model.kind (sd3, flux, qwenimage)")
-    # Qwen-Image's true CFG rescales the guided velocity to the conditional one's norm (models/qwenimage.py); the
-    # trainer's CFG is the plain combination, which would sample another distribution than the published pipeline
-    _require(s.guidance == 1.0 or m.kind != "qwenimage", "sampling.guidance",
-             f"is {s.guidance}: model.kind qwenimage samples without CFG here (its pipeline's norm-rescaled true CFG "
-             "is not a guidance rule of the trainer yet); set 1.0, as eff_grpo's Qwen-Image recipe does")
     _require(s.sde_window == 0 or g.timestep_fraction == 1.0, "grpo.timestep_fraction",
              "must be 1.0 with sampling.sde_window (the window decides which steps are trained)")
     _require((t.prompts_per_step * g.group_size) % t.batch_size == 0, "train.batch_size",

@@ -65,7 +65,10 @@ class Policy:
         sigmas = model_schedule(model, cfg.sampling.num_steps, cfg.sampling.shift)
         self.host_sigmas = sigmas.tolist()  # the rollout's ODE solver computes its coefficients from these
         self.sigmas = sigmas.to(device)
-        self._uncond = None  # the empty prompt's conditioning (CFG), encoded on first use
+        self._uncond = None  # the negative prompt's conditioning (CFG), encoded on first use
+        # the model family's CFG: its rule (grpo/guidance.py) and negative prompt (models/base.py VelocityModel)
+        self.guidance_rule = getattr(model, "guidance_rule", "plain")
+        self.negative_prompt = getattr(model, "negative_prompt", "")
 
     @property
     def guidance(self) -> float:
@@ -83,8 +86,8 @@ class Policy:
         return fn
 
     def velocity_fn(self, model: torch.nn.Module | None = None) -> Callable:
-        predict, guidance = self.model_fn(model), self.guidance
-        return lambda x, sigma, cond: guided_velocity(predict, x, sigma, cond, guidance)
+        predict, guidance, rule = self.model_fn(model), self.guidance, self.guidance_rule
+        return lambda x, sigma, cond: guided_velocity(predict, x, sigma, cond, guidance, rule)
 
     def reference_fn(self) -> Callable | None:
         if not self.cfg.uses_reference:
@@ -102,8 +105,8 @@ class Policy:
     def encode(self, prompts: list[str]):
         cond = self.model.encode_prompts(prompts)
         if self.guidance != 1.0:
-            if self._uncond is None:  # the empty prompt's embedding never changes (frozen encoders): encode it once
-                self._uncond = self.model.encode_prompts([""])
+            if self._uncond is None:  # the negative prompt's embedding never changes (frozen encoders): encode once
+                self._uncond = self.model.encode_prompts([self.negative_prompt])
             n = len(prompts)
             return cond, map_cond(lambda t: t.expand(n, *t.shape[1:]), self._uncond)
         return cond
@@ -146,7 +149,7 @@ class Policy:
             parts.append(sample_sde(predict, index_cond(cond, chunk), to_device(noise, self.device), self.sigmas,
                                     noise_level=cfg.sampling.noise_level, generator=gens[chunk],
                                     ref_velocity_fn=ref, sde_steps=sde_steps, ref_steps=ref_steps,
-                                    guidance=self.guidance,
+                                    guidance=self.guidance, guidance_rule=self.guidance_rule,
                                     ode_solver=cfg.sampling.ode_solver, ode_steps=cfg.sampling.ode_steps,
                                     host_sigmas=self.host_sigmas, sde=cfg.sampling.sde))
             if on_chunk is not None:

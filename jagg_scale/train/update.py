@@ -301,7 +301,8 @@ class Updater:
                 loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
                                     beta=cfg.grpo.beta, scale=1.0 / len(steps),
                                     denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
-                                    guidance=guidance, sde=cfg.sampling.sde)
+                                    guidance=guidance, guidance_rule=self.policy.guidance_rule,
+                                    sde=cfg.sampling.sde)
                 yield local, traj.step_batch(local, adv_values, adv_mask), loss
 
     def _optimizer_step(self, done: UpdateTotals, stats: BackwardStats, loss, step: int) -> None:

@@ -3,8 +3,9 @@
 
 Checks the interface (unpacked shapes, packing round trip, frozen parts), that padding every prompt to
 max_sequence_length leaves the velocity the pipeline's, the sigma and sign conventions against the pipeline's own
-sampling loop, the GRPO log-prob round trip, JAGG W = 2 == per-step on the transformer, two jagg-train steps (LoRA,
-JAGG and exact), and that the exported LoRA loads into a plain QwenImagePipeline to the same outputs.
+sampling loop (and its true CFG), the GRPO log-prob round trip, JAGG W = 2 == per-step on the transformer, two
+jagg-train steps (LoRA; JAGG and exact; true CFG), and that the exported LoRA loads into a plain QwenImagePipeline
+to the same outputs.
 """
 
 from pathlib import Path
@@ -72,26 +73,40 @@ def test_adapter_ode_equals_the_pipeline_sampling_loop(model):
     assert torch.allclose(model.unpack(out, 8, 8), ours, atol=1e-5)
 
 
-def test_rollout_logprobs_recomputed_in_training(model):
-    check_rollout_logprobs_recomputed(model, model.pipeline_sigmas(4), 1.0)
+def test_true_cfg_equals_the_pipelines(model):
+    """guidance 4 with the family's rule (the guided prediction rescaled per token to the conditional one's norm)
+    and negative prompt " ": the pipeline's own true-CFG loop and ours land on the same latents."""
+    from jagg_scale.grpo.rollout import guided_velocity
+
+    cond, uncond = model.encode_prompts(PROMPTS), model.encode_prompts([model.negative_prompt] * 2)
+    noise = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(5))
+    out = model.pipe(prompt_embeds=cond[0], prompt_embeds_mask=cond[1], negative_prompt_embeds=uncond[0],
+                     negative_prompt_embeds_mask=uncond[1], true_cfg_scale=4.0, num_inference_steps=4,
+                     height=model.image_size, width=model.image_size, latents=model.pack(noise.clone()),
+                     output_type="latent").images
+    guided = lambda x, s, c: guided_velocity(model, x, s, c, 4.0, model.guidance_rule)
+    ours = sample_ode(guided, (cond, uncond), noise, model.pipeline_sigmas(4))
+    assert torch.allclose(model.unpack(out, 8, 8), ours, atol=1e-5)
+    plain = sample_ode(lambda x, s, c: guided_velocity(model, x, s, c, 4.0), (cond, uncond), noise,
+                       model.pipeline_sigmas(4))
+    assert not torch.allclose(plain, ours, atol=1e-3)  # the rule matters: plain CFG samples elsewhere
 
 
-def test_jagg_w2_equals_per_step_on_the_transformer(qwenimage_dir):
+@pytest.mark.parametrize("guidance", [1.0, 2.0])
+def test_rollout_logprobs_recomputed_in_training(model, guidance):
+    check_rollout_logprobs_recomputed(model, model.pipeline_sigmas(4), guidance)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 2.0])
+def test_jagg_w2_equals_per_step_on_the_transformer(qwenimage_dir, guidance):
     m = QwenImageVelocity.from_pretrained(qwenimage_dir, dtype=torch.float32, max_sequence_length=48,
                                           resolution=16).double()
-    check_jagg_w2_equals_per_step(m, m.pipeline_sigmas(4).double()[1:3], 1.0)
-
-
-def test_the_config_refuses_cfg_for_qwenimage():
-    from jagg_scale.train import ConfigError, load_config
-
-    with pytest.raises(ConfigError, match="'sampling.guidance'"):
-        load_config(ROOT / "configs" / "qwenimage_tiny_cpu.yaml", ["sampling.guidance=4.0"], check_files=False)
+    check_jagg_w2_equals_per_step(m, m.pipeline_sigmas(4).double()[1:3], guidance)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["jagg", "exact"])
-def test_jagg_train_two_steps_and_the_lora_loads_into_a_plain_pipeline(qwenimage_dir, tmp_path, mode):
+@pytest.mark.parametrize("mode, guidance", [("jagg", 1.0), ("exact", 1.0), ("jagg", 3.0)])
+def test_jagg_train_two_steps_and_the_lora_loads_into_a_plain_pipeline(qwenimage_dir, tmp_path, mode, guidance):
     from diffusers import QwenImagePipeline
 
     from jagg_scale.train import Trainer, load_config
@@ -99,7 +114,8 @@ def test_jagg_train_two_steps_and_the_lora_loads_into_a_plain_pipeline(qwenimage
     run = tmp_path / "run"
     cfg = load_config(ROOT / "configs" / "qwenimage_tiny_cpu.yaml",
                       [f"model.pretrained={qwenimage_dir}", "model.resolution=16", "train.steps=2",
-                       f"jagg.mode={mode}", f"run.output_dir={run}", "log.progress=false"])
+                       f"jagg.mode={mode}", f"sampling.guidance={guidance}", f"run.output_dir={run}",
+                       "log.progress=false"])
     trainer = Trainer(cfg)
     try:
         rows = trainer.fit()
