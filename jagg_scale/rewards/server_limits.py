@@ -1,0 +1,296 @@
+"""What one connection and one request may cost the reward server, and the wire format's checks (`server.py` has
+the protocol; `server_app.py` serves it and applies these; nothing here needs the [server] extra).
+
+Connections (`ConnectionGuard`, applied by server_app's protocol, uvicorn's h11 one with total deadlines; uvicorn
+itself bounds a request's header block, 16 KB by h11's default, and closes idle keep-alive connections after 5 s):
+- a request's headers must arrive within `header_timeout_s` of the connection (or of the previous reply), in all:
+  a client that sends one byte every few seconds is cut off at the deadline instead of being kept alive by each
+  byte (a per-read socket timeout restarts with every byte: 8 such clients used to stop the old server);
+- at most `max_connections` connections in all and `max_connections_per_client` from one IP address; one more is
+  answered 503 and closed at once, before it can hold anything (`remote` retries a 5xx with backoff);
+- a reply sent before the request's body was read (401, 404, 413, ...) is followed by a lingering close: the rest
+  of the body is read and dropped for at most DRAIN_S, so a client still uploading sees the reply, not a reset.
+
+Requests (`read_body`, `load_json`, `Request`), in the order the server applies them:
+- the body is counted as it arrives, whatever Content-Length said (a chunked body has none): 413 at the byte limit,
+  408 when it has not all arrived within `body_timeout_s` of the server starting to read it;
+- it is also counted in JSON values before it is parsed: every '{', '[' and ',' (each container and each element
+  after a container's first; an over-count when strings hold them, which real prompts barely do). 64 MB of `{},`
+  parse into 21 M dicts, 1.5 GB; the budget refuses it (413) after its first ~0.8 MB;
+- nesting deeper than MAX_JSON_DEPTH levels is a 400; so is any field of the wrong type or length;
+- each image's metadata must serialize to at most MAX_METADATA_BYTES (413);
+- PNGs are opened header only and refused (413) over the per-image or per-request pixel limits before any pixel
+  is decoded, because a PNG's size says nothing about its decoded size (a 7.8 KB PNG holds 8000 x 8000 pixels,
+  ~1 GB once decoded to the float batch a reward takes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import json
+import math
+import threading
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+DECODE_SLOTS = 2  # requests holding decoded pixels at once (one decodes while another is scored)
+WORKERS = 8  # requests holding a body, and the threads that parse, decode and score them
+# Decode cost (memory and time) follows pixels, not PNG bytes, so the limits count pixels. A float batch takes
+# 12 bytes per pixel, plus the uint8 decode: 4096^2 is ~250 MB, four times a 2048^2 image, far above FLUX's 1024^2.
+MAX_IMAGE_PIXELS = 4096 * 4096  # per image (was 8192^2: one 7.8 KB PNG then cost ~1 GB)
+MAX_REQUEST_PIXELS = 1 << 25  # per request, all images together: 32 images of 1024^2, 128 of 512^2 (~0.5 GB)
+MAX_JSON_DEPTH = 32  # nesting of arrays/objects in a request; real metadata is a few levels deep
+# JSON values per request: parsed, 2^18 of them take at most ~30 MB besides their strings' own bytes (measured: 2^18
+# `{}` 18 MB, a dict of 2^18 keys 28 MB); a request of 128 images with GenEval's metadata (~20 each) holds ~3000
+MAX_JSON_VALUES = 1 << 18
+MAX_METADATA_BYTES = 64 << 10  # one image's metadata, serialized; GenEval's or OCR's is a few hundred bytes
+HEADER_TIMEOUT_S = 10.0  # a request's headers, from the connection or the previous reply (one packet, normally)
+BODY_TIMEOUT_S = 60.0  # a request's body, from when the server reads it: 64 MB needs >= 1.1 MB/s
+MAX_CONNECTIONS = 256  # open connections in all (each holds at most ~0.3 MB while it waits: h11's buffers)
+MAX_CONNECTIONS_PER_CLIENT = 32  # from one IP: a node of 8 trainer ranks holds 8; raise it behind a NAT
+DRAIN_S = 10.0  # how long a lingering close reads and drops a refused body
+
+
+class RequestTooLarge(ValueError):
+    """A request over a size limit (answered 413: a smaller batch, images or metadata will do)."""
+
+
+class BodyTimeout(ValueError):
+    """The body did not arrive in time (408)."""
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its body arrived: there is no one to answer."""
+
+
+# ------------------------------------------------------------------------------------------- connections
+
+
+class ConnectionGuard:
+    """Open connections per client IP and in all; the deadlines the protocol applies."""
+
+    def __init__(self, max_connections: int, max_per_client: int, header_timeout_s: float):
+        self.max_connections, self.max_per_client = max_connections, max_per_client
+        self.header_timeout_s = header_timeout_s
+        self.per_client: dict[str, int] = {}
+        self.total = 0
+        self.refused = 0  # connections answered 503 (tests and monitoring read it)
+
+    def admit(self, host: str) -> str | None:
+        """Count the connection in, or say why not (it is then not counted)."""
+        if self.total >= self.max_connections:
+            self.refused += 1
+            return f"the server holds its limit of {self.max_connections} connections; retry later"
+        if self.per_client.get(host, 0) >= self.max_per_client:
+            self.refused += 1
+            return f"{host} holds the per-client limit of {self.max_per_client} connections; retry later"
+        self.total += 1
+        self.per_client[host] = self.per_client.get(host, 0) + 1
+        return None
+
+    def release(self, host: str) -> None:
+        self.total -= 1
+        self.per_client[host] -= 1
+        if not self.per_client[host]:
+            del self.per_client[host]
+
+
+# ----------------------------------------------------------------------------------------------- bodies
+
+
+async def read_body(receive, *, max_bytes: int, max_values: int, timeout_s: float) -> bytearray:
+    """Read a request body from ASGI `receive`: counted in bytes and JSON values as it arrives, within a total
+    deadline. Raises RequestTooLarge, BodyTimeout or ClientGone."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    body, values = bytearray(), 0
+    while True:
+        try:
+            message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+        except asyncio.TimeoutError:
+            raise BodyTimeout(f"request body not received within {timeout_s:g} s ({len(body)} bytes "
+                              "arrived); a network this slow needs a higher --body-timeout") from None
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        if len(body) + len(chunk) > max_bytes:
+            raise RequestTooLarge(f"request body exceeds the server limit of {max_bytes} bytes; "
+                                  "send smaller batches (max_batch)")
+        values += chunk.count(b"{") + chunk.count(b"[") + chunk.count(b",")
+        if values > max_values:
+            raise RequestTooLarge(f"request body holds more than the budget of {max_values} JSON values (counted "
+                                  "as '{', '[' and ','); send smaller batches or less metadata")
+        body += chunk
+        if not message.get("more_body", False):
+            return body
+
+
+def load_json(holder: list, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The body (popped from `holder`, so it is freed once decoded) -> JSON value; ValueError for invalid or too
+    deeply nested JSON (checked without recursion)."""
+    raw = holder.pop()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"body is not valid JSON ({e})") from None
+    del raw
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"body is not valid JSON ({e})") from None
+    except RecursionError:  # the parser recurses per level: thousands of '[' exhaust the stack
+        raise ValueError(f"body nests arrays/objects deeper than the limit of {max_depth} levels") from None
+    del text
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > max_depth:
+                raise ValueError(f"body nests arrays/objects deeper than the limit of {max_depth} levels")
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return value
+
+
+# ------------------------------------------------------------------------------------- images, replies
+
+
+def b64(data: Any, where: str) -> bytes:
+    if not isinstance(data, str):
+        raise ValueError(f"{where}: expected a base64 string, got {type(data).__name__}")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"{where}: not valid base64 ({e})") from None
+
+
+def open_png(raw: bytes, where: str, max_pixels: int) -> Image.Image:
+    """Open a PNG, reading its header only, and refuse it if its pixels exceed max_pixels."""
+    try:
+        img = Image.open(io.BytesIO(raw), formats=["PNG"])
+    except Image.DecompressionBombError as e:  # PIL's own limit (2 x Image.MAX_IMAGE_PIXELS), above a raised ours
+        raise RequestTooLarge(f"{where}: {e}") from None
+    except Exception as e:  # PIL raises assorted types for bad data (UnidentifiedImageError, OSError, SyntaxError)
+        raise ValueError(f"{where}: not a decodable PNG ({type(e).__name__}: {e})") from None
+    if img.width * img.height > max_pixels:
+        img.close()
+        raise RequestTooLarge(f"{where}: image of {img.width}x{img.height} exceeds the per-image limit of "
+                              f"{max_pixels} pixels")
+    return img
+
+
+def pixels(img: Image.Image, where: str) -> np.ndarray:
+    try:
+        return np.asarray(img.convert("RGB"), dtype=np.uint8)
+    except Exception as e:  # a valid header over corrupt data fails here
+        raise ValueError(f"{where}: not a decodable PNG ({type(e).__name__}: {e})") from None
+    finally:
+        img.close()
+
+
+def decode_image(data: Any, where: str, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """One base64 PNG string -> uint8 [H, W, 3]; raises ValueError naming `where` (e.g. "images[2]")."""
+    return pixels(open_png(b64(data, where), where, max_pixels), where)
+
+
+def to_jsonable(value: Any) -> Any:
+    """Make reward output strict-JSON safe: tensors/arrays -> lists, non-finite floats -> None."""
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
+        value = value.tolist() if not isinstance(value, torch.Tensor) else value.detach().cpu().tolist()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    return str(value)
+
+
+class Request:
+    """A checked request: prompts, metadata and the PNGs opened (headers only) within the limits."""
+
+    def __init__(self, req: Any, max_image_pixels: int, max_request_pixels: int,
+                 max_metadata_bytes: int = MAX_METADATA_BYTES):
+        if not isinstance(req, dict):
+            raise ValueError(f"body must be a JSON object, got {type(req).__name__}")
+        prompts, images = req.get("prompts"), req.get("images")
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("field 'prompts' must be a list of strings")
+        if not isinstance(images, list):
+            raise ValueError("field 'images' must be a list of base64 PNG strings")
+        metadata = req.get("metadata", [{} for _ in prompts])
+        if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
+            raise ValueError("field 'metadata' must be a list of objects")
+        if not len(prompts) == len(images) == len(metadata):
+            raise ValueError(
+                f"length mismatch: {len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata entries"
+            )
+        for i, m in enumerate(metadata):
+            if m and (n := len(json.dumps(m, separators=(",", ":")))) > max_metadata_bytes:
+                raise RequestTooLarge(f"metadata[{i}]: {n} bytes of JSON exceed the per-image limit of "
+                                      f"{max_metadata_bytes} bytes")
+        self.prompts, self.metadata = prompts, metadata
+        self.pngs: list[Image.Image] = []
+        try:
+            for i, data in enumerate(images):
+                where = f"images[{i}]"
+                raw = b64(data, where)
+                images[i] = None  # the base64 text is no longer needed
+                self.pngs.append(open_png(raw, where, max_image_pixels))
+                if self.pngs[-1].size != self.pngs[0].size:
+                    (w, h), (w0, h0) = self.pngs[-1].size, self.pngs[0].size
+                    raise ValueError(f"{where}: size {w}x{h} differs from images[0] ({w0}x{h0}); "
+                                     "a batch must share one size")
+            total = sum(img.width * img.height for img in self.pngs)
+            if total > max_request_pixels:
+                raise RequestTooLarge(f"{len(self.pngs)} images of {total} pixels in all exceed the per-request "
+                                      f"budget of {max_request_pixels} pixels; send smaller batches (max_batch)")
+        except BaseException:
+            self.close()
+            raise
+
+    def decode(self) -> torch.Tensor:
+        """Float images [B, 3, H, W] in [0, 1]: one uint8 batch filled image by image, then one float copy."""
+        if not self.pngs:
+            return torch.zeros(0, 3, 0, 0)
+        w, h = self.pngs[0].size
+        batch = np.empty((len(self.pngs), h, w, 3), dtype=np.uint8)
+        for i in range(len(self.pngs)):
+            batch[i] = pixels(self.pngs[i], f"images[{i}]")
+        return torch.from_numpy(batch).permute(0, 3, 1, 2).float().div_(255.0)
+
+    def close(self) -> None:
+        for img in self.pngs:
+            img.close()
+
+
+class Slots:
+    """A counting semaphore that also says how many hold it and how many wait (tests and monitoring read them)."""
+
+    def __init__(self, n: int):
+        self._sem = threading.BoundedSemaphore(n)
+        self._lock = threading.Lock()
+        self.size, self.held, self.waiting = n, 0, 0
+
+    @contextmanager
+    def take(self):
+        with self._lock:
+            self.waiting += 1
+        self._sem.acquire()
+        with self._lock:
+            self.waiting -= 1
+            self.held += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.held -= 1
+            self._sem.release()
