@@ -83,6 +83,11 @@ def cast_inputs_hook(module, args, kwargs):  # FSDP2 MixedPrecisionPolicy(cast_f
 def _model_inputs(kind: str, model, cfg: dict, n: int, h: int, w: int, t: int) -> dict:
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g)
+    if kind == "qwenimage":  # packed 2x2 tokens, the prompt with its mask, the latent grid (models/qwenimage.py)
+        return dict(hidden_states=r(n, h * w, cfg["in_channels"]), timestep=torch.rand(n),
+                    encoder_hidden_states=r(n, t, cfg["joint_attention_dim"]),
+                    encoder_hidden_states_mask=torch.ones(n, t, dtype=torch.bool), img_shapes=[[(1, h, w)]] * n,
+                    return_dict=False)
     common = dict(encoder_hidden_states=r(n, t, cfg["joint_attention_dim"]),
                   pooled_projections=r(n, cfg["pooled_projection_dim"]), return_dict=False)
     if kind == "sd3":
@@ -105,6 +110,8 @@ def _min_transformer(comp: dict) -> tuple[torch.nn.Module, list[str]]:
         kinds = list(dict.fromkeys(types))
         small = dict(cfg, num_layers=len(kinds), dual_attention_layers=(0,) if "dual" in kinds else (),
                      pos_embed_max_size=max(POINTS[-1][1:3]))
+    elif comp["class"].startswith("QwenImage"):  # one kind of double-stream block
+        types, small = ["double"] * cfg["num_layers"], dict(cfg, num_layers=1)
     else:
         types = ["double"] * cfg["num_layers"] + ["single"] * cfg["num_single_layers"]
         kinds = list(dict.fromkeys(types))
@@ -117,7 +124,7 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
     """Fit coefficients of every measured quantity of each block type and of the root residual (module docstring)."""
     from torch.utils.checkpoint import checkpoint
 
-    kind = "sd3" if comp["class"].startswith("SD3") else "flux"
+    kind = transformer_kind(comp)
     model, types = _min_transformer(comp)
     if lora_rank:
         from peft import LoraConfig
@@ -166,12 +173,12 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
             hk.remove()
         for i, b in enumerate(blocks):
             a, kw = captured[i]
-            names = (["hidden_states", "encoder_hidden_states", "temb"]
-                     + (["image_rotary_emb"] if kind == "flux" else []))
+            names = BLOCK_ARGS[kind]
             args = [kw[k] for k in names]
             for mode in MODES:
                 fresh = [x.detach().requires_grad_(bool(trainable))  # as inside the model: they depend on weights
-                         if isinstance(x, torch.Tensor) and k != "image_rotary_emb" else x for k, x in zip(names, args)]
+                         if isinstance(x, torch.Tensor) and x.is_floating_point() and k != "image_rotary_emb" else x
+                         for k, x in zip(names, args)]
                 if pt == POINTS[0]:
                     run(b, fresh + [None], mode)  # warm-up (lazy initialisation)
                 samples[kinds[i]].setdefault(mode, []).append((pt, run(b, fresh + [None], mode)))
@@ -199,6 +206,19 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
     return {"types": types, "fits": fits, "max_rel_fit_residual": worst}
 
 
+# what a block of each family is called with (its forward's arguments, in order; joint_attention_kwargs follows)
+BLOCK_ARGS = {"sd3": ["hidden_states", "encoder_hidden_states", "temb"],
+              "flux": ["hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb"],
+              "qwenimage": ["hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb",
+                            "image_rotary_emb"]}
+
+
+def transformer_kind(comp: dict) -> str:
+    """The family of a transformer component, from its class."""
+    return {"SD3": "sd3", "QwenImage": "qwenimage"}.get(next((p for p in ("SD3", "QwenImage")
+                                                              if comp["class"].startswith(p)), None), "flux")
+
+
 def _tok(pt):
     n, h, w, t = pt
     return n, h * w, t
@@ -219,6 +239,12 @@ def measure_nograd(comp: dict, what: str, dtype: torch.dtype, seq: int) -> list[
     config = clean(comp["config"])
     if what == "t5":
         config["num_layers"] = min(2, config["num_layers"])  # the peak does not grow with depth (no hidden states kept)
+    layers_kept = 0
+    if what == "qwen":  # Qwen2.5-VL as QwenImagePipeline runs it: output_hidden_states keeps every layer's output
+        text = config["text_config"]
+        layers_kept = text["num_hidden_layers"] - 2  # measured on 2 layers; the other layers' outputs added below
+        config["text_config"] = dict(text, num_hidden_layers=2)
+        config["vision_config"] = dict(config["vision_config"], depth=1, fullatt_block_indexes=[0])
     if what == "reward":
         config["text_config"] = dict(config["text_config"], num_hidden_layers=2)
         config["vision_config"] = dict(config["vision_config"], num_hidden_layers=2)
@@ -230,7 +256,9 @@ def measure_nograd(comp: dict, what: str, dtype: torch.dtype, seq: int) -> list[
     grid = ((2, 16), (3, 16), (2, 32), (3, 32), (2, 48)) if what == "vae" else ((1, 0), (2, 0), (3, 0))
     for n, size in grid:
         if what == "vae":
-            x = torch.randn(n, config["latent_channels"], size, size, dtype=dtype)
+            video = "z_dim" in config  # Qwen-Image's VAE decodes [N, C, 1, H, W] (models/qwenimage.py)
+            x = torch.randn(n, config["z_dim"] if video else config["latent_channels"], *([1] if video else []), size,
+                            size, dtype=dtype)
             fn = lambda x=x: ((module.decode(x, return_dict=False)[0].float() + 1) / 2).clamp(0, 1)
             pt = (n, size, size, 0)
         elif what == "reward":
@@ -240,12 +268,14 @@ def measure_nograd(comp: dict, what: str, dtype: torch.dtype, seq: int) -> list[
             pt = (n, 0, 0, 1)
         else:
             x = torch.randint(0, 100, (n, seq)) % module.config.vocab_size
-            hidden = what == "clip_hidden"  # SD3 takes CLIP's penultimate hidden state: every layer's output is kept
+            # SD3 takes CLIP's penultimate hidden state, Qwen-Image the last of Qwen2.5-VL's: every output is kept
+            hidden = what in ("clip_hidden", "qwen")
             fn = lambda x=x, hidden=hidden: module(x, output_hidden_states=True) if hidden else module(x)[0]
             pt = (n, 0, 0, seq)
         with torch.no_grad():
             fn()
-            samples.append((pt, _profile(fn)[0]))
+            kept = layers_kept * n * seq * config["text_config"]["hidden_size"] * dtype.itemsize if layers_kept else 0
+            samples.append((pt, _profile(fn)[0] + kept))
     return _fit(samples)
 
 

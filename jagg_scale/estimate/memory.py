@@ -97,15 +97,21 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     sharded, bf16 = cfg.parallel.engine != "none", cfg.model.dtype == "bfloat16"
     precision = ("bf16_mp" if sharded else "amp") if bf16 else "fp32"
     tc, vae = tcomp["config"], comps["vae"]["config"]
-    scale = 2 ** (len(vae["block_out_channels"]) - 1)
     tokens = dict(shapes["text_tokens"])
-    if cfg.model.max_sequence_length:  # the T5 length of the config (as models/diffusers_common.t5_length)
-        tokens["t5"] = min(cfg.model.max_sequence_length, tokens.get("t5_limit", 512))
+    if kind == "qwenimage":  # a video VAE: 8x spatial (2 per temporal_downsample level); prompts padded to a length
+        scale = 2 ** len(vae["temperal_downsample"])
+        side = (cfg.model.resolution or 1024) // scale  # QwenImagePipeline's default: 1024 px
+        latent, p = (tc["in_channels"] // 4, side, side), 2
+        text = min(cfg.model.max_sequence_length or tokens["prompt"], tokens["prompt_limit"])
+    else:
+        scale = 2 ** (len(vae["block_out_channels"]) - 1)
+        if cfg.model.max_sequence_length:  # the T5 length of the config (as models/diffusers_common.t5_length)
+            tokens["t5"] = min(cfg.model.max_sequence_length, tokens.get("t5_limit", 512))
     if kind == "sd3":
         side = cfg.model.resolution // scale if cfg.model.resolution else tc["sample_size"]
         latent, p = (tc["in_channels"], side, side), tc["patch_size"]
         text = tokens["clip"] + tokens["t5"]
-    else:
+    elif kind == "flux":
         side = (cfg.model.resolution or vae["sample_size"]) // scale
         latent, p = (tc["in_channels"] // 4, side, side), 2
         text = tokens["t5"]
@@ -118,8 +124,11 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     encoders = {}
     for name in frozen[1:]:
         c = comps[name]
-        what = "t5" if c["class"].startswith("T5") else ("clip_hidden" if kind == "sd3" else "clip")
-        seq = tokens["t5" if what == "t5" else "clip"]
+        if kind == "qwenimage":
+            what, seq = "qwen", text  # the Qwen2.5-VL prompt: the template's tokens besides, not counted
+        else:
+            what = "t5" if c["class"].startswith("T5") else ("clip_hidden" if kind == "sd3" else "clip")
+            seq = tokens["t5" if what == "t5" else "clip"]
         k = key(what, c["class"], clean(c["config"]), str(fdt), seq)
         encoders[name] = {"seq": seq, "coef": cached(k, f"{name} ({c['class']}) no-grad, {fdt}, {seq} tokens",
                           lambda c=c, what=what, seq=seq: M.measure_nograd(c, what, fdt, seq), measure)}
@@ -138,7 +147,9 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
                        for n in frozen},
             "encoders": encoders, "ref_bytes": 2 if bf16 and tcomp.get("stored_dtype") == "bfloat16" else 4,
             "decode": decode, "rewards": rewards, "act": act, "latent": latent, "image_tokens": (side // p) ** 2,
-            "text_tokens": text, "cond_row": text * tc["joint_attention_dim"] + tc["pooled_projection_dim"],
+            # a row's conditioning: prompt embeddings, the pooled vector (sd3/flux) or the mask (qwenimage: int64)
+            "text_tokens": text,
+            "cond_row": text * tc["joint_attention_dim"] + tc.get("pooled_projection_dim", 2 * text),
             "overhead": overhead_gb * GiB, "vae_scale": scale, "eval_images": eval_images(cfg),
             # gpu_gib: what sampling.batch_size auto is sized for (an 80 GB GPU unless told)
             "gpu_gib": gpu_gib, "components": comps}

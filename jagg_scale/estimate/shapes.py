@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..models.diffusers_common import T5_DEFAULT
+from ..models.qwenimage import PROMPT_TOKENS_DEFAULT
 from ..models.lora import DEFAULT_TARGETS
 from ..paths import resolve_path
 
@@ -30,9 +31,11 @@ __all__ = ["FROZEN", "KNOWN", "SHAPES", "block_lists", "clean", "component_param
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
 KNOWN = {"stable-diffusion-3.5-medium": "sd35_medium", "stable-diffusion-3.5-large": "sd35_large",
-         "flux.1-dev": "flux1_dev", "flux1-dev": "flux1_dev"}
+         "flux.1-dev": "flux1_dev", "flux1-dev": "flux1_dev", "qwen-image": "qwen_image"}
+# a family's frozen components, the VAE first and the large (shardable: model.shard_t5) text encoder last
 FROZEN = {"sd3": ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"),
-          "flux": ("vae", "text_encoder", "text_encoder_2")}
+          "flux": ("vae", "text_encoder", "text_encoder_2"),
+          "qwenimage": ("vae", "text_encoder")}
 
 
 class ShapeError(ValueError):
@@ -46,7 +49,7 @@ def clean(config: dict) -> dict:
 
 def pipeline_shapes(cfg, name: str | None = None) -> dict:
     """{kind, components: {name: {class, library, config}}, text_tokens} from a pipeline directory or a shape file."""
-    if cfg.model.kind not in FROZEN:
+    if cfg is not None and cfg.model.kind not in FROZEN:
         raise ShapeError(f"model.kind {cfg.model.kind}: the estimator sizes {' and '.join(FROZEN)} pipelines; this "
                          "family's shapes and activation coefficients are not in it yet")
     if name is None:
@@ -77,6 +80,9 @@ def _from_directory(path: Path, kind: str) -> dict:
         f = path / tok / "tokenizer_config.json"
         return min(cap, int(json.loads(f.read_text()).get("model_max_length", cap)) if f.is_file() else cap)
 
+    if kind == "qwenimage":  # the Qwen2.5-VL prompt tokens every prompt is padded to (models/qwenimage.py)
+        text = {"prompt": PROMPT_TOKENS_DEFAULT, "prompt_limit": 1024}
+        return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
     t5 = limit("tokenizer_3" if kind == "sd3" else "tokenizer_2", 512)  # what model.max_sequence_length can reach
     text = {"clip": limit("tokenizer", 77), "t5": min(T5_DEFAULT[kind], t5), "t5_limit": t5}
     return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}

@@ -74,8 +74,14 @@ def _transformer_flops(comp_json: str, kind: str, latent: tuple, image_tokens: i
     cfg, m = comp["config"], meta_module(comp)
     meta = lambda *shape: torch.zeros(*shape, device="meta")  # noqa: E731
     args = {"encoder_hidden_states": meta(1, text_tokens, cfg["joint_attention_dim"]),
-            "pooled_projections": meta(1, cfg["pooled_projection_dim"]), "timestep": meta(1), "return_dict": False}
-    if kind == "sd3":
+            "pooled_projections": meta(1, cfg.get("pooled_projection_dim", 0)), "timestep": meta(1),
+            "return_dict": False}
+    if kind == "qwenimage":  # packed 2x2 tokens, the prompt's mask, the latent grid (models/qwenimage.py)
+        del args["pooled_projections"]
+        side = int(math.isqrt(image_tokens))
+        args.update(hidden_states=meta(1, image_tokens, cfg["in_channels"]), img_shapes=[[(1, side, side)]],
+                    encoder_hidden_states_mask=torch.ones(1, text_tokens, dtype=torch.bool, device="meta"))
+    elif kind == "sd3":
         args["hidden_states"] = meta(1, *latent)
     else:  # FLUX takes packed 2x2 patches, their rope ids and the distilled guidance
         args.update(hidden_states=meta(1, image_tokens, cfg["in_channels"]), img_ids=meta(image_tokens, 3),
@@ -91,7 +97,9 @@ def _frozen_flops(comp_json: str, what: str, arg: int) -> float:
     try:
         m = meta_module(comp)
         if what == "vae":
-            z = torch.zeros(1, comp["config"]["latent_channels"], arg, arg, device="meta")
+            video = "z_dim" in comp["config"]  # Qwen-Image's VAE decodes [N, C, 1, H, W]
+            z = torch.zeros(1, comp["config"]["z_dim" if video else "latent_channels"], *([1] if video else []), arg,
+                            arg, device="meta")
             return _count(lambda: m.decode(z, return_dict=False))
         ids = torch.zeros(1, arg, dtype=torch.long, device="meta")
         return _count(lambda: m(ids))

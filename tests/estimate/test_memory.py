@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def load(path, overrides=()):
     return load_config(path, list(overrides), check_files=False)  # the production paths do not exist here
 
-PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps", "sd35m_nft_pickscore"]
+PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps", "sd35m_nft_pickscore",
+              "qwenimage_hps"]
 GPU_80GB = 79.2  # GiB torch reports for an 80 GB H100 / A100
 HEADROOM = 0.10
 
@@ -78,6 +79,7 @@ def test_a_larger_micro_batch_costs_more_and_the_chosen_one_is_the_largest_that_
     ("sd35_medium", "text_encoder_2", 694.7e6, None),
     ("sd35_medium", "text_encoder_3", 4.762e9, None),
     ("flux1_dev", "vae", 83.8e6, None),
+    ("qwen_image", "text_encoder", 8.29e9, None),  # Qwen2.5-VL-7B-Instruct, its vision tower included
 ])
 def test_shapes_count_the_published_parameters(shape, component, published, extra):
     comp = S.pipeline_shapes(None, shape)["components"][component]

@@ -202,3 +202,39 @@ def test_the_nft_recipe_trains_a_step_on_the_tiny_pipeline(sd3_dir, tmp_path):
     assert row["per_step_equiv"] == row["backward_passes"] == 9  # int(10 x 0.99) timesteps, one backward each
     assert row["optimizer_steps"] == 1 and row["old_decay"] == pytest.approx(0.001)
     assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_the_qwenimage_recipe_trains_a_step_on_the_tiny_pipeline(qwenimage_dir, tmp_path):
+    """configs/qwenimage_hps.yaml (eff_grpo's Qwen-Image JAGG recipe) as its header says, then one step end to end on
+    the tiny Qwen-Image pipeline on its production backend (FSDP2, one process): 12 trained steps in windows of 4, a
+    full fine-tune whose export is a QwenImageTransformer2DModel equal to the trained weights."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from jagg_scale.jagg import WindowPlanner
+
+    name = "qwenimage_hps"
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", _paths(name, qwenimage_dir, tmp_path))
+    planner = cfg.jagg.planner()
+    T = len(trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction))
+    plan = planner.plan(torch.randn(T, 2, 4), torch.linspace(1.0, 0.1, T), grad_norms=lambda: [1.0] * T)
+    assert isinstance(planner, WindowPlanner) and plan.windows == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert cfg.sampling.guidance == 1.0 and cfg.grpo.beta == 0 and not cfg.model.lora.enabled
+    assert cfg.model.shard_t5 and cfg.parallel.engine == "fsdp2" and cfg.reward.name == "hps"
+    shrink = ["model.resolution=null", "model.max_sequence_length=64", "model.shard_t5=false", "grpo.group_size=4",
+              "train.prompts_per_step=2", "train.batch_size=4", "train.steps=1", "eval.enabled=false",
+              "log.wandb=false", "log.progress=false", "reward.name=jpeg_compressibility", "reward.options={}",
+              "run.resume=none"]
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", _paths(name, qwenimage_dir, tmp_path) + shrink)
+    trainer = Trainer(cfg)
+    try:
+        (row,) = trainer.fit()
+        trained = trainer.engine.full_state_dict()
+    finally:
+        trainer.close()
+    minibatches = cfg.train.prompts_per_step * cfg.grpo.group_size // cfg.train.batch_size
+    assert row["backward_passes"] == 2 * 3 * minibatches and row["per_step_equiv"] == 12 * minibatches
+    assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    loaded = QwenImageTransformer2DModel.from_pretrained(tmp_path / "run" / "transformer", local_files_only=True)
+    for key, p in loaded.state_dict().items():
+        assert torch.equal(p, trained["transformer." + key]), key
