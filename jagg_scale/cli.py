@@ -70,7 +70,9 @@ def _train(argv: list[str] | None) -> int:
 def _failed(err: Exception, code: int) -> int:
     """A failure no retry can fix: one line on stderr, and (rank 0) the same line in the file JAGG_FAILED_FILE names
     when it is set: slurm/jagg.sbatch sets it to OUTPUT_DIR/FAILED, which tells it not to requeue the job."""
-    print(f"jagg-train: {_one_line(err)}", file=sys.stderr)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under a launcher every rank says it: which one is which
+    who = f" [rank {os.environ.get('RANK', '0')}/{world}]" if world > 1 else ""
+    print(f"jagg-train{who}: {_one_line(err)}", file=sys.stderr)
     marker = os.environ.get("JAGG_FAILED_FILE")
     if marker and os.environ.get("RANK", "0") == "0":
         try:

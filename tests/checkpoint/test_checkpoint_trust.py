@@ -180,7 +180,7 @@ def test_an_engine_loading_an_unverified_directory_runs_nothing(tampered, tmp_pa
 
 
 @pytest.mark.dist  # DeepSpeed's JIT-compiled op on first use
-def test_deepspeed_partitions_are_read_weights_only(tmp_path):
+def test_deepspeed_partitions_are_read_weights_only(tmp_path, capsys):
     need("deepspeed")
     run, marker = tmp_path / "run", tmp_path / "PWNED"
     t = Trainer(load_config(TINY, overrides("deepspeed", run)))
@@ -199,8 +199,10 @@ def test_deepspeed_partitions_are_read_weights_only(tmp_path):
             assert Path(name).name in refusal(marker, lambda: t.engine.load(ckpt), UnsafeCheckpointError)
             assert Path(name).name in refusal(marker, lambda: verify_checkpoint(ckpt))
             if i == 0:  # jagg-eval, end to end (it reads through the engine's reader checked above for every file)
-                assert Path(name).name in refusal(marker, lambda: eval_main(
-                    [TINY, *overrides("deepspeed", run), "--checkpoint", str(ckpt), "--output", str(tmp_path)]))
+                rc = eval_main([TINY, *overrides("deepspeed", run), "--checkpoint", str(ckpt), "--output",
+                                str(tmp_path)])
+                err = capsys.readouterr().err.strip().splitlines()
+                assert not marker.exists() and rc == 2 and Path(name).name in err[-1]  # one line, exit 2
             # jagg-eval's reader, unverified
             assert Path(name).name in refusal(marker, lambda: load_trained_weights(build_model(t.cfg.model), ckpt),
                                               UnsafeCheckpointError)
