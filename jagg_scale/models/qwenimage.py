@@ -43,12 +43,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .diffusers_common import DiffusersVelocity
+from .diffusers_common import DiffusersVelocity, Packed2x2
 
 PROMPT_TOKENS_DEFAULT = 512  # QwenImagePipeline.__call__'s max_sequence_length
 
 
-class QwenImageVelocity(DiffusersVelocity):
+class QwenImageVelocity(Packed2x2, DiffusersVelocity):
     """v_theta(x, sigma, cond) of a diffusers QwenImagePipeline's transformer, on unpacked latents [N, C, H, W]."""
 
     frozen_names = ("vae", "text_encoder")
@@ -82,16 +82,6 @@ class QwenImageVelocity(DiffusersVelocity):
                    latent_size=latent_size)
 
     # ------------------------------------------------------------------ packing and schedule
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, C, H, W] -> the 2x2 token sequence [N, H/2 * W/2, 4 C]."""
-        n, c, h, w = x.shape
-        return self.pipe._pack_latents(x, n, c, h, w)
-
-    def unpack(self, tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """[N, H/2 * W/2, 4 C] -> [N, C, H, W] (H, W: latent size; the pipeline's frame axis dropped)."""
-        f = self.vae_scale_factor
-        return self.pipe._unpack_latents(tokens, height * f, width * f, f)[:, :, 0]
-
     def _pipeline_sigma_grid(self, num_steps: int):
         """QwenImagePipeline passes the unshifted grid linspace(1, 1/N, N), shifted by mu (dynamic shifting)."""
         return np.linspace(1.0, 1 / num_steps, num_steps)

@@ -8,8 +8,6 @@ path, not on jagg-eval, not when an engine loads the directory unverified; and t
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import pickle
 import random
@@ -29,6 +27,7 @@ from jagg_scale.models import build_model
 from jagg_scale.parallel.weights import load_trained_weights
 from jagg_scale.train import Trainer, load_config
 from extras import need
+from tamper import reseal
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -60,18 +59,6 @@ def refusal(marker: Path, action, kind: type = CheckpointError) -> str:
         return str(err)
     assert not marker.exists(), "the checkpoint ran code"
     pytest.fail(f"not refused: no {kind.__name__}")
-
-
-def reseal(ckpt: Path) -> None:
-    """What a tamperer does after planting: every file's size and sha256 into the manifest, its hash into COMPLETE."""
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    files = [p for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name not in ("manifest.json", "COMPLETE")]
-    manifest["files"] = {p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size, "rank": 0,
-                                                          "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-                         for p in files}
-    raw = json.dumps(manifest, indent=2, sort_keys=True).encode()
-    (ckpt / "manifest.json").write_bytes(raw)
-    (ckpt / "COMPLETE").write_text(hashlib.sha256(raw).hexdigest() + "\n")
 
 
 def plant_in_torch_file(ckpt: Path, name: str, marker: Path) -> None:

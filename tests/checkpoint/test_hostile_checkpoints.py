@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from jagg_scale.checkpoint import CheckpointError, checkpoint_dir, digests, verify_checkpoint
 from jagg_scale.cli import eval_main
 from jagg_scale.train import Trainer, load_config
+from tamper import reseal
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -27,19 +28,6 @@ SMALL = ["model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_s
          "model.dit.num_heads=2", "sampling.num_steps=4", "train.prompts_per_step=2", "grpo.group_size=2",
          "train.batch_size=4", "log.progress=false", "run.checkpoint_every=1", "jagg.window=2",
          "train.ema_decay=0.9", "eval.prompts=[a red apple]", "eval.num_per_prompt=1"]
-
-
-def reseal(ckpt: Path) -> None:
-    """What a tamperer does: every regular file's size and sha256 into the manifest, its hash into COMPLETE (links
-    are listed with their target's, as a careless tamperer's tool would)."""
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    files = [p for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name not in ("manifest.json", "COMPLETE")]
-    manifest["files"] = {p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size, "rank": 0,
-                                                          "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-                         for p in files}
-    raw = json.dumps(manifest, indent=2, sort_keys=True).encode()
-    (ckpt / "manifest.json").write_bytes(raw)
-    (ckpt / "COMPLETE").write_text(hashlib.sha256(raw).hexdigest() + "\n")
 
 
 @pytest.fixture(scope="module")
