@@ -41,6 +41,12 @@ def t5_length(tokenizer, configured: int | None, default: int) -> int:
     return min(configured or default, limit)
 
 
+def row_sigmas(sigma, x: torch.Tensor) -> torch.Tensor:
+    """sigma (a number, a 0-d or an [N] tensor) as one noise level per row of x, on x's device."""
+    sigma = torch.as_tensor(sigma, device=x.device)
+    return sigma.expand(x.shape[0]) if sigma.ndim == 0 else sigma
+
+
 class DiffusersVelocity(VelocityModel):
     #: pipeline components that are frozen (set by each adapter)
     frozen_names: tuple[str, ...] = ()

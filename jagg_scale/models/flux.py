@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .diffusers_common import T5_DEFAULT, DiffusersVelocity, Packed2x2, t5_length
+from .diffusers_common import T5_DEFAULT, DiffusersVelocity, Packed2x2, row_sigmas, t5_length
 
 
 class FluxVelocity(Packed2x2, DiffusersVelocity):
@@ -121,9 +121,7 @@ class FluxVelocity(Packed2x2, DiffusersVelocity):
         embeds, pooled = cond
         dtype = self.dtype
         n, _, h, w = x.shape
-        sigma = torch.as_tensor(sigma, device=x.device)
-        if sigma.ndim == 0:
-            sigma = sigma.expand(n)
+        sigma = row_sigmas(sigma, x)
         # FluxPipeline passes timesteps / 1000 = sigma; the transformer scales by 1000 itself
         timestep = sigma.to(dtype)
         guidance = None

@@ -43,7 +43,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .diffusers_common import DiffusersVelocity, Packed2x2
+from .diffusers_common import DiffusersVelocity, Packed2x2, row_sigmas
 
 PROMPT_TOKENS_DEFAULT = 512  # QwenImagePipeline.__call__'s max_sequence_length
 
@@ -106,9 +106,7 @@ class QwenImageVelocity(Packed2x2, DiffusersVelocity):
         embeds, mask = cond
         dtype = self.dtype
         n, _, h, w = x.shape
-        sigma = torch.as_tensor(sigma, device=x.device)
-        if sigma.ndim == 0:
-            sigma = sigma.expand(n)
+        sigma = row_sigmas(sigma, x)
         out = self.transformer(
             hidden_states=self.pack(x.to(dtype)),
             timestep=sigma.to(dtype),  # the pipeline's timestep / 1000: the transformer scales by 1000 itself

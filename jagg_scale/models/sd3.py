@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from .diffusers_common import T5_DEFAULT, DiffusersVelocity, t5_length
+from .diffusers_common import T5_DEFAULT, DiffusersVelocity, row_sigmas, t5_length
 
 
 class SD3Velocity(DiffusersVelocity):
@@ -130,9 +130,7 @@ def sd3_velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, cond, num_tr
     written: the pipeline adapter above and the bare-transformer wrapper below both call it."""
     embeds, pooled = cond
     dtype = next(transformer.parameters()).dtype
-    sigma = torch.as_tensor(sigma, device=x.device)
-    if sigma.ndim == 0:
-        sigma = sigma.expand(x.shape[0])
+    sigma = row_sigmas(sigma, x)
     timestep = sigma.to(torch.promote_types(sigma.dtype, torch.float32)) * num_train_timesteps
     v = transformer(
         hidden_states=x.to(dtype),
