@@ -25,7 +25,7 @@ def load(path, overrides=()):
     return load_config(path, list(overrides), check_files=False)  # the production paths do not exist here
 
 PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps", "sd35m_nft_pickscore",
-              "qwenimage_hps"]
+              "qwenimage_hps", "sd35l_pickscore"]
 GPU_80GB = 79.2  # GiB torch reports for an 80 GB H100 / A100
 HEADROOM = 0.10
 

@@ -25,7 +25,7 @@ from extras import need
 need("diffusers")
 
 ROOT = Path(__file__).resolve().parents[2]
-SD35 = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr"]
+SD35 = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "sd35l_pickscore"]
 ALL = SD35 + ["flux1_dev_hps"]
 
 

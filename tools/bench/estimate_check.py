@@ -312,7 +312,7 @@ def scale_tables(gpus=((8, 79.2), (32, 79.2), (8, 139.8), (32, 139.8)), headroom
     from jagg_scale.estimate import memory as E
     from jagg_scale.train.config import load_config
 
-    names = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps", "qwenimage_hps"]
+    names = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps", "qwenimage_hps", "sd35l_pickscore"]
     out = ["| config | GPUs x GiB | rows per rank (minibatch share) | shipped micro-batch | peak GiB (phase) | "
            "headroom | largest micro-batch that fits | its peak GiB |", "|---|---|---|---|---|---|---|---|"]
     details = []
