@@ -27,6 +27,8 @@ Sections, each in its own try block (a failing one is recorded and the next runs
              with achieved TFLOP/s and peak memory (tools/gpu_step.py)
     profile  device time by kernel class of one with-grad and one no-grad pass at the production micro-batch,
              eager and under parallel.compile (tools/gpu_step.py)
+    families one window per step and by JAGG at each newer family's real shape, random weights: Qwen-Image's
+             20.4B transformer at qwenimage_hps's 720 px + 512 prompt tokens, bf16 base + LoRA r32, B rows
 
 By default the check runs env, step and profile (~7 min on an H200 at --step-world 16); window, memory, syncs and
 train were measured on an H200 already (docs/gpu_check.json) and run when named: --sections env,window,memory,...
@@ -37,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,43 +58,16 @@ from jagg_scale.grpo.schedule import sigma_schedule
 from jagg_scale.jagg import exact_backward, jagg_backward
 from jagg_scale.train.host_syncs import CudaSyncs, HostSyncs
 
-import gpu_step  # noqa: E402 - tools/ is on the path above
+import gpu_families  # noqa: E402 - tools/ is on the path above
+import gpu_step  # noqa: E402
+from gpu_timing import (CLIP, NOISE_LEVEL, NUM_STEPS, SHIFT, gib, memory, peak_reset, sync,  # noqa: E402
+                        time_windows)
 
-NOISE_LEVEL, SHIFT, CLIP, NUM_STEPS = 0.7, 3.0, 1e-4, 10
 # CLIP 77 + sd35m_pickscore's model.max_sequence_length T5 tokens (Flow-GRPO's 128), as the SD3 adapter encodes them
 TEXT_TOKENS = 77 + 128
 TINY_CFG = dict(sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
                 num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
                 pos_embed_max_size=8, qk_norm="rms_norm", dual_attention_layers=(0,))
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# helpers
-# ------------------------------------------------------------------------------------------------------------------
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def peak_reset(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def gib(n: float) -> float:
-    return round(n / 2**30, 3)
-
-
-def memory(device: torch.device) -> dict:
-    if device.type != "cuda":
-        return {}
-    return {"allocated_gib": gib(torch.cuda.memory_allocated(device)),
-            "peak_gib": gib(torch.cuda.max_memory_allocated(device))}
-
-
-def syncs_counter(device: torch.device):
-    return CudaSyncs() if device.type == "cuda" else HostSyncs()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -182,32 +156,6 @@ def build_policy(args, device):
                          "tokens_per_row": (cfg["sample_size"] // cfg["patch_size"]) ** 2 + args.text_tokens}
 
 
-def time_case(fn, policy, device, repeats: int) -> dict:
-    """Warm-up once, then `repeats` timed runs (median); peak memory above the resident state; host syncs of one run."""
-    policy.zero_grad(set_to_none=False)
-    fn()
-    times = []
-    for _ in range(repeats):
-        policy.zero_grad(set_to_none=False)
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    policy.zero_grad(set_to_none=False)
-    sync(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    peak_reset(device)
-    with syncs_counter(device) as counter:
-        fn()
-        sync(device)
-    out = {"seconds": round(statistics.median(times), 4), "all_seconds": [round(t, 4) for t in times],
-           "host_syncs": counter.count, "sync_calls": dict(counter.by_call.most_common(6))}
-    if device.type == "cuda":
-        out["peak_above_resident_gib"] = gib(torch.cuda.max_memory_allocated(device) - base)
-    return out
-
-
 def section_window(args, device, state) -> dict:
     policy, cfg, info = build_policy(args, device)
     state["policy"], state["cfg"] = policy, cfg
@@ -222,22 +170,8 @@ def section_window(args, device, state) -> dict:
                           generator=torch.Generator().manual_seed(0))
     sync(device)
     info["rollout_seconds"] = round(time.perf_counter() - t0, 3)
-    adv = torch.randn(B, generator=gen, device=device)
-    batch = traj.step_batch(torch.arange(B, device=device), adv, torch.ones(B, dtype=torch.bool, device=device))
-    info |= {"rows": B, "memory_resident": memory(device), "windows": {}}
-    for W in args.widths:
-        loss = GRPOStepLoss(noise_level=NOISE_LEVEL, clip_range=CLIP, scale=1.0 / W).on(batch)
-        lat, sig, vel = traj.latents[:W], traj.sigmas[:W], traj.velocities[:W]
-        per_step = time_case(lambda lat=lat, sig=sig, loss=loss: exact_backward(policy, lat, sig, cond, loss),
-                             policy, device, args.repeats)
-        joint = time_case(lambda lat=lat, sig=sig, loss=loss, vel=vel: jagg_backward(policy, lat, sig, cond, loss,
-                                                                                      cached_velocities=vel,
-                                                                                      intermediate="cached"),
-                          policy, device, args.repeats)
-        info["windows"][f"W{W}"] = {"per_step": per_step, "jagg_cached": joint,
-                                    "speedup": round(per_step["seconds"] / joint["seconds"], 3), "limit": W / 2}
-        print(f"  W={W}: per-step {per_step['seconds']:.3f}s, JAGG {joint['seconds']:.3f}s, "
-              f"speedup {info['windows'][f'W{W}']['speedup']:.2f}x (limit {W / 2:.1f}x)", flush=True)
+    info |= {"rows": B, "memory_resident": memory(device)}
+    info["windows"] = time_windows(args, device, policy, traj, cond, gen)
     return info
 
 
@@ -426,7 +360,8 @@ def markdown(runs: list[dict]) -> str:
 
 
 SECTIONS = {"env": section_env, "window": section_window, "memory": section_memory, "syncs": section_syncs,
-            "train": section_train, "step": gpu_step.section_step, "profile": gpu_step.section_profile}
+            "train": section_train, "step": gpu_step.section_step, "profile": gpu_step.section_profile,
+            "families": gpu_families.section_families}
 DEFAULT_SECTIONS = ("env", "step", "profile")
 
 

@@ -103,20 +103,7 @@ class QwenImageVelocity(Packed2x2, DiffusersVelocity):
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
         """Velocity v = e - d at unpacked latents x [N, C, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
-        embeds, mask = cond
-        dtype = self.dtype
-        n, _, h, w = x.shape
-        sigma = row_sigmas(sigma, x)
-        out = self.transformer(
-            hidden_states=self.pack(x.to(dtype)),
-            timestep=sigma.to(dtype),  # the pipeline's timestep / 1000: the transformer scales by 1000 itself
-            guidance=None,
-            encoder_hidden_states=embeds.to(dtype),
-            encoder_hidden_states_mask=mask,
-            img_shapes=[[(1, h // 2, w // 2)]] * n,  # Python data: no device copy
-            return_dict=False,
-        )[0]
-        return self.unpack(out, h, w).to(x.dtype)
+        return qwenimage_velocity(self.transformer, x, sigma, cond)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Latents [N, C, H, W] -> float32 images [N, 3, H, W] in [0, 1], as QwenImagePipeline decodes."""
@@ -130,3 +117,41 @@ class QwenImageVelocity(Packed2x2, DiffusersVelocity):
         latents = x.to(vae.dtype).unsqueeze(2) * std + mean
         img = vae.decode(latents, return_dict=False)[0][:, :, 0]
         return ((img.float() + 1) / 2).clamp(0, 1)
+
+
+def qwenimage_velocity(transformer, x: torch.Tensor, sigma, cond) -> torch.Tensor:
+    """The Qwen-Image velocity of a diffusers QwenImageTransformer2DModel at unpacked latents x [N, C, H, W]: packed
+    into 2x2 tokens by the pipeline's own (static) _pack_latents, timestep = sigma (the pipeline's timestep / 1000),
+    the prompt and its mask, the latent grid; unpacked back, in x's dtype. The one place this mapping is written: the
+    pipeline adapter above and the bare-transformer wrapper below both call it."""
+    from diffusers import QwenImagePipeline
+
+    embeds, mask = cond
+    dtype = next(transformer.parameters()).dtype
+    n, c, h, w = x.shape
+    out = transformer(
+        hidden_states=QwenImagePipeline._pack_latents(x.to(dtype), n, c, h, w),
+        timestep=row_sigmas(sigma, x).to(dtype),  # the transformer scales by 1000 itself
+        guidance=None,
+        encoder_hidden_states=embeds.to(dtype),
+        encoder_hidden_states_mask=mask,
+        img_shapes=[[(1, h // 2, w // 2)]] * n,  # Python data: no device copy
+        return_dict=False,
+    )[0]
+    return QwenImagePipeline._unpack_latents(out, h, w, 1)[:, :, 0].to(x.dtype)  # latent size, no VAE factor
+
+
+class QwenImageTransformerVelocity(torch.nn.Module):
+    """v(x, sigma, (embeds, mask)) of a bare QwenImageTransformer2DModel, without a pipeline (no encoders, no VAE):
+    what the GPU check trains at the real shape with random weights (tools/gpu_check.py, section families).
+    `autocast` (e.g. torch.bfloat16): the forward under that autocast, as the trainer's policy runs it."""
+
+    def __init__(self, transformer, latent_size: int, autocast: torch.dtype | None = None):
+        super().__init__()
+        self.transformer = transformer
+        self.autocast = autocast
+        self.latent_shape = (transformer.config.in_channels // 4, latent_size, latent_size)
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            return qwenimage_velocity(self.transformer, x, sigma, cond)

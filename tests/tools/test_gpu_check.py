@@ -17,13 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_the_gpu_check_runs_every_section_at_toy_scale(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--tiny", "--device", "cpu",
-                           "--out", str(tmp_path), "--sections", "env,window,memory,syncs,train,step,profile"],
+                           "--out", str(tmp_path), "--sections", "env,window,memory,syncs,train,step,profile,families"],
                           capture_output=True, text=True, timeout=RUN_S)
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]
     failed = {k: v.get("error") for k, v in sections.items() if not v["ok"]}
     assert proc.returncode == 0 and not failed, f"{failed}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    assert list(sections) == ["env", "window", "memory", "syncs", "train", "step", "profile"]
+    assert list(sections) == ["env", "window", "memory", "syncs", "train", "step", "profile", "families"]
     step = sections["step"]  # the whole step of one rank, three arms through the Trainer, every phase timed
     assert set(step["arms"]) == {"Flow-GRPO", "shipped", "SDE k4 + dpm2"}
     for arm, r in step["arms"].items():
@@ -35,6 +35,10 @@ def test_the_gpu_check_runs_every_section_at_toy_scale(tmp_path):
         case = sections["window"]["windows"][f"W{W}"]
         assert case["per_step"]["seconds"] > 0 and case["jagg_cached"]["seconds"] > 0 and case["speedup"] > 0
     assert sections["window"]["lora_parameters"] < sections["window"]["parameters"]
+    qwen = sections["families"]["qwen_image"]  # a newer family's window, through its own bare-transformer velocity
+    assert 0 < qwen["lora_parameters"] < qwen["parameters"] and qwen["latent"] == [4, 8, 8]
+    for W in (4, 8):
+        assert qwen["windows"][f"W{W}"]["per_step"]["seconds"] > 0 and qwen["windows"][f"W{W}"]["speedup"] > 0
     assert 0 < sections["syncs"]["host_syncs_per_step"] <= 25
     for run in ("none", "fsdp2"):
         assert sections["train"][run]["rc"] == 0 and sections["train"][run]["steps_logged"] == 2
