@@ -1,6 +1,11 @@
 """The device check's `families` section (tools/gpu_check.py --sections families): one window per step and by JAGG
 at each newer model family's real shape, random weights (issue 27 item 5). --tiny: the same code at toy shapes on
-the CPU (tests/tools/test_gpu_check.py)."""
+the CPU (tests/tools/test_gpu_check.py). Not in the default sections; priced from FLOPs (~0.1 PFLOP per Qwen-Image
+row forward at 2537 tokens) it takes about a minute on an H200 as
+
+    bash tools/gpu_check.sh --sections env,families --rows 4 --widths 4 --repeats 1
+
+(at the defaults, 8 rows and widths 4 and 8 with 3 repeats, several minutes: leave room in the 8-minute budget)."""
 
 from __future__ import annotations
 
