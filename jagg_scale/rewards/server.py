@@ -163,6 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help=f"open connections in all (default {lim.MAX_CONNECTIONS})")
     p.add_argument("--max-connections-per-client", type=int, default=lim.MAX_CONNECTIONS_PER_CLIENT,
                    help=f"open connections from one IP (default {lim.MAX_CONNECTIONS_PER_CLIENT})")
+    p.add_argument("--max-json-values", type=int, default=lim.MAX_JSON_VALUES,
+                   help=f"JSON values (objects, arrays, items) a request may hold (default {lim.MAX_JSON_VALUES})")
+    p.add_argument("--max-metadata-kb", type=float, default=lim.MAX_METADATA_BYTES / 1024,
+                   help=f"one image's metadata, serialized, in KB (default {lim.MAX_METADATA_BYTES / 1024:g})")
     args = p.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -193,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        max_image_pixels=args.max_image_pixels, max_request_pixels=args.max_request_pixels,
                        decode_slots=args.decode_slots, workers=args.workers, header_timeout_s=args.header_timeout,
                        body_timeout_s=args.body_timeout, max_connections=args.max_connections,
-                       max_connections_per_client=args.max_connections_per_client)
+                       max_connections_per_client=args.max_connections_per_client,
+                       max_json_values=args.max_json_values, max_metadata_bytes=int(args.max_metadata_kb * 1024))
     except ValueError as e:
         p.error(str(e))
     print(f"listening on {server.url}", flush=True)

@@ -310,7 +310,8 @@ def test_cli_main_subprocess(tmp_path, monkeypatch):
         env.pop(var, None)
     proc = subprocess.Popen(
         cmd + ["--reward", 'jpeg_compressibility:{"quality": 80}', "--reward", "_test_cli_plugin",
-               "--plugin", "jagg_test_plugin", "--port", "0", "--token-env", "JAGG_CLI_TOKEN"],
+               "--plugin", "jagg_test_plugin", "--port", "0", "--token-env", "JAGG_CLI_TOKEN",
+               "--max-metadata-kb", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         lines: queue.Queue = queue.Queue()
@@ -328,6 +329,14 @@ def test_cli_main_subprocess(tmp_path, monkeypatch):
         local = build_reward("jpeg_compressibility", quality=80)(images, prompts, meta)
         torch.testing.assert_close(remote.scores, local.scores)
         assert plugin.scores.tolist() == [7.0] * 4
+        # --max-metadata-kb 1: one image's 2 KB of metadata is refused (413) before anything is decoded
+        body = json.dumps({"prompts": ["p"], "metadata": [{"note": "x" * 2048}],
+                           "images": encode_images(_photos(8)[:1])}).encode()
+        req = urllib.request.Request(f"{url}/score/_test_cli_plugin", data=body, method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": "Bearer tok"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=WAIT_S)  # a hang guard only
+        assert refused.value.code == 413
     finally:
         proc.send_signal(signal.SIGINT)
         try:
