@@ -180,5 +180,5 @@ def load_pretrained(model: VelocityModel, path: str) -> None:
                          f"unexpected {unexpected[:5]}")
 
 
-__all__ = ["VelocityModel", "DiT", "DiTConfig",
+__all__ = ["PIPELINE_KINDS", "VelocityModel", "DiT", "DiTConfig",
            "HashTokenizer", "build_model", "load_pretrained", "pretrained_path", "safetensors_problem", "stored_dtype"]
