@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from jagg_scale.grpo.loss import GRPOStepLoss
-from jagg_scale.grpo.rollout import Trajectories, sample_sde
+from jagg_scale.grpo.rollout import Trajectories
 from jagg_scale.grpo.sde import sde_step_with_logprob
 from jagg_scale.grpo.schedule import sigma_schedule
 from jagg_scale.jagg import exact_backward, jagg_backward
@@ -60,8 +60,8 @@ from jagg_scale.train.host_syncs import CudaSyncs, HostSyncs
 
 import gpu_families  # noqa: E402 - tools/ is on the path above
 import gpu_step  # noqa: E402
-from gpu_timing import (CLIP, NOISE_LEVEL, NUM_STEPS, SHIFT, gib, memory, peak_reset, sync,  # noqa: E402
-                        time_windows)
+from gpu_timing import (CLIP, NOISE_LEVEL, NUM_STEPS, SHIFT, gib, peak_reset, rollout_and_windows,  # noqa: E402
+                        sync)
 
 # CLIP 77 + sd35m_pickscore's model.max_sequence_length T5 tokens (Flow-GRPO's 128), as the SD3 adapter encodes them
 TEXT_TOKENS = 77 + 128
@@ -163,15 +163,7 @@ def section_window(args, device, state) -> dict:
     gen = torch.Generator(device).manual_seed(0)
     cond = random_cond(cfg, B, args.text_tokens, device, gen)
     noise = torch.randn(B, cfg["in_channels"], cfg["sample_size"], cfg["sample_size"], generator=gen, device=device)
-    sigmas = sigma_schedule(NUM_STEPS, SHIFT).to(device)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        traj = sample_sde(policy, cond, noise, sigmas, noise_level=NOISE_LEVEL,
-                          generator=torch.Generator().manual_seed(0))
-    sync(device)
-    info["rollout_seconds"] = round(time.perf_counter() - t0, 3)
-    info |= {"rows": B, "memory_resident": memory(device)}
-    info["windows"] = time_windows(args, device, policy, traj, cond, gen)
+    info |= rollout_and_windows(args, device, policy, cond, noise, gen)
     return info
 
 

@@ -13,10 +13,7 @@ import time
 
 import torch
 
-from jagg_scale.grpo.rollout import sample_sde
-from jagg_scale.grpo.schedule import sigma_schedule
-
-from gpu_timing import NOISE_LEVEL, NUM_STEPS, SHIFT, memory, sync, time_windows  # noqa: E402 - tools/ on the path
+from gpu_timing import rollout_and_windows, sync  # noqa: E402 - tools/ is on the path
 
 # Qwen-Image at configs/qwenimage_hps.yaml's shape: 720 px (90 x 90 latents, 2025 packed tokens), 512 prompt tokens
 QWEN_LATENT, QWEN_TEXT = 90, 512
@@ -59,15 +56,8 @@ def section_families(args, device, state) -> dict:
     cond = (torch.randn(args.rows, text, cfg["joint_attention_dim"], generator=gen, device=device),
             torch.ones(args.rows, text, dtype=torch.int64, device=device))
     noise = torch.randn(args.rows, *policy.latent_shape, generator=gen, device=device)
-    sigmas = sigma_schedule(NUM_STEPS, SHIFT).to(device)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        traj = sample_sde(policy, cond, noise, sigmas, noise_level=NOISE_LEVEL,
-                          generator=torch.Generator().manual_seed(0))
-    sync(device)
-    info["qwen_image"] |= {"rollout_seconds": round(time.perf_counter() - t0, 3), "memory_resident": memory(device)}
-    info["qwen_image"]["windows"] = time_windows(args, device, policy, traj, cond, gen)
-    del policy, transformer, traj
+    info["qwen_image"] |= rollout_and_windows(args, device, policy, cond, noise, gen)
+    del policy, transformer
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return info

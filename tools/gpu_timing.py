@@ -9,6 +9,8 @@ import time
 import torch
 
 from jagg_scale.grpo.loss import GRPOStepLoss
+from jagg_scale.grpo.rollout import sample_sde
+from jagg_scale.grpo.schedule import sigma_schedule
 from jagg_scale.jagg import exact_backward, jagg_backward
 from jagg_scale.train.host_syncs import CudaSyncs, HostSyncs
 
@@ -87,3 +89,17 @@ def time_windows(args, device, policy, traj, cond, gen) -> dict:
         print(f"  W={W}: per-step {per_step['seconds']:.3f}s, JAGG {joint['seconds']:.3f}s, "
               f"speedup {windows[f'W{W}']['speedup']:.2f}x (limit {W / 2:.1f}x)", flush=True)
     return windows
+
+
+def rollout_and_windows(args, device, policy, cond, noise, gen) -> dict:
+    """An on-policy rollout of noise's rows (timed), then one window of each width trained both ways (time_windows)."""
+    sigmas = sigma_schedule(NUM_STEPS, SHIFT).to(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        traj = sample_sde(policy, cond, noise, sigmas, noise_level=NOISE_LEVEL,
+                          generator=torch.Generator().manual_seed(0))
+    sync(device)
+    out = {"rollout_seconds": round(time.perf_counter() - t0, 3), "rows": noise.shape[0],
+           "memory_resident": memory(device)}
+    out["windows"] = time_windows(args, device, policy, traj, cond, gen)
+    return out
