@@ -61,3 +61,8 @@ def flux_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwenimage_dir(tmp_path_factory):
     return _maker("make_tiny_qwenimage")(tmp_path_factory.mktemp("tiny_qwenimage") / "pipe", seed=0)
+
+
+@pytest.fixture(scope="session")
+def flux2_dir(tmp_path_factory):
+    return _maker("make_tiny_flux2")(tmp_path_factory.mktemp("tiny_flux2") / "pipe", seed=0)

@@ -1,6 +1,6 @@
 """Write a tiny, random, fully offline diffusers pipeline (for tests and smoke runs of the adapters).
 
-    python tools/make_tiny_pipeline.py OUT_DIR --kind sd3|flux|qwenimage [--seed 0]
+    python tools/make_tiny_pipeline.py OUT_DIR --kind sd3|flux|qwenimage|flux2 [--seed 0]
 
 Nothing is downloaded: every component is built from a config with seeded random weights, and the tokenizers
 are built locally from a small vocabulary (no model hub). The result loads with
@@ -8,6 +8,7 @@ are built locally from a small vocabulary (no model hub). The result loads with
     StableDiffusion3Pipeline.from_pretrained(OUT_DIR, local_files_only=True)     (--kind sd3)
     FluxPipeline.from_pretrained(OUT_DIR, local_files_only=True)                 (--kind flux)
     QwenImagePipeline.from_pretrained(OUT_DIR, local_files_only=True)            (--kind qwenimage)
+    Flux2KleinPipeline.from_pretrained(OUT_DIR, local_files_only=True)           (--kind flux2)
 
 SD3 layout (sizes chosen so that the pipeline's shape bookkeeping holds):
 
@@ -34,10 +35,10 @@ FLUX layout (FLUX.1-dev-like: guidance-distilled, dynamic shifting):
     text_encoder_2  T5EncoderModel, d_model 32
     tokenizer, tokenizer_2   the CLIP and T5 tokenizers above
 
-Qwen-Image layout: build_tiny_qwenimage's docstring.
+Qwen-Image and FLUX.2 [klein] layouts: build_tiny_qwenimage's and build_tiny_flux2's docstrings.
 
-`make_tiny_sd3(out_dir, seed=0) -> Path`, `make_tiny_flux` and `make_tiny_qwenimage` are importable (tests put
-tools/ on sys.path).
+`make_tiny_sd3(out_dir, seed=0) -> Path`, `make_tiny_flux`, `make_tiny_qwenimage` and `make_tiny_flux2` are
+importable (tests put tools/ on sys.path).
 """
 
 from __future__ import annotations
@@ -266,7 +267,52 @@ def make_tiny_qwenimage(out_dir, seed: int = 0) -> Path:
     return _save(build_tiny_qwenimage(seed), out_dir)
 
 
-MAKERS = {"sd3": make_tiny_sd3, "flux": make_tiny_flux, "qwenimage": make_tiny_qwenimage}
+# Qwen3's chat template, reduced to what Flux2KleinPipeline renders (one user turn, the generation prompt)
+QWEN3_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_flux2(seed: int = 0):
+    """The tiny random Flux2KleinPipeline (FLUX.2 [klein], not guidance-distilled): 16x16x4 VAE latents patchified
+    2x2 into 8x8x16 tokens (in_channels 16), 1 double + 1 single stream layer of 2 heads x 8, rope axes (2, 2, 2, 2),
+    joint_attention_dim 48 (= 3 x the text encoder's hidden 16: the pipeline concatenates Qwen3's layers 9, 18 and
+    27, so the text model has 28 tiny layers); a 2-level AutoencoderKLFlux2 (scale factor 2) with its batch-norm
+    statistics; the Qwen tokenizer above with a chat template."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from diffusers import Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = _qwen_tokenizer()
+    tokenizer.chat_template = QWEN3_CHAT
+    torch.manual_seed(seed)
+    transformer = Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                          attention_head_dim=8, num_attention_heads=2, joint_attention_dim=48,
+                                          guidance_embeds=False, axes_dims_rope=(2, 2, 2, 2))
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLFlux2(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                             up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 8), layers_per_block=1,
+                             latent_channels=4, norm_num_groups=4, sample_size=32, use_quant_conv=False,
+                             use_post_quant_conv=False)
+    with torch.no_grad():  # batch-norm statistics that are not the identity, so that decode's use of them shows
+        vae.bn.running_mean.uniform_(-0.2, 0.2)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    torch.manual_seed(seed + 2)
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=28, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=2048,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id))
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0)
+    return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer,
+                              transformer=transformer, is_distilled=False)
+
+
+def make_tiny_flux2(out_dir, seed: int = 0) -> Path:
+    """Build the tiny FLUX.2 [klein] pipeline and `save_pretrained` it to out_dir; returns the directory."""
+    return _save(build_tiny_flux2(seed), out_dir)
+
+
+MAKERS = {"sd3": make_tiny_sd3, "flux": make_tiny_flux, "qwenimage": make_tiny_qwenimage, "flux2": make_tiny_flux2}
 
 
 def main(argv=None) -> None:

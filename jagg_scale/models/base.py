@@ -26,7 +26,8 @@ from torch import nn
 
 from ..cond import Cond
 
-PIPELINE_KINDS = ("sd3", "flux", "qwenimage")  # the diffusers families, one adapter module each (models/<kind>.py)
+# the diffusers families, one adapter module each (models/<kind>.py)
+PIPELINE_KINDS = ("sd3", "flux", "qwenimage", "flux2")
 
 
 class VelocityModel(nn.Module):

@@ -28,9 +28,9 @@ from ..parallel.types import EngineName, GradSync
 from ..sections import ConfigError, require as _require
 from ..sections import Section as _Section
 
-# built-in DiT | diffusers StableDiffusion3Pipeline | FluxPipeline | QwenImagePipeline
-ModelKind = Literal["dit", "sd3", "flux", "qwenimage"]
-PROMPT_TOKEN_LIMITS = {"sd3": 512, "flux": 512, "qwenimage": 1024}  # T5's; QwenImagePipeline's own check
+# built-in DiT | diffusers StableDiffusion3Pipeline | FluxPipeline | QwenImagePipeline | Flux2KleinPipeline
+ModelKind = Literal["dit", "sd3", "flux", "qwenimage", "flux2"]
+PROMPT_TOKEN_LIMITS = {"sd3": 512, "flux": 512, "qwenimage": 1024, "flux2": 512}  # T5's; the pipelines' own
 DType = Literal["float32", "bfloat16"]  # autocast dtype of the model; the SDE math stays float32
 Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
 SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO

@@ -1,0 +1,112 @@
+"""FLUX.2 [klein] (diffusers Flux2KleinPipeline) as a `VelocityModel`: the transformer is the policy, the rest frozen.
+
+How the pipeline maps onto the interface of base.py (docs/algorithm.md's rectified flow, x_s = (1 - s) d + s e):
+
+    cond = encode_prompts(prompts)     Flux2KleinPipeline.encode_prompt (no grad): Qwen3's hidden states of layers
+                                       9, 18 and 27 over the chat-templated prompt, concatenated per token, padded to
+                                       model.max_sequence_length tokens by the pipeline itself (no mask: the padding
+                                       is part of the conditioning, as the pipeline runs it)
+    v    = forward(x, sigma, cond)     x [N, 4C, H/2, W/2]: the pipeline's own latent variables (the VAE latents
+                                       patchified 2x2), flattened to tokens [N, H/2 * W/2, 4C] with their (T, H, W, L)
+                                       position ids and the prompt's, transformer(timestep=sigma, guidance=None)
+    img  = decode(x)                   the VAE's batch-norm statistics undone, unpatchified, vae.decode, [0, 1]
+
+Timestep: the pipeline passes timestep / 1000 = sigma. Schedule: linspace(1, 1/N, N) shifted by the pipeline's
+empirical mu (compute_empirical_mu of the image tokens and the step count). Guidance: FLUX.2 [klein] base is not
+guidance-distilled; its CFG is the plain combination with the empty negative prompt (the pipeline's default), so
+`guidance_rule` stays plain. Sign: v = e - d, Euler steps x_next = x + (s_next - s) v, as FLUX.1 (tested against the
+pipeline's own loop in tests/models/test_flux2_adapter.py). The Qwen3 text encoder is `t5_name`: `model.shard_t5`
+shards it for inference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .diffusers_common import DiffusersVelocity, row_sigmas
+
+PROMPT_TOKENS_DEFAULT = 512  # Flux2KleinPipeline.__call__'s max_sequence_length
+
+
+class Flux2Velocity(DiffusersVelocity):
+    """v_theta(x, sigma, cond) of a diffusers Flux2KleinPipeline's transformer, on its latents [N, 4C, H/2, W/2]."""
+
+    frozen_names = ("vae", "text_encoder")
+    t5_name = "text_encoder"
+
+    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None):
+        super().__init__(pipe, max_sequence_length)
+        self.vae_scale_factor = pipe.vae_scale_factor
+        latent_size = int(latent_size or pipe.default_sample_size)  # the VAE's latent side (128: 1024 px)
+        if latent_size % 2:
+            raise ValueError(f"FLUX.2 latent size must be even (2x2 patches), got {latent_size}")
+        self.latent_shape = (self.transformer.config.in_channels, latent_size // 2, latent_size // 2)
+        self.image_size = latent_size * self.vae_scale_factor
+        self.patch_size = 1  # the latent variables are already 2x2 patches: one token each
+        self._ids: dict = {}  # position ids by (kind, size, device): built once, not at every forward
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | dict = torch.float32, *, max_sequence_length: int | None = None,
+                        resolution: int | None = None, local_files_only: bool = True) -> "Flux2Velocity":
+        """Load a saved Flux2KleinPipeline directory (offline by default); `dtype` as SD3Velocity.from_pretrained's."""
+        from diffusers import Flux2KleinPipeline
+
+        pipe = Flux2KleinPipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
+        latent_size = cls.latent_size_for(pipe, resolution, 2) if resolution is not None else None
+        return cls(pipe, max_sequence_length=max_sequence_length or PROMPT_TOKENS_DEFAULT, latent_size=latent_size)
+
+    # ------------------------------------------------------------------ schedule
+    def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
+        """float32 [num_steps + 1]: linspace(1, 1/N, N) shifted by the pipeline's empirical mu, trailing 0."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        sched = FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config)
+        tokens = self.latent_shape[1] * self.latent_shape[2]
+        mu = compute_empirical_mu(image_seq_len=tokens, num_steps=num_steps)
+        grid = None if sched.config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
+        sched.set_timesteps(num_steps, sigmas=grid, mu=mu)
+        return sched.sigmas.float().cpu()
+
+    # ------------------------------------------------------------------ the VelocityModel interface
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
+        """prompt_embeds [B, max_sequence_length, 3 x Qwen3 hidden] in the transformer's dtype ("" unconditional)."""
+        embeds, _ = self.pipe.encode_prompt(prompt=list(prompts), device=self.device,
+                                            max_sequence_length=self.max_sequence_length)
+        return embeds.to(self.dtype).detach()
+
+    def _position_ids(self, kind: str, like: torch.Tensor) -> torch.Tensor:
+        key = (kind, tuple(like.shape[1:]), str(like.device))
+        if key not in self._ids:
+            make = self.pipe._prepare_latent_ids if kind == "img" else self.pipe._prepare_text_ids
+            self._ids[key] = make(like[:1].detach()).to(like.device)
+        return self._ids[key]
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        """Velocity v = e - d at latents x [N, 4C, H/2, W/2], sigma [N] in [0, 1]; returned in x's dtype."""
+        dtype, (n, c, h, w) = self.dtype, x.shape
+        embeds = cond.to(dtype)
+        out = self.transformer(
+            hidden_states=x.to(dtype).reshape(n, c, h * w).permute(0, 2, 1),  # the pipeline's _pack_latents
+            timestep=row_sigmas(sigma, x).to(dtype),  # the pipeline's timestep / 1000: scaled by 1000 inside
+            guidance=None,
+            encoder_hidden_states=embeds,
+            txt_ids=self._position_ids("txt", embeds).expand(n, -1, -1),
+            img_ids=self._position_ids("img", x).expand(n, -1, -1),
+            return_dict=False,
+        )[0]
+        return out.permute(0, 2, 1).reshape(n, c, h, w).to(x.dtype)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Latents [N, 4C, H/2, W/2] -> float32 images [N, 3, H, W] in [0, 1], as Flux2KleinPipeline decodes."""
+        vae = self.frozen["vae"]
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(x.device, vae.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(x.device, vae.dtype)
+        latents = self.pipe._unpatchify_latents(x.to(vae.dtype) * std + mean)
+        img = vae.decode(latents, return_dict=False)[0]
+        return ((img.float() + 1) / 2).clamp(0, 1)

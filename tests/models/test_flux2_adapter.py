@@ -1,0 +1,102 @@
+"""The diffusers FLUX.2 [klein] adapter (models/flux2.py) on a tiny random offline pipeline
+(tools/make_tiny_pipeline.py --kind flux2).
+
+Checks the interface (shapes, frozen parts, decoding through the VAE's batch-norm statistics), the schedule, sign and
+CFG against the pipeline's own sampling loop, the GRPO log-prob round trip, JAGG W = 2 == per-step on the
+transformer, and two jagg-train steps (LoRA; JAGG and exact) whose exported LoRA loads into a plain
+Flux2KleinPipeline to the same outputs.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from extras import need
+
+need("diffusers")
+need("transformers")
+
+from adapter_checks import (PROMPTS, check_jagg_w2_equals_per_step, check_only_the_transformer_trains,
+                            check_rollout_logprobs_recomputed)
+from jagg_scale.grpo import sample_ode
+from jagg_scale.grpo.rollout import guided_velocity
+from jagg_scale.models.flux2 import Flux2Velocity
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model(flux2_dir):
+    torch.manual_seed(0)
+    return Flux2Velocity.from_pretrained(flux2_dir, dtype=torch.float32, max_sequence_length=48, resolution=32)
+
+
+def test_shapes_decoding_and_frozen_parts(model):
+    assert model.latent_shape == (16, 8, 8) and model.image_size == 32
+    embeds = model.encode_prompts(PROMPTS)
+    assert embeds.shape == (2, 48, 48) and not embeds.requires_grad
+    x = torch.randn(3, *model.latent_shape)
+    v = model(x, torch.tensor([1.0, 0.5, 0.1]), model.encode_prompts(PROMPTS + [""]))
+    assert v.shape == x.shape and v.abs().sum() > 0
+    img = model.decode(x)
+    assert img.shape == (3, 3, 32, 32) and img.dtype == torch.float32 and 0 <= img.min() <= img.max() <= 1
+    check_only_the_transformer_trains(model, {"vae", "text_encoder"})
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0])
+def test_adapter_ode_equals_the_pipeline_sampling_loop(model, guidance):
+    """The pipeline's own loop (its empirical-mu schedule, its Euler steps on packed tokens, its CFG with the empty
+    negative prompt) and ours land on the same latents."""
+    cond, uncond = model.encode_prompts(PROMPTS), model.encode_prompts([""] * 2)
+    noise = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(1))
+    out = model.pipe(prompt_embeds=cond, negative_prompt_embeds=uncond, guidance_scale=guidance,
+                     num_inference_steps=4, height=model.image_size, width=model.image_size,
+                     latents=noise.clone(), output_type="latent", max_sequence_length=48).images
+    assert torch.allclose(model.pipe.scheduler.sigmas.float(), model.pipeline_sigmas(4), atol=1e-6)
+    fn = lambda x, s, c: guided_velocity(model, x, s, c, guidance, model.guidance_rule)
+    ours = sample_ode(fn, cond if guidance == 1.0 else (cond, uncond), noise, model.pipeline_sigmas(4))
+    vae = model.frozen["vae"]  # the pipeline's "latent" output: batch-norm statistics undone, unpatchified
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    assert torch.allclose(out, model.pipe._unpatchify_latents(ours * std + vae.bn.running_mean.view(1, -1, 1, 1)),
+                          atol=1e-5)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 2.0])
+def test_rollout_logprobs_recomputed_in_training(model, guidance):
+    check_rollout_logprobs_recomputed(model, model.pipeline_sigmas(4), guidance)
+
+
+def test_jagg_w2_equals_per_step_on_the_transformer(flux2_dir):
+    m = Flux2Velocity.from_pretrained(flux2_dir, dtype=torch.float32, max_sequence_length=48, resolution=32).double()
+    check_jagg_w2_equals_per_step(m, m.pipeline_sigmas(4).double()[1:3], 2.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["jagg", "exact"])
+def test_jagg_train_two_steps_and_the_lora_loads_into_a_plain_pipeline(flux2_dir, tmp_path, mode):
+    from diffusers import Flux2KleinPipeline
+
+    from jagg_scale.train import Trainer, load_config
+
+    run = tmp_path / "run"
+    cfg = load_config(ROOT / "configs" / "flux2_tiny_cpu.yaml",
+                      [f"model.pretrained={flux2_dir}", "model.resolution=32", "train.steps=2", f"jagg.mode={mode}",
+                       f"run.output_dir={run}", "log.progress=false"])
+    trainer = Trainer(cfg)
+    try:
+        rows = trainer.fit()
+        x = torch.randn(2, *trainer.model.latent_shape, generator=torch.Generator().manual_seed(3))
+        sigma, cond = torch.tensor([0.8, 0.3]), trainer.model.encode_prompts(PROMPTS)
+        with torch.no_grad():
+            trained = trainer.model(x, sigma, cond)
+    finally:
+        trainer.close()
+    assert len(rows) == 2 and all(r["per_step_equiv"] == 8 for r in rows)
+    assert [r["backward_passes"] for r in rows] == ([4, 4] if mode == "jagg" else [8, 8])
+    assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    lora = run / "lora" / "pytorch_lora_weights.safetensors"
+    fresh = Flux2KleinPipeline.from_pretrained(flux2_dir, local_files_only=True)
+    fresh.load_lora_weights(str(lora.parent))
+    plain = Flux2Velocity(fresh, max_sequence_length=64, latent_size=16)
+    with torch.no_grad():
+        assert torch.allclose(plain(x, sigma, cond), trained, atol=1e-5)
