@@ -1,4 +1,4 @@
-"""Checks shared by the diffusers adapter tests (test_sd3_adapter.py, test_flux_adapter.py,
+"""Checks shared by the diffusers adapter tests (test_sd3_adapter.py, test_flux_adapter.py, test_flux2_adapter.py,
 test_qwenimage_adapter.py): the GRPO log-prob round trip (rollout vs training pass) and JAGG W = 2 == per-step on the
 real transformer, under each family's own CFG (its guidance rule and negative prompt)."""
 
@@ -73,3 +73,31 @@ def check_only_the_transformer_trains(model, frozen: set):
     assert set(model.frozen) == frozen
     for m in model.frozen.values():
         assert not any(p.requires_grad for p in m.parameters())
+
+
+def check_trains_and_the_lora_loads(config, overrides: list, run, mode: str, load_plain):
+    """Two jagg-train steps of a tiny pipeline's LoRA config (`mode` jagg or exact): 8 trained steps each, 4 backwards
+    with JAGG (2 windows of 4) or 8 per step, the training pass rescoring the rollout (ratio 1); then the exported
+    diffusers LoRA, loaded by `load_plain(lora_dir)` into a plain pipeline's velocity, gives the trained outputs."""
+    import pytest
+
+    from jagg_scale.train import Trainer, load_config
+
+    trainer = Trainer(load_config(config, [*overrides, "train.steps=2", f"jagg.mode={mode}", f"run.output_dir={run}",
+                                           "log.progress=false"]))
+    try:
+        rows = trainer.fit()
+        x = torch.randn(2, *trainer.model.latent_shape, generator=torch.Generator().manual_seed(3))
+        sigma, cond = torch.tensor([0.8, 0.3]), trainer.model.encode_prompts(PROMPTS)
+        with torch.no_grad():
+            trained = trainer.model(x, sigma, cond)
+    finally:
+        trainer.close()
+    assert len(rows) == 2 and all(r["per_step_equiv"] == 8 for r in rows)
+    assert [r["backward_passes"] for r in rows] == ([4, 4] if mode == "jagg" else [8, 8])
+    assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # rollout and training passes agree
+    lora = run / "lora" / "pytorch_lora_weights.safetensors"
+    assert lora.is_file()
+    plain = load_plain(lora.parent)
+    with torch.no_grad():
+        assert torch.allclose(plain(x, sigma, cond), trained, atol=1e-5)

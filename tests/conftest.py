@@ -48,21 +48,14 @@ def _maker(name: str):
     return getattr(make_tiny_pipeline, name)
 
 
-@pytest.fixture(scope="session")
-def sd3_dir(tmp_path_factory):
-    return _maker("make_tiny_sd3")(tmp_path_factory.mktemp("tiny_sd3") / "pipe", seed=0)
+def _tiny_pipeline(kind: str):
+    """A session fixture `<kind>_dir`: the tiny random pipeline of a diffusers family (tools/make_tiny_pipeline.py),
+    built once per session."""
+    @pytest.fixture(scope="session", name=f"{kind}_dir")
+    def fixture(tmp_path_factory):
+        return _maker(f"make_tiny_{kind}")(tmp_path_factory.mktemp(f"tiny_{kind}") / "pipe", seed=0)
+
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def flux_dir(tmp_path_factory):
-    return _maker("make_tiny_flux")(tmp_path_factory.mktemp("tiny_flux") / "pipe", seed=0)
-
-
-@pytest.fixture(scope="session")
-def qwenimage_dir(tmp_path_factory):
-    return _maker("make_tiny_qwenimage")(tmp_path_factory.mktemp("tiny_qwenimage") / "pipe", seed=0)
-
-
-@pytest.fixture(scope="session")
-def flux2_dir(tmp_path_factory):
-    return _maker("make_tiny_flux2")(tmp_path_factory.mktemp("tiny_flux2") / "pipe", seed=0)
+sd3_dir, flux_dir, qwenimage_dir, flux2_dir = (_tiny_pipeline(k) for k in ("sd3", "flux", "qwenimage", "flux2"))

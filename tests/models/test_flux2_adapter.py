@@ -17,7 +17,7 @@ need("diffusers")
 need("transformers")
 
 from adapter_checks import (PROMPTS, check_jagg_w2_equals_per_step, check_only_the_transformer_trains,
-                            check_rollout_logprobs_recomputed)
+                            check_rollout_logprobs_recomputed, check_trains_and_the_lora_loads)
 from jagg_scale.grpo import sample_ode
 from jagg_scale.grpo.rollout import guided_velocity
 from jagg_scale.models.flux2 import Flux2Velocity
@@ -76,27 +76,11 @@ def test_jagg_w2_equals_per_step_on_the_transformer(flux2_dir):
 def test_jagg_train_two_steps_and_the_lora_loads_into_a_plain_pipeline(flux2_dir, tmp_path, mode):
     from diffusers import Flux2KleinPipeline
 
-    from jagg_scale.train import Trainer, load_config
+    def load_plain(lora_dir):
+        fresh = Flux2KleinPipeline.from_pretrained(flux2_dir, local_files_only=True)
+        fresh.load_lora_weights(str(lora_dir))
+        return Flux2Velocity(fresh, max_sequence_length=64, latent_size=16)
 
-    run = tmp_path / "run"
-    cfg = load_config(ROOT / "configs" / "flux2_tiny_cpu.yaml",
-                      [f"model.pretrained={flux2_dir}", "model.resolution=32", "train.steps=2", f"jagg.mode={mode}",
-                       f"run.output_dir={run}", "log.progress=false"])
-    trainer = Trainer(cfg)
-    try:
-        rows = trainer.fit()
-        x = torch.randn(2, *trainer.model.latent_shape, generator=torch.Generator().manual_seed(3))
-        sigma, cond = torch.tensor([0.8, 0.3]), trainer.model.encode_prompts(PROMPTS)
-        with torch.no_grad():
-            trained = trainer.model(x, sigma, cond)
-    finally:
-        trainer.close()
-    assert len(rows) == 2 and all(r["per_step_equiv"] == 8 for r in rows)
-    assert [r["backward_passes"] for r in rows] == ([4, 4] if mode == "jagg" else [8, 8])
-    assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
-    lora = run / "lora" / "pytorch_lora_weights.safetensors"
-    fresh = Flux2KleinPipeline.from_pretrained(flux2_dir, local_files_only=True)
-    fresh.load_lora_weights(str(lora.parent))
-    plain = Flux2Velocity(fresh, max_sequence_length=64, latent_size=16)
-    with torch.no_grad():
-        assert torch.allclose(plain(x, sigma, cond), trained, atol=1e-5)
+    check_trains_and_the_lora_loads(ROOT / "configs" / "flux2_tiny_cpu.yaml",
+                                    [f"model.pretrained={flux2_dir}", "model.resolution=32"], tmp_path / "run", mode,
+                                    load_plain)
