@@ -219,21 +219,3 @@ class DiffusersVelocity(VelocityModel):
             latents = latents + vae.config.shift_factor
         img = vae.decode(latents, return_dict=False)[0]
         return ((img.float() + 1) / 2).clamp(0, 1)
-
-
-class Packed2x2:
-    """For a DiffusersVelocity whose transformer takes its latents as 2x2 tokens (FLUX, Qwen-Image): the adapter's
-    interface keeps unpacked [N, C, H, W] latents, so the SDE, the rollout storage and JAGG never see the packing (a
-    permutation: every elementwise quantity is the same in either layout). Needs `pipe` and `vae_scale_factor`."""
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, C, H, W] -> the pipeline's 2x2 token sequence [N, H/2 * W/2, 4 C] (its own _pack_latents)."""
-        n, c, h, w = x.shape
-        return self.pipe._pack_latents(x, n, c, h, w)
-
-    def unpack(self, tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """[N, H/2 * W/2, 4 C] -> [N, C, H, W] (H, W: latent size), by the pipeline's own _unpack_latents; Qwen-Image's
-        adds a frame axis [N, C, 1, H, W], dropped here."""
-        f = self.vae_scale_factor
-        out = self.pipe._unpack_latents(tokens, height * f, width * f, f)
-        return out[:, :, 0] if out.ndim == 5 else out

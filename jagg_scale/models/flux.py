@@ -46,10 +46,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .diffusers_common import T5_DEFAULT, DiffusersVelocity, Packed2x2, row_sigmas, t5_length
+from .diffusers_common import T5_DEFAULT, DiffusersVelocity, row_sigmas, t5_length
 
 
-class FluxVelocity(Packed2x2, DiffusersVelocity):
+class FluxVelocity(DiffusersVelocity):
     """v_theta(x, sigma, cond) of a diffusers FluxPipeline's transformer, on unpacked latents [N, C, H, W]."""
 
     frozen_names = ("vae", "text_encoder", "text_encoder_2")
@@ -90,6 +90,16 @@ class FluxVelocity(Packed2x2, DiffusersVelocity):
                    latent_size=latent_size)
 
     # ------------------------------------------------------------------ packing and schedule
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> FLUX's token sequence [N, H/2 * W/2, 4 C]."""
+        n, c, h, w = x.shape
+        return self.pipe._pack_latents(x, n, c, h, w)
+
+    def unpack(self, tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """[N, H/2 * W/2, 4 C] -> [N, C, H, W] (H, W: latent size)."""
+        f = self.vae_scale_factor
+        return self.pipe._unpack_latents(tokens, height * f, width * f, f)
+
     def image_ids(self, height: int, width: int, device, dtype) -> torch.Tensor:
         """Rope position ids [H/2 * W/2, 3] of the packed image tokens (the pipeline builds them on the host and
         copies them over: cached per size, device and dtype, so the copy happens once, not at every forward)."""

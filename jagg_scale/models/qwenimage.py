@@ -43,12 +43,28 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .diffusers_common import DiffusersVelocity, Packed2x2, row_sigmas
+from .diffusers_common import DiffusersVelocity, row_sigmas
 
 PROMPT_TOKENS_DEFAULT = 512  # QwenImagePipeline.__call__'s max_sequence_length
 
 
-class QwenImageVelocity(Packed2x2, DiffusersVelocity):
+def pack_latents(x: torch.Tensor) -> torch.Tensor:
+    """[N, C, H, W] -> the 2x2 token sequence [N, H/2 * W/2, 4 C] (QwenImagePipeline's own, static, _pack_latents)."""
+    from diffusers import QwenImagePipeline
+
+    n, c, h, w = x.shape
+    return QwenImagePipeline._pack_latents(x, n, c, h, w)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[N, H/2 * W/2, 4 C] -> [N, C, H, W] (H, W: latent size): the pipeline's _unpack_latents at VAE factor 1, its
+    frame axis dropped."""
+    from diffusers import QwenImagePipeline
+
+    return QwenImagePipeline._unpack_latents(tokens, height, width, 1)[:, :, 0]
+
+
+class QwenImageVelocity(DiffusersVelocity):
     """v_theta(x, sigma, cond) of a diffusers QwenImagePipeline's transformer, on unpacked latents [N, C, H, W]."""
 
     frozen_names = ("vae", "text_encoder")
@@ -82,6 +98,9 @@ class QwenImageVelocity(Packed2x2, DiffusersVelocity):
                    latent_size=latent_size)
 
     # ------------------------------------------------------------------ packing and schedule
+    pack = staticmethod(pack_latents)  # the module's functions, under the names FLUX's adapter uses
+    unpack = staticmethod(unpack_latents)
+
     def _pipeline_sigma_grid(self, num_steps: int):
         """QwenImagePipeline passes the unshifted grid linspace(1, 1/N, N), shifted by mu (dynamic shifting)."""
         return np.linspace(1.0, 1 / num_steps, num_steps)
@@ -124,13 +143,11 @@ def qwenimage_velocity(transformer, x: torch.Tensor, sigma, cond) -> torch.Tenso
     into 2x2 tokens by the pipeline's own (static) _pack_latents, timestep = sigma (the pipeline's timestep / 1000),
     the prompt and its mask, the latent grid; unpacked back, in x's dtype. The one place this mapping is written: the
     pipeline adapter above and the bare-transformer wrapper below both call it."""
-    from diffusers import QwenImagePipeline
-
     embeds, mask = cond
     dtype = next(transformer.parameters()).dtype
     n, c, h, w = x.shape
     out = transformer(
-        hidden_states=QwenImagePipeline._pack_latents(x.to(dtype), n, c, h, w),
+        hidden_states=pack_latents(x.to(dtype)),
         timestep=row_sigmas(sigma, x).to(dtype),  # the transformer scales by 1000 itself
         guidance=None,
         encoder_hidden_states=embeds.to(dtype),
@@ -138,7 +155,7 @@ def qwenimage_velocity(transformer, x: torch.Tensor, sigma, cond) -> torch.Tenso
         img_shapes=[[(1, h // 2, w // 2)]] * n,  # Python data: no device copy
         return_dict=False,
     )[0]
-    return QwenImagePipeline._unpack_latents(out, h, w, 1)[:, :, 0].to(x.dtype)  # latent size, no VAE factor
+    return unpack_latents(out, h, w).to(x.dtype)
 
 
 class QwenImageTransformerVelocity(torch.nn.Module):
