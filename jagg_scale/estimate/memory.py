@@ -98,20 +98,20 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     precision = ("bf16_mp" if sharded else "amp") if bf16 else "fp32"
     tc, vae = tcomp["config"], comps["vae"]["config"]
     tokens = dict(shapes["text_tokens"])
+    if kind != "qwenimage" and cfg.model.max_sequence_length:  # the T5 length (models/diffusers_common.t5_length)
+        tokens["t5"] = min(cfg.model.max_sequence_length, tokens.get("t5_limit", 512))
     if kind == "qwenimage":  # a video VAE: 8x spatial (2 per temporal_downsample level); prompts padded to a length
         scale = 2 ** len(vae["temperal_downsample"])
         side = (cfg.model.resolution or 1024) // scale  # QwenImagePipeline's default: 1024 px
         latent, p = (tc["in_channels"] // 4, side, side), 2
         text = min(cfg.model.max_sequence_length or tokens["prompt"], tokens["prompt_limit"])
-    else:
+    elif kind == "sd3":
         scale = 2 ** (len(vae["block_out_channels"]) - 1)
-        if cfg.model.max_sequence_length:  # the T5 length of the config (as models/diffusers_common.t5_length)
-            tokens["t5"] = min(cfg.model.max_sequence_length, tokens.get("t5_limit", 512))
-    if kind == "sd3":
         side = cfg.model.resolution // scale if cfg.model.resolution else tc["sample_size"]
         latent, p = (tc["in_channels"], side, side), tc["patch_size"]
         text = tokens["clip"] + tokens["t5"]
-    elif kind == "flux":
+    else:  # flux
+        scale = 2 ** (len(vae["block_out_channels"]) - 1)
         side = (cfg.model.resolution or vae["sample_size"]) // scale
         latent, p = (tc["in_channels"] // 4, side, side), 2
         text = tokens["t5"]

@@ -73,11 +73,11 @@ def _transformer_flops(comp_json: str, kind: str, latent: tuple, image_tokens: i
     comp = json.loads(comp_json)
     cfg, m = comp["config"], meta_module(comp)
     meta = lambda *shape: torch.zeros(*shape, device="meta")  # noqa: E731
-    args = {"encoder_hidden_states": meta(1, text_tokens, cfg["joint_attention_dim"]),
-            "pooled_projections": meta(1, cfg.get("pooled_projection_dim", 0)), "timestep": meta(1),
+    args = {"encoder_hidden_states": meta(1, text_tokens, cfg["joint_attention_dim"]), "timestep": meta(1),
             "return_dict": False}
+    if "pooled_projection_dim" in cfg:  # SD3's and FLUX's pooled prompt vector
+        args["pooled_projections"] = meta(1, cfg["pooled_projection_dim"])
     if kind == "qwenimage":  # packed 2x2 tokens, the prompt's mask, the latent grid (models/qwenimage.py)
-        del args["pooled_projections"]
         side = int(math.isqrt(image_tokens))
         args.update(hidden_states=meta(1, image_tokens, cfg["in_channels"]), img_shapes=[[(1, side, side)]],
                     encoder_hidden_states_mask=torch.ones(1, text_tokens, dtype=torch.bool, device="meta"))

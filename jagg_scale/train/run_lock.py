@@ -106,17 +106,15 @@ def _lock(path: Path) -> Path | None:
         if key in _HELD:  # this process holds it already
             _HELD[key].count += 1
             return Path(key)
-        if path.is_symlink():
-            raise RunDirLocked(f"run directory lock {path} is a symbolic link: refusing to follow it (a lock written "
-                               "through it would overwrite its target); remove it")
-        created = [] if path.parent.is_dir() else [path.parent]
+        made_dir = not path.parent.is_dir()
         path.parent.mkdir(parents=True, exist_ok=True)
-        created = ([] if path.exists() else [path]) + created
-        try:  # O_NOFOLLOW: a link planted between the check above and here fails instead of being written through
+        created = ([] if os.path.lexists(path) else [path]) + ([path.parent] if made_dir else [])
+        try:  # O_NOFOLLOW: a lock file that is a link fails (ELOOP) instead of being written through to its target
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as err:
             if err.errno == errno.ELOOP:
-                raise RunDirLocked(f"run directory lock {path} is a symbolic link: refusing to follow it") from None
+                raise RunDirLocked(f"run directory lock {path} is a symbolic link: refusing to follow it (a lock "
+                                   "written through it would overwrite its target); remove it") from None
             raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
