@@ -10,10 +10,17 @@ from .errors import CheckpointError
 
 
 def check_fits(directory, what: str, saved: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor], *,
-               also: torch.dtype | None = None) -> None:
-    """CheckpointError, naming the tensor, unless every saved tensor has its live tensor's shape (no broadcast) and
-    dtype (or `also`), is floating point and finite: checked before anything is copied, so that wrong weights never
-    load silently (a (1,)-shaped EMA broadcast over (768,), int32 weights cast, NaN weights evaluated)."""
+               required: set[str] | None = None, also: torch.dtype | None = None) -> None:
+    """CheckpointError unless the saved tensors are the live ones by name (each a live tensor; every one of
+    `required`, default all of `live`, present) and each has its live tensor's shape (no broadcast) and dtype (or
+    `also`), is floating point and finite, naming the tensor: checked before anything is copied, so that wrong
+    weights never load silently (a (1,)-shaped EMA broadcast over (768,), int32 weights cast, NaN weights
+    evaluated)."""
+    unexpected = sorted(set(saved) - set(live))
+    missing = sorted((set(live) if required is None else set(required)) - set(saved))
+    if unexpected or missing:
+        raise CheckpointError(f"checkpoint {directory}: {what} does not fit the model: unexpected {unexpected[:5]}, "
+                              f"missing {missing[:5]}")
     for name, value in saved.items():
         target = live[name]
         problem = None
