@@ -29,7 +29,7 @@ Guidance: Qwen-Image's "true CFG" (QwenImagePipeline.__call__) rescales the guid
 to the conditional prediction's norm there, with the negative prompt " " (its docstring: CFG needs a negative prompt,
 "even an empty negative prompt like ' '"): `guidance_rule = "token_norm"` (grpo/guidance.py) and `negative_prompt`,
 used by rollout, evaluation and the GRPO loss alike. (eff_grpo's Qwen-Image recipe trains without CFG:
-fastvideo/train_grpo_qwenimage_eff.py passes guidance=None and the conditional prompt alone.)
+fastvideo/train_grpo_qwenimage_jagg.py:244 passes guidance=None and the conditional prompt alone.)
 
 The text encoder (Qwen2.5-VL, 7B in the published model) is `t5_name`: `model.shard_t5` shards it for inference
 like SD3's and FLUX's T5.
