@@ -1,6 +1,6 @@
 """Write a tiny, random, fully offline diffusers pipeline (for tests and smoke runs of the adapters).
 
-    python tools/make_tiny_pipeline.py OUT_DIR --kind sd3|flux|qwenimage|flux2 [--seed 0]
+    python tools/make_tiny_pipeline.py OUT_DIR --kind sd3|flux|qwenimage|flux2|zimage [--seed 0]
 
 Nothing is downloaded: every component is built from a config with seeded random weights, and the tokenizers
 are built locally from a small vocabulary (no model hub). The result loads with
@@ -9,6 +9,7 @@ are built locally from a small vocabulary (no model hub). The result loads with
     FluxPipeline.from_pretrained(OUT_DIR, local_files_only=True)                 (--kind flux)
     QwenImagePipeline.from_pretrained(OUT_DIR, local_files_only=True)            (--kind qwenimage)
     Flux2KleinPipeline.from_pretrained(OUT_DIR, local_files_only=True)           (--kind flux2)
+    ZImagePipeline.from_pretrained(OUT_DIR, local_files_only=True)                (--kind zimage)
 
 SD3 layout (sizes chosen so that the pipeline's shape bookkeeping holds):
 
@@ -35,10 +36,11 @@ FLUX layout (FLUX.1-dev-like: guidance-distilled, dynamic shifting):
     text_encoder_2  T5EncoderModel, d_model 32
     tokenizer, tokenizer_2   the CLIP and T5 tokenizers above
 
-Qwen-Image and FLUX.2 [klein] layouts: build_tiny_qwenimage's and build_tiny_flux2's docstrings.
+Qwen-Image, FLUX.2 [klein] and Z-Image layouts: the docstrings of build_tiny_qwenimage, build_tiny_flux2 and
+build_tiny_zimage.
 
-`make_tiny_sd3(out_dir, seed=0) -> Path`, `make_tiny_flux`, `make_tiny_qwenimage` and `make_tiny_flux2` are
-importable (tests put tools/ on sys.path).
+`make_tiny_sd3(out_dir, seed=0) -> Path`, `make_tiny_flux`, `make_tiny_qwenimage`, `make_tiny_flux2` and
+`make_tiny_zimage` are importable (tests put tools/ on sys.path).
 """
 
 from __future__ import annotations
@@ -312,7 +314,40 @@ def make_tiny_flux2(out_dir, seed: int = 0) -> Path:
     return _save(build_tiny_flux2(seed), out_dir)
 
 
-MAKERS = {"sd3": make_tiny_sd3, "flux": make_tiny_flux, "qwenimage": make_tiny_qwenimage, "flux2": make_tiny_flux2}
+def build_tiny_zimage(seed: int = 0):
+    """The tiny random ZImagePipeline: 8x8x4 VAE latents the transformer patchifies 2x2 itself (in_channels 4),
+    1 main + 1 refiner layer (of each kind) of 2 heads x 8, rope axes (2, 2, 4) (sum = head dim), cap_feat_dim 16
+    (= the text model's hidden size: the pipeline takes Qwen3's second-to-last hidden states); the AutoencoderKL of
+    the SD3/FLUX pipelines above with FLUX's scaling/shift (Z-Image's VAE is FLUX.1's); a 2-layer Qwen3 text model;
+    dynamic shifting (the pipeline passes mu from the image tokens)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    tokenizer = _qwen_tokenizer()
+    tokenizer.chat_template = QWEN3_CHAT
+    torch.manual_seed(seed)
+    transformer = ZImageTransformer2DModel(in_channels=4, dim=16, n_layers=1, n_refiner_layers=1, n_heads=2,
+                                           n_kv_heads=2, cap_feat_dim=16, axes_dims=[2, 2, 4], axes_lens=[256, 64, 64])
+    torch.manual_seed(seed + 1)
+    vae = _tiny_vae(scaling_factor=0.3611, shift_factor=0.1159)
+    torch.manual_seed(seed + 2)
+    text_encoder = Qwen3Model(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=2048,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id))
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0)
+    return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer,
+                          transformer=transformer)
+
+
+def make_tiny_zimage(out_dir, seed: int = 0) -> Path:
+    """Build the tiny Z-Image pipeline and `save_pretrained` it to out_dir; returns the directory."""
+    return _save(build_tiny_zimage(seed), out_dir)
+
+
+MAKERS = {"sd3": make_tiny_sd3, "flux": make_tiny_flux, "qwenimage": make_tiny_qwenimage, "flux2": make_tiny_flux2,
+          "zimage": make_tiny_zimage}
 
 
 def main(argv=None) -> None:

@@ -1,9 +1,9 @@
 """Velocity models behind one interface (base.py): v = model(x, sigma, cond), encode_prompts, decode.
 
     dit.py                the built-in DiT (one readable file), with its hash tokenizer
-    sd3.py, flux.py,      diffusers SD3/SD3.5, FLUX.1, Qwen-Image and FLUX.2 [klein] pipelines as velocity
-    qwenimage.py,         models (diffusers_common.py: what they share)
-    flux2.py
+    sd3.py, flux.py,      diffusers SD3/SD3.5, FLUX.1, Qwen-Image, FLUX.2 [klein] and Z-Image pipelines as
+    qwenimage.py,         velocity models (diffusers_common.py: what they share)
+    flux2.py, zimage.py
     lora.py               peft LoRA on the diffusers transformers; adapter off is the KL reference
 
 `build_model(cfg.model)` is the one way the trainer and jagg-eval make a model, on the host. The trainer asks for
@@ -103,6 +103,11 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
 
         model = Flux2Velocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
                                               max_sequence_length=cfg.max_sequence_length)
+    elif cfg.kind == "zimage":
+        from .zimage import ZImageVelocity
+
+        model = ZImageVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
+                                               max_sequence_length=cfg.max_sequence_length)
     else:
         from .qwenimage import QwenImageVelocity
 

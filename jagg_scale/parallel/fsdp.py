@@ -133,10 +133,25 @@ def shard_for_inference(module: nn.Module, mesh: DeviceMesh, forward_methods: It
         fully_shard(layer, **kwargs)
     scalars = {p for p in module.parameters() if p.ndim == 0}
     fully_shard(module, **kwargs, ignored_params=scalars or None)
+    _keep_output_capture(module)
     for name in forward_methods:
         if callable(getattr(module, name, None)):
             register_fsdp_forward_method(module, name)
     return module.requires_grad_(False)
+
+
+def _keep_output_capture(module: nn.Module) -> None:
+    """fully_shard swaps a module's class for a subclass (FSDPQwen3Model); transformers finds what a model can record
+    (`output_hidden_states`) by the class's name, so a text encoder sharded at its root (Z-Image's Qwen3Model) would
+    return no hidden states. Register the new class under the model's own recordable outputs."""
+    can_record = getattr(module, "_can_record_outputs", None)
+    if can_record is None:
+        return
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # a transformers without the registry captures outputs without it
+        return
+    _CAN_RECORD_REGISTRY[module] = can_record
 
 
 # ------------------------------------------------------------------------------------------ the training engine

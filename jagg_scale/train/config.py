@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from ..jagg import trained_steps
+from ..models.base import PIPELINE_KINDS
 from ..paths import resolve_path
 from .config_sections import *  # noqa: F403 - the sections, their choices and ConfigError are this module's API
 from .config_sections import (ConfigError, DataConfig, EvalConfig, GRPOConfig, JAGGConfig, LogConfig, ModelConfig,
@@ -297,7 +298,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
         getattr(cfg, f.name).check(f.name)
     m, s, g, t = cfg.model, cfg.sampling, cfg.grpo, cfg.train
     _require(s.shift is not None or m.kind != "dit", "sampling.shift",
-             "null (the pipeline's own schedule) needs a diffusers model.kind (sd3, flux, qwenimage)")
+             f"null (the pipeline's own schedule) needs a diffusers model.kind ({', '.join(PIPELINE_KINDS)})")
     _require(s.sde_window == 0 or g.timestep_fraction == 1.0, "grpo.timestep_fraction",
              "must be 1.0 with sampling.sde_window (the window decides which steps are trained)")
     _require((t.prompts_per_step * g.group_size) % t.batch_size == 0, "train.batch_size",

@@ -29,8 +29,8 @@ from ..sections import ConfigError, require as _require
 from ..sections import Section as _Section
 
 # built-in DiT | diffusers StableDiffusion3Pipeline | FluxPipeline | QwenImagePipeline | Flux2KleinPipeline
-ModelKind = Literal["dit", "sd3", "flux", "qwenimage", "flux2"]
-PROMPT_TOKEN_LIMITS = {"sd3": 512, "flux": 512, "qwenimage": 1024, "flux2": 512}  # T5's; the pipelines' own
+ModelKind = Literal["dit", "sd3", "flux", "qwenimage", "flux2", "zimage"]
+PROMPT_TOKEN_LIMITS = {"sd3": 512, "flux": 512, "qwenimage": 1024, "flux2": 512, "zimage": 512}  # the pipelines' own
 DType = Literal["float32", "bfloat16"]  # autocast dtype of the model; the SDE math stays float32
 Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
 SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
@@ -83,7 +83,7 @@ def _check_dit(d: DiTConfig, prefix: str) -> None:
 
 @dataclass
 class ModelConfig(_Section):
-    kind: ModelKind = "dit"  # sd3/flux/qwenimage: a diffusers pipeline directory
+    kind: ModelKind = "dit"  # any other kind (models.PIPELINE_KINDS): a diffusers pipeline directory
     pretrained: Optional[str] = None  # dit: a safetensors state dict; sd3/flux: the pipeline directory (required)
     # pretrained may be a hub id (ORG/NAME, dit: ORG/NAME/FILE) found in the local hub cache; true: fetch it when
     # it is not there (false: a missing id fails at once, naming the command that fetches it)
@@ -101,7 +101,8 @@ class ModelConfig(_Section):
     shard_t5: bool = False
     # sd3/flux: T5 prompt tokens; null = the pipeline's default (diffusers: SD3 256, FLUX 512). Recipes set their
     # own (Flow-GRPO and DiffusionNFT encode SD3.5 prompts at 128). Every transformer pass carries these tokens.
-    # qwenimage: the Qwen2.5-VL prompt tokens every prompt is padded to (null: the pipeline's 512; at most 1024)
+    # qwenimage, flux2, zimage: the Qwen text encoder's prompt tokens every prompt is padded to (null: the pipeline's
+    # 512; at most 1024 for qwenimage, 512 for the others)
     max_sequence_length: Optional[int] = None
 
     def check(self, prefix: str) -> None:

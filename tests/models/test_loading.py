@@ -292,6 +292,26 @@ def test_shard_t5_makes_dtensors_and_encodes_what_the_unsharded_encoder_does(sd3
     assert torch.equal(got_again[0], want[0][:1])
 
 
+def test_a_text_encoder_sharded_at_its_root_still_returns_its_hidden_states(zimage_dir):
+    """Z-Image's encoder is a bare Qwen3Model, so fully_shard swaps the class whose name transformers looks up for
+    output_hidden_states; the sharded encoder must still hand the pipeline its hidden states, the same ones."""
+    from jagg_scale.models.zimage import ZImageVelocity
+    from jagg_scale.parallel.fsdp import build_mesh, shard_for_inference
+
+    plain = ZImageVelocity.from_pretrained(zimage_dir, max_sequence_length=32, resolution=16)
+    want = plain.encode_prompts(PROMPTS)
+    ctx = DistContext()
+    ctx.ensure_group()
+    try:
+        model = ZImageVelocity.from_pretrained(zimage_dir, max_sequence_length=32, resolution=16)
+        model.place_frozen(torch.device("cpu"), shard_t5=lambda m: shard_for_inference(m, build_mesh("cpu", 1)))
+        assert all(isinstance(p, DTensor) for p in model.frozen["text_encoder"].parameters())
+        got = model.encode_prompts(PROMPTS)
+    finally:
+        ctx.close()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_trainer_with_shard_t5_and_a_sharded_reference_under_fsdp2(sd3_dir, tmp_path):
     over = ["grpo.beta=0.04", "train.steps=1", "parallel.engine=fsdp2"]
     trainer, rows = _fit(_cfg(sd3_dir, tmp_path / "sharded", "model.shard_t5=true", *over))

@@ -1,6 +1,6 @@
 """The newer diffusers model families under FSDP2 on 2 processes (gloo, torchrun) train like 1 process: the tiny
-Qwen-Image and FLUX.2 [klein] pipelines through `jagg-train`, their text encoders (Qwen2.5-VL, Qwen3) sharded for
-inference on the 2-process side (model.shard_t5). Float order is where they may differ: the tolerances are
+Qwen-Image, FLUX.2 [klein] and Z-Image pipelines through `jagg-train`, their text encoders (Qwen2.5-VL, Qwen3)
+sharded for inference on the 2-process side (model.shard_t5). Float order is where they may differ: the tolerances are
 test_distributed.py's."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def run(config: str, nproc: int, out: Path, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("kind, resolution", [("qwenimage", 16), ("flux2", 32)])
+@pytest.mark.parametrize("kind, resolution", [("qwenimage", 16), ("flux2", 32), ("zimage", 16)])
 def test_two_processes_with_a_sharded_text_encoder_match_one_process(kind, resolution, request, tmp_path):
     pipe = request.getfixturevalue(f"{kind}_dir")
     config = str(ROOT / "configs" / f"{kind}_tiny_cpu.yaml")

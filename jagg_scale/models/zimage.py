@@ -1,0 +1,104 @@
+"""Z-Image (diffusers ZImagePipeline) as a `VelocityModel`: the transformer is the policy, the rest is frozen.
+
+How the pipeline maps onto the interface of base.py (docs/algorithm.md's rectified flow, x_s = (1 - s) d + s e):
+
+    cond = encode_prompts(prompts)     ZImagePipeline.encode_prompt (no grad): Qwen3's second-to-last hidden states
+                                       over the chat-templated prompt, one [L_i, D] tensor per prompt (its padding
+                                       dropped), here padded back to (embeds [B, L, D], mask [B, L]) with
+                                       L = model.max_sequence_length, so conditionings encoded apart concatenate
+    v    = forward(x, sigma, cond)     x [N, C, H, W]: the VAE latents as the pipeline keeps them (the transformer
+                                       patchifies 2x2 itself); the transformer takes a list of [C, 1, H, W] latents
+                                       and a list of prompts, each of its own length (the mask's), at t = 1 - sigma,
+                                       and predicts -(e - d): v = -output
+    img  = decode(x)                   vae.decode(x / scaling_factor + shift_factor), [-1, 1] -> [0, 1]
+
+Sign and time: the pipeline feeds the transformer `(1000 - timestep) / 1000` = 1 - sigma and steps the scheduler
+with the negated output (pipeline_z_image.py's denoising loop), so the transformer's output is d - e and the velocity
+of docs/algorithm.md is its negation (tests/models/test_zimage_adapter.py checks the adapter's Euler loop against the
+pipeline's own sampling).
+
+Schedule: linspace(1, 1/N, N) shifted by mu from the image tokens (H/2 x W/2) with the scheduler's own config, as
+the pipeline does; `pipeline_sigmas` (diffusers_common.py) reproduces it.
+
+Guidance: the pipeline's CFG is v_c + g (v_c - v_u) with the empty negative prompt, off at g = 0 (Z-Image-Turbo's
+published setting): the plain rule v_u + w (v_c - v_u) with w = 1 + g, so `sampling.guidance: 1.0` is the pipeline's
+guidance_scale 0. (The pipeline's optional cfg_normalization and cfg_truncation are off by default; not offered.)
+
+Host read: the prompts' lengths (the mask's row sums) are read back once per forward to split the batch into the
+transformer's per-prompt list, which it then pads to multiples of 32 on the host itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .diffusers_common import DiffusersVelocity, row_sigmas
+
+PROMPT_TOKENS_DEFAULT = 512  # ZImagePipeline.__call__'s max_sequence_length
+
+
+class ZImageVelocity(DiffusersVelocity):
+    """v_theta(x, sigma, cond) of a diffusers ZImagePipeline's transformer, on latents [N, C, H, W]."""
+
+    frozen_names = ("vae", "text_encoder")
+    t5_name = "text_encoder"
+
+    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None):
+        super().__init__(pipe, max_sequence_length)
+        self.vae_scale_factor = pipe.vae_scale_factor
+        latent_size = int(latent_size or 1024 // pipe.vae_scale_factor)  # the pipeline's default: 1024 px
+        if latent_size % 2:
+            raise ValueError(f"Z-Image latent size must be even (2x2 patches), got {latent_size}")
+        self.latent_shape = (self.transformer.config.in_channels, latent_size, latent_size)
+        self.image_size = latent_size * self.vae_scale_factor
+        self.patch_size = 2
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | dict = torch.float32, *, max_sequence_length: int | None = None,
+                        resolution: int | None = None, local_files_only: bool = True) -> "ZImageVelocity":
+        """Load a saved ZImagePipeline directory (offline by default); `dtype` as SD3Velocity.from_pretrained's."""
+        from diffusers import ZImagePipeline
+
+        pipe = ZImagePipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
+        latent_size = cls.latent_size_for(pipe, resolution, 2) if resolution is not None else None
+        return cls(pipe, max_sequence_length=max_sequence_length or PROMPT_TOKENS_DEFAULT, latent_size=latent_size)
+
+    def _pipeline_sigma_grid(self, num_steps: int):
+        """ZImagePipeline's default sigmas: linspace(1, 1/N, N) (get_default_z_image_sigmas), shifted by mu."""
+        return np.linspace(1.0, 1 / num_steps, num_steps)
+
+    # ------------------------------------------------------------------ the VelocityModel interface
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embeds [B, L, D] in the transformer's dtype, mask [B, L] int64), L = max_sequence_length; "" is the
+        pipeline's negative prompt."""
+        embeds, _ = self.pipe.encode_prompt(prompt=list(prompts), device=self.device,
+                                            do_classifier_free_guidance=False,
+                                            max_sequence_length=self.max_sequence_length)
+        n, length, dim = len(embeds), self.max_sequence_length, embeds[0].shape[-1]
+        out = embeds[0].new_zeros(n, length, dim)
+        mask = torch.zeros(n, length, dtype=torch.int64, device=out.device)
+        for i, e in enumerate(embeds):
+            out[i, :len(e)] = e
+            mask[i, :len(e)] = 1
+        return out.to(self.dtype).detach(), mask
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        """Velocity v = e - d at latents x [N, C, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
+        return zimage_velocity(self.transformer, x, sigma, cond)
+
+
+def zimage_velocity(transformer, x: torch.Tensor, sigma, cond) -> torch.Tensor:
+    """The Z-Image velocity of a diffusers ZImageTransformer2DModel at latents x [N, C, H, W]: one [C, 1, H, W] latent
+    and one unpadded prompt per row, t = 1 - sigma, the output negated (see the module docstring); in x's dtype."""
+    embeds, mask = cond
+    dtype = next(transformer.parameters()).dtype
+    lengths = mask.sum(dim=1).tolist()  # the one host read (module docstring)
+    prompts = [e[:n] for e, n in zip(embeds.to(dtype).unbind(0), lengths)]
+    t = 1 - row_sigmas(sigma, x).float()  # float32, as the pipeline passes it
+    out = transformer(list(x.to(dtype).unsqueeze(2).unbind(0)), t, prompts, return_dict=False)[0]
+    return -torch.stack(out, dim=0).squeeze(2).to(x.dtype)
