@@ -1,6 +1,6 @@
-"""Checks shared by the diffusers adapter tests (test_sd3_adapter.py, test_flux_adapter.py, test_flux2_adapter.py,
-test_qwenimage_adapter.py): the GRPO log-prob round trip (rollout vs training pass) and JAGG W = 2 == per-step on the
-real transformer, under each family's own CFG (its guidance rule and negative prompt)."""
+"""Checks shared by the diffusers adapter tests (tests/models/test_*_adapter.py): the GRPO log-prob round trip
+(rollout vs training pass) and JAGG W = 2 == per-step on the real transformer, under each family's own CFG (its
+guidance rule and negative prompt)."""
 
 import torch
 
@@ -12,17 +12,17 @@ from jagg_scale.jagg import exact_backward, jagg_backward
 PROMPTS = ["a red cat", "two dogs on a photo"]
 
 
-def guided(model, guidance):
+def guided(model, guidance, prompts=PROMPTS):
     """(velocity fn with CFG, the conditioning it takes): the (cond, uncond) pair when guidance != 1."""
-    c = model.encode_prompts(PROMPTS)
-    cond = c if guidance == 1.0 else (c, model.encode_prompts([model.negative_prompt] * len(PROMPTS)))
+    c = model.encode_prompts(prompts)
+    cond = c if guidance == 1.0 else (c, model.encode_prompts([model.negative_prompt] * len(prompts)))
     return (lambda x, s, cc: guided_velocity(model, x, s, cc, guidance, model.guidance_rule)), cond
 
 
-def check_rollout_logprobs_recomputed(model, sigmas, guidance):
+def check_rollout_logprobs_recomputed(model, sigmas, guidance, prompts=PROMPTS):
     """On-policy, the training pass rescores the rollout: ratio 1 within 1e-5 and the same velocities."""
     torch.manual_seed(0)
-    fn, cond = guided(model, guidance)
+    fn, cond = guided(model, guidance, prompts)
     steps = len(sigmas) - 1
     noise = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(2))
     traj = sample_sde(fn, cond, noise, sigmas, noise_level=0.7, generator=torch.Generator().manual_seed(3))
@@ -41,10 +41,10 @@ def _grads(m):
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in m.parameters()])
 
 
-def check_jagg_w2_equals_per_step(m, window_sigmas, guidance):
+def check_jagg_w2_equals_per_step(m, window_sigmas, guidance, prompts=PROMPTS):
     """A float64 model: jagg_backward on a 2-step window gives the per-step loss and gradient (JAGG is exact
     for W <= 2), with the CFG pair carried through the joint batch."""
-    fn, cond = guided(m, guidance)
+    fn, cond = guided(m, guidance, prompts)
     gen = torch.Generator().manual_seed(4)
     latents = torch.randn(2, 2, *m.latent_shape, generator=gen, dtype=torch.float64)
     targets = torch.randn(2, 2, *m.latent_shape, generator=gen, dtype=torch.float64)
@@ -75,7 +75,7 @@ def check_only_the_transformer_trains(model, frozen: set):
         assert not any(p.requires_grad for p in m.parameters())
 
 
-def check_trains_and_the_lora_loads(config, overrides: list, run, mode: str, load_plain):
+def check_trains_and_the_lora_loads(config, overrides: list, run, mode: str, load_plain, prompts=PROMPTS):
     """Two jagg-train steps of a tiny pipeline's LoRA config (`mode` jagg or exact): 8 trained steps each, 4 backwards
     with JAGG (2 windows of 4) or 8 per step, the training pass rescoring the rollout (ratio 1); then the exported
     diffusers LoRA, loaded by `load_plain(lora_dir)` into a plain pipeline's velocity, gives the trained outputs."""
@@ -88,7 +88,7 @@ def check_trains_and_the_lora_loads(config, overrides: list, run, mode: str, loa
     try:
         rows = trainer.fit()
         x = torch.randn(2, *trainer.model.latent_shape, generator=torch.Generator().manual_seed(3))
-        sigma, cond = torch.tensor([0.8, 0.3]), trainer.model.encode_prompts(PROMPTS)
+        sigma, cond = torch.tensor([0.8, 0.3]), trainer.model.encode_prompts(prompts)
         with torch.no_grad():
             trained = trainer.model(x, sigma, cond)
     finally:

@@ -1,12 +1,13 @@
 """Write a tiny, random, fully offline diffusers pipeline (for tests and smoke runs of the adapters).
 
-    python tools/make_tiny_pipeline.py OUT_DIR --kind sd3|flux|qwenimage|flux2|zimage [--seed 0]
+    python tools/make_tiny_pipeline.py OUT_DIR --kind sd3|flux|flux_kontext|qwenimage|flux2|zimage [--seed 0]
 
 Nothing is downloaded: every component is built from a config with seeded random weights, and the tokenizers
 are built locally from a small vocabulary (no model hub). The result loads with
 
     StableDiffusion3Pipeline.from_pretrained(OUT_DIR, local_files_only=True)     (--kind sd3)
     FluxPipeline.from_pretrained(OUT_DIR, local_files_only=True)                 (--kind flux)
+    FluxKontextPipeline.from_pretrained(OUT_DIR, local_files_only=True)          (--kind flux_kontext)
     QwenImagePipeline.from_pretrained(OUT_DIR, local_files_only=True)            (--kind qwenimage)
     Flux2KleinPipeline.from_pretrained(OUT_DIR, local_files_only=True)           (--kind flux2)
     ZImagePipeline.from_pretrained(OUT_DIR, local_files_only=True)                (--kind zimage)
@@ -39,8 +40,8 @@ FLUX layout (FLUX.1-dev-like: guidance-distilled, dynamic shifting):
 Qwen-Image, FLUX.2 [klein] and Z-Image layouts: the docstrings of build_tiny_qwenimage, build_tiny_flux2 and
 build_tiny_zimage.
 
-`make_tiny_sd3(out_dir, seed=0) -> Path`, `make_tiny_flux`, `make_tiny_qwenimage`, `make_tiny_flux2` and
-`make_tiny_zimage` are importable (tests put tools/ on sys.path).
+`make_tiny_sd3(out_dir, seed=0) -> Path`, `make_tiny_flux`, `make_tiny_flux_kontext`, `make_tiny_qwenimage`,
+`make_tiny_flux2` and `make_tiny_zimage` are importable (tests put tools/ on sys.path).
 """
 
 from __future__ import annotations
@@ -167,9 +168,11 @@ def make_tiny_sd3(out_dir, seed: int = 0, transformer: dict | None = None) -> Pa
     return _save(build_tiny_sd3(seed, transformer), out_dir)
 
 
-def build_tiny_flux(seed: int = 0):
-    """The tiny random FluxPipeline (in memory)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+def build_tiny_flux(seed: int = 0, pipeline: str = "FluxPipeline"):
+    """The tiny random FluxPipeline (in memory); pipeline="FluxKontextPipeline": the same components as FLUX.1-Kontext
+    (Kontext is FLUX.1's architecture, its input image entering as more image tokens)."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextModel
 
     tokenizer, tokenizer_2 = _clip_tokenizer(), _t5_tokenizer()
@@ -190,7 +193,7 @@ def build_tiny_flux(seed: int = 0):
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
         max_image_seq_len=4096,
     )
-    return FluxPipeline(
+    return getattr(diffusers, pipeline)(
         transformer=transformer, scheduler=scheduler, vae=vae,
         text_encoder=text_encoder.eval(), tokenizer=tokenizer,
         text_encoder_2=text_encoder_2.eval(), tokenizer_2=tokenizer_2,
@@ -200,6 +203,11 @@ def build_tiny_flux(seed: int = 0):
 def make_tiny_flux(out_dir, seed: int = 0) -> Path:
     """Build the tiny FLUX pipeline and `save_pretrained` it to out_dir; returns the directory."""
     return _save(build_tiny_flux(seed), out_dir)
+
+
+def make_tiny_flux_kontext(out_dir, seed: int = 0) -> Path:
+    """Build the tiny FLUX.1-Kontext pipeline and `save_pretrained` it to out_dir; returns the directory."""
+    return _save(build_tiny_flux(seed, pipeline="FluxKontextPipeline"), out_dir)
 
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # what QwenImagePipeline's prompt template uses
@@ -347,7 +355,7 @@ def make_tiny_zimage(out_dir, seed: int = 0) -> Path:
 
 
 MAKERS = {"sd3": make_tiny_sd3, "flux": make_tiny_flux, "qwenimage": make_tiny_qwenimage, "flux2": make_tiny_flux2,
-          "zimage": make_tiny_zimage}
+          "zimage": make_tiny_zimage, "flux_kontext": make_tiny_flux_kontext}
 
 
 def main(argv=None) -> None:

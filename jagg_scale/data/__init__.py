@@ -1,6 +1,7 @@
 """Prompt data: loading prompt files into records, and where a step's prompts come from (source.py: the seeded,
 resumable sampler of a list, or webdataset shards)."""
 
+from .images import EditPrompt
 from .prompts import PromptRecord, PromptSet, load_prompts
 from .prompt_sets import (
     FilteredPromptSet,
@@ -15,7 +16,7 @@ from .prompt_sets import (
 from .shards import ShardPromptStream, shard_pattern, write_prompt_shards
 from .source import ListPromptSource, PromptSampler, StreamPromptSource
 
-__all__ = ["PromptRecord", "PromptSet", "load_prompts", "PromptSampler"]
+__all__ = ["EditPrompt", "PromptRecord", "PromptSet", "load_prompts", "PromptSampler"]
 
 __all__ += [
     "FilteredPromptSet",

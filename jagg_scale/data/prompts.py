@@ -6,17 +6,22 @@ counted in `PromptSet.skipped`, and logged with file and line number. A file wit
 is an error, since training on nothing would only surface much later.
 
 Formats (by extension): `.txt` one prompt per line; `.jsonl` one JSON object per line with a non-empty
-string `prompt` field, every other field kept as metadata (e.g. geneval's tag/include for its scorer).
+string `prompt` field, every other field kept as metadata (e.g. geneval's tag/include for its scorer). A jsonl
+record's `image` field makes it an edit prompt (data.images.EditPrompt): a path relative to the prompt file's
+folder, which it may not leave (no absolute paths, no `..` or links out), and which must be a file.
 Blank lines are layout, not records, and are skipped silently in both formats.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
+
+from .images import EditPrompt
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +79,9 @@ def _parse_txt(text: str) -> PromptRecord:
     return PromptRecord(text, {})
 
 
-def parse_jsonl_record(text: str) -> PromptRecord:
-    """One JSON object with a non-empty string `prompt`; every other field becomes metadata."""
+def parse_jsonl_record(text: str, folder: Path | None = None) -> PromptRecord:
+    """One JSON object with a non-empty string `prompt`; every other field becomes metadata, but `image` (with
+    `folder`, the prompt file's): the input image of an edit prompt (module docstring)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -87,7 +93,22 @@ def parse_jsonl_record(text: str) -> PromptRecord:
         raise ValueError("missing 'prompt' field" if prompt is None else f"'prompt' is {type(prompt).__name__}")
     if not prompt.strip():
         raise ValueError("empty 'prompt'")
+    if folder is not None and "image" in obj:
+        return PromptRecord(EditPrompt(prompt.strip(), input_image_path(obj.pop("image"), folder)), obj)
     return PromptRecord(prompt.strip(), obj)
+
+
+def input_image_path(image, folder: Path) -> str:
+    """A jsonl record's `image` as a path inside `folder` (resolved, links followed), or a ValueError naming it."""
+    if not isinstance(image, str) or not image:
+        raise ValueError(f"'image' must be a non-empty path string, got {image!r}")
+    root = folder.resolve()
+    path = (root / image).resolve()
+    if Path(image).is_absolute() or not path.is_relative_to(root):
+        raise ValueError(f"'image' {image!r} leaves the prompt file's folder {root}")
+    if not path.is_file():
+        raise ValueError(f"'image' {image!r} is not a file in {root}")
+    return str(path)
 
 
 _PARSERS = {".txt": _parse_txt, ".jsonl": parse_jsonl_record}
@@ -160,5 +181,7 @@ def load_prompts(path: str | Path) -> PromptSet:
     if parser is None:
         raise ValueError(f"unsupported prompt file extension {reader.path.suffix!r} for {reader.path}; "
                          f"expected one of {sorted(_PARSERS)}")
+    if parser is parse_jsonl_record:
+        parser = functools.partial(parse_jsonl_record, folder=reader.path.parent)
     reader.read_lines(parser)
     return reader.finish()

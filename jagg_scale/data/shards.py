@@ -4,9 +4,11 @@ Why: a large prompt corpus should not be loaded by every rank (the in-memory Pro
 With shards each rank and DataLoader worker reads only its own files, and a prompt's metadata (e.g. OCR's
 `text`) travels with it to the rewards.
 
-Layout: `{prefix}-000000.tar`, ...; sample `<key>.txt` = prompt (utf-8), `<key>.json` = metadata object, key =
-the record's 9-digit input index. Shards are written under a temporary name and renamed when complete, so a
-crashed write never leaves a plausible truncated shard.
+Layout: `{prefix}-000000.tar`, ...; sample `<key>.txt` = prompt (utf-8), `<key>.json` = metadata object,
+`<key>.png` / `.jpg` / `.webp` = an edit prompt's input image (encoded bytes, at most data.images.MAX_IMAGE_BYTES;
+the record's prompt is then an `EditPrompt` carrying them), key = the record's 9-digit input index. Shards are
+written under a temporary name and renamed when complete, so a crashed write never leaves a plausible truncated
+shard.
 
 Split: reader `slot = rank * num_workers + worker_id` of `world_size * num_workers` (0 workers = one in-process
 reader) reads `urls[slot::num_slots]`: no two readers share a shard. A slot draws its shards with replacement
@@ -44,6 +46,7 @@ from typing import Iterable, Iterator, Sequence
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from .images import MAX_IMAGE_BYTES, EditPrompt
 from .prompts import PromptRecord
 
 logger = logging.getLogger(__name__)
@@ -124,7 +127,12 @@ def write_prompt_shards(
                 paths.append(out / f"{prefix}-{len(paths):06d}.tar")
                 f = open(paths[-1].with_name(paths[-1].name + ".part"), "wb")
                 writer = wds.TarWriter(f, encoder=False, mtime=0)  # mtime 0: identical input, identical bytes
-            writer.write({"__key__": f"{i:09d}", "txt": prompt.strip().encode("utf-8"), "json": meta_bytes})
+            sample = {"__key__": f"{i:09d}", "txt": prompt.strip().encode("utf-8"), "json": meta_bytes}
+            image = getattr(prompt, "image", None)  # an EditPrompt's input image, stored as its encoded file
+            if image is not None:
+                data = image if isinstance(image, bytes) else Path(image).read_bytes()
+                sample[_image_format(data)] = data
+            writer.write(sample)
         if writer is not None:
             finish()
     except BaseException:
@@ -168,6 +176,17 @@ def _zero_worker_seed() -> int:
     return 0
 
 
+IMAGE_MEMBERS = {"png": b"\x89PNG", "jpg": b"\xff\xd8\xff", "webp": b"RIFF"}  # the image formats a shard carries
+
+
+def _image_format(data: bytes) -> str:
+    """The member extension of encoded image bytes (by their magic number), or a ValueError."""
+    for ext, magic in IMAGE_MEMBERS.items():
+        if data.startswith(magic):
+            return ext
+    raise ValueError(f"an input image must be PNG, JPEG or WebP to go into a shard (starts {data[:8]!r})")
+
+
 def _decode(sample: dict) -> tuple:
     """One tar sample -> ("r", prompt, metadata) or ("s", reason, shard, key, detail)."""
     url, key = sample.get("__url__"), sample.get("__key__")
@@ -185,6 +204,14 @@ def _decode(sample: dict) -> tuple:
         return ("s", "empty_txt", url, key, "empty prompt")
     if not isinstance(meta, dict):
         return ("s", "json_not_object", url, key, f".json is a {type(meta).__name__}, expected an object")
+    images = [ext for ext in IMAGE_MEMBERS if ext in sample]
+    if len(images) > 1:
+        return ("s", "two_images", url, key, f"{len(images)} image members ({', '.join(images)}), expected one")
+    if images:
+        data = sample[images[0]]
+        if len(data) > MAX_IMAGE_BYTES:
+            return ("s", "image_too_large", url, key, f".{images[0]} is {len(data)} bytes, over {MAX_IMAGE_BYTES}")
+        prompt = EditPrompt(prompt, data)
     return ("r", prompt, meta)
 
 
@@ -206,8 +233,9 @@ _COMPLETE: dict[tuple, bool] = {}  # (path, size, mtime) of local shards found c
 
 def _check_complete(path: str) -> None:
     """ShardReadError unless the tar at `path` ends with its end-of-archive marker (two zero blocks) right after
-    the last member's data: tarfile (and webdataset over it) read a truncated file silently up to the cut. Reads
-    the headers alone (the members' data is skipped by seeking)."""
+    the last member's data: tarfile (and webdataset over it) read a truncated file silently up to the cut, and
+    unless every member is at most MAX_IMAGE_BYTES (webdataset reads a member whole into memory: a hostile shard's
+    10 GB member would be read before any check of ours). Reads the headers alone (data is skipped by seeking)."""
     import tarfile
 
     st = os.stat(path)
@@ -217,6 +245,9 @@ def _check_complete(path: str) -> None:
     with tarfile.open(path, mode="r:") as tar:
         end = 0
         for member in tar:
+            if member.size > MAX_IMAGE_BYTES:
+                raise ShardReadError(f"prompt shard {path}: member {member.name} is {member.size} bytes, over the "
+                                     f"{MAX_IMAGE_BYTES} a prompt, its metadata or its input image may take")
             end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
         with open(path, "rb") as f:
             f.seek(end)

@@ -2,8 +2,9 @@
 
     dit.py                the built-in DiT (one readable file), with its hash tokenizer
     sd3.py, flux.py,      diffusers SD3/SD3.5, FLUX.1, Qwen-Image, FLUX.2 [klein] and Z-Image pipelines as
-    qwenimage.py,         velocity models (diffusers_common.py: what they share)
-    flux2.py, zimage.py
+    qwenimage.py,         velocity models (diffusers_common.py: what they share); kontext.py: FLUX.1-Kontext
+    flux2.py, zimage.py,  instruction editing (the input image's latents as conditioning tokens)
+    kontext.py
     lora.py               peft LoRA on the diffusers transformers; adapter off is the KL reference
 
 `build_model(cfg.model)` is the one way the trainer and jagg-eval make a model, on the host. The trainer asks for
@@ -92,12 +93,13 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
         model = SD3Velocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
                                             t5=cfg.text_encoders == "all", max_sequence_length=cfg.max_sequence_length)
         model.set_attention(cfg.attention)  # raises early when xformers is asked for without CUDA/xformers
-    elif cfg.kind == "flux":
+    elif cfg.kind in ("flux", "flux_kontext"):
         from .flux import FluxVelocity
+        from .kontext import FluxKontextVelocity
 
-        model = FluxVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
-                                             guidance_scale=cfg.distilled_guidance,
-                                             max_sequence_length=cfg.max_sequence_length)
+        guidance = {} if cfg.distilled_guidance is None else {"guidance_scale": cfg.distilled_guidance}
+        model = (FluxVelocity if cfg.kind == "flux" else FluxKontextVelocity).from_pretrained(
+            path, dtypes, resolution=cfg.resolution, max_sequence_length=cfg.max_sequence_length, **guidance)
     elif cfg.kind == "flux2":
         from .flux2 import Flux2Velocity
 

@@ -27,7 +27,7 @@ from torch import nn
 from ..cond import Cond
 
 # the diffusers families, one adapter module each (models/<kind>.py)
-PIPELINE_KINDS = ("sd3", "flux", "qwenimage", "flux2", "zimage")
+PIPELINE_KINDS = ("sd3", "flux", "qwenimage", "flux2", "zimage", "flux_kontext")
 
 
 class VelocityModel(nn.Module):

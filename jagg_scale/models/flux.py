@@ -131,22 +131,24 @@ class FluxVelocity(DiffusersVelocity):
         embeds, pooled = cond
         dtype = self.dtype
         n, _, h, w = x.shape
-        sigma = row_sigmas(sigma, x)
-        # FluxPipeline passes timesteps / 1000 = sigma; the transformer scales by 1000 itself
-        timestep = sigma.to(dtype)
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full((n,), self.guidance_scale, device=x.device, dtype=torch.float32)
-        txt_ids = torch.zeros(embeds.shape[1], 3, device=x.device, dtype=dtype)  # a fill on the device: no copy
-        img_ids = self.image_ids(h, w, x.device, dtype)
         out = self.transformer(
             hidden_states=self.pack(x.to(dtype)),
-            timestep=timestep,
-            guidance=guidance,
+            timestep=self.timestep(sigma, x),
+            guidance=self.distilled_guidance(n, x.device),
             pooled_projections=pooled.to(dtype),
             encoder_hidden_states=embeds.to(dtype),
-            txt_ids=txt_ids,
-            img_ids=img_ids,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=x.device, dtype=dtype),  # a fill on the device: no copy
+            img_ids=self.image_ids(h, w, x.device, dtype),
             return_dict=False,
         )[0]
         return self.unpack(out, h, w).to(x.dtype)
+
+    def timestep(self, sigma, x: torch.Tensor) -> torch.Tensor:
+        """FluxPipeline passes timesteps / 1000 = sigma; the transformer scales by 1000 itself."""
+        return row_sigmas(sigma, x).to(self.dtype)
+
+    def distilled_guidance(self, n: int, device) -> torch.Tensor | None:
+        """The guidance-embedding input of a guidance-distilled transformer (float32, as the pipeline's), else None."""
+        if not self.transformer.config.guidance_embeds:
+            return None
+        return torch.full((n,), self.guidance_scale, device=device, dtype=torch.float32)

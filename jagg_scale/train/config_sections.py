@@ -29,8 +29,9 @@ from ..sections import ConfigError, require as _require
 from ..sections import Section as _Section
 
 # built-in DiT | diffusers StableDiffusion3Pipeline | FluxPipeline | QwenImagePipeline | Flux2KleinPipeline
-ModelKind = Literal["dit", "sd3", "flux", "qwenimage", "flux2", "zimage"]
-PROMPT_TOKEN_LIMITS = {"sd3": 512, "flux": 512, "qwenimage": 1024, "flux2": 512, "zimage": 512}  # the pipelines' own
+ModelKind = Literal["dit", "sd3", "flux", "qwenimage", "flux2", "zimage", "flux_kontext"]
+PROMPT_TOKEN_LIMITS = {"sd3": 512, "flux": 512, "qwenimage": 1024, "flux2": 512, "zimage": 512,
+                       "flux_kontext": 512}  # the pipelines' own
 DType = Literal["float32", "bfloat16"]  # autocast dtype of the model; the SDE math stays float32
 Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
 SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
@@ -93,7 +94,9 @@ class ModelConfig(_Section):
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # sd3/flux: train a LoRA adapter instead of all weights
     attention: Attention = "sdpa"
     resolution: Optional[int] = None  # sd3/flux: image size in pixels; None = the checkpoint's native size
-    distilled_guidance: float = 3.5  # flux: the guidance-embedding value FLUX.1-dev was distilled with (not CFG)
+    # flux, flux_kontext: the guidance-embedding value of a guidance-distilled FLUX (not CFG); null = the pipeline's
+    # default (FluxPipeline 3.5, FluxKontextPipeline 2.5)
+    distilled_guidance: Optional[float] = None
     # sd3/flux text encoders: all, or (sd3) no_t5: the T5 encoder is not loaded, its embeddings are zeros
     text_encoders: TextEncoders = "all"
     # sd3/flux: the T5 encoder sharded with FSDP2 across all ranks for inference (1/world of its weights per rank;
@@ -114,7 +117,10 @@ class ModelConfig(_Section):
                  f"is for sd3/flux; the dit's size is {prefix}.dit.image_size")
         _require(self.resolution is None or self.resolution >= 16, f"{prefix}.resolution",
                  f"must be >= 16 pixels, got {self.resolution}")
-        _require(self.distilled_guidance > 0, f"{prefix}.distilled_guidance", "must be > 0")
+        _require(self.distilled_guidance is None or self.kind in ("flux", "flux_kontext"),
+                 f"{prefix}.distilled_guidance", f"is for the guidance-distilled FLUX kinds, not {self.kind}")
+        _require(self.distilled_guidance is None or self.distilled_guidance > 0, f"{prefix}.distilled_guidance",
+                 "must be > 0")
         _require(self.attention == "sdpa" or self.kind == "sd3", f"{prefix}.attention",
                  "xformers is wired for sd3 only")
         _require(self.text_encoders == "all" or self.kind == "sd3", f"{prefix}.text_encoders",

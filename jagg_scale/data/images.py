@@ -1,0 +1,100 @@
+"""Input images of edit prompts: `EditPrompt` (an instruction that carries its image) and the one bounded decoder.
+
+An editing data set (FLUX.1-Kontext) pairs an instruction with an input image. The instruction stays a `str` through
+the stack (rewards, logs, grids and the prompt sampler see text, as for any prompt); `EditPrompt.image` carries the
+image to the model's `encode_prompts` and to the editing rewards. Its equality and hash include the image, so one
+instruction on two images is two prompts.
+
+    image sources   a path (a jsonl record's `image`, resolved inside the prompt file's folder: load_prompts), the
+                    encoded bytes of a shard's image member, or a PIL image
+    bounds          at most MAX_IMAGE_BYTES read and MAX_IMAGE_PIXELS decoded per image (checked from the header,
+                    before decoding), so a hostile file cannot exhaust memory; a bad one fails naming its source
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["EditPrompt", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "load_rgb"]
+
+MAX_IMAGE_BYTES = 64 << 20  # an encoded input image: a 4k PNG is ~25 MB
+MAX_IMAGE_PIXELS = 50_000_000  # a decoded one: 200 MB as RGBA
+
+
+class EditPrompt(str):
+    """An instruction (the str itself) and its input image (`image`: a path, encoded bytes or a PIL image)."""
+
+    image: object
+
+    def __new__(cls, text: str, image):
+        obj = super().__new__(cls, text)
+        obj.image = image
+        return obj
+
+    def __reduce__(self):  # pickled as text and image (the prompt stream all-gathers records across ranks)
+        return (EditPrompt, (str(self), self.image))
+
+    def __eq__(self, other):
+        if isinstance(other, EditPrompt):
+            return str(self) == str(other) and _image_key(self.image) == _image_key(other.image)
+        return NotImplemented if not isinstance(other, str) else False
+
+    def __ne__(self, other):
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __hash__(self):
+        return hash((str(self), _image_key(self.image)))
+
+    def strip(self, chars=None) -> "EditPrompt":
+        return EditPrompt(str(self).strip(chars), self.image)
+
+
+def _image_key(image):
+    return image if isinstance(image, (str, bytes)) else id(image)
+
+
+def load_rgb(source, size: int) -> torch.Tensor:
+    """An image as float32 RGB [3, size, size] in [0, 1]: its shorter side resized to `size` (Lanczos, as diffusers'
+    image processor), then centre-cropped. `source`: a path, encoded bytes or a PIL image."""
+    from PIL import Image
+
+    name = "image bytes" if isinstance(source, (bytes, bytearray)) else str(source)
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        if isinstance(source, (bytes, bytearray)):
+            data = bytes(source)
+        else:
+            path = Path(source)
+            if not path.is_file():
+                raise FileNotFoundError(f"input image not found: {path}")
+            if path.stat().st_size > MAX_IMAGE_BYTES:
+                raise ValueError(f"input image {path} is {path.stat().st_size} bytes, over {MAX_IMAGE_BYTES}")
+            data = path.read_bytes()
+        if len(data) > MAX_IMAGE_BYTES:
+            raise ValueError(f"input image ({name}) is {len(data)} bytes, over {MAX_IMAGE_BYTES}")
+        try:
+            with warnings.catch_warnings():  # PIL's bomb warning: the pixel bound below is the check
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(data))
+            width, height = image.size  # from the header: nothing decoded yet
+        except Exception as err:  # PIL raises several types for a file that is not an image
+            raise ValueError(f"input image {name} could not be read: {err}") from None
+        if width * height > MAX_IMAGE_PIXELS:
+            raise ValueError(f"input image {name} is {width}x{height} pixels, over {MAX_IMAGE_PIXELS}")
+    try:
+        image = image.convert("RGB")
+    except Exception as err:
+        raise ValueError(f"input image {name} could not be decoded: {err}") from None
+    width, height = image.size
+    scale = size / min(width, height)
+    image = image.resize((max(size, round(width * scale)), max(size, round(height * scale))), Image.LANCZOS)
+    left, top = (image.width - size) // 2, (image.height - size) // 2
+    image = image.crop((left, top, left + size, top + size))
+    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3)
+    return pixels.permute(2, 0, 1).float() / 255
