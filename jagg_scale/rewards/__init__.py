@@ -1,9 +1,9 @@
 """Rewards: a name registry of scorers over decoded images, and a wrapper that masks failed samples.
 
 Importing this package registers the built-in rewards (JPEG compressibility/incompressibility, digit_match,
-remote, the CLIP family clip_score/pickscore/hps/aesthetic, ocr, imagenet_class), so
-`build_reward("jpeg_compressibility")` works without further imports. Model-based rewards import their heavy
-libraries (transformers, rapidocr) only when built.
+remote, the CLIP family clip_score/pickscore/hps/aesthetic, ocr, imagenet_class, the editing reward
+clip_direction), so `build_reward("jpeg_compressibility")` works without further imports. Model-based rewards import
+their heavy libraries (transformers, rapidocr) only when built.
 """
 
 from . import jpeg  # noqa: F401  (registers the JPEG rewards)
@@ -13,6 +13,7 @@ from . import server  # noqa: F401  (jagg-reward-server)
 from . import clip  # noqa: F401  (registers clip_score, pickscore, hps, aesthetic; transformers imported on build)
 from . import ocr  # noqa: F401  (registers ocr; rapidocr imported on build)
 from . import imagenet  # noqa: F401  (registers imagenet_class)
+from . import edit  # noqa: F401  (registers clip_direction, the editing reward; transformers imported on build)
 from .base import Reward, RewardOutput, UnknownRewardError, available, build_reward, register, score_safely
 
 __all__ = [

@@ -115,9 +115,13 @@ class RemoteReward(Reward):
         return RewardOutput(scores=torch.tensor(scores, dtype=torch.float32), info=info)
 
     def _body(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> bytes:
+        body = {"prompts": [str(p) for p in prompts], "metadata": list(metadata), "images": encode_images(images)}
+        if any(getattr(p, "image", None) is not None for p in prompts):  # edits: the judge sees input and output
+            from .edit import input_images
+
+            body["input_images"] = encode_images(input_images(prompts, images.shape[-1], "remote"))
         try:
-            return json.dumps({"prompts": list(prompts), "metadata": list(metadata),
-                               "images": encode_images(images)}, allow_nan=False).encode()
+            return json.dumps(body, allow_nan=False).encode()
         except (TypeError, ValueError) as e:
             raise ValueError(f"remote: prompts/metadata must be JSON-serializable: {e}") from None
 

@@ -215,7 +215,9 @@ def to_jsonable(value: Any) -> Any:
 
 
 class Request:
-    """A checked request: prompts, metadata and the PNGs opened (headers only) within the limits."""
+    """A checked request: prompts, metadata and the PNGs opened (headers only) within the limits. An edit batch also
+    carries `input_images` (one PNG per prompt, the outputs' size, counted in the pixel budget): the prompts reach
+    the rewards as `data.EditPrompt`s carrying them, as in training."""
 
     def __init__(self, req: Any, max_image_pixels: int, max_request_pixels: int,
                  max_metadata_bytes: int = MAX_METADATA_BYTES):
@@ -237,18 +239,32 @@ class Request:
             if m and (n := len(json.dumps(m, separators=(",", ":")))) > max_metadata_bytes:
                 raise RequestTooLarge(f"metadata[{i}]: {n} bytes of JSON exceed the per-image limit of "
                                       f"{max_metadata_bytes} bytes")
+        inputs = req.get("input_images")
+        if inputs is not None and (not isinstance(inputs, list) or len(inputs) != len(images)):
+            raise ValueError(f"field 'input_images' must be a list of {len(images)} base64 PNG strings, one per image")
         self.prompts, self.metadata = prompts, metadata
         self.pngs: list[Image.Image] = []
+        named = [(f"images[{i}]", data) for i, data in enumerate(images)]
+        named += [(f"input_images[{i}]", data) for i, data in enumerate(inputs or [])]
         try:
-            for i, data in enumerate(images):
-                where = f"images[{i}]"
+            for i, (where, data) in enumerate(named):
                 raw = b64(data, where)
-                images[i] = None  # the base64 text is no longer needed
+                if i < len(images):
+                    images[i] = None  # the base64 text is no longer needed
+                else:
+                    inputs[i - len(images)] = None
                 self.pngs.append(open_png(raw, where, max_image_pixels))
                 if self.pngs[-1].size != self.pngs[0].size:
                     (w, h), (w0, h0) = self.pngs[-1].size, self.pngs[0].size
                     raise ValueError(f"{where}: size {w}x{h} differs from images[0] ({w0}x{h0}); "
                                      "a batch must share one size")
+            if inputs is not None:  # the decoded pixels are made inside a slot, like the outputs' (decode)
+                from ..data.images import EditPrompt
+
+                n = len(images)
+                self.prompts = [EditPrompt(p, png) for p, png in zip(prompts, self.pngs[n:])]
+                self.pngs = self.pngs[:n]
+                self._inputs = [p.image for p in self.prompts]
             total = sum(img.width * img.height for img in self.pngs)
             if total > max_request_pixels:
                 raise RequestTooLarge(f"{len(self.pngs)} images of {total} pixels in all exceed the per-request "
@@ -268,7 +284,7 @@ class Request:
         return torch.from_numpy(batch).permute(0, 3, 1, 2).float().div_(255.0)
 
     def close(self) -> None:
-        for img in self.pngs:
+        for img in self.pngs + getattr(self, "_inputs", []):
             img.close()
 
 

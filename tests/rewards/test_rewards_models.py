@@ -3,7 +3,6 @@ EfficientNet-Lite0 ImageNet reward on real photos (skimage), and the OCR reward 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -15,45 +14,20 @@ import torch.nn.functional as F
 
 from jagg_scale.rewards import available, build_reward, score_safely
 from extras import need
+from tiny_clip import PROJ_DIM, make_tiny_clip
 
 transformers = need("transformers")
 
-PROJ_DIM = 16
 MEAN, STD = [0.5, 0.4, 0.3], [0.25, 0.2, 0.3]  # not CLIP's defaults, to prove preprocessor_config.json is read
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
 
 
-def _tiny_tokenizer():
-    """Byte-level CLIP tokenizer with no merges: 256 byte symbols, their end-of-word forms, bos, eos."""
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import CLIPTokenizer
-
-    chars = sorted(ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(chars)} | {c + "</w>": i + 256 for i, c in enumerate(chars)}
-    vocab |= {"<|startoftext|>": 512, "<|endoftext|>": 513}
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
-
-
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory):
     """Directory with a random tiny CLIPModel (safetensors), its tokenizer and a preprocessor config."""
-    from transformers import CLIPConfig, CLIPModel
-
-    torch.manual_seed(0)
-    text = dict(vocab_size=514, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                max_position_embeddings=77, bos_token_id=512, eos_token_id=513, pad_token_id=513)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-                  patch_size=8)
-    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=PROJ_DIM))
-    with torch.no_grad():
-        model.logit_scale.fill_(math.log(50.0))
-    d = tmp_path_factory.mktemp("tiny_clip")
-    model.save_pretrained(d)
-    _tiny_tokenizer().save_pretrained(d)
-    (d / "preprocessor_config.json").write_text(json.dumps({"image_mean": MEAN, "image_std": STD, "crop_size": 32}))
-    return d
+    return make_tiny_clip(tmp_path_factory.mktemp("tiny_clip"), mean=MEAN, std=STD)
 
 
 @pytest.fixture(scope="module")
