@@ -21,7 +21,8 @@ At scale (thousands of held-out images, several ranks):
                and all-gathered like the scores; each prompt's diversity is the mean pairwise distance of its rows
 
 The grid has one row per prompt, labelled with the prompt, its mean reward and its diversity (grid.py); eval.json
-lists the rows' prompts under "grid".
+lists the rows' prompts under "grid". An edit set's rows are input | before | after: the prompt's input image, the
+base model's edits (the step-0 evaluation's images, kept in its grid.safetensors) and this evaluation's.
 """
 
 from __future__ import annotations
@@ -32,15 +33,20 @@ from pathlib import Path
 
 import torch
 
+from safetensors.torch import save_file
+
 from ..data import PromptSet
+from ..data.images import load_rgb
 from ..grpo import model_schedule, sample_ode
 from ..rewards import score_safely
 from .config import Config, load_prompt_file
 from .diversity import compare_to_base, diversity_features, mean_pairwise_distance
-from .grid import image_grid, to_uint8
+from .grid import edit_rows, image_grid, to_uint8
+
+GRID_TENSORS = "grid.safetensors"  # the grid's images, uint8, beside grid.png
 
 __all__ = ["EvalInterrupted", "EvalNoise", "eval_prompts", "eval_share", "evaluate", "evaluate_checkpoint",
-           "image_grid", "load_eval"]
+           "image_grid", "load_eval", "load_grid"]
 
 
 class EvalInterrupted(Exception):
@@ -121,7 +127,8 @@ def _gather_to_main(dist, obj) -> list | None:
 
 @torch.no_grad()
 def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet, out_dir: Path | None,
-             dist=None, base: dict | None = None, stop=None, resume: dict | None = None) -> dict:
+             dist=None, base: dict | None = None, stop=None, resume: dict | None = None,
+             base_grid: torch.Tensor | None = None) -> dict:
     """Sample eval.num_per_prompt images per prompt with the ODE, score them, measure each prompt's diversity, write
     eval.json and grid.png.
 
@@ -207,6 +214,13 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
     if grid_n:  # grid.png's legend: row r shows the images of prompt r
         shown = per_prompt[:-(-grid_n // k)]
         result["grid"] = {"file": "grid.png", "images_per_row": k, "rows": [p["prompt"] for p in shown]}
+        edits = [prompts.records[i].prompt for i in range(len(shown))]
+        if not all(getattr(p, "image", None) is not None for p in edits):
+            edits = None
+        elif base_grid is not None and base_grid.shape[0] != grid_n:
+            base_grid = None  # the base's grid showed other images: no "before" column
+        if edits is not None:
+            result["grid"]["columns"] = ["input", *(["before"] * k if base_grid is not None else []), *["after"] * k]
     parts = _gather_to_main(dist, torch.cat(grid) if grid else None) if grid_n else None
     if out_dir is not None:
         out_dir = Path(out_dir)
@@ -214,7 +228,14 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
         images = [p for p in parts or [] if p is not None]
         if images:
             labels = [_row_label(p) for p in per_prompt]
-            image_grid(torch.cat(images), ncols=k, labels=labels).save(out_dir / "grid.png")
+            shown_images = torch.cat(images)
+            save_file({"images": shown_images.contiguous()}, str(out_dir / GRID_TENSORS))  # a later eval's "before"
+            ncols = k
+            if edits is not None:  # instruction editing: input | before (the base's edits) | after, per row
+                size = shown_images.shape[-1]
+                inputs = to_uint8(torch.stack([load_rgb(p.image, size) for p in edits]))
+                shown_images, ncols = edit_rows(inputs, base_grid, shown_images, k)
+            image_grid(shown_images, ncols=ncols, labels=labels).save(out_dir / "grid.png")
         (out_dir / "eval.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -224,6 +245,18 @@ def _row_label(p: dict) -> str:
     mean = sum(p["scores"]) / len(p["scores"])
     diversity = "-" if p["diversity"] is None else f"{p['diversity']:.3f}"
     return f"{p['prompt']}\nreward {mean:.3f}\ndiversity {diversity}"
+
+
+def load_grid(out_dir: Path) -> torch.Tensor | None:
+    """The uint8 grid images [N, 3, H, W] a written evaluation kept (its GRID_TENSORS file), or None: the base
+    model's edits, the "before" column of an editing run's later grids. Read with safetensors (no code runs)."""
+    from safetensors.torch import load_file
+
+    path = Path(out_dir) / GRID_TENSORS
+    if not path.is_file():
+        return None
+    images = load_file(str(path)).get("images")
+    return images if images is not None and images.dtype == torch.uint8 and images.ndim == 4 else None
 
 
 def load_eval(out_dir: Path) -> dict | None:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["LABEL_WIDTH", "PAD", "grid_rows", "image_grid", "to_uint8"]
+__all__ = ["LABEL_WIDTH", "PAD", "edit_rows", "grid_rows", "image_grid", "to_uint8"]
 
 LABEL_WIDTH = 180  # ~28 characters of the 6-px bitmap font: a digits prompt on one line
 PAD = 2
@@ -83,6 +83,19 @@ def image_grid(images: torch.Tensor, ncols: int, min_size: int = 64, labels: lis
             for k, line in enumerate(lines):
                 draw.text((PAD, PAD + r * (h + PAD) + 1 + k * line_h), line, fill=(0, 0, 0), font=font)
     return out
+
+
+def edit_rows(inputs: torch.Tensor, before: torch.Tensor | None, after: torch.Tensor, k: int
+              ) -> tuple[torch.Tensor, int]:
+    """An editing grid's images and columns: row r = inputs[r] | before[r k:(r+1) k] (the base model's edits, when
+    given) | after[r k:(r+1) k]. All uint8 [., 3, H, W]; a row cut short (the grid's last) is padded white."""
+    def cells(images: torch.Tensor, r: int) -> torch.Tensor:  # row r's k images, a short last row padded white
+        row = images[r * k:(r + 1) * k]
+        return torch.cat([row, torch.full((k - len(row), *row.shape[1:]), 255, dtype=row.dtype)])
+
+    rows = [torch.cat([inputs[r:r + 1], *([cells(before, r)] if before is not None else []), cells(after, r)])
+            for r in range(inputs.shape[0])]
+    return torch.cat(rows), 1 + k * (2 if before is not None else 1)
 
 
 def grid_rows(grid: Image.Image, nrows: int) -> list[Image.Image]:

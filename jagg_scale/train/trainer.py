@@ -37,7 +37,7 @@ from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
 from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
 from .config import Config, ConfigError, load_prompt_file, validate_world
-from .evaluate import EvalInterrupted, eval_prompts, evaluate, load_eval
+from .evaluate import EvalInterrupted, eval_prompts, evaluate, load_eval, load_grid
 from .logging import RunLogger
 from .policy import Policy, rollout_batch
 from .preemption import Preemption
@@ -319,6 +319,7 @@ class Trainer:
         the step-0 evaluation (the base model; read back from its eval.json in a resumed run) is reported beside it."""
         out_dir = self.eval_dir(step)
         base = None if step == 0 else self.evals.get(0) or load_eval(self.eval_dir(0))
+        base_grid = load_grid(self.eval_dir(0)) if step > 0 and self.dist.is_main else None  # an edit grid's "before"
         # preemption between batches: this rank's batches so far kept beside the eval, resumed from there
         partial = out_dir / f"partial_rank{self.dist.rank:05d}.pt"
         resume = load_torch(partial) if partial.is_file() else None
@@ -328,7 +329,8 @@ class Trainer:
             with self.engine.ema_weights():  # the EMA weights when train.ema_decay > 0
                 result = evaluate(self.model, self.policy.velocity_fn(), self.policy.encode, self.reward, self.cfg,
                                   self.eval_prompts, out_dir if self.dist.is_main else None, self.dist, base=base,
-                                  stop=lambda: self._agree(self.preemption.requested), resume=resume)
+                                  stop=lambda: self._agree(self.preemption.requested), resume=resume,
+                                  base_grid=base_grid)
         except EvalInterrupted as stopped:
             partial.parent.mkdir(parents=True, exist_ok=True)
             write_object(partial, stopped.partial)

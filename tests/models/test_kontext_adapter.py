@@ -7,6 +7,7 @@ the GRPO log-prob round trip, JAGG W = 2 == per-step, jagg-train with LoRA whose
 FluxKontextPipeline, and the clear error for a prompt without an image.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,43 @@ def test_jagg_train_two_steps_and_the_lora_loads_into_a_plain_pipeline(flux_kont
     check_trains_and_the_lora_loads(ROOT / "configs" / "flux_kontext_tiny_cpu.yaml",
                                     [f"model.pretrained={flux_kontext_dir}"], tmp_path / "run", mode, load_plain,
                                     prompts)
+
+
+@pytest.mark.slow
+def test_the_eval_grid_shows_input_before_and_after(flux_kontext_dir, tmp_path):
+    """An editing run's evaluations: at step 0 each row is input | the base model's edits; after training, input |
+    before (the step-0 images, kept in grid.safetensors) | after. The cells hold those very pixels."""
+    import numpy as np
+    from PIL import Image
+
+    from jagg_scale.data.images import load_rgb
+    from jagg_scale.train import Trainer, load_config
+    from jagg_scale.train.evaluate import load_grid
+    from jagg_scale.train.grid import LABEL_WIDTH, PAD, to_uint8
+
+    cfg = load_config(ROOT / "configs" / "flux_kontext_tiny_cpu.yaml",
+                      [f"model.pretrained={flux_kontext_dir}", "train.steps=1", "eval.enabled=true",
+                       "eval.num_per_prompt=2", "eval.grid_images=4", "log.progress=false",
+                       f"run.output_dir={tmp_path / 'run'}"])
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+        first, last = trainer.eval_dir(0), trainer.eval_dir(1)
+    finally:
+        trainer.close()
+    before, after = load_grid(first), load_grid(last)
+    assert before.shape == after.shape == (4, 3, 16, 16) and before.dtype == torch.uint8
+    assert json.loads((first / "eval.json").read_text())["grid"]["columns"] == ["input", "after", "after"]
+    assert json.loads((last / "eval.json").read_text())["grid"]["columns"] == ["input", "before", "before",
+                                                                               "after", "after"]
+    grid = np.asarray(Image.open(last / "grid.png"))
+    cell = 64 + PAD  # 16 px images upscaled 4x for viewing
+    assert grid.shape[1] == LABEL_WIDTH + 5 * cell + PAD
+
+    def at(row, col):  # the cell's image, back at 16 px (nearest upscaling: every 4th pixel)
+        y, x = PAD + row * cell, LABEL_WIDTH + PAD + col * cell
+        return torch.from_numpy(grid[y:y + 64:4, x:x + 64:4].copy()).permute(2, 0, 1)
+
+    edits = load_prompts(EDITS).prompts
+    assert torch.equal(at(1, 0), to_uint8(load_rgb(edits[1].image, 16)))
+    assert torch.equal(at(1, 1), before[2]) and torch.equal(at(1, 4), after[3])
