@@ -22,7 +22,9 @@ the model's.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 
 import torch
 
@@ -80,24 +82,35 @@ def cast_inputs_hook(module, args, kwargs):  # FSDP2 MixedPrecisionPolicy(cast_f
     return _to_bf16(args), {k: _to_bf16(v) for k, v in kwargs.items()}
 
 
-def _model_inputs(kind: str, model, cfg: dict, n: int, h: int, w: int, t: int) -> dict:
+def model_inputs(kind: str, cfg: dict, n: int, h: int, w: int, t: int, device: str = "cpu") -> dict:
+    """The transformer's forward arguments for n rows of h x w image tokens and t text tokens, as the family's adapter
+    (models/<family>.py) calls it: random on the CPU (the measurement) or on the meta device (FLOPs, steptime.py)."""
     g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g)
+    r = lambda *s: torch.randn(*s, generator=g).to(device)
+    u = lambda n: torch.rand(n, generator=g).to(device)
     if kind == "qwenimage":  # packed 2x2 tokens, the prompt with its mask, the latent grid (models/qwenimage.py)
-        return dict(hidden_states=r(n, h * w, cfg["in_channels"]), timestep=torch.rand(n),
+        return dict(hidden_states=r(n, h * w, cfg["in_channels"]), timestep=u(n),
                     encoder_hidden_states=r(n, t, cfg["joint_attention_dim"]),
-                    encoder_hidden_states_mask=torch.ones(n, t, dtype=torch.bool), img_shapes=[[(1, h, w)]] * n,
-                    return_dict=False)
-    common = dict(encoder_hidden_states=r(n, t, cfg["joint_attention_dim"]),
-                  pooled_projections=r(n, cfg["pooled_projection_dim"]), return_dict=False)
+                    encoder_hidden_states_mask=torch.ones(n, t, dtype=torch.bool, device=device),
+                    img_shapes=[[(1, h, w)]] * n, return_dict=False)
+    if kind == "zimage":  # lists: one [C, 1, H, W] latent (patchified inside) and one unpadded prompt per row
+        p = cfg["all_patch_size"][0]
+        return dict(x=list(r(n, cfg["in_channels"], 1, h * p, w * p).unbind(0)), t=u(n),
+                    cap_feats=list(r(n, t, cfg["cap_feat_dim"]).unbind(0)), return_dict=False)
+    common = dict(encoder_hidden_states=r(n, t, cfg["joint_attention_dim"]), return_dict=False)
+    if "pooled_projection_dim" in cfg:  # SD3's and FLUX.1's pooled prompt vector (FLUX.2 has none)
+        common["pooled_projections"] = r(n, cfg["pooled_projection_dim"])
     if kind == "sd3":
         p = cfg["patch_size"]
-        return dict(hidden_states=r(n, cfg["in_channels"], h * p, w * p), timestep=torch.rand(n) * 1000, **common)
-    ids = torch.zeros(h, w, 3)
+        return dict(hidden_states=r(n, cfg["in_channels"], h * p, w * p), timestep=u(n) * 1000, **common)
+    # FLUX.1 / FLUX.2: packed 2x2 tokens with their rope ids (3 axes; FLUX.2's 4: T, H, W, L), FLUX.1-dev's
+    # distilled guidance
+    ids = torch.zeros(h, w, len(cfg["axes_dims_rope"]))
     ids[..., 1], ids[..., 2] = torch.arange(h)[:, None], torch.arange(w)[None, :]
-    guidance = torch.full((n,), 3.5) if cfg.get("guidance_embeds") else None
-    return dict(hidden_states=r(n, h * w, cfg["in_channels"]), timestep=torch.rand(n), guidance=guidance,
-                img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(t, 3), **common)
+    guidance = torch.full((n,), 3.5, device=device) if cfg.get("guidance_embeds") else None
+    return dict(hidden_states=r(n, h * w, cfg["in_channels"]), timestep=u(n), guidance=guidance,
+                img_ids=ids.reshape(-1, ids.shape[-1]).to(device), txt_ids=torch.zeros(t, ids.shape[-1], device=device),
+                **common)
 
 
 def _min_transformer(comp: dict) -> tuple[torch.nn.Module, list[str]]:
@@ -112,7 +125,11 @@ def _min_transformer(comp: dict) -> tuple[torch.nn.Module, list[str]]:
                      pos_embed_max_size=max(POINTS[-1][1:3]))
     elif comp["class"].startswith("QwenImage"):  # one kind of double-stream block
         types, small = ["double"] * cfg["num_layers"], dict(cfg, num_layers=1)
-    else:
+    elif comp["class"].startswith("ZImage"):  # the image refiner, the prompt refiner, then the joint blocks
+        R = cfg["n_refiner_layers"]
+        types = ["noise"] * R + ["context"] * R + ["joint"] * cfg["n_layers"]
+        small = dict(cfg, n_refiner_layers=1, n_layers=1)
+    else:  # FLUX.1 and FLUX.2: double-stream then single-stream blocks
         types = ["double"] * cfg["num_layers"] + ["single"] * cfg["num_single_layers"]
         kinds = list(dict.fromkeys(types))
         small = dict(cfg, num_layers=int("double" in kinds), num_single_layers=int("single" in kinds))
@@ -162,7 +179,7 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
     samples = {k: {} for k in kinds + ["model"]}
     for pt in POINTS:
         n, h, w, t = pt
-        inputs = _model_inputs(kind, model, cfg, n, h, w, t)
+        inputs = model_inputs(kind, cfg, n, h, w, t)
         captured = {}
         hooks = [b.register_forward_pre_hook(lambda m, a, kw, i=i, captured=captured: captured.setdefault(i, (a, kw)),
                                              with_kwargs=True)
@@ -172,16 +189,16 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
         for hk in hooks:
             hk.remove()
         for i, b in enumerate(blocks):
-            a, kw = captured[i]
-            names = BLOCK_ARGS[kind]
-            args = [kw[k] for k in names]
+            call = inspect.signature(b.forward).bind(*captured[i][0], **captured[i][1])
+            call.apply_defaults()  # every argument in the forward's order, passed or not
+            block = functools.partial(b, **call.kwargs)
             for mode in MODES:
                 fresh = [x.detach().requires_grad_(bool(trainable))  # as inside the model: they depend on weights
                          if isinstance(x, torch.Tensor) and x.is_floating_point() and k != "image_rotary_emb" else x
-                         for k, x in zip(names, args)]
+                         for k, x in zip(call.arguments, call.args)]
                 if pt == POINTS[0]:
-                    run(b, fresh + [None], mode)  # warm-up (lazy initialisation)
-                samples[kinds[i]].setdefault(mode, []).append((pt, run(b, fresh + [None], mode)))
+                    run(block, fresh, mode)  # warm-up (lazy initialisation)
+                samples[kinds[i]].setdefault(mode, []).append((pt, run(block, fresh, mode)))
         fn = lambda **kw: model(**kw)[0]
         for mode in MODES:
             model.disable_gradient_checkpointing() if mode != "ckpt" else model.enable_gradient_checkpointing()
@@ -206,17 +223,13 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
     return {"types": types, "fits": fits, "max_rel_fit_residual": worst}
 
 
-# what a block of each family is called with (its forward's arguments, in order; joint_attention_kwargs follows)
-BLOCK_ARGS = {"sd3": ["hidden_states", "encoder_hidden_states", "temb"],
-              "flux": ["hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb"],
-              "qwenimage": ["hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb",
-                            "image_rotary_emb"]}
+# a transformer's family by its class name (FLUX.1's FluxTransformer2DModel the rest)
+FAMILIES = (("SD3", "sd3"), ("QwenImage", "qwenimage"), ("Flux2", "flux2"), ("ZImage", "zimage"))
 
 
 def transformer_kind(comp: dict) -> str:
     """The family of a transformer component, from its class."""
-    return {"SD3": "sd3", "QwenImage": "qwenimage"}.get(next((p for p in ("SD3", "QwenImage")
-                                                              if comp["class"].startswith(p)), None), "flux")
+    return next((kind for prefix, kind in FAMILIES if comp["class"].startswith(prefix)), "flux")
 
 
 def _tok(pt):
@@ -239,12 +252,21 @@ def measure_nograd(comp: dict, what: str, dtype: torch.dtype, seq: int) -> list[
     config = clean(comp["config"])
     if what == "t5":
         config["num_layers"] = min(2, config["num_layers"])  # the peak does not grow with depth (no hidden states kept)
-    layers_kept = 0
-    if what == "qwen":  # Qwen2.5-VL as QwenImagePipeline runs it: output_hidden_states keeps every layer's output
-        text = config["text_config"]
-        layers_kept = text["num_hidden_layers"] - 2  # measured on 2 layers; the other layers' outputs added below
-        config["text_config"] = dict(text, num_hidden_layers=2)
-        config["vision_config"] = dict(config["vision_config"], depth=1, fullatt_block_indexes=[0])
+    layers_kept = per_token = 0
+    if what in ("qwen", "qwen_lm"):  # a Qwen LM as the pipelines run it: output_hidden_states keeps every layer's
+        # output; qwen (QwenImagePipeline's Qwen2.5-VL, ZImagePipeline's Qwen3Model) at the model's default use_cache,
+        # so each layer's K/V too; qwen_lm (Flux2KleinPipeline's Qwen3ForCausalLM) with use_cache=False, its logits
+        # over every token computed
+        nested = "text_config" in config  # Qwen2.5-VL nests its language model's config; Qwen3's is flat
+        text = config["text_config"] if nested else config
+        layers_kept = text["num_hidden_layers"] - 2  # measured on 2 layers; the other layers' tensors added below
+        head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+        cache = what == "qwen" and text.get("use_cache", True)
+        per_token = text["hidden_size"] + (2 * text["num_key_value_heads"] * head if cache else 0)
+        small = dict(text, num_hidden_layers=2)
+        config = dict(config, text_config=small) if nested else small
+        if "vision_config" in config:
+            config["vision_config"] = dict(config["vision_config"], depth=1, fullatt_block_indexes=[0])
     if what == "reward":
         config["text_config"] = dict(config["text_config"], num_hidden_layers=2)
         config["vision_config"] = dict(config["vision_config"], num_hidden_layers=2)
@@ -268,13 +290,14 @@ def measure_nograd(comp: dict, what: str, dtype: torch.dtype, seq: int) -> list[
             pt = (n, 0, 0, 1)
         else:
             x = torch.randint(0, 100, (n, seq)) % module.config.vocab_size
-            # SD3 takes CLIP's penultimate hidden state, Qwen-Image the last of Qwen2.5-VL's: every output is kept
-            hidden = what in ("clip_hidden", "qwen")
-            fn = lambda x=x, hidden=hidden: module(x, output_hidden_states=True) if hidden else module(x)[0]
+            # SD3 takes CLIP's penultimate hidden state, the Qwen pipelines some of the LM's: every output is kept
+            hidden = {"clip_hidden": {}, "qwen": {}, "qwen_lm": {"use_cache": False}}.get(what)
+            fn = lambda x=x, hidden=hidden: module(x, output_hidden_states=True, **hidden) if hidden is not None \
+                else module(x)[0]
             pt = (n, 0, 0, seq)
         with torch.no_grad():
             fn()
-            kept = layers_kept * n * seq * config["text_config"]["hidden_size"] * dtype.itemsize if layers_kept else 0
+            kept = layers_kept * n * seq * per_token * dtype.itemsize
             samples.append((pt, _profile(fn)[0] + kept))
     return _fit(samples)
 

@@ -35,7 +35,7 @@ from ..models.lora import DEFAULT_TARGETS
 from ..train.rows import StepRows
 from .activations import cached as _cached
 from .activations import ev, key, reduce_buffers, transformer_activations
-from .shapes import FROZEN, clean, component_params, pipeline_shapes, reward_models, transformer_stats
+from .shapes import FROZEN, QWEN_TEXT, clean, component_params, pipeline_shapes, reward_models, transformer_stats
 
 __all__ = ["COMPONENTS", "GiB", "PHASES", "balanced", "choose_micro", "estimate", "local_rows", "prepare", "report",
            "shard_group"]
@@ -98,23 +98,35 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     precision = ("bf16_mp" if sharded else "amp") if bf16 else "fp32"
     tc, vae = tcomp["config"], comps["vae"]["config"]
     tokens = dict(shapes["text_tokens"])
-    if kind != "qwenimage" and cfg.model.max_sequence_length:  # the T5 length (models/diffusers_common.t5_length)
+    if kind in QWEN_TEXT:  # a Qwen LM's prompt tokens, every prompt padded to them (models/<kind>.py)
+        prompt = min(cfg.model.max_sequence_length or tokens["prompt"], tokens["prompt_limit"])
+    elif cfg.model.max_sequence_length:  # the T5 length (models/diffusers_common.t5_length)
         tokens["t5"] = min(cfg.model.max_sequence_length, tokens.get("t5_limit", 512))
+    # per family: the VAE's scale, the latents, the patch of a token, the transformer's text tokens and a row's
+    # conditioning in float32 words: prompt embeddings and the pooled vector (sd3/flux) or the int64 mask (2 words)
     if kind == "qwenimage":  # a video VAE: 8x spatial (2 per temporal_downsample level); prompts padded to a length
         scale = 2 ** len(vae["temperal_downsample"])
         side = (cfg.model.resolution or 1024) // scale  # QwenImagePipeline's default: 1024 px
         latent, p = (tc["in_channels"] // 4, side, side), 2
-        text = min(cfg.model.max_sequence_length or tokens["prompt"], tokens["prompt_limit"])
+        text, cond_row = prompt, prompt * (tc["joint_attention_dim"] + 2)
     elif kind == "sd3":
         scale = 2 ** (len(vae["block_out_channels"]) - 1)
         side = cfg.model.resolution // scale if cfg.model.resolution else tc["sample_size"]
         latent, p = (tc["in_channels"], side, side), tc["patch_size"]
         text = tokens["clip"] + tokens["t5"]
-    else:  # flux
+        cond_row = text * tc["joint_attention_dim"] + tc["pooled_projection_dim"]
+    elif kind == "zimage":  # the transformer patchifies 2x2 itself and sees each prompt's own tokens rounded up to
+        # 32 (ZImageTransformer2DModel's SEQ_MULTI_OF), a pass its longest prompt's: at most the padded length
+        scale = 2 ** (len(vae["block_out_channels"]) - 1)
+        side = (cfg.model.resolution or vae["sample_size"]) // scale  # ZImagePipeline's default: 1024 px
+        latent, p = (tc["in_channels"], side, side), tc["all_patch_size"][0]
+        text, cond_row = -(-prompt // 32) * 32, prompt * (tc["cap_feat_dim"] + 2)
+    else:  # FLUX.1 (T5 tokens, CLIP's pooled vector) and FLUX.2 [klein] (the padded Qwen3 prompt): 2x2 latent patches
         scale = 2 ** (len(vae["block_out_channels"]) - 1)
         side = (cfg.model.resolution or vae["sample_size"]) // scale
         latent, p = (tc["in_channels"] // 4, side, side), 2
-        text = tokens["t5"]
+        text = prompt if kind == "flux2" else tokens["t5"]
+        cond_row = text * tc["joint_attention_dim"] + tc.get("pooled_projection_dim", 0)
     t_key = ("transformer", tcomp["class"], clean(tc), precision, rank, sorted(targets) if rank else None)
     label = f"{shapes.get('name', tcomp['class'])} transformer, {precision}, {'LoRA r%d' % rank if rank else 'full'}"
     act = cached(key(*t_key), label, lambda: M.measure_transformer(tcomp, precision, rank), measure)
@@ -124,8 +136,8 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     encoders = {}
     for name in frozen[1:]:
         c = comps[name]
-        if kind == "qwenimage":
-            what, seq = "qwen", text  # the Qwen2.5-VL prompt: the template's tokens besides, not counted
+        if kind in QWEN_TEXT:
+            what, seq = QWEN_TEXT[kind], prompt  # the padded prompt (Qwen-Image: the template's tokens besides)
         else:
             what = "t5" if c["class"].startswith("T5") else ("clip_hidden" if kind == "sd3" else "clip")
             seq = tokens["t5" if what == "t5" else "clip"]
@@ -147,9 +159,7 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
                        for n in frozen},
             "encoders": encoders, "ref_bytes": 2 if bf16 and tcomp.get("stored_dtype") == "bfloat16" else 4,
             "decode": decode, "rewards": rewards, "act": act, "latent": latent, "image_tokens": (side // p) ** 2,
-            # a row's conditioning: prompt embeddings, the pooled vector (sd3/flux) or the mask (qwenimage: int64)
-            "text_tokens": text,
-            "cond_row": text * tc["joint_attention_dim"] + tc.get("pooled_projection_dim", 2 * text),
+            "text_tokens": text, "cond_row": cond_row,
             "overhead": overhead_gb * GiB, "vae_scale": scale, "eval_images": eval_images(cfg),
             # gpu_gib: what sampling.batch_size auto is sized for (an 80 GB GPU unless told)
             "gpu_gib": gpu_gib, "components": comps}

@@ -25,17 +25,23 @@ from ..models.diffusers_common import T5_DEFAULT
 from ..models.qwenimage import PROMPT_TOKENS_DEFAULT
 from ..models.lora import DEFAULT_TARGETS
 from ..paths import resolve_path
+from ..train.config_sections import PROMPT_TOKEN_LIMITS
 
-__all__ = ["FROZEN", "KNOWN", "SHAPES", "block_lists", "clean", "component_params", "counts", "meta_module",
-           "pipeline_shapes", "reward_models", "transformer_stats"]
+__all__ = ["FROZEN", "KNOWN", "QWEN_TEXT", "SHAPES", "block_lists", "clean", "component_params", "counts",
+           "meta_module", "pipeline_shapes", "reward_models", "transformer_stats"]
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
 KNOWN = {"stable-diffusion-3.5-medium": "sd35_medium", "stable-diffusion-3.5-large": "sd35_large",
-         "flux.1-dev": "flux1_dev", "flux1-dev": "flux1_dev", "qwen-image": "qwen_image"}
+         "flux.1-dev": "flux1_dev", "flux1-dev": "flux1_dev", "qwen-image": "qwen_image",
+         "flux.2-klein-4b": "flux2_klein", "flux.2-klein-base-4b": "flux2_klein", "z-image": "z_image"}
 # a family's frozen components, the VAE first and the large (shardable: model.shard_t5) text encoder last
 FROZEN = {"sd3": ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"),
           "flux": ("vae", "text_encoder", "text_encoder_2"),
-          "qwenimage": ("vae", "text_encoder")}
+          "qwenimage": ("vae", "text_encoder"), "flux2": ("vae", "text_encoder"), "zimage": ("vae", "text_encoder")}
+
+# the families whose text encoder is a Qwen LM run with every hidden state kept (measure.measure_nograd): qwen at the
+# model's default use_cache (its K/V kept too), qwen_lm Flux2KleinPipeline's causal LM (use_cache=False, logits)
+QWEN_TEXT = {"qwenimage": "qwen", "zimage": "qwen", "flux2": "qwen_lm"}
 
 
 class ShapeError(ValueError):
@@ -80,8 +86,8 @@ def _from_directory(path: Path, kind: str) -> dict:
         f = path / tok / "tokenizer_config.json"
         return min(cap, int(json.loads(f.read_text()).get("model_max_length", cap)) if f.is_file() else cap)
 
-    if kind == "qwenimage":  # the Qwen2.5-VL prompt tokens every prompt is padded to (models/qwenimage.py)
-        text = {"prompt": PROMPT_TOKENS_DEFAULT, "prompt_limit": 1024}
+    if kind in QWEN_TEXT:  # the Qwen prompt tokens every prompt is padded to (models/<kind>.py)
+        text = {"prompt": PROMPT_TOKENS_DEFAULT, "prompt_limit": PROMPT_TOKEN_LIMITS[kind]}
         return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
     t5 = limit("tokenizer_3" if kind == "sd3" else "tokenizer_2", 512)  # what model.max_sequence_length can reach
     text = {"clip": limit("tokenizer", 77), "t5": min(T5_DEFAULT[kind], t5), "t5_limit": t5}

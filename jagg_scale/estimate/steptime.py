@@ -38,6 +38,7 @@ import torch
 
 from ..jagg import trained_steps
 from ..jagg.plans import pass_groups, plan_knots
+from .measure import model_inputs
 from .shapes import meta_module
 
 PASSES = Path(__file__).with_name("passes.json")
@@ -70,22 +71,13 @@ def pass_seconds(rows: float, flops_per_row: float, grad: bool = False, factor: 
 
 @functools.lru_cache(maxsize=None)
 def _transformer_flops(comp_json: str, kind: str, latent: tuple, image_tokens: int, text_tokens: int) -> float:
+    """Forward FLOPs of one row of latents [C, H, W] in `image_tokens` tokens through the transformer, called as its
+    family's adapter calls it (the measurement's inputs, measure.model_inputs, on the meta device)."""
     comp = json.loads(comp_json)
-    cfg, m = comp["config"], meta_module(comp)
-    meta = lambda *shape: torch.zeros(*shape, device="meta")  # noqa: E731
-    args = {"encoder_hidden_states": meta(1, text_tokens, cfg["joint_attention_dim"]), "timestep": meta(1),
-            "return_dict": False}
-    if "pooled_projection_dim" in cfg:  # SD3's and FLUX's pooled prompt vector
-        args["pooled_projections"] = meta(1, cfg["pooled_projection_dim"])
-    if kind == "qwenimage":  # packed 2x2 tokens, the prompt's mask, the latent grid (models/qwenimage.py)
-        side = int(math.isqrt(image_tokens))
-        args.update(hidden_states=meta(1, image_tokens, cfg["in_channels"]), img_shapes=[[(1, side, side)]],
-                    encoder_hidden_states_mask=torch.ones(1, text_tokens, dtype=torch.bool, device="meta"))
-    elif kind == "sd3":
-        args["hidden_states"] = meta(1, *latent)
-    else:  # FLUX takes packed 2x2 patches, their rope ids and the distilled guidance
-        args.update(hidden_states=meta(1, image_tokens, cfg["in_channels"]), img_ids=meta(image_tokens, 3),
-                    txt_ids=meta(text_tokens, 3), guidance=meta(1) if cfg.get("guidance_embeds") else None)
+    _, H, W = latent
+    p = math.isqrt(H * W // image_tokens)  # the latent pixels a token spans on a side
+    args = model_inputs(kind, comp["config"], 1, H // p, W // p, text_tokens, device="meta")
+    m = meta_module(comp)
     return _count(lambda: m(**args))
 
 

@@ -91,3 +91,36 @@ def test_flow_grpos_step_is_priced_on_the_same_passes():
     assert peer["train"] > 2 * own["train"] and peer["rollout"] > own["rollout"]
     assert peer["step"] > own["step"]
     assert "x faster" in T.report(own, peer)
+
+
+@pytest.mark.parametrize("shape, kind, latent, text", [("z_image", "zimage", (16, 64, 64), 512),
+                                                      ("flux2_klein", "flux2", (32, 48, 48), 512)])
+def test_the_flop_count_of_the_qwen_families_is_their_blocks_arithmetic(shape, kind, latent, text):
+    """FLOPs per row as the adapter calls the transformer (Z-Image: lists of one latent and one prompt; FLUX.2: packed
+    tokens with 4-axis rope ids), against 2 x the blocks' matmul weights x the tokens each block sees plus attention's
+    4 x tokens^2 x width: Z-Image's refiners see the image or the prompt alone, its joint blocks both; FLUX.2's
+    double-stream blocks apply each stream's weights to its own tokens, its single-stream blocks see both."""
+    import json
+
+    from jagg_scale.estimate.shapes import meta_module
+
+    comp = pipeline_shapes(None, shape)["components"]["transformer"]
+    image = latent[1] * latent[2] // 4  # 2x2 latent pixels a token: 512 px Z-Image, 384 px FLUX.2
+    F = T._transformer_flops(json.dumps(comp, sort_keys=True), kind, latent, image, text)
+    c, m, tok = comp["config"], meta_module(comp), image + text
+
+    def weights(block, keep=lambda name: True):  # matmul weights applied per token (not the per-row modulation)
+        return sum(p.numel() for n, p in block.named_parameters() if p.dim() == 2 and "adaLN" not in n and keep(n))
+
+    if kind == "zimage":
+        d, L, R, w = c["dim"], c["n_layers"], c["n_refiner_layers"], weights(m.layers[0])
+        expected = 2 * w * (R * image + R * text + L * tok) + 4 * d * (R * image**2 + R * text**2 + L * tok**2)
+    else:
+        d = c["num_attention_heads"] * c["attention_head_dim"]
+        txt = lambda n: "add_" in n or "context" in n  # noqa: E731 - the text stream's projections
+        dbl, sgl = m.transformer_blocks[0], m.single_transformer_blocks[0]
+        expected = (c["num_layers"] * (2 * weights(dbl, lambda n: not txt(n)) * image + 2 * weights(dbl, txt) * text
+                                       + 4 * d * tok**2)
+                    + c["num_single_layers"] * (2 * weights(sgl) * tok + 4 * d * tok**2))
+    assert F == pytest.approx(expected, rel=0.02)  # the rest: embedders, norms, the head
+    assert T._transformer_flops(json.dumps(comp, sort_keys=True), kind, latent, image, text // 2) < F  # the prompt

@@ -1,0 +1,96 @@
+"""The CPU measurement of activation bytes (jagg_scale/estimate/measure.py) on tiny models of the Qwen-encoder
+families: the coefficients of a Qwen text encoder measured on 2 layers plus the other layers' kept tensors give the
+whole encoder's peak, and a transformer's per-block coefficients composed over its depth give a deeper model's
+measured forward + backward peak."""
+
+import pytest
+import torch
+from extras import need
+
+need("diffusers")
+need("transformers")
+
+from jagg_scale.estimate import measure as M  # noqa: E402 - after the extras check
+from jagg_scale.estimate.activations import ev, transformer_activations  # noqa: E402
+from jagg_scale.estimate.shapes import block_lists, meta_module  # noqa: E402
+
+QWEN3 = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32)
+QWEN_VL = dict(text_config=dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+               vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                  fullatt_block_indexes=[1]), vocab_size=1000)
+
+
+@pytest.mark.parametrize("cls, config, what, call", [
+    ("Qwen3Model", QWEN3, "qwen", {}),  # Z-Image: every hidden state and the K/V cache kept
+    ("Qwen3ForCausalLM", QWEN3, "qwen_lm", {"use_cache": False}),  # FLUX.2 [klein]: hidden states and logits
+    ("Qwen2_5_VLForConditionalGeneration", QWEN_VL, "qwen", {}),  # Qwen-Image
+])
+def test_a_qwen_encoder_measured_on_two_layers_predicts_the_whole_encoder(cls, config, what, call):
+    comp = {"library": "transformers", "class": cls, "config": config}
+    coef = M.measure_nograd(comp, what, torch.bfloat16, 48)
+    torch.manual_seed(0)
+    model = meta_module(comp, "cpu").to(torch.bfloat16).eval()
+    for n in (2, 5):  # prompts at once, as Policy.encode runs them
+        ids = torch.randint(0, 100, (n, 48))
+        with torch.no_grad():
+            model(ids, output_hidden_states=True, **call)  # warm-up
+            peak = M._profile(lambda ids=ids: model(ids, output_hidden_states=True, **call))[0]
+        assert ev(coef, n, 0, 48) == pytest.approx(peak, rel=0.01)
+
+
+TINY = {
+    "flux2": {"class": "Flux2Transformer2DModel", "library": "diffusers",
+              "config": dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
+                             num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=32,
+                             mlp_ratio=3.0, axes_dims_rope=[4, 4, 4, 4], rope_theta=2000, eps=1e-6,
+                             guidance_embeds=False)},
+    "zimage": {"class": "ZImageTransformer2DModel", "library": "diffusers",
+               "config": dict(all_patch_size=[2], all_f_patch_size=[1], in_channels=4, dim=64, n_layers=3,
+                              n_refiner_layers=2, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True,
+                              cap_feat_dim=48, rope_theta=256.0, t_scale=1000.0, axes_dims=[8, 12, 12],
+                              axes_lens=[1536, 512, 512])},
+}
+
+
+def _measured_peak(comp, mode, n, h, w, t):
+    """The whole transformer's forward + backward tensor peak, bf16 as the GPU runs it (measure.py's emulation)."""
+    import diffusers
+
+    torch.manual_seed(0)
+    model = getattr(diffusers, comp["class"])(**comp["config"])
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+        p.grad = torch.zeros_like(p)
+    for mod in [model, *(b for bl in block_lists(model) for b in bl)]:
+        mod.register_forward_pre_hook(M.cast_inputs_hook, with_kwargs=True)
+    M.cuda_autocast_numerics()
+    if mode == "ckpt":
+        model.enable_gradient_checkpointing()
+    inputs = M.model_inputs(M.transformer_kind(comp), comp["config"], n, h, w, t)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fpeak, keep, out = M._profile(lambda: model(**inputs)[0])
+            outs = out if isinstance(out, list) else [out]
+            bpeak = M._profile(lambda: torch.autograd.backward(outs, [torch.randn_like(o) for o in outs]))[0]
+        return max(fpeak, keep + bpeak)
+
+    step()  # warm-up
+    return step()
+
+
+@pytest.mark.parametrize("kind", ["flux2", "zimage"])
+def test_block_coefficients_composed_over_the_depth_predict_a_deeper_transformer(kind):
+    """One block of each type measured (FLUX.2: double and single stream; Z-Image: the image refiner, the prompt
+    refiner, the joint block), composed over 2 + 3 / 2 + 2 + 3 blocks at a point off the fitted grid (3 rows, 12 x 12
+    image tokens, 64 text tokens): within 15% of that transformer's measured peak, with and without checkpointing."""
+    comp = TINY[kind]
+    coef = M.measure_transformer(comp, "bf16_mp", 0)
+    depth = {"flux2": ["double"] * 2 + ["single"] * 3, "zimage": ["noise"] * 2 + ["context"] * 2 + ["joint"] * 3}
+    assert coef["types"] == depth[kind]
+    for mode in ("grad", "ckpt"):
+        predicted = transformer_activations(coef, mode, 3, 144, 64)
+        assert predicted == pytest.approx(_measured_peak(comp, mode, 3, 12, 12, 64), rel=0.15), mode
