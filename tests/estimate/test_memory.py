@@ -25,7 +25,7 @@ def load(path, overrides=()):
     return load_config(path, list(overrides), check_files=False)  # the production paths do not exist here
 
 PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps", "sd35m_nft_pickscore",
-              "qwenimage_hps", "sd35l_pickscore"]
+              "qwenimage_hps", "sd35l_pickscore", "flux2_klein_pickscore", "zimage_pickscore"]
 GPU_80GB = 79.2  # GiB torch reports for an 80 GB H100 / A100
 HEADROOM = 0.10
 
@@ -71,22 +71,74 @@ def test_a_larger_micro_batch_costs_more_and_the_chosen_one_is_the_largest_that_
         assert E.estimate(s, m + 1)["total"] > (1 - HEADROOM) * GPU_80GB * E.GiB
 
 
-@pytest.mark.parametrize("shape, component, published, extra", [
-    ("sd35_medium", "transformer", 2.47e9, "pos_embed"),  # the published count includes the pos_embed table
-    ("sd35_large", "transformer", 8.1e9, "pos_embed"),
-    ("flux1_dev", "transformer", 11.9e9, None),
-    ("sd35_medium", "text_encoder", 123.7e6, None),
-    ("sd35_medium", "text_encoder_2", 694.7e6, None),
-    ("sd35_medium", "text_encoder_3", 4.762e9, None),
-    ("flux1_dev", "vae", 83.8e6, None),
-    ("qwen_image", "text_encoder", 8.29e9, None),  # Qwen2.5-VL-7B-Instruct, its vision tower included
+@pytest.mark.parametrize("shape, component, published, rel, extra", [
+    ("sd35_medium", "transformer", 2.47e9, 0.01, "pos_embed"),  # the published count includes the pos_embed table
+    ("sd35_large", "transformer", 8.1e9, 0.01, "pos_embed"),
+    ("flux1_dev", "transformer", 11.9e9, 0.01, None),
+    ("sd35_medium", "text_encoder", 123.7e6, 0.01, None),
+    ("sd35_medium", "text_encoder_2", 694.7e6, 0.01, None),
+    ("sd35_medium", "text_encoder_3", 4.762e9, 0.01, None),
+    ("flux1_dev", "vae", 83.8e6, 0.01, None),
+    ("qwen_image", "text_encoder", 8.29e9, 0.01, None),  # Qwen2.5-VL-7B-Instruct, its vision tower included
+    # FLUX.2 [klein] 4B: "4B", a size rounded to the billion (3.5 to 4.5B; the 9B's shapes count 9.08B)
+    ("flux2_klein", "transformer", 4.0e9, 0.125, None),
+    ("flux2_klein", "text_encoder", 4.0e9, 0.01, None),  # Qwen3-4B, 4.0B (untied embeddings would make it 4.41B)
+    ("z_image", "transformer", 6.15e9, 0.005, None),  # the Hub's 12.3 GB of bf16 (the published "6B")
+    ("z_image", "text_encoder", 4.025e9, 0.005, None),  # Qwen3-4B: the Hub's 8.05 GB of bf16
+    ("z_image", "vae", 84e6, 0.01, None),  # FLUX.1's VAE: the Hub's 168 MB of bf16
 ])
-def test_shapes_count_the_published_parameters(shape, component, published, extra):
+def test_shapes_count_the_published_parameters(shape, component, published, rel, extra):
     comp = S.pipeline_shapes(None, shape)["components"][component]
     n = S.component_params(comp)
     if extra:
         n += S.transformer_stats(comp)["buffers"] // 4  # SD3's fp32 pos_embed table, a buffer here
-    assert n == pytest.approx(published, rel=0.01)
+    assert n == pytest.approx(published, rel=rel)
+
+
+def test_the_qwen_families_shapes_fit_together():
+    """FLUX.2 [klein] concatenates three of Qwen3's hidden states per token and packs 2x2 patches of its VAE's
+    latents; Z-Image's caption features are one hidden state, its latents the VAE's own."""
+    klein, zimage = (S.pipeline_shapes(None, n)["components"] for n in ("flux2_klein", "z_image"))
+    tk, tz = klein["transformer"]["config"], zimage["transformer"]["config"]
+    assert tk["joint_attention_dim"] == 3 * klein["text_encoder"]["config"]["hidden_size"]
+    assert tk["in_channels"] == 4 * klein["vae"]["config"]["latent_channels"]
+    assert tz["cap_feat_dim"] == zimage["text_encoder"]["config"]["hidden_size"]
+    assert tz["in_channels"] == zimage["vae"]["config"]["latent_channels"]
+    assert sum(tz["axes_dims"]) == tz["dim"] // tz["n_heads"]  # RoPE over a head's width
+    assert zimage["vae"] == S.pipeline_shapes(None, "flux1_dev")["components"]["vae"]  # FLUX.1's VAE, its coefficients
+
+
+@pytest.mark.parametrize("path, name", [("/models/FLUX.2-klein-base-4B", "flux2_klein"),
+                                        ("/models/FLUX.2-klein-4B", "flux2_klein"), ("/models/Z-Image", "z_image"),
+                                        ("/models/Z-Image-Turbo", "z_image"), ("/models/FLUX.2-klein-base-9B", None)])
+def test_a_checkpoint_not_here_is_sized_by_its_name(path, name):
+    """model.pretrained names the shapes when the directory is not here; the 9B [klein] is not the 4B's shapes."""
+    kind = "flux2" if "FLUX" in path else "zimage"
+    cfg = load(ROOT / "configs" / f"{'flux2_klein' if kind == 'flux2' else 'zimage'}_pickscore.yaml",
+               [f"model.pretrained={path}"])
+    if name is None:
+        with pytest.raises(S.ShapeError, match="--shapes NAME"):
+            S.pipeline_shapes(cfg)
+    else:
+        assert S.pipeline_shapes(cfg)["name"] == name
+
+
+@pytest.mark.parametrize("name, length, text, image", [
+    ("zimage_pickscore", 100, 128, 1024),  # its own tokens rounded up to 32 (the bound: the padded length)
+    ("zimage_pickscore", 512, 512, 1024),
+    ("flux2_klein_pickscore", 100, 100, 576),  # the padded prompt itself; 384 px: 24 x 24 packed patches
+])
+def test_the_qwen_families_text_and_image_tokens(name, length, text, image):
+    """The text tokens a pass carries and what the encoder sees: Z-Image's transformer takes each prompt's tokens
+    rounded up to 32 (a pass its longest prompt's, at most the padded length), FLUX.2 [klein]'s the padded prompt;
+    both encoders run on model.max_sequence_length tokens, and the stored conditioning is the padded prompt (with
+    Z-Image's int64 mask, 2 float32 words a token)."""
+    s = E.prepare(load(ROOT / "configs" / f"{name}.yaml", [f"model.max_sequence_length={length}"]), 8, memory=False)
+    tc = s["components"]["transformer"]["config"]
+    assert (s["text_tokens"], s["image_tokens"]) == (text, image)
+    assert [e["seq"] for e in s["encoders"].values()] == [length]
+    width = tc["cap_feat_dim"] + 2 if name.startswith("zimage") else tc["joint_attention_dim"]
+    assert s["cond_row"] == length * width
 
 
 def test_the_cli_prints_the_table_and_the_chosen_micro_batch(capsys):
@@ -110,7 +162,8 @@ def test_the_jagg_estimate_command_passes_every_production_config_as_shipped(nam
     planner and the fit said."""
     assert main([str(ROOT / "configs" / f"{name}.yaml"), "--world-size", "8", "--gpu-mem", str(GPU_80GB)]) == 0
     out = capsys.readouterr().out
-    planner = "ExactPlanner()" if "nft" in name else "WindowPlanner(window=4"
+    planner = repr(load(ROOT / "configs" / f"{name}.yaml").jagg.planner())
+    assert planner.startswith("ExactPlanner" if "nft" in name else "WindowPlanner(window=")
     assert planner in out and "(fits with >= 10%)" in out
     assert "step time per rank: " in out  # and its seconds per phase (estimate/steptime.py)
     assert ("Flow-GRPO's step of the same config" in out) == ("nft" not in name)
