@@ -282,22 +282,14 @@ QWEN3_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_tiny_flux2(seed: int = 0):
-    """The tiny random Flux2KleinPipeline (FLUX.2 [klein], not guidance-distilled): 16x16x4 VAE latents patchified
-    2x2 into 8x8x16 tokens (in_channels 16), 1 double + 1 single stream layer of 2 heads x 8, rope axes (2, 2, 2, 2),
-    joint_attention_dim 48 (= 3 x the text encoder's hidden 16: the pipeline concatenates Qwen3's layers 9, 18 and
-    27, so the text model has 28 tiny layers); a 2-level AutoencoderKLFlux2 (scale factor 2) with its batch-norm
-    statistics; the Qwen tokenizer above with a chat template."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
-    from diffusers import Flux2Transformer2DModel
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _tiny_flux2_parts(seed: int, guidance_embeds: bool):
+    """The FLUX.2 transformer, VAE and scheduler both tiny FLUX.2 pipelines share (build_tiny_flux2's docstring)."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
-    tokenizer = _qwen_tokenizer()
-    tokenizer.chat_template = QWEN3_CHAT
     torch.manual_seed(seed)
     transformer = Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
                                           attention_head_dim=8, num_attention_heads=2, joint_attention_dim=48,
-                                          guidance_embeds=False, axes_dims_rope=(2, 2, 2, 2))
+                                          guidance_embeds=guidance_embeds, axes_dims_rope=(2, 2, 2, 2))
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLFlux2(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
                              up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 8), layers_per_block=1,
@@ -306,20 +298,73 @@ def build_tiny_flux2(seed: int = 0):
     with torch.no_grad():  # batch-norm statistics that are not the identity, so that decode's use of them shows
         vae.bn.running_mean.uniform_(-0.2, 0.2)
         vae.bn.running_var.uniform_(0.5, 2.0)
+    return dict(transformer=transformer, vae=vae,
+                scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0))
+
+
+def build_tiny_flux2(seed: int = 0):
+    """The tiny random Flux2KleinPipeline (FLUX.2 [klein], not guidance-distilled): 16x16x4 VAE latents patchified
+    2x2 into 8x8x16 tokens (in_channels 16), 1 double + 1 single stream layer of 2 heads x 8, rope axes (2, 2, 2, 2),
+    joint_attention_dim 48 (= 3 x the text encoder's hidden 16: the pipeline concatenates Qwen3's layers 9, 18 and
+    27, so the text model has 28 tiny layers); a 2-level AutoencoderKLFlux2 (scale factor 2) with its batch-norm
+    statistics; the Qwen tokenizer above with a chat template."""
+    from diffusers import Flux2KleinPipeline
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = _qwen_tokenizer()
+    tokenizer.chat_template = QWEN3_CHAT
+    parts = _tiny_flux2_parts(seed, guidance_embeds=False)
     torch.manual_seed(seed + 2)
     text_encoder = Qwen3ForCausalLM(Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=28, num_attention_heads=2,
         num_key_value_heads=1, head_dim=8, max_position_embeddings=2048,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id))
-    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0)
-    return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer,
-                              transformer=transformer, is_distilled=False)
+    return Flux2KleinPipeline(**parts, text_encoder=text_encoder.eval(), tokenizer=tokenizer, is_distilled=False)
 
 
 def make_tiny_flux2(out_dir, seed: int = 0) -> Path:
     """Build the tiny FLUX.2 [klein] pipeline and `save_pretrained` it to out_dir; returns the directory."""
     return _save(build_tiny_flux2(seed), out_dir)
+
+
+# Mistral's chat markers, reduced to what Flux2Pipeline renders: the system message, then the user's prompt
+MISTRAL_CHAT = ("{% for m in messages %}{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{% else %}[INST]{% endif %}"
+                "{% for c in m['content'] %}{{ c['text'] }}{% endfor %}"
+                "{% if m['role'] == 'system' %}[/SYSTEM_PROMPT]{% else %}[/INST]{% endif %}{% endfor %}")
+
+
+def build_tiny_flux2_dev(seed: int = 0):
+    """The tiny random Flux2Pipeline (FLUX.2 [dev], guidance-distilled: guidance_embeds True): build_tiny_flux2's
+    transformer, VAE and scheduler; a 30-layer Mistral3 text model of hidden 16 (the pipeline concatenates its layers
+    10, 20 and 30: 3 x 16 = joint_attention_dim 48) with a one-block Pixtral vision tower (unused for text); the Qwen
+    byte tokenizer with Mistral's chat markers and FLUX.2's whole system message as single tokens, so a prompt is not
+    cut away by a short max_sequence_length (the published pipeline's tokenizer is a PixtralProcessor, whose
+    apply_chat_template renders the same messages over Mistral's tokenizer)."""
+    from diffusers import Flux2Pipeline
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from tokenizers import AddedToken
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tokenizer = _qwen_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, normalized=False) for t in
+                          ("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]", SYSTEM_MESSAGE)])
+    tokenizer.chat_template = MISTRAL_CHAT
+    parts = _tiny_flux2_parts(seed, guidance_embeds=True)
+    torch.manual_seed(seed + 2)
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         max_position_embeddings=2048, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=8, image_size=32, patch_size=16),
+        image_token_index=len(tokenizer) - 1, spatial_merge_size=1))
+    return Flux2Pipeline(**parts, text_encoder=text_encoder.eval(), tokenizer=tokenizer)
+
+
+def make_tiny_flux2_dev(out_dir, seed: int = 0) -> Path:
+    """Build the tiny FLUX.2 [dev] pipeline and `save_pretrained` it to out_dir; returns the directory."""
+    return _save(build_tiny_flux2_dev(seed), out_dir)
 
 
 def build_tiny_zimage(seed: int = 0):
@@ -355,7 +400,7 @@ def make_tiny_zimage(out_dir, seed: int = 0) -> Path:
 
 
 MAKERS = {"sd3": make_tiny_sd3, "flux": make_tiny_flux, "qwenimage": make_tiny_qwenimage, "flux2": make_tiny_flux2,
-          "zimage": make_tiny_zimage, "flux_kontext": make_tiny_flux_kontext}
+          "zimage": make_tiny_zimage, "flux_kontext": make_tiny_flux_kontext, "flux2_dev": make_tiny_flux2_dev}
 
 
 def main(argv=None) -> None:

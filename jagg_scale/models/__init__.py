@@ -1,7 +1,7 @@
 """Velocity models behind one interface (base.py): v = model(x, sigma, cond), encode_prompts, decode.
 
     dit.py                the built-in DiT (one readable file), with its hash tokenizer
-    sd3.py, flux.py,      diffusers SD3/SD3.5, FLUX.1, Qwen-Image, FLUX.2 [klein] and Z-Image pipelines as
+    sd3.py, flux.py,      diffusers SD3/SD3.5, FLUX.1, Qwen-Image, FLUX.2 [dev, klein] and Z-Image pipelines as
     qwenimage.py,         velocity models (diffusers_common.py: what they share); kontext.py: FLUX.1-Kontext
     flux2.py, zimage.py,  instruction editing (the input image's latents as conditioning tokens)
     kontext.py
@@ -104,7 +104,8 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
         from .flux2 import Flux2Velocity
 
         model = Flux2Velocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
-                                              max_sequence_length=cfg.max_sequence_length)
+                                              max_sequence_length=cfg.max_sequence_length,
+                                              guidance_scale=cfg.distilled_guidance)
     elif cfg.kind == "zimage":
         from .zimage import ZImageVelocity
 

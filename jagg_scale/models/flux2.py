@@ -1,22 +1,28 @@
-"""FLUX.2 [klein] (diffusers Flux2KleinPipeline) as a `VelocityModel`: the transformer is the policy, the rest frozen.
+"""FLUX.2 [dev] and [klein] (diffusers Flux2Pipeline, Flux2KleinPipeline) as a `VelocityModel`: the transformer is
+the policy, the rest frozen. One module for both: they share the transformer class, the VAE, the latent packing and
+the schedule; what differs is the text encoder (Mistral3 for [dev], Qwen3 for [klein], behind each pipeline's own
+encode_prompt) and [dev]'s guidance distillation.
 
 How the pipeline maps onto the interface of base.py (docs/algorithm.md's rectified flow, x_s = (1 - s) d + s e):
 
-    cond = encode_prompts(prompts)     Flux2KleinPipeline.encode_prompt (no grad): Qwen3's hidden states of layers
-                                       9, 18 and 27 over the chat-templated prompt, concatenated per token, padded to
+    cond = encode_prompts(prompts)     the pipeline's encode_prompt (no grad): the text model's hidden states of three
+                                       layers ([klein] Qwen3's 9, 18, 27; [dev] Mistral3's 10, 20, 30) over the
+                                       chat-templated prompt, concatenated per token, padded to
                                        model.max_sequence_length tokens by the pipeline itself (no mask: the padding
                                        is part of the conditioning, as the pipeline runs it)
     v    = forward(x, sigma, cond)     x [N, 4C, H/2, W/2]: the pipeline's own latent variables (the VAE latents
                                        patchified 2x2), flattened to tokens [N, H/2 * W/2, 4C] with their (T, H, W, L)
-                                       position ids and the prompt's, transformer(timestep=sigma, guidance=None)
+                                       position ids and the prompt's, transformer(timestep=sigma, guidance: [dev]'s
+                                       distilled value (model.distilled_guidance, default 4.0), [klein] None)
     img  = decode(x)                   the VAE's batch-norm statistics undone, unpatchified, vae.decode, [0, 1]
 
 Timestep: the pipeline passes timestep / 1000 = sigma. Schedule: linspace(1, 1/N, N) shifted by the pipeline's
 empirical mu (compute_empirical_mu of the image tokens and the step count). Guidance: FLUX.2 [klein] base is not
 guidance-distilled; its CFG is the plain combination with the empty negative prompt (the pipeline's default), so
-`guidance_rule` stays plain. Sign: v = e - d, Euler steps x_next = x + (s_next - s) v, as FLUX.1 (tested against the
-pipeline's own loop in tests/models/test_flux2_adapter.py). The Qwen3 text encoder is `t5_name`: `model.shard_t5`
-shards it for inference.
+`guidance_rule` stays plain. FLUX.2 [dev] is guidance-distilled: no CFG pair (sampling.guidance 1), its guidance
+embedding fed on every row as Flux2Pipeline does. Sign: v = e - d, Euler steps x_next = x + (s_next - s) v, as
+FLUX.1 (tested against the pipeline's own loop in tests/models/test_flux2_adapter.py). The text encoder is
+`t5_name`: `model.shard_t5` shards it for inference (Mistral-Small-3.1 24B for [dev]).
 """
 
 from __future__ import annotations
@@ -29,17 +35,27 @@ import torch
 
 from .diffusers_common import DiffusersVelocity, row_sigmas
 
-PROMPT_TOKENS_DEFAULT = 512  # Flux2KleinPipeline.__call__'s max_sequence_length
+PROMPT_TOKENS_DEFAULT = 512  # Flux2Pipeline's and Flux2KleinPipeline's max_sequence_length
+DISTILLED_GUIDANCE_DEFAULT = 4.0  # Flux2Pipeline.__call__'s guidance_scale: FLUX.2 [dev]'s guidance embedding
+PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")  # FLUX.2 [dev], FLUX.2 [klein]
 
 
 class Flux2Velocity(DiffusersVelocity):
-    """v_theta(x, sigma, cond) of a diffusers Flux2KleinPipeline's transformer, on its latents [N, 4C, H/2, W/2]."""
+    """v_theta(x, sigma, cond) of a diffusers Flux2Pipeline's or Flux2KleinPipeline's transformer, on its latents
+    [N, 4C, H/2, W/2]."""
 
     frozen_names = ("vae", "text_encoder")
     t5_name = "text_encoder"
 
-    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None):
+    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None,
+                 guidance_scale: float | None = None):
         super().__init__(pipe, max_sequence_length)
+        distilled = bool(self.transformer.config.guidance_embeds)
+        if guidance_scale is not None and not distilled:
+            raise ValueError(f"model.distilled_guidance {guidance_scale} is for a guidance-distilled FLUX.2 ([dev]); "
+                             f"this {type(pipe).__name__}'s transformer has no guidance embedding")
+        self.guidance_scale = (DISTILLED_GUIDANCE_DEFAULT if guidance_scale is None else float(guidance_scale)
+                               ) if distilled else None
         self.vae_scale_factor = pipe.vae_scale_factor
         latent_size = int(latent_size or pipe.default_sample_size)  # the VAE's latent side (128: 1024 px)
         if latent_size % 2:
@@ -51,13 +67,17 @@ class Flux2Velocity(DiffusersVelocity):
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | dict = torch.float32, *, max_sequence_length: int | None = None,
-                        resolution: int | None = None, local_files_only: bool = True) -> "Flux2Velocity":
-        """Load a saved Flux2KleinPipeline directory (offline by default); `dtype` as SD3Velocity.from_pretrained's."""
-        from diffusers import Flux2KleinPipeline
+                        resolution: int | None = None, guidance_scale: float | None = None,
+                        local_files_only: bool = True) -> "Flux2Velocity":
+        """Load a saved Flux2Pipeline ([dev]) or Flux2KleinPipeline ([klein]) directory, the class its model_index.json
+        names (offline by default); `dtype` as SD3Velocity.from_pretrained's."""
+        import diffusers
 
-        pipe = Flux2KleinPipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
+        name = _pipeline_class(Path(path))
+        pipe = getattr(diffusers, name).from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
         latent_size = cls.latent_size_for(pipe, resolution, 2) if resolution is not None else None
-        return cls(pipe, max_sequence_length=max_sequence_length or PROMPT_TOKENS_DEFAULT, latent_size=latent_size)
+        return cls(pipe, max_sequence_length=max_sequence_length or PROMPT_TOKENS_DEFAULT, latent_size=latent_size,
+                   guidance_scale=guidance_scale)
 
     # ------------------------------------------------------------------ schedule
     def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
@@ -94,7 +114,7 @@ class Flux2Velocity(DiffusersVelocity):
         out = self.transformer(
             hidden_states=x.to(dtype).reshape(n, c, h * w).permute(0, 2, 1),  # the pipeline's _pack_latents
             timestep=row_sigmas(sigma, x).to(dtype),  # the pipeline's timestep / 1000: scaled by 1000 inside
-            guidance=None,
+            guidance=None if self.guidance_scale is None else torch.full((n,), self.guidance_scale, device=x.device),
             encoder_hidden_states=embeds,
             txt_ids=self._position_ids("txt", embeds).expand(n, -1, -1),
             img_ids=self._position_ids("img", x).expand(n, -1, -1),
@@ -110,3 +130,17 @@ class Flux2Velocity(DiffusersVelocity):
         latents = self.pipe._unpatchify_latents(x.to(vae.dtype) * std + mean)
         img = vae.decode(latents, return_dict=False)[0]
         return ((img.float() + 1) / 2).clamp(0, 1)
+
+
+def _pipeline_class(path: Path) -> str:
+    """The FLUX.2 pipeline class a saved directory's model_index.json names, or a ValueError naming the file."""
+    import json
+
+    index = path / "model_index.json"
+    try:
+        name = json.loads(index.read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueError(f"model.pretrained {path}: no readable model_index.json ({err})") from None
+    if name not in PIPELINES:
+        raise ValueError(f"model.kind flux2 loads {' or '.join(PIPELINES)}; {index} names {name!r}")
+    return name

@@ -94,8 +94,8 @@ class ModelConfig(_Section):
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # sd3/flux: train a LoRA adapter instead of all weights
     attention: Attention = "sdpa"
     resolution: Optional[int] = None  # sd3/flux: image size in pixels; None = the checkpoint's native size
-    # flux, flux_kontext: the guidance-embedding value of a guidance-distilled FLUX (not CFG); null = the pipeline's
-    # default (FluxPipeline 3.5, FluxKontextPipeline 2.5)
+    # flux, flux_kontext, flux2 ([dev]): the guidance-embedding value of a guidance-distilled FLUX (not CFG); null =
+    # the pipeline's default (FluxPipeline 3.5, FluxKontextPipeline 2.5, Flux2Pipeline 4.0)
     distilled_guidance: Optional[float] = None
     # sd3/flux text encoders: all, or (sd3) no_t5: the T5 encoder is not loaded, its embeddings are zeros
     text_encoders: TextEncoders = "all"
@@ -117,7 +117,7 @@ class ModelConfig(_Section):
                  f"is for sd3/flux; the dit's size is {prefix}.dit.image_size")
         _require(self.resolution is None or self.resolution >= 16, f"{prefix}.resolution",
                  f"must be >= 16 pixels, got {self.resolution}")
-        _require(self.distilled_guidance is None or self.kind in ("flux", "flux_kontext"),
+        _require(self.distilled_guidance is None or self.kind in ("flux", "flux_kontext", "flux2"),
                  f"{prefix}.distilled_guidance", f"is for the guidance-distilled FLUX kinds, not {self.kind}")
         _require(self.distilled_guidance is None or self.distilled_guidance > 0, f"{prefix}.distilled_guidance",
                  "must be > 0")

@@ -1,10 +1,10 @@
-"""The diffusers FLUX.2 [klein] adapter (models/flux2.py) on a tiny random offline pipeline
-(tools/make_tiny_pipeline.py --kind flux2).
+"""The diffusers FLUX.2 [klein] and [dev] adapter (models/flux2.py) on tiny random offline pipelines
+(tools/make_tiny_pipeline.py --kind flux2, --kind flux2_dev).
 
 Checks the interface (shapes, frozen parts, decoding through the VAE's batch-norm statistics), the schedule, sign and
 CFG against the pipeline's own sampling loop, the GRPO log-prob round trip, JAGG W = 2 == per-step on the
 transformer, and two jagg-train steps (LoRA; JAGG and exact) whose exported LoRA loads into a plain
-Flux2KleinPipeline to the same outputs.
+Flux2KleinPipeline to the same outputs; for [dev] its own pipeline class, distilled guidance and sampling loop.
 """
 
 from pathlib import Path
@@ -84,3 +84,53 @@ def test_jagg_train_two_steps_and_the_lora_loads_into_a_plain_pipeline(flux2_dir
     check_trains_and_the_lora_loads(ROOT / "configs" / "flux2_tiny_cpu.yaml",
                                     [f"model.pretrained={flux2_dir}", "model.resolution=32"], tmp_path / "run", mode,
                                     load_plain)
+
+
+# ------------------------------------------------------------------------------------- FLUX.2 [dev] (Flux2Pipeline)
+
+
+@pytest.fixture(scope="module")
+def dev(flux2_dev_dir):
+    return Flux2Velocity.from_pretrained(flux2_dev_dir, dtype=torch.float32, max_sequence_length=48, resolution=32)
+
+
+def test_dev_loads_its_own_pipeline_and_feeds_its_distilled_guidance(dev, flux2_dev_dir, flux2_dir):
+    from diffusers import Flux2Pipeline
+
+    assert isinstance(dev.pipe, Flux2Pipeline) and dev.guidance_scale == 4.0  # Flux2Pipeline's default
+    assert dev.latent_shape == (16, 8, 8) and dev.encode_prompts(PROMPTS).shape == (2, 48, 48)
+    x, sigma, cond = torch.randn(1, *dev.latent_shape), torch.tensor([0.5]), dev.encode_prompts(PROMPTS[:1])
+    other = Flux2Velocity.from_pretrained(flux2_dev_dir, max_sequence_length=48, resolution=32, guidance_scale=2.0)
+    with torch.no_grad():
+        assert not torch.allclose(dev(x, sigma, cond), other(x, sigma, cond), atol=1e-5)  # the guidance is fed
+    with pytest.raises(ValueError, match="distilled_guidance 2.0 is for a guidance-distilled FLUX.2"):
+        Flux2Velocity.from_pretrained(flux2_dir, max_sequence_length=48, resolution=32, guidance_scale=2.0)
+
+
+def test_dev_ode_equals_the_pipeline_sampling_loop(dev):
+    """Flux2Pipeline's own loop (Mistral3 prompt embeddings, guidance embedding 4.0, no CFG) and ours."""
+    cond = dev.encode_prompts(PROMPTS)
+    noise = torch.randn(2, *dev.latent_shape, generator=torch.Generator().manual_seed(1))
+    out = dev.pipe(prompt_embeds=cond, guidance_scale=dev.guidance_scale, num_inference_steps=4,
+                   height=dev.image_size, width=dev.image_size, latents=noise.clone(), output_type="latent",
+                   max_sequence_length=48).images
+    ours = sample_ode(dev, cond, noise, dev.pipeline_sigmas(4))
+    assert torch.allclose(out, dev.pipe._pack_latents(ours), atol=1e-5)  # Flux2Pipeline's "latent": its tokens
+
+
+def test_dev_rollout_logprobs_recomputed_in_training(dev):
+    check_rollout_logprobs_recomputed(dev, dev.pipeline_sigmas(4), 1.0)
+
+
+@pytest.mark.slow
+def test_dev_trains_and_its_lora_loads_into_a_plain_pipeline(flux2_dev_dir, tmp_path):
+    from diffusers import Flux2Pipeline
+
+    def load_plain(lora_dir):
+        fresh = Flux2Pipeline.from_pretrained(flux2_dev_dir, local_files_only=True)
+        fresh.load_lora_weights(str(lora_dir))
+        return Flux2Velocity(fresh, max_sequence_length=64, latent_size=16)
+
+    check_trains_and_the_lora_loads(ROOT / "configs" / "flux2_tiny_cpu.yaml",
+                                    [f"model.pretrained={flux2_dev_dir}", "model.resolution=32",
+                                     "sampling.guidance=1.0"], tmp_path / "run", "jagg", load_plain)

@@ -259,6 +259,19 @@ def test_the_t5_length_is_refused_where_it_cannot_act(overrides, message):
     assert err.startswith("config key 'model.max_sequence_length' ") and message in err
 
 
+@pytest.mark.parametrize("overrides,key,message", [
+    (["model.kind=sd3", "model.pretrained=x", "model.distilled_guidance=3.5"], "model.distilled_guidance",
+     "is for the guidance-distilled FLUX kinds, not sd3"),
+    (["model.kind=zimage", "model.pretrained=x", "model.distilled_guidance=3.5"], "model.distilled_guidance",
+     "not zimage"),
+    (["model.kind=flux_kontext", "model.pretrained=x", "sampling.guidance=2.0"], "sampling.guidance",
+     "must be 1.0 for model.kind flux_kontext"),
+])
+def test_guidance_keys_are_refused_where_they_cannot_act(overrides, key, message):
+    err = _err(*overrides)
+    assert err.startswith(f"config key '{key}' ") and message in err
+
+
 @pytest.mark.parametrize("installed,ok", [("0.19.8", True), ("0.19.11", True), ("0.18.2", False), ("0.20.0", False),
                                           (None, False)])
 def test_deepspeed_outside_the_tested_releases_is_refused_naming_the_version(monkeypatch, installed, ok):
