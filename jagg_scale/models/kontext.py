@@ -17,8 +17,8 @@ The input image is resized (shorter side, then a centre crop) to the model's squ
 latents have one shape: the pipeline instead picks the preferred Kontext resolution nearest the image's aspect ratio
 (PREFERRED_KONTEXT_RESOLUTIONS); a run's fixed latent shape needs one size. The schedule's mu counts the noise tokens
 alone, as the pipeline's does. Guidance: FLUX.1-Kontext is guidance-distilled (`model.distilled_guidance`, the
-pipeline's guidance_scale 2.5 by default); CFG (true_cfg_scale) would need the input image in the negative half too,
-so sampling.guidance must be 1.0 (train.config checks it).
+pipeline's guidance_scale 2.5 by default); `sampling.guidance` > 1 is the pipeline's true CFG (true_cfg_scale: the
+plain rule, the negative prompt on the same input image, which Policy.encode gives every edit prompt).
 """
 
 from __future__ import annotations

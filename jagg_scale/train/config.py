@@ -299,9 +299,6 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     m, s, g, t = cfg.model, cfg.sampling, cfg.grpo, cfg.train
     _require(s.shift is not None or m.kind != "dit", "sampling.shift",
              f"null (the pipeline's own schedule) needs a diffusers model.kind ({', '.join(PIPELINE_KINDS)})")
-    _require(s.guidance == 1.0 or m.kind != "flux_kontext", "sampling.guidance",
-             "must be 1.0 for model.kind flux_kontext: it is guidance-distilled (model.distilled_guidance), and a CFG "
-             "pair would need the input image in its negative half")
     _require(s.sde_window == 0 or g.timestep_fraction == 1.0, "grpo.timestep_fraction",
              "must be 1.0 with sampling.sde_window (the window decides which steps are trained)")
     _require((t.prompts_per_step * g.group_size) % t.batch_size == 0, "train.batch_size",

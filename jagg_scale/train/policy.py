@@ -6,7 +6,8 @@
                              With CFG it is called with the conditional rows only (the unconditional prediction
                              is a constant for the gradient, see grpo/loss.py), so a JAGG joint pass has 2B rows
     policy.reference_fn()    the KL reference's velocity, or None when grpo.beta = 0
-    policy.encode(prompts)   the conditioning; with guidance != 1 the pair (cond, uncond) of the prompts and of ""
+    policy.encode(prompts)   the conditioning; with guidance != 1 the pair (cond, uncond) of the prompts and of the
+                             model's negative prompt (an edit prompt's on its own input image)
     policy.rollout(...)      SDE trajectories of given global rows on the training schedule `policy.sigmas`,
                              every draw seeded per (run seed, step, row); outside an SDE window the ODE runs
                              sampling.ode_solver on sampling.ode_steps (grpo/solver.py)
@@ -23,6 +24,7 @@ from typing import Callable
 import torch
 
 from ..cond import index_cond, map_cond
+from ..data.images import EditPrompt
 from ..grpo import StepBatch, Trajectories, guided_velocity, model_schedule, sample_sde
 from ..grpo.rollout import to_device
 from ..jagg import fill_interior, plan_knots
@@ -104,6 +106,10 @@ class Policy:
 
     def encode(self, prompts: list[str]):
         cond = self.model.encode_prompts(prompts)
+        if self.guidance != 1.0 and any(getattr(p, "image", None) is not None for p in prompts):
+            # edits: the negative half is the negative prompt on each row's own input image (the editing pipelines'
+            # true CFG encodes it so), so it is encoded per batch, not once
+            return cond, self.model.encode_prompts([EditPrompt(self.negative_prompt, p.image) for p in prompts])
         if self.guidance != 1.0:
             if self._uncond is None:  # the negative prompt's embedding never changes (frozen encoders): encode once
                 self._uncond = self.model.encode_prompts([self.negative_prompt])

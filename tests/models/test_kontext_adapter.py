@@ -90,8 +90,9 @@ def test_jagg_w2_equals_per_step_on_the_transformer(flux_kontext_dir, prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["jagg", "exact"])
-def test_jagg_train_two_steps_and_the_lora_loads_into_a_plain_pipeline(flux_kontext_dir, prompts, tmp_path, mode):
+@pytest.mark.parametrize("mode, guidance", [("jagg", 1.0), ("exact", 1.0), ("jagg", 2.0)])
+def test_jagg_train_two_steps_and_the_lora_loads_into_a_plain_pipeline(flux_kontext_dir, prompts, tmp_path, mode,
+                                                                        guidance):
     from diffusers import FluxKontextPipeline
 
     def load_plain(lora_dir):
@@ -100,7 +101,8 @@ def test_jagg_train_two_steps_and_the_lora_loads_into_a_plain_pipeline(flux_kont
         return FluxKontextVelocity(fresh, max_sequence_length=32, guidance_scale=2.5, latent_size=8)
 
     check_trains_and_the_lora_loads(ROOT / "configs" / "flux_kontext_tiny_cpu.yaml",
-                                    [f"model.pretrained={flux_kontext_dir}"], tmp_path / "run", mode, load_plain,
+                                    [f"model.pretrained={flux_kontext_dir}", f"sampling.guidance={guidance}"],
+                                    tmp_path / "run", mode, load_plain,
                                     prompts)
 
 
@@ -142,3 +144,24 @@ def test_the_eval_grid_shows_input_before_and_after(flux_kontext_dir, tmp_path):
     edits = load_prompts(EDITS).prompts
     assert torch.equal(at(1, 0), to_uint8(load_rgb(edits[1].image, 16)))
     assert torch.equal(at(1, 1), before[2]) and torch.equal(at(1, 4), after[3])
+
+
+def test_true_cfg_with_the_negative_prompt_on_the_same_image_equals_the_pipelines(model, prompts):
+    """sampling.guidance 2: the policy's (cond, uncond) pair, the negative prompt encoded on each row's own input image,
+    through the plain rule, against FluxKontextPipeline's true_cfg_scale 2 loop given the same embeddings."""
+    from types import SimpleNamespace
+
+    from jagg_scale.grpo.rollout import guided_velocity
+    from jagg_scale.train.policy import Policy
+
+    policy = SimpleNamespace(guidance=2.0, negative_prompt=model.negative_prompt, model=model, _uncond=None)
+    cond, uncond = Policy.encode(policy, prompts)
+    assert torch.equal(uncond[2], cond[2])  # the same input images in both halves
+    noise = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(5))
+    out = model.pipe(image=cond[2], prompt_embeds=cond[0], pooled_prompt_embeds=cond[1],
+                     negative_prompt_embeds=uncond[0], negative_pooled_prompt_embeds=uncond[1], true_cfg_scale=2.0,
+                     guidance_scale=model.guidance_scale, num_inference_steps=4, height=16, width=16, max_area=256,
+                     latents=model.pack(noise.clone()), output_type="latent").images
+    fn = lambda x, s, c: guided_velocity(model, x, s, c, 2.0, model.guidance_rule)
+    ours = sample_ode(fn, (cond, uncond), noise, model.pipeline_sigmas(4))
+    assert torch.allclose(model.unpack(out, 8, 8), ours, atol=1e-5)

@@ -264,8 +264,6 @@ def test_the_t5_length_is_refused_where_it_cannot_act(overrides, message):
      "is for the guidance-distilled FLUX kinds, not sd3"),
     (["model.kind=zimage", "model.pretrained=x", "model.distilled_guidance=3.5"], "model.distilled_guidance",
      "not zimage"),
-    (["model.kind=flux_kontext", "model.pretrained=x", "sampling.guidance=2.0"], "sampling.guidance",
-     "must be 1.0 for model.kind flux_kontext"),
 ])
 def test_guidance_keys_are_refused_where_they_cannot_act(overrides, key, message):
     err = _err(*overrides)
