@@ -127,6 +127,10 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
         latent, p = (tc["in_channels"] // 4, side, side), 2
         text = prompt if kind == "flux2" else tokens["t5"]
         cond_row = text * tc["joint_attention_dim"] + tc.get("pooled_projection_dim", 0)
+        if kind == "flux_kontext":  # the input image's latents ride in the conditioning (models/kontext.py)
+            cond_row += math.prod(latent)
+    # the transformer's image tokens: FLUX.1-Kontext's passes carry the input image's tokens beside the noisy ones
+    images_per_pass = 2 if kind == "flux_kontext" else 1
     t_key = ("transformer", tcomp["class"], clean(tc), precision, rank, sorted(targets) if rank else None)
     label = f"{shapes.get('name', tcomp['class'])} transformer, {precision}, {'LoRA r%d' % rank if rank else 'full'}"
     act = cached(key(*t_key), label, lambda: M.measure_transformer(tcomp, precision, rank), measure)
@@ -158,7 +162,8 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
             "frozen": {n: component_params(comps[n]) / (world if n == t5 and cfg.model.shard_t5 else 1)
                        for n in frozen},
             "encoders": encoders, "ref_bytes": 2 if bf16 and tcomp.get("stored_dtype") == "bfloat16" else 4,
-            "decode": decode, "rewards": rewards, "act": act, "latent": latent, "image_tokens": (side // p) ** 2,
+            "decode": decode, "rewards": rewards, "act": act, "latent": latent, "patch": p,
+            "image_tokens": images_per_pass * (side // p) ** 2,
             "text_tokens": text, "cond_row": cond_row,
             "overhead": overhead_gb * GiB, "vae_scale": scale, "eval_images": eval_images(cfg),
             # gpu_gib: what sampling.batch_size auto is sized for (an 80 GB GPU unless told)

@@ -33,10 +33,11 @@ __all__ = ["FROZEN", "KNOWN", "QWEN_TEXT", "SHAPES", "block_lists", "clean", "co
 SHAPES = Path(__file__).resolve().parent / "shapes"
 KNOWN = {"stable-diffusion-3.5-medium": "sd35_medium", "stable-diffusion-3.5-large": "sd35_large",
          "flux.1-dev": "flux1_dev", "flux1-dev": "flux1_dev", "qwen-image": "qwen_image",
-         "flux.2-klein-4b": "flux2_klein", "flux.2-klein-base-4b": "flux2_klein", "z-image": "z_image"}
+         "flux.2-klein-4b": "flux2_klein", "flux.2-klein-base-4b": "flux2_klein", "z-image": "z_image",
+         "flux.1-kontext-dev": "flux1_kontext_dev"}
 # a family's frozen components, the VAE first and the large (shardable: model.shard_t5) text encoder last
 FROZEN = {"sd3": ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"),
-          "flux": ("vae", "text_encoder", "text_encoder_2"),
+          "flux": ("vae", "text_encoder", "text_encoder_2"), "flux_kontext": ("vae", "text_encoder", "text_encoder_2"),
           "qwenimage": ("vae", "text_encoder"), "flux2": ("vae", "text_encoder"), "zimage": ("vae", "text_encoder")}
 
 # the families whose text encoder is a Qwen LM run with every hidden state kept (measure.measure_nograd): qwen at the
@@ -77,6 +78,9 @@ def _from_directory(path: Path, kind: str) -> dict:
     from ..models import stored_dtype
 
     index = json.loads((path / "model_index.json").read_text())
+    if kind == "flux2" and index.get("_class_name") == "Flux2Pipeline":
+        raise ShapeError(f"model.pretrained {path} is FLUX.2 [dev] (Flux2Pipeline, a Mistral3 text encoder): the "
+                         "estimator sizes FLUX.2 [klein]'s Qwen3 encoder only; [dev]'s shapes are not in it yet")
     comps = {n: {"library": index[n][0], "class": index[n][1],
                  "config": json.loads((path / n / "config.json").read_text())}
              for n in ("transformer",) + FROZEN[kind] if n in index and index[n][0] is not None}
@@ -90,7 +94,8 @@ def _from_directory(path: Path, kind: str) -> dict:
         text = {"prompt": PROMPT_TOKENS_DEFAULT, "prompt_limit": PROMPT_TOKEN_LIMITS[kind]}
         return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
     t5 = limit("tokenizer_3" if kind == "sd3" else "tokenizer_2", 512)  # what model.max_sequence_length can reach
-    text = {"clip": limit("tokenizer", 77), "t5": min(T5_DEFAULT[kind], t5), "t5_limit": t5}
+    text = {"clip": limit("tokenizer", 77), "t5": min(T5_DEFAULT["sd3" if kind == "sd3" else "flux"], t5),
+            "t5_limit": t5}
     return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
 
 

@@ -70,13 +70,12 @@ def pass_seconds(rows: float, flops_per_row: float, grad: bool = False, factor: 
 
 
 @functools.lru_cache(maxsize=None)
-def _transformer_flops(comp_json: str, kind: str, latent: tuple, image_tokens: int, text_tokens: int) -> float:
-    """Forward FLOPs of one row of latents [C, H, W] in `image_tokens` tokens through the transformer, called as its
+def _transformer_flops(comp_json: str, kind: str, latent: tuple, patch: int, text_tokens: int) -> float:
+    """Forward FLOPs of one row of latents [C, H, W] in patch x patch tokens through the transformer, called as its
     family's adapter calls it (the measurement's inputs, measure.model_inputs, on the meta device)."""
     comp = json.loads(comp_json)
     _, H, W = latent
-    p = math.isqrt(H * W // image_tokens)  # the latent pixels a token spans on a side
-    args = model_inputs(kind, comp["config"], 1, H // p, W // p, text_tokens, device="meta")
+    args = model_inputs(kind, comp["config"], 1, H // patch, W // patch, text_tokens, device="meta")
     m = meta_module(comp)
     return _count(lambda: m(**args))
 
@@ -119,7 +118,7 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     cfgg = 1 + (smp.guidance != 1.0)
     nft = cfg.train.algorithm == "nft"
     F = _transformer_flops(json.dumps(comps["transformer"], sort_keys=True), s["kind"], tuple(s["latent"]),
-                           s["image_tokens"], s["text_tokens"])
+                           s["patch"], s["text_tokens"])
     factor = (4 / 3 if s["lora_rank"] == 0 else 1.0) * (1.0 if cfg.parallel.activation_checkpointing else 2 / 3)
 
     def fwd(rows_per_pass: list, flops: float = F, x: int = 1) -> float:  # no-grad passes, `x` times the rows each

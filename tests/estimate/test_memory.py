@@ -3,6 +3,7 @@ shapes and measured coefficients (nothing is measured here): every config fits 8
 as shipped (the command's exit status says so), each phase's components add up to its total, the trainer's own
 planner decides the rows of a pass, and the shapes count the published parameter numbers."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,8 @@ def load(path, overrides=()):
     return load_config(path, list(overrides), check_files=False)  # the production paths do not exist here
 
 PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps", "sd35m_nft_pickscore",
-              "qwenimage_hps", "sd35l_pickscore", "flux2_klein_pickscore", "zimage_pickscore"]
+              "qwenimage_hps", "sd35l_pickscore", "flux2_klein_pickscore", "zimage_pickscore",
+              "flux1_kontext_pickscore"]
 GPU_80GB = 79.2  # GiB torch reports for an 80 GB H100 / A100
 HEADROOM = 0.10
 
@@ -139,6 +141,25 @@ def test_the_qwen_families_text_and_image_tokens(name, length, text, image):
     assert [e["seq"] for e in s["encoders"].values()] == [length]
     width = tc["cap_feat_dim"] + 2 if name.startswith("zimage") else tc["joint_attention_dim"]
     assert s["cond_row"] == length * width
+
+
+def test_kontext_passes_carry_the_input_images_tokens_and_its_latents_ride_in_the_conditioning():
+    """FLUX.1-Kontext: each transformer pass holds the noisy and the input image's tokens (2 x 24 x 24 at 384 px), the
+    conditioning a row stores the input image's latents besides T5's embeddings; the same config as plain FLUX.1
+    (the same transformer) carries half the image tokens and costs fewer FLOPs a row."""
+    from jagg_scale.estimate import steptime as T
+
+    cfg = load(ROOT / "configs" / "flux1_kontext_pickscore.yaml")
+    s = E.prepare(cfg, 8, memory=False)
+    plain = E.prepare(load(ROOT / "configs" / "flux1_kontext_pickscore.yaml", ["model.kind=flux"]), 8,
+                      shapes_name="flux1_dev", memory=False)
+    tc = s["components"]["transformer"]["config"]
+    assert s["kind"] == "flux_kontext" and s["image_tokens"] == 2 * plain["image_tokens"] == 2 * 24 * 24
+    assert s["cond_row"] - plain["cond_row"] == 16 * 48 * 48 and s["text_tokens"] == 512
+    comp = json.dumps(s["components"]["transformer"], sort_keys=True)
+    kontext = T._transformer_flops(comp, "flux_kontext", tuple(s["latent"]), 2, 512)
+    flux = T._transformer_flops(comp, "flux", tuple(s["latent"]), 2, 512)
+    assert 1.5 * flux < kontext < 2.5 * flux and tc["guidance_embeds"]
 
 
 def test_the_cli_prints_the_table_and_the_chosen_micro_batch(capsys):

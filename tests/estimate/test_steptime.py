@@ -42,7 +42,7 @@ def test_the_flop_count_is_the_calibrations():
     comp = pipeline_shapes(cfg)["components"]["transformer"]
     import json
 
-    F = T._transformer_flops(json.dumps(comp, sort_keys=True), "sd3", tuple(s["latent"]), s["image_tokens"],
+    F = T._transformer_flops(json.dumps(comp, sort_keys=True), "sd3", tuple(s["latent"]), s["patch"],
                              s["text_tokens"])
     assert F / 1e12 == pytest.approx(T.calibration()["forward_tflop_per_row"], rel=1e-3)
 
@@ -106,7 +106,7 @@ def test_the_flop_count_of_the_qwen_families_is_their_blocks_arithmetic(shape, k
 
     comp = pipeline_shapes(None, shape)["components"]["transformer"]
     image = latent[1] * latent[2] // 4  # 2x2 latent pixels a token: 512 px Z-Image, 384 px FLUX.2
-    F = T._transformer_flops(json.dumps(comp, sort_keys=True), kind, latent, image, text)
+    F = T._transformer_flops(json.dumps(comp, sort_keys=True), kind, latent, 2, text)
     c, m, tok = comp["config"], meta_module(comp), image + text
 
     def weights(block, keep=lambda name: True):  # matmul weights applied per token (not the per-row modulation)
@@ -123,4 +123,4 @@ def test_the_flop_count_of_the_qwen_families_is_their_blocks_arithmetic(shape, k
                                        + 4 * d * tok**2)
                     + c["num_single_layers"] * (2 * weights(sgl) * tok + 4 * d * tok**2))
     assert F == pytest.approx(expected, rel=0.02)  # the rest: embedders, norms, the head
-    assert T._transformer_flops(json.dumps(comp, sort_keys=True), kind, latent, image, text // 2) < F  # the prompt
+    assert T._transformer_flops(json.dumps(comp, sort_keys=True), kind, latent, 2, text // 2) < F  # the prompt
