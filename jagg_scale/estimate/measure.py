@@ -110,7 +110,7 @@ def model_inputs(kind: str, cfg: dict, n: int, h: int, w: int, t: int, device: s
     ids = ids.reshape(-1, ids.shape[-1])
     guidance = torch.full((n,), 3.5, device=device) if cfg.get("guidance_embeds") else None
     tokens = h * w
-    if kind == "flux_kontext":  # the input image's tokens after the noisy ones, rope axis 0 set to 1 (models/kontext.py)
+    if kind == "flux_kontext":  # the input image's tokens after the noisy ones, rope axis 0 = 1 (models/kontext.py)
         ids, tokens = torch.cat([ids, torch.cat([torch.ones(len(ids), 1), ids[:, 1:]], dim=1)]), 2 * h * w
     return dict(hidden_states=r(n, tokens, cfg["in_channels"]), timestep=u(n), guidance=guidance,
                 img_ids=ids.to(device), txt_ids=torch.zeros(t, ids.shape[-1], device=device), **common)
