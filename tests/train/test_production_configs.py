@@ -1,4 +1,5 @@
-"""The production configs (SD3.5-medium with PickScore / GenEval / OCR, FLUX.1-dev with HPS).
+"""The production configs (SD3.5-medium / -large with PickScore / GenEval / OCR, FLUX.1-dev with HPS, Qwen-Image, and
+Flow-Factory's FLUX.2 [klein], Z-Image and FLUX.1-Kontext recipes).
 
 Their weights cannot live on a CI machine, so each config is checked in two ways: (1) it validates once model and
 prompt paths point at something real, and what its header says it does is what the code makes of it (the planner's
@@ -238,3 +239,48 @@ def test_the_qwenimage_recipe_trains_a_step_on_the_tiny_pipeline(qwenimage_dir, 
     loaded = QwenImageTransformer2DModel.from_pretrained(tmp_path / "run" / "transformer", local_files_only=True)
     for key, p in loaded.state_dict().items():
         assert torch.equal(p, trained["transformer." + key]), key
+
+
+# the Flow-Factory recipes (FLUX.2 [klein], Z-Image, FLUX.1-Kontext): the tiny pipeline of each family, its size, and
+# whether its prompts are an edit set (Kontext: the committed tiny edit set, each instruction with its input image)
+FLOW_FACTORY = {"flux2_klein_pickscore": ("flux2_dir", 32, False), "zimage_pickscore": ("zimage_dir", 16, False),
+                "flux1_kontext_pickscore": ("flux_kontext_dir", 16, True)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FLOW_FACTORY))
+def test_the_flow_factory_recipes_train_a_step_on_the_tiny_pipelines(name, request, tmp_path):
+    """Each as its header says - its SDE steps 1-3 trained as one JAGG window of 3 (2 backwards instead of 3), two
+    optimizer steps per rollout, on its production backend (FSDP2, one process) - then one step end to end on the
+    family's tiny pipeline: on-policy ratio 1, and the export (a full transformer or a LoRA) written."""
+    from jagg_scale.jagg import WindowPlanner
+    from jagg_scale.train.rows import StepRows
+
+    fixture, resolution, edits = FLOW_FACTORY[name]
+    pipe = request.getfixturevalue(fixture)
+    paths = _paths(name, pipe, tmp_path)
+    if edits:
+        prompts = ROOT / "data" / "edits" / "tiny" / "edits.jsonl"
+        paths += [f"data.prompt_file={prompts}", f"eval.prompt_file={prompts}"]
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", paths)
+    planner = cfg.jagg.planner()
+    assert isinstance(planner, WindowPlanner) and planner.window == 3 and planner.jagg_frac == 1.0
+    assert (cfg.sampling.sde_window, cfg.sampling.sde_window_range) == (3, [1, 4])
+    rows = StepRows.draw(cfg.train.prompts_per_step * cfg.grpo.group_size, cfg.train.batch_size, cfg.run.seed, 0, 0, 8)
+    assert rows.num_minibatches == 2 and cfg.parallel.engine == "fsdp2" and cfg.model.dtype == "bfloat16"
+    shrink = [f"model.resolution={resolution}", "model.max_sequence_length=64", "grpo.group_size=4",
+              "train.prompts_per_step=2", "train.batch_size=4", "train.micro_batch_size=4", "train.steps=1",
+              "eval.enabled=false", "log.wandb=false", "log.progress=false", "reward.name=jpeg_compressibility",
+              "reward.options={}", "run.resume=none"]
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", paths + shrink)
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.trained_steps_at(0) == [1, 2, 3]
+        (row,) = trainer.fit()
+    finally:
+        trainer.close()
+    minibatches = cfg.train.prompts_per_step * cfg.grpo.group_size // cfg.train.batch_size
+    assert row["backward_passes"] == 2 * minibatches and row["per_step_equiv"] == 3 * minibatches
+    assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    export = tmp_path / "run" / ("lora" if cfg.model.lora.enabled else "transformer")
+    assert any(export.glob("*.safetensors"))
