@@ -51,7 +51,7 @@ def check_jagg_w2_equals_per_step(m, window_sigmas, guidance, prompts=PROMPTS):
     adv = torch.randn(2, 2, generator=gen, dtype=torch.float64)
 
     def step_loss(k, v):  # GRPO-like: -A exp(log-ratio), log-prob a Gaussian in v
-        logp = -((v.double() - targets[k]) ** 2).mean(dim=(1, 2, 3))
+        logp = -((v.double() - targets[k]) ** 2).flatten(1).mean(dim=1)
         return (-adv[k] * torch.exp(0.1 * logp)).mean()
 
     m.zero_grad(set_to_none=True)

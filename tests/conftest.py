@@ -58,5 +58,5 @@ def _tiny_pipeline(kind: str):
     return fixture
 
 
-sd3_dir, flux_dir, qwenimage_dir, flux2_dir, zimage_dir, flux_kontext_dir, flux2_dev_dir = (
-    _tiny_pipeline(k) for k in ("sd3", "flux", "qwenimage", "flux2", "zimage", "flux_kontext", "flux2_dev"))
+sd3_dir, flux_dir, qwenimage_dir, flux2_dir, zimage_dir, flux_kontext_dir, flux2_dev_dir, wan_dir = (
+    _tiny_pipeline(k) for k in ("sd3", "flux", "qwenimage", "flux2", "zimage", "flux_kontext", "flux2_dev", "wan"))

@@ -399,8 +399,39 @@ def make_tiny_zimage(out_dir, seed: int = 0) -> Path:
     return _save(build_tiny_zimage(seed), out_dir)
 
 
+def build_tiny_wan(seed: int = 0):
+    """The tiny random WanPipeline (Wan2.1 T2V layout): a WanTransformer3DModel of 1 layer, 2 heads x 8, patch
+    (1, 2, 2), in/out 4 channels, text_dim 32 (= the UMT5 d_model); an AutoencoderKLWan of 2 levels (spatial and
+    temporal factor 2: 5 frames of 16 px <-> 3 x 8 x 8 latents) with per-channel latents mean / std; UMT5 over the T5
+    tokenizer above; FlowMatchEulerDiscreteScheduler(shift=3) (the published Wan2.1 uses UniPC with flow_shift 3 or 5:
+    the adapter reads whichever scheduler class the pipeline carries)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = _t5_tokenizer()
+    torch.manual_seed(seed)
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
+                                        in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=32,
+                                        num_layers=1, rope_max_seq_len=32)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                           latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 1.0],
+                           scale_factor_temporal=2, scale_factor_spatial=2)
+    torch.manual_seed(seed + 2)
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                               num_heads=4, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae, transformer=transformer,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+
+
+def make_tiny_wan(out_dir, seed: int = 0) -> Path:
+    """Build the tiny Wan pipeline and `save_pretrained` it to out_dir; returns the directory."""
+    return _save(build_tiny_wan(seed), out_dir)
+
+
 MAKERS = {"sd3": make_tiny_sd3, "flux": make_tiny_flux, "qwenimage": make_tiny_qwenimage, "flux2": make_tiny_flux2,
-          "zimage": make_tiny_zimage, "flux_kontext": make_tiny_flux_kontext, "flux2_dev": make_tiny_flux2_dev}
+          "zimage": make_tiny_zimage, "flux_kontext": make_tiny_flux_kontext, "flux2_dev": make_tiny_flux2_dev,
+          "wan": make_tiny_wan}
 
 
 def main(argv=None) -> None:

@@ -3,8 +3,8 @@
     dit.py                the built-in DiT (one readable file), with its hash tokenizer
     sd3.py, flux.py,      diffusers SD3/SD3.5, FLUX.1, Qwen-Image, FLUX.2 [dev, klein] and Z-Image pipelines as
     qwenimage.py,         velocity models (diffusers_common.py: what they share); kontext.py: FLUX.1-Kontext
-    flux2.py, zimage.py,  instruction editing (the input image's latents as conditioning tokens)
-    kontext.py
+    flux2.py, zimage.py,  instruction editing (the input image's latents as conditioning tokens); wan.py: Wan2.1/2.2
+    kontext.py, wan.py    text-to-video, latents [N, C, F, H, W]
     lora.py               peft LoRA on the diffusers transformers; adapter off is the KL reference
 
 `build_model(cfg.model)` is the one way the trainer and jagg-eval make a model, on the host. The trainer asks for
@@ -106,6 +106,11 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
         model = Flux2Velocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
                                               max_sequence_length=cfg.max_sequence_length,
                                               guidance_scale=cfg.distilled_guidance)
+    elif cfg.kind == "wan":
+        from .wan import WanVelocity
+
+        model = WanVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution, num_frames=cfg.num_frames or 81,
+                                            max_sequence_length=cfg.max_sequence_length)
     elif cfg.kind == "zimage":
         from .zimage import ZImageVelocity
 

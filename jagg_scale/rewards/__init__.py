@@ -2,8 +2,9 @@
 
 Importing this package registers the built-in rewards (JPEG compressibility/incompressibility, digit_match,
 remote, the CLIP family clip_score/pickscore/hps/aesthetic, ocr, imagenet_class, the editing reward
-clip_direction), so `build_reward("jpeg_compressibility")` works without further imports. Model-based rewards import
-their heavy libraries (transformers, rapidocr) only when built.
+clip_direction, the video rewards video_frames and temporal_consistency), so `build_reward("jpeg_compressibility")`
+works without further imports. Model-based rewards import their heavy libraries (transformers, rapidocr) only when
+built.
 """
 
 from . import jpeg  # noqa: F401  (registers the JPEG rewards)
@@ -14,6 +15,7 @@ from . import clip  # noqa: F401  (registers clip_score, pickscore, hps, aesthet
 from . import ocr  # noqa: F401  (registers ocr; rapidocr imported on build)
 from . import imagenet  # noqa: F401  (registers imagenet_class)
 from . import edit  # noqa: F401  (registers clip_direction, the editing reward; transformers imported on build)
+from . import video  # noqa: F401  (registers video_frames, temporal_consistency: rewards of a video's frames)
 from .base import Reward, RewardOutput, UnknownRewardError, available, build_reward, register, score_safely
 
 __all__ = [

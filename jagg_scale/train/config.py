@@ -291,6 +291,21 @@ def config_from_dict(data: dict) -> Config:
     return cfg
 
 
+def _check_video_rewards(cfg: Config) -> None:
+    """A video model's samples are frames [N, 3, F, H, W]: every reward it is scored by must take videos."""
+    from ..models.base import VIDEO_KINDS
+    from ..rewards.video import VIDEO_REWARDS
+
+    r, kind = cfg.reward, cfg.model.kind
+    for name in list(r.components) if r.components else [r.name]:
+        key = f"reward.components.{name}" if r.components else "reward.name"
+        if kind in VIDEO_KINDS:
+            _require(name in VIDEO_REWARDS, key, f"{name!r} scores images; model.kind {kind} makes videos: use "
+                     f"{' or '.join(VIDEO_REWARDS)} (video_frames: {{reward: {name}, options: ...}} scores frames)")
+        else:
+            _require(name not in VIDEO_REWARDS, key, f"{name!r} scores videos; model.kind {kind} makes images")
+
+
 def validate(cfg: Config, *, check_files: bool = True) -> None:
     """Each section's own range checks, then the checks across sections and (check_files) the files named; each
     names its key."""
@@ -299,6 +314,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     m, s, g, t = cfg.model, cfg.sampling, cfg.grpo, cfg.train
     _require(s.shift is not None or m.kind != "dit", "sampling.shift",
              f"null (the pipeline's own schedule) needs a diffusers model.kind ({', '.join(PIPELINE_KINDS)})")
+    _check_video_rewards(cfg)
     _require(s.sde_window == 0 or g.timestep_fraction == 1.0, "grpo.timestep_fraction",
              "must be 1.0 with sampling.sde_window (the window decides which steps are trained)")
     _require((t.prompts_per_step * g.group_size) % t.batch_size == 0, "train.batch_size",

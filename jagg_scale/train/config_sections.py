@@ -29,9 +29,9 @@ from ..sections import ConfigError, require as _require
 from ..sections import Section as _Section
 
 # built-in DiT | diffusers StableDiffusion3Pipeline | FluxPipeline | QwenImagePipeline | Flux2KleinPipeline
-ModelKind = Literal["dit", "sd3", "flux", "qwenimage", "flux2", "zimage", "flux_kontext"]
+ModelKind = Literal["dit", "sd3", "flux", "qwenimage", "flux2", "zimage", "flux_kontext", "wan"]
 PROMPT_TOKEN_LIMITS = {"sd3": 512, "flux": 512, "qwenimage": 1024, "flux2": 512, "zimage": 512,
-                       "flux_kontext": 512}  # the pipelines' own
+                       "flux_kontext": 512, "wan": 512}  # the pipelines' own
 DType = Literal["float32", "bfloat16"]  # autocast dtype of the model; the SDE math stays float32
 Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
 SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
@@ -102,6 +102,8 @@ class ModelConfig(_Section):
     # sd3/flux: the T5 encoder sharded with FSDP2 across all ranks for inference (1/world of its weights per rank;
     # every rank must then encode the same number of times: the trainer does)
     shard_t5: bool = False
+    # wan: frames per video, 1 + a multiple of the VAE's temporal factor (4: 81 is Wan2.1's 5 s at 16 fps); null = 81
+    num_frames: Optional[int] = None
     # sd3/flux: T5 prompt tokens; null = the pipeline's default (diffusers: SD3 256, FLUX 512). Recipes set their
     # own (Flow-GRPO and DiffusionNFT encode SD3.5 prompts at 128). Every transformer pass carries these tokens.
     # qwenimage, flux2, zimage: the Qwen text encoder's prompt tokens every prompt is padded to (null: the pipeline's
@@ -134,6 +136,10 @@ class ModelConfig(_Section):
         limit = PROMPT_TOKEN_LIMITS.get(self.kind, 512)
         _require(n is None or 1 <= n <= limit, f"{prefix}.max_sequence_length",
                  f"must be in [1, {limit}] prompt tokens for {prefix}.kind {self.kind}, got {n}")
+        _require(self.num_frames is None or self.kind == "wan", f"{prefix}.num_frames",
+                 f"is the frame count of a video model (kind wan), not {self.kind}")
+        _require(self.num_frames is None or self.num_frames >= 1, f"{prefix}.num_frames",
+                 f"must be >= 1, got {self.num_frames}")
         self.lora.check(f"{prefix}.lora")
         _check_dit(self.dit, f"{prefix}.dit")
 
@@ -429,6 +435,7 @@ class EvalConfig(_Section):
     prompts: list[str] = field(default_factory=list)
     num_per_prompt: int = 2
     every: int = 0  # also evaluate every N steps; 0: only before and after training
+    video_fps: int = 16  # a video model's eval GIFs (Wan2.1 generates at 16 fps)
     seed: int = 1234  # eval noise is fixed by this seed, so every evaluation sees the same starting noise
     batch_size: int = 32  # images per rank encoded, sampled, decoded and scored at once (eval memory is per batch)
     at_start: bool = True  # also evaluate before the first step (step 0) of a fresh run; false skips it

@@ -37,6 +37,7 @@ def diversity_features(reward, images: torch.Tensor) -> tuple[torch.Tensor, str]
     if feats is not None:
         return feats.detach().float().cpu().reshape(len(images), -1), FEATURES
     x = images.detach().float().nan_to_num(0.0).clamp(0, 1)
+    x = x.flatten(1, x.ndim - 3)  # a video's frames as channels: [B, 3 F, H, W]
     h, w = x.shape[-2:]
     x = F.adaptive_avg_pool2d(x, (min(h, _POOL), min(w, _POOL)))
     return x.cpu().reshape(len(images), -1), PIXELS

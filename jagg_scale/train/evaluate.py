@@ -22,7 +22,8 @@ At scale (thousands of held-out images, several ranks):
 
 The grid has one row per prompt, labelled with the prompt, its mean reward and its diversity (grid.py); eval.json
 lists the rows' prompts under "grid". An edit set's rows are input | before | after: the prompt's input image, the
-base model's edits (the step-0 evaluation's images, kept in its grid.safetensors) and this evaluation's.
+base model's edits (the step-0 evaluation's images, kept in its grid.safetensors) and this evaluation's. A video
+model's rows show each video's frames left to right, and each prompt's first video is written as video_NNN.gif.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ..grpo import model_schedule, sample_ode
 from ..rewards import score_safely
 from .config import Config, load_prompt_file
 from .diversity import compare_to_base, diversity_features, mean_pairwise_distance
-from .grid import edit_rows, image_grid, to_uint8
+from .grid import edit_rows, image_grid, to_uint8, video_frames_row, write_gifs
 
 GRID_TENSORS = "grid.safetensors"  # the grid's images, uint8, beside grid.png
 
@@ -235,6 +236,9 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
                 size = shown_images.shape[-1]
                 inputs = to_uint8(torch.stack([load_rgb(p.image, size) for p in edits]))
                 shown_images, ncols = edit_rows(inputs, base_grid, shown_images, k)
+            if shown_images.ndim == 5:  # videos: a GIF of each prompt's first, and the grid shows every frame
+                result["grid"]["videos"] = write_gifs(shown_images[::k], out_dir, cfg.eval.video_fps)
+                shown_images, ncols = video_frames_row(shown_images), k * shown_images.shape[2]
             image_grid(shown_images, ncols=ncols, labels=labels).save(out_dir / "grid.png")
         (out_dir / "eval.json").write_text(json.dumps(result, indent=2))
     return result

@@ -13,14 +13,16 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["LABEL_WIDTH", "PAD", "edit_rows", "grid_rows", "image_grid", "to_uint8"]
+__all__ = ["LABEL_WIDTH", "PAD", "edit_rows", "grid_rows", "image_grid", "to_uint8", "video_frames_row",
+           "write_gifs"]
 
 LABEL_WIDTH = 180  # ~28 characters of the 6-px bitmap font: a digits prompt on one line
 PAD = 2
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """[N, 3, H, W] float in [0, 1] -> uint8 on the CPU (what a grid shows: a quarter of float32's bytes)."""
+    """[N, 3, H, W] (or videos [N, 3, F, H, W]) float in [0, 1] -> uint8 on the CPU (what a grid shows: a quarter of
+    float32's bytes)."""
     return (images.clamp(0, 1) * 255).round().to(torch.uint8).cpu()
 
 
@@ -102,3 +104,24 @@ def grid_rows(grid: Image.Image, nrows: int) -> list[Image.Image]:
     """The `nrows` rows of an `image_grid` (label column included), each without the padding around it."""
     row_h = (grid.height - PAD) // max(1, nrows)
     return [grid.crop((0, PAD + r * row_h, grid.width, PAD + (r + 1) * row_h - PAD)) for r in range(nrows)]
+
+
+def video_frames_row(videos: torch.Tensor) -> torch.Tensor:
+    """uint8 videos [N, 3, F, H, W] -> their frames [N F, 3, H, W] in order (a grid of F columns a video)."""
+    return videos.transpose(1, 2).flatten(0, 1)
+
+
+def write_gifs(videos: torch.Tensor, out_dir, fps: int) -> list[str]:
+    """Each uint8 video [3, F, H, W] of `videos` as out_dir/video_NNN.gif (looping, `fps` frames a second, upscaled
+    like the grid for viewing); returns the file names."""
+    from pathlib import Path
+
+    names = []
+    for i, video in enumerate(videos):
+        frames = video.permute(1, 2, 3, 0).numpy()  # [F, H, W, 3]
+        scale = max(1, 64 // max(frames.shape[1:3]))
+        pil = [Image.fromarray(f.repeat(scale, axis=0).repeat(scale, axis=1)) for f in frames]
+        names.append(f"video_{i:03d}.gif")
+        pil[0].save(Path(out_dir) / names[-1], save_all=True, append_images=pil[1:], duration=round(1000 / fps),
+                    loop=0)
+    return names

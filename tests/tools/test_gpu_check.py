@@ -35,10 +35,11 @@ def test_the_gpu_check_runs_every_section_at_toy_scale(tmp_path):
         case = sections["window"]["windows"][f"W{W}"]
         assert case["per_step"]["seconds"] > 0 and case["jagg_cached"]["seconds"] > 0 and case["speedup"] > 0
     assert sections["window"]["lora_parameters"] < sections["window"]["parameters"]
-    qwen = sections["families"]["qwen_image"]  # a newer family's window, through its own bare-transformer velocity
-    assert 0 < qwen["lora_parameters"] < qwen["parameters"] and qwen["latent"] == [4, 8, 8]
-    for W in (4, 8):
-        assert qwen["windows"][f"W{W}"]["per_step"]["seconds"] > 0 and qwen["windows"][f"W{W}"]["speedup"] > 0
+    for family in ("qwen_image", "z_image"):  # the newer families' windows, each through its bare-transformer velocity
+        fam = sections["families"][family]
+        assert 0 < fam["lora_parameters"] < fam["parameters"] and fam["latent"] == [4, 8, 8]
+        for W in (4, 8):
+            assert fam["windows"][f"W{W}"]["per_step"]["seconds"] > 0 and fam["windows"][f"W{W}"]["speedup"] > 0
     assert 0 < sections["syncs"]["host_syncs_per_step"] <= 25
     for run in ("none", "fsdp2"):
         assert sections["train"][run]["rc"] == 0 and sections["train"][run]["steps_logged"] == 2

@@ -1,0 +1,118 @@
+"""Wan2.1 / Wan2.2 text-to-video (diffusers WanPipeline) as a `VelocityModel`: the transformer is the policy.
+
+The algorithm is shape-agnostic: a video's latents [N, C, F, H, W] go through the rollout, the SDE log-probs, the
+JAGG windows and the loss exactly as an image's [N, C, H, W] do (docs/algorithm.md: every quantity is per element,
+reduced over all latent dimensions but the batch).
+
+    cond = encode_prompts(prompts)     WanPipeline.encode_prompt (no grad): UMT5's last hidden states, each prompt's
+                                       padding zeroed, [B, model.max_sequence_length, text_dim] (the pipeline's 512)
+    v    = forward(x, sigma, cond)     transformer(x [N, C, F, H, W], timestep = 1000 sigma, embeds): the
+                                       scheduler's timesteps are sigma x num_train_timesteps, and the transformer
+                                       predicts v = e - d (flow prediction), as SD3's does
+    img  = decode(x)                   vae.decode(x * latents_std + latents_mean) -> frames [N, 3, F', H', W'] in
+                                       [0, 1] (F' = 4 (F - 1) + 1 for the published VAE)
+
+Schedule: the pipeline samples with its own scheduler (UniPCMultistepScheduler with flow sigmas shifted by
+flow_shift in the published Wan2.1 pipelines); `pipeline_sigmas` asks that scheduler class for its sigmas, and the
+rollout steps them with the Flow-GRPO SDE (Euler-Maruyama), as Flow-GRPO and DanceGRPO train Wan. Guidance: plain
+CFG with the pipeline's empty negative prompt (WanPipeline's guidance_scale 5.0 by default).
+
+Wan2.2 A14B: two experts by noise level (`transformer` above boundary_ratio x 1000, `transformer_2` below). Training
+both in one run needs two policies; this adapter trains `transformer` and refuses a pipeline with a `transformer_2`
+(Wan2.2 TI2V-5B and Wan2.1 have one transformer).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .diffusers_common import DiffusersVelocity, row_sigmas
+
+PROMPT_TOKENS_DEFAULT = 512  # WanPipeline.__call__'s max_sequence_length
+
+
+class WanVelocity(DiffusersVelocity):
+    """v_theta(x, sigma, cond) of a diffusers WanPipeline's transformer, on video latents [N, C, F, H, W]."""
+
+    frozen_names = ("vae", "text_encoder")
+    t5_name = "text_encoder"
+    is_video = True
+
+    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None,
+                 num_frames: int = 81):
+        if getattr(pipe, "transformer_2", None) is not None:
+            raise ValueError("model.kind wan trains one transformer; this WanPipeline has two experts (Wan2.2 A14B's "
+                             "transformer_2 below its boundary_ratio), which one run cannot train yet")
+        super().__init__(pipe, max_sequence_length)
+        t, s = pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
+        if (num_frames - 1) % t:
+            raise ValueError(f"model.num_frames {num_frames} must be 1 + a multiple of the VAE's temporal factor {t}")
+        p = self.transformer.config.patch_size
+        latent_size = int(latent_size or 480 // s)  # Wan2.1's 480 px class
+        if latent_size % p[1]:
+            raise ValueError(f"Wan latent size must be a multiple of the patch {p[1]}, got {latent_size}")
+        self.vae_scale_factor = s
+        self.num_frames = num_frames
+        self.latent_shape = (self.transformer.config.in_channels, (num_frames - 1) // t + 1, latent_size, latent_size)
+        self.image_size = latent_size * s
+        self.patch_size = p[1]
+        self._latent_stats: dict = {}
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | dict = torch.float32, *, max_sequence_length: int | None = None,
+                        resolution: int | None = None, num_frames: int = 81,
+                        local_files_only: bool = True) -> "WanVelocity":
+        """Load a saved WanPipeline directory (offline by default); `dtype` as SD3Velocity.from_pretrained's."""
+        from diffusers import WanPipeline
+
+        pipe = WanPipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
+        f, patch = pipe.vae_scale_factor_spatial, pipe.transformer.config.patch_size[1]
+        if resolution is not None and resolution % (f * patch):
+            raise ValueError(f"model.resolution {resolution} must be a multiple of {f * patch} (VAE factor {f} x "
+                             f"patch {patch})")
+        latent_size = resolution // f if resolution is not None else None
+        return cls(pipe, max_sequence_length=max_sequence_length or PROMPT_TOKENS_DEFAULT, latent_size=latent_size,
+                   num_frames=num_frames)
+
+    def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
+        """float32 [num_steps + 1]: the sigmas the pipeline's own scheduler class sets for num_steps, trailing 0."""
+        sched = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        sched.set_timesteps(num_steps)
+        sigmas = sched.sigmas.float().cpu()
+        return sigmas if len(sigmas) == num_steps + 1 else torch.cat([sigmas[:num_steps], sigmas.new_zeros(1)])
+
+    # ------------------------------------------------------------------ the VelocityModel interface
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
+        """UMT5 embeddings [B, max_sequence_length, text_dim] in the transformer's dtype ("" unconditional)."""
+        embeds, _ = self.pipe.encode_prompt(prompt=list(prompts), do_classifier_free_guidance=False,
+                                            max_sequence_length=self.max_sequence_length, device=self.device)
+        return embeds.to(self.dtype).detach()
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        """Velocity v = e - d at video latents x [N, C, F, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
+        return wan_velocity(self.transformer, x, sigma, cond, self.num_train_timesteps)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Latents [N, C, F, H, W] -> float32 frames [N, 3, F', H', W'] in [0, 1], as WanPipeline decodes."""
+        vae = self.frozen["vae"]
+        key = (str(x.device), vae.dtype)
+        if key not in self._latent_stats:
+            c = vae.config
+            self._latent_stats[key] = tuple(torch.tensor(v, dtype=vae.dtype).view(1, c.z_dim, 1, 1, 1).to(x.device)
+                                            for v in (c.latents_mean, c.latents_std))
+        mean, std = self._latent_stats[key]
+        video = vae.decode(x.to(vae.dtype) * std + mean, return_dict=False)[0]
+        return ((video.float() + 1) / 2).clamp(0, 1)
+
+
+def wan_velocity(transformer, x: torch.Tensor, sigma, cond, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """The Wan velocity of a diffusers WanTransformer3DModel at latents x [N, C, F, H, W]: timestep = sigma x the
+    scheduler's num_train_timesteps (the pipeline's `t`), the prompt embeddings; in x's dtype."""
+    dtype = next(transformer.parameters()).dtype
+    out = transformer(hidden_states=x.to(dtype), timestep=row_sigmas(sigma, x).float() * num_train_timesteps,
+                      encoder_hidden_states=cond.to(dtype), return_dict=False)[0]
+    return out.to(x.dtype)
