@@ -280,7 +280,7 @@ def run(quick: bool) -> dict:
         prepared = {a: E.prepare(trainers[a].cfg, 1, memory=False) for a in ARMS}
         s0 = prepared["shipped"]
         F = T._transformer_flops(json.dumps(s0["components"]["transformer"], sort_keys=True),
-                                 s0["kind"], tuple(s0["latent"]), s0["image_tokens"], s0["text_tokens"])
+                                 s0["kind"], tuple(s0["latent"]), s0["patch"], s0["text_tokens"])
         calib = calibrate(trainers["shipped"], F, size)
         model = {a: T.step_seconds(prepared[a], _shares(trainers[a]), cfg_rows_with_grad=a == "Flow-GRPO",
                                    calib=calib) for a in ARMS}
