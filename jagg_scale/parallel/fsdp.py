@@ -34,6 +34,7 @@ pickles, which torch's own reader would unpickle without restriction.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Iterable
@@ -237,8 +238,16 @@ class FSDP2Engine(Engine):
 
         state = self._dcp_state()
         dcp_load(state, directory / "dcp")  # in place, the EMA shards included; nothing unpickled but data
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=self._options)
+        # A LoRA checkpoint holds the trained weights alone (ignore_frozen_params), and torch then loads with strict
+        # name checking, which reports every frozen base weight missing: load non-strict and check here that only
+        # frozen weights were left out (dcp_load already required every saved entry to be there)
+        options = dataclasses.replace(self._options, strict=self.full_fine_tune)
+        missing, unexpected = set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                                             optim_state_dict=state["optimizer"], options=options)
+        trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        if unexpected or trained & set(missing):
+            raise ValueError(f"checkpoint {directory}: its model state does not fit this model: missing trained "
+                             f"{sorted(trained & set(missing))[:5]}, unexpected {sorted(unexpected)[:5]}")
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Trainable weights as full CPU tensors on rank 0 (collective; other ranks get {})."""
