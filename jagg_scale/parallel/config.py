@@ -38,6 +38,9 @@ class ParallelConfig(Section):
     # seconds a collective may wait before the process group's watchdog aborts the job (init_process_group's
     # timeout); longer than the longest work one rank does while the others wait (a checkpoint save, rank 0's export)
     collective_timeout_s: int = 1800
+    # fsdp2: split every transformer pass's tokens over this many ranks (Ulysses, parallel/sequence.py): the ranks of
+    # a group hold the same rows, each 1/N of their tokens; for rows too long for one GPU (video, 1024 px+)
+    sequence_parallel: int = 1
 
     def check(self, prefix: str) -> None:
         require(self.replicate >= 1, f"{prefix}.replicate", "must be >= 1")
@@ -54,5 +57,11 @@ class ParallelConfig(Section):
         for key in ("reshard_after_forward", "prefetch"):  # FSDP2's own switches; ZeRO-3 has its own in `deepspeed`
             require(getattr(self, key) or self.engine == "fsdp2", f"{prefix}.{key}",
                     f"is an FSDP2 setting: false needs {prefix}.engine fsdp2, not {self.engine}")
+        require(self.sequence_parallel >= 1, f"{prefix}.sequence_parallel",
+                f"must be >= 1, got {self.sequence_parallel}")
+        require(self.sequence_parallel == 1 or self.engine == "fsdp2", f"{prefix}.sequence_parallel",
+                f"splits the tokens of FSDP2's ranks: it needs {prefix}.engine fsdp2, not {self.engine}")
+        require(self.sequence_parallel == 1 or self.replicate == 1, f"{prefix}.sequence_parallel",
+                f"is not combined with HSDP ({prefix}.replicate {self.replicate}) yet")
         require(self.collective_timeout_s >= 1, f"{prefix}.collective_timeout_s",
                 f"must be >= 1 second, got {self.collective_timeout_s}")

@@ -63,10 +63,21 @@ class DistContext:
     device: torch.device = torch.device("cpu")
     process_group: str = "none"  # the process group's library: gloo | nccl, or none (one process, no group)
     owns_group: bool = False  # a one-process group started for a sharding engine (closed with the context)
+    # parallel.sequence_parallel: consecutive groups of this many ranks hold the same rows (parallel/sequence.py)
+    sequence_parallel: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """The rank among the data-parallel groups: ranks of one sequence-parallel group share it (and their rows)."""
+        return self.rank // self.sequence_parallel
+
+    @property
+    def data_world(self) -> int:
+        return self.world_size // self.sequence_parallel
 
     @property
     def active(self) -> bool:

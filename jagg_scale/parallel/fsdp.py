@@ -190,6 +190,10 @@ class FSDP2Engine(Engine):
         self.mesh = build_mesh(dist_ctx.device.type, dist_ctx.world_size, parallel.replicate)
         self.model = self._parallelize(model, parallel.activation_checkpointing, getattr(model, "master_dtype", None),
                                        compile=parallel.compile)
+        # sequence parallelism: a rank's gradient is its tokens' share, to be summed over its sequence group and
+        # averaged over the data groups (parallel/sequence.py); the reduce-scatter averages over every rank, so each
+        # backward is scaled by the group size (FSDP2's own divide factor is a PREMUL_SUM, which gloo lacks)
+        self.grad_scale = float(dist_ctx.sequence_parallel)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, optim)
         self.init_ema()
@@ -211,6 +215,8 @@ class FSDP2Engine(Engine):
     def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None, *, last: bool = True) -> None:
         # read by FSDP2's post-backward hooks only; off the boundary a block's gradient stays unsharded (fp32)
         self.model.set_requires_gradient_sync(last or self.grad_sync == "every")
+        if self.grad_scale != 1.0:
+            grad = torch.full_like(out, self.grad_scale) if grad is None else grad * self.grad_scale
         try:
             out.backward(grad)
         finally:

@@ -403,8 +403,13 @@ def validate_world(cfg: Config, world_size: int) -> None:
                  f"none runs one process, but the launcher started {world_size}: use fsdp2 (or deepspeed)")
         _require(cfg.jagg.probe_every == 0, "jagg.probe_every",
                  f"(the exact-gradient probe) runs on one process, not {world_size}: set it to 0")
-    _require(cfg.train.batch_size % world_size == 0, "train.batch_size",
-             f"{cfg.train.batch_size} must be divisible by the world size {world_size} (each rank trains its share)")
+    sp = p.sequence_parallel
+    _require(world_size % sp == 0, "parallel.sequence_parallel",
+             f"{sp} must divide the world size {world_size} (groups of {sp} ranks hold the same rows)")
+    groups = world_size // sp
+    _require(cfg.train.batch_size % groups == 0, "train.batch_size",
+             f"{cfg.train.batch_size} must be divisible by the {groups} data-parallel groups of the world size "
+             f"{world_size} (each trains its share)")
     _require(p.engine != "fsdp2" or world_size % p.replicate == 0, "parallel.replicate",
              f"{p.replicate} must divide the world size {world_size} (HSDP: replicas x shards; the node count on "
              "several nodes)")

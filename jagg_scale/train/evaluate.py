@@ -144,7 +144,9 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
     either way (EvalNoise), so an interrupted and resumed evaluation is the uninterrupted one."""
     e = cfg.eval
     active = dist is not None and dist.active
-    rank, world = (dist.rank, dist.world_size) if active else (0, 1)
+    # a sequence-parallel group evaluates the same images (parallel/sequence.py): shares by data rank
+    sp = dist.sequence_parallel if active else 1
+    rank, world = (dist.data_rank, dist.data_world) if active else (0, 1)
     records = [r for r in prompts.records for _ in range(e.num_per_prompt)]
     n = len(records)
     index, real = eval_share(n, rank, world)
@@ -185,10 +187,11 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
     finally:
         model.train(was_training)
     scores_t, valid_t, feats_t = torch.cat(scores), torch.cat(valid), torch.cat(feats)
-    if active:
-        scores_t = dist.all_gather_tensor(scores_t.to(dist.device)).cpu()
-        valid_t = dist.all_gather_tensor(valid_t.to(dist.device)).cpu()
-        feats_t = dist.all_gather_tensor(feats_t.to(dist.device)).cpu()
+    if active:  # every rank's share, once per data group
+        once = lambda t: t.view(dist.world_size, -1, *t.shape[1:])[::sp].flatten(0, 1)  # noqa: E731
+        scores_t = once(dist.all_gather_tensor(scores_t.to(dist.device)).cpu())
+        valid_t = once(dist.all_gather_tensor(valid_t.to(dist.device)).cpu())
+        feats_t = once(dist.all_gather_tensor(feats_t.to(dist.device)).cpu())
     # rank-major shares: the gathered rows are the images in order
     scores_t, valid_t, feats_t = scores_t[:n], valid_t[:n], feats_t[:n]
     ok = scores_t[valid_t].double()  # float32 sums overflow for rewards on a 1e38 scale
@@ -223,6 +226,7 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
         if edits is not None:
             result["grid"]["columns"] = ["input", *(["before"] * k if base_grid is not None else []), *["after"] * k]
     parts = _gather_to_main(dist, torch.cat(grid) if grid else None) if grid_n else None
+    parts = parts[::sp] if parts else parts  # rank 0's list: one share per data group
     if out_dir is not None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -41,27 +41,29 @@ class StepRows:
     batch_size: int  # global minibatch size
     world_size: int
     rank: int
+    sp: int = 1  # parallel.sequence_parallel: ranks r and r' with r // sp == r' // sp hold the same rows
 
     @classmethod
-    def draw(cls, n: int, batch_size: int, seed: int, step: int, rank: int, world_size: int) -> "StepRows":
-        if batch_size % world_size or n % batch_size:
-            raise ValueError(f"train.batch_size={batch_size} must be divisible by the world size {world_size} "
-                             f"and divide the step's {n} rows")
+    def draw(cls, n: int, batch_size: int, seed: int, step: int, rank: int, world_size: int,
+             sp: int = 1) -> "StepRows":
+        if batch_size % (world_size // sp) or n % batch_size:
+            raise ValueError(f"train.batch_size={batch_size} must be divisible by the {world_size // sp} data-parallel "
+                             f"groups and divide the step's {n} rows")
         gen = torch.Generator().manual_seed(step_seed(seed, step, 1))
-        return cls(torch.randperm(n, generator=gen), batch_size, world_size, rank)
+        return cls(torch.randperm(n, generator=gen), batch_size, world_size, rank, sp)
 
     @property
     def local_batch(self) -> int:
-        return self.batch_size // self.world_size
+        return self.batch_size // (self.world_size // self.sp)
 
     @property
     def num_minibatches(self) -> int:
         return len(self.order) // self.batch_size
 
     def rows_of(self, rank: int) -> torch.Tensor:
-        """Global row indices rank `rank` samples, in its local order (minibatch by minibatch)."""
-        lbs = self.local_batch
-        return torch.cat([self.order[m * self.batch_size + rank * lbs: m * self.batch_size + (rank + 1) * lbs]
+        """Global row indices rank `rank` samples, in its local order (minibatch by minibatch): its data rank's."""
+        lbs, d = self.local_batch, rank // self.sp
+        return torch.cat([self.order[m * self.batch_size + d * lbs: m * self.batch_size + (d + 1) * lbs]
                           for m in range(self.num_minibatches)])
 
     @property
@@ -70,14 +72,15 @@ class StepRows:
 
     @property
     def all_rows(self) -> torch.Tensor:
-        """Every rank's rows concatenated in rank order: the layout of an all-gather of per-rank results."""
+        """Every rank's rows concatenated in rank order: the layout of an all-gather of per-rank results (with
+        sequence parallelism each row once per rank of its group: identical values, written to the same place)."""
         return torch.cat([self.rows_of(r) for r in range(self.world_size)])
 
     def minibatches(self, epoch: int, seed: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(local positions, global rows of the whole minibatch) per minibatch. Epoch 0 follows the global
         order; later inner epochs permute the local positions with one seeded permutation shared by all
         ranks (rows stay on the rank that sampled them)."""
-        lbs, nl = self.local_batch, len(self.order) // self.world_size
+        lbs, nl = self.local_batch, len(self.order) // (self.world_size // self.sp)
         pos = torch.arange(nl)
         if epoch > 0:
             gen = torch.Generator().manual_seed(step_seed(seed, step, 2) + epoch)

@@ -93,6 +93,8 @@ class Trainer:
         # reference entirely: no copy, no forwards.
         lora = cfg.model.lora.enabled
         ref = model.reference_copy() if cfg.uses_reference and not lora else None
+        if cfg.parallel.sequence_parallel > 1:  # the transformers' tokens split over each group, before sharding
+            self._sequence_parallel(*[m for m in (model, ref) if m is not None])
         self.engine = build_engine(model, cfg.parallel, cfg.train, self.dist)
         self.model = self.engine.model
         model.place_frozen(self.device, shard_t5=self._t5_sharder() if cfg.model.shard_t5 else None)
@@ -128,6 +130,19 @@ class Trainer:
             self.lock.release(refused=refused)
             self.lock = None
 
+    def _sequence_parallel(self, *models) -> None:
+        from ..parallel.sequence import apply_sequence_parallel
+
+        sp = self.cfg.parallel.sequence_parallel
+        self.dist.ensure_group()
+        self.dist.sequence_parallel = sp
+        for model in models:
+            try:
+                apply_sequence_parallel(model.transformer, sp, self.dist.rank, self.dist.world_size, self.device)
+            except (AttributeError, ValueError) as err:  # a model without a diffusers transformer, or one unplanned
+                raise ConfigError(str(err) if "config key" in str(err) else
+                                  f"config key 'parallel.sequence_parallel' {sp}: {err}") from err
+
     def _t5_sharder(self):
         """model.shard_t5: the T5 encoder fully_shard-ed for inference over a 1-D mesh of every rank (a trivial
         process group in one process), each rank's shard placed on its device (parallel.fsdp.shard_for_inference)."""
@@ -157,7 +172,7 @@ class Trainer:
         # 1. rollout: the step's prompts (the same on every rank), this rank's rows, scored chunk by chunk
         records = [r for r in self.source.next_prompts() for _ in range(g)]
         rows = StepRows.draw(len(records), cfg.train.batch_size, cfg.run.seed, step, self.dist.rank,
-                             self.dist.world_size)
+                             self.dist.world_size, cfg.parallel.sequence_parallel)
         mine = rows.mine.tolist()
         prompts, metadata = [records[i].prompt for i in mine], [records[i].metadata for i in mine]
         cond = self.policy.encode(prompts)

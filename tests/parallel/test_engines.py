@@ -202,6 +202,10 @@ def _loss_and_grads(engine) -> tuple[float, dict]:
     ("parallel.reshard_after_forward=false parallel.engine=deepspeed", "'parallel.reshard_after_forward' is an FSDP2"),
     ("parallel.deepspeed={zero_optimization:{stage:2}}", "'parallel.deepspeed' is the DeepSpeed config merged"),
     ("parallel.backend=fsdp2", "config key 'parallel.backend' is now 'parallel.engine'"),
+    ("parallel.sequence_parallel=2", "'parallel.sequence_parallel' splits the tokens of FSDP2's ranks"),
+    ("parallel.sequence_parallel=0 parallel.engine=fsdp2", "'parallel.sequence_parallel' must be >= 1"),
+    ("parallel.sequence_parallel=2 parallel.engine=fsdp2 parallel.replicate=2",
+     "'parallel.sequence_parallel' is not combined with HSDP"),
     ("model.gradient_checkpointing=true", "config key 'model.gradient_checkpointing' is now "
                                           "'parallel.activation_checkpointing'"),
 ])
@@ -210,6 +214,19 @@ def test_parallel_options_are_checked_with_errors_naming_the_key(override, messa
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(TINY, override.split())
+
+
+def test_the_sequence_parallel_size_must_divide_the_world_and_leave_a_batch_share():
+    from jagg_scale.train import ConfigError, load_config
+    from jagg_scale.train.config import validate_world
+
+    cfg = load_config(TINY, ["parallel.engine=fsdp2", "parallel.sequence_parallel=2", "train.batch_size=6",
+                             "train.prompts_per_step=3"])
+    validate_world(cfg, 4)  # 2 data groups of 2 ranks: 3 rows each
+    with pytest.raises(ConfigError, match=re.escape("'parallel.sequence_parallel' 2 must divide the world size 3")):
+        validate_world(cfg, 3)
+    with pytest.raises(ConfigError, match=re.escape("divisible by the 4 data-parallel groups of the world size 8")):
+        validate_world(cfg, 8)
 
 
 @pytest.mark.parametrize("backend,ac", [("none", False), ("none", True), ("fsdp2", False), ("fsdp2", True)])

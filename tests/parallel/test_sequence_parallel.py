@@ -1,0 +1,88 @@
+"""Sequence parallelism (parallel.sequence_parallel, parallel/sequence.py) on CPU with gloo: jagg-train on 2 and 4
+processes with groups of 2 ranks splitting every pass's tokens (diffusers' Ulysses context parallelism) trains
+as 1 process does - a video model (tiny Wan2.1) and an image model (tiny FLUX.1) - and a checkpoint written with
+sp = 2 resumes with sp = 1. Step 0 (the same rows, noise and weights) must agree to 1e-5; after an update the
+weights differ by the gradient reduction's float order, as between any two world sizes (test_distributed.py's
+tolerances)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hang_guard import RUN_S
+from jagg_scale.parallel.ranks import free_port, launcher_env
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+STEP0 = {"reward_mean": 1e-5, "grad_norm": 1e-5, "ratio_mean": 1e-6}
+LATER = {"reward_mean": 1e-3, "grad_norm": 1e-2, "ratio_mean": 1e-5}
+CONFIGS = {"wan": "wan_tiny_cpu.yaml", "flux": "flux_tiny_cpu.yaml"}
+
+
+def run(kind: str, pipe: Path, nproc: int, out: Path, *overrides: str) -> list[dict]:
+    args = [str(ROOT / "configs" / CONFIGS[kind]), f"model.pretrained={pipe}", f"run.output_dir={out}",
+            "log.progress=false", "eval.enabled=false", *overrides]
+    cmd = ([str(BIN / "jagg-train"), *args] if nproc == 1 else
+           [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+            str(BIN / "jagg-train"), *args])
+    proc = subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=RUN_S)  # a hang guard
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def close(a: dict, b: dict) -> None:
+    for key, rel in (STEP0 if a["step"] == 0 else LATER).items():
+        assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-8), (a["step"], key, a[key], b[key])
+
+
+SP = ["parallel.engine=fsdp2", "parallel.sequence_parallel=2"]
+
+
+@pytest.mark.parametrize("kind, nproc, extra", [
+    ("wan", 2, []), ("flux", 2, []), ("wan", 4, []),
+    ("wan", 2, ["model.lora.enabled=false", "grpo.beta=0.04"]),  # a full fine-tune: its KL reference copy split too
+])
+def test_groups_of_two_ranks_splitting_the_tokens_train_as_one_process(kind, nproc, extra, request, tmp_path):
+    pipe = request.getfixturevalue(f"{kind}_dir")
+    common = ["train.steps=2", "run.checkpoint_every=0", *extra]
+    one = run(kind, pipe, 1, tmp_path / "one", *common)
+    split = run(kind, pipe, nproc, tmp_path / "split", *common, *SP)
+    assert [r["step"] for r in split] == [r["step"] for r in one] == [0, 1]
+    for a, b in zip(split, one):
+        assert a["backward_passes"] == b["backward_passes"] and a["windows_jagg"] == b["windows_jagg"] > 0
+        close(a, b)
+
+
+def test_a_checkpoint_written_with_sp2_resumes_with_sp1(wan_dir, tmp_path):
+    """Two steps with sp = 2 on 2 ranks, a checkpoint, the third step with sp = 1 on the same 2 ranks (FSDP2 shards
+    over every rank either way): the metrics of an uninterrupted sp = 2 run, within the reduction-order tolerance."""
+    whole = run("wan", wan_dir, 2, tmp_path / "whole", "train.steps=3", "run.checkpoint_every=1", *SP)
+    run("wan", wan_dir, 2, tmp_path / "split", "train.steps=2", "run.checkpoint_every=1", *SP)
+    resumed = run("wan", wan_dir, 2, tmp_path / "split", "train.steps=3", "run.checkpoint_every=1",
+                  "run.resume=auto", "parallel.engine=fsdp2")
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    for a, b in zip(resumed, whole):
+        close(a, b)
+
+
+def test_a_family_without_a_context_parallel_plan_or_enough_heads_is_refused_by_key(sd3_dir, wan_dir):
+    """Refused before any collective: SD3's MMDiT has no _cp_plan in diffusers; Ulysses needs whole heads per rank."""
+    import torch
+
+    from jagg_scale.models.sd3 import SD3Velocity
+    from jagg_scale.models.wan import WanVelocity
+    from jagg_scale.parallel.sequence import apply_sequence_parallel
+
+    sd3 = SD3Velocity.from_pretrained(sd3_dir).transformer
+    with pytest.raises(ValueError, match="sequence_parallel' 2: SD3Transformer2DModel has no context-parallel"):
+        apply_sequence_parallel(sd3, 2, 0, 2, torch.device("cpu"))
+    wan = WanVelocity.from_pretrained(wan_dir, resolution=16, num_frames=5).transformer
+    with pytest.raises(ValueError, match="'parallel.sequence_parallel' 4 must divide WanTransformer3DModel's 2"):
+        apply_sequence_parallel(wan, 4, 0, 4, torch.device("cpu"))
