@@ -109,7 +109,8 @@ def test_sbatch_sets_the_sequence_parallel_size_and_then_keeps_flat_fsdp(stubs, 
     assert "parallel.sequence_parallel=2" in tail and not any(a.startswith("parallel.replicate=") for a in tail)
     assert "parallel.sequence_parallel 2: flat FSDP over every node" in r.stderr
     r = _run(SBATCH, [CONFIG, "parallel.sequence_parallel=4"], {**env, "DRY_RUN": "1"})
-    assert r.returncode == 2 and "SEQUENCE_PARALLEL=2 and the override parallel.sequence_parallel=4 disagree" in r.stderr
+    assert r.returncode == 2
+    assert "SEQUENCE_PARALLEL=2 and the override parallel.sequence_parallel=4 disagree" in r.stderr
 
 
 def test_sbatch_replicate_and_collective_timeout_knobs(stubs, tmp_path):
