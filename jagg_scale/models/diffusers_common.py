@@ -41,6 +41,17 @@ def t5_length(tokenizer, configured: int | None, default: int) -> int:
     return min(configured or default, limit)
 
 
+def latent_stats(vae, device, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A video VAE's per-channel latents mean and std as [1, C, 1, 1, 1] (Wan's AutoencoderKLWan and Qwen-Image's,
+    which normalise latents per channel) in the VAE's dtype on `device`, copied there once per (device, dtype)."""
+    key = (str(device), vae.dtype)
+    if key not in cache:
+        c = vae.config
+        cache[key] = tuple(torch.tensor(v, dtype=vae.dtype).view(1, c.z_dim, 1, 1, 1).to(device)
+                           for v in (c.latents_mean, c.latents_std))
+    return cache[key]
+
+
 def row_sigmas(sigma, x: torch.Tensor) -> torch.Tensor:
     """sigma (a number, a 0-d or an [N] tensor) as one noise level per row of x, on x's device."""
     sigma = torch.as_tensor(sigma, device=x.device)

@@ -43,7 +43,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .diffusers_common import DiffusersVelocity, row_sigmas
+from .diffusers_common import DiffusersVelocity, latent_stats, row_sigmas
 
 PROMPT_TOKENS_DEFAULT = 512  # QwenImagePipeline.__call__'s max_sequence_length
 
@@ -127,12 +127,7 @@ class QwenImageVelocity(DiffusersVelocity):
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Latents [N, C, H, W] -> float32 images [N, 3, H, W] in [0, 1], as QwenImagePipeline decodes."""
         vae = self.frozen["vae"]
-        key = (str(x.device), vae.dtype)
-        if key not in self._latent_stats:
-            c = vae.config
-            self._latent_stats[key] = tuple(torch.tensor(v, dtype=vae.dtype).view(1, c.z_dim, 1, 1, 1).to(x.device)
-                                            for v in (c.latents_mean, c.latents_std))
-        mean, std = self._latent_stats[key]
+        mean, std = latent_stats(vae, x.device, self._latent_stats)
         latents = x.to(vae.dtype).unsqueeze(2) * std + mean
         img = vae.decode(latents, return_dict=False)[0][:, :, 0]
         return ((img.float() + 1) / 2).clamp(0, 1)

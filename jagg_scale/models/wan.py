@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from .diffusers_common import DiffusersVelocity, row_sigmas
+from .diffusers_common import DiffusersVelocity, latent_stats, row_sigmas
 
 PROMPT_TOKENS_DEFAULT = 512  # WanPipeline.__call__'s max_sequence_length
 
@@ -99,12 +99,7 @@ class WanVelocity(DiffusersVelocity):
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Latents [N, C, F, H, W] -> float32 frames [N, 3, F', H', W'] in [0, 1], as WanPipeline decodes."""
         vae = self.frozen["vae"]
-        key = (str(x.device), vae.dtype)
-        if key not in self._latent_stats:
-            c = vae.config
-            self._latent_stats[key] = tuple(torch.tensor(v, dtype=vae.dtype).view(1, c.z_dim, 1, 1, 1).to(x.device)
-                                            for v in (c.latents_mean, c.latents_std))
-        mean, std = self._latent_stats[key]
+        mean, std = latent_stats(vae, x.device, self._latent_stats)
         video = vae.decode(x.to(vae.dtype) * std + mean, return_dict=False)[0]
         return ((video.float() + 1) / 2).clamp(0, 1)
 

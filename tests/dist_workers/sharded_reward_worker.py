@@ -14,7 +14,6 @@ Writes <out>/rank<r>.json: {check: value, ...}.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import traceback
 from pathlib import Path
@@ -31,40 +30,17 @@ from jagg_scale.rewards import build_reward
 from jagg_scale.rewards.base import Reward, RewardOutput
 from jagg_scale.rewards.sharded import shard_reward
 
-PROJ_DIM = 16
-
-
-def tiny_tokenizer():
-    """Byte-level CLIP tokenizer with no merges (as tests/rewards/test_rewards_models.py builds it)."""
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import CLIPTokenizer
-
-    chars = sorted(ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(chars)} | {c + "</w>": i + 256 for i, c in enumerate(chars)}
-    vocab |= {"<|startoftext|>": 512, "<|endoftext|>": 513}
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' shared helpers
+from tiny_clip import PROJ_DIM, make_tiny_clip  # noqa: E402
 
 def make_assets(d: Path) -> None:
     """Tiny random CLIP (+ tokenizer, preprocessor config), an aesthetic head and Lite0 weights, under d."""
     from safetensors.torch import save_file
-    from transformers import CLIPConfig, CLIPModel
 
     from jagg_scale.rewards.clip import AestheticMLP
     from jagg_scale.rewards.imagenet import EfficientNetLite0
 
-    torch.manual_seed(0)
-    text = dict(vocab_size=514, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                max_position_embeddings=77, bos_token_id=512, eos_token_id=513, pad_token_id=513)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-                  patch_size=8)
-    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=PROJ_DIM))
-    with torch.no_grad():
-        model.logit_scale.fill_(math.log(50.0))
-    model.save_pretrained(d / "clip")
-    tiny_tokenizer().save_pretrained(d / "clip")
-    (d / "clip" / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5, 0.4, 0.3],
-                                                                      "image_std": [0.25, 0.2, 0.3]}))
+    make_tiny_clip(d / "clip", mean=(0.5, 0.4, 0.3), std=(0.25, 0.2, 0.3))
     head = AestheticMLP(PROJ_DIM)
     save_file({k: v.contiguous() for k, v in head.state_dict().items()}, d / "head.safetensors")
     torch.save(EfficientNetLite0().state_dict(), d / "lite0.pth")

@@ -8,7 +8,6 @@ jagg-train steps (LoRA; JAGG and exact; true CFG), and that the exported LoRA lo
 to the same outputs.
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -124,19 +123,12 @@ def test_jagg_train_two_steps_and_the_lora_loads_into_a_plain_pipeline(qwenimage
 def test_a_resumed_run_continues_exactly(qwenimage_dir, tmp_path):
     """Two steps, a checkpoint, then a resumed third step: the metrics of an uninterrupted 3-step run, bit for bit
     (the rollout's noise, the prompts, the adapter and its optimizer state all come back)."""
-    from jagg_scale.train import Trainer, load_config
+    from train_runs import fit_metrics
 
     def fit(out, *extra):
-        cfg = load_config(ROOT / "configs" / "qwenimage_tiny_cpu.yaml",
-                          [f"model.pretrained={qwenimage_dir}", "model.resolution=16", "log.progress=false",
-                           "run.checkpoint_every=1", f"run.output_dir={out}", *extra])
-        trainer = Trainer(cfg)
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        return [{k: v for k, v in r.items() if not k.startswith(("time_", "comm_"))} for r in rows]
+        return fit_metrics(ROOT / "configs" / "qwenimage_tiny_cpu.yaml",
+                           [f"model.pretrained={qwenimage_dir}", "model.resolution=16", "run.checkpoint_every=1",
+                            *extra], out)
 
     whole = fit(tmp_path / "whole", "train.steps=3")
     fit(tmp_path / "split", "train.steps=2")

@@ -345,21 +345,12 @@ def test_a_lora_run_under_fsdp2_resumes_exactly(sd3_dir, tmp_path):
     """A LoRA checkpoint holds the adapter alone: FSDP2's load must not report the frozen base weights missing (it
     did, so every LoRA run under fsdp2, the production SD3.5 configs' layout, failed to resume). Two steps, a
     checkpoint, a resumed third step: the uninterrupted run's metrics, bit for bit."""
-    import json
-
-    from jagg_scale.train import Trainer, load_config
+    from train_runs import fit_metrics
 
     def fit(out, *extra):
-        cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "sd3_tiny_cpu.yaml",
-                          [f"model.pretrained={sd3_dir}", "model.lora.enabled=true", "parallel.engine=fsdp2",
-                           "log.progress=false", "run.checkpoint_every=1", f"run.output_dir={out}", *extra])
-        trainer = Trainer(cfg)
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        return [{k: v for k, v in r.items() if not k.startswith(("time_", "comm_"))} for r in rows]
+        return fit_metrics(Path(__file__).resolve().parents[2] / "configs" / "sd3_tiny_cpu.yaml",
+                           [f"model.pretrained={sd3_dir}", "model.lora.enabled=true", "parallel.engine=fsdp2",
+                            "run.checkpoint_every=1", *extra], out)
 
     whole = fit(tmp_path / "whole", "train.steps=3")
     fit(tmp_path / "split", "train.steps=2")

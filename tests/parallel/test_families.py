@@ -5,32 +5,21 @@ test_distributed.py's."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from hang_guard import RUN_S
-from jagg_scale.parallel.ranks import free_port, launcher_env
+from train_runs import launch_metrics
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 # step 0: the same rows, noise and weights; after an update the weights differ by the gradient reduction's order
 TOLERANCE = {"reward_mean": 1e-4, "grad_norm": 1e-2, "loss": 5e-2, "ratio_mean": 1e-5}
 
 
 def run(config: str, nproc: int, out: Path, *overrides: str) -> list[dict]:
-    args = [config, f"run.output_dir={out}", *overrides]
-    cmd = ([str(BIN / "jagg-train"), *args] if nproc == 1 else
-           [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-            str(BIN / "jagg-train"), *args])
-    proc = subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=RUN_S)  # a hang guard
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return launch_metrics([config, *overrides], nproc, out)
 
 
 @pytest.mark.parametrize("kind, resolution", [("qwenimage", 16), ("flux2", 32), ("zimage", 16), ("flux_kontext", 16)])

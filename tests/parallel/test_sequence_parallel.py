@@ -7,34 +7,24 @@ tolerances)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from hang_guard import RUN_S
-from jagg_scale.parallel.ranks import free_port, launcher_env
+from train_runs import launch_metrics
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 STEP0 = {"reward_mean": 1e-5, "grad_norm": 1e-5, "ratio_mean": 1e-6}
 LATER = {"reward_mean": 1e-3, "grad_norm": 1e-2, "ratio_mean": 1e-5}
 CONFIGS = {"wan": "wan_tiny_cpu.yaml", "flux": "flux_tiny_cpu.yaml"}
 
 
 def run(kind: str, pipe: Path, nproc: int, out: Path, *overrides: str) -> list[dict]:
-    args = [str(ROOT / "configs" / CONFIGS[kind]), f"model.pretrained={pipe}", f"run.output_dir={out}",
-            "log.progress=false", "eval.enabled=false", *overrides]
-    cmd = ([str(BIN / "jagg-train"), *args] if nproc == 1 else
-           [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-            str(BIN / "jagg-train"), *args])
-    proc = subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=RUN_S)  # a hang guard
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    args = [str(ROOT / "configs" / CONFIGS[kind]), f"model.pretrained={pipe}", "log.progress=false",
+            "eval.enabled=false", *overrides]
+    return launch_metrics(args, nproc, out)
 
 
 def close(a: dict, b: dict) -> None:

@@ -1,0 +1,45 @@
+"""Training runs the tests compare, read back as their metrics rows: in this process (`fit_metrics`) or as the real
+jagg-train command, on 1 process or N under torchrun (`launch_metrics`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from hang_guard import RUN_S
+
+BIN = Path(sys.executable).parent
+
+
+def metrics(out: Path, *, timing: bool = True) -> list[dict]:
+    """The rows of out/metrics.jsonl; timing=False drops the wall-clock and communication keys (they differ
+    between two runs of the same steps)."""
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return rows if timing else [{k: v for k, v in r.items() if not k.startswith(("time_", "comm_"))} for r in rows]
+
+
+def fit_metrics(config, overrides: list[str], out: Path) -> list[dict]:
+    """A Trainer of `config` with `overrides` fitted into `out` in this process: its metrics rows, timing dropped."""
+    from jagg_scale.train import Trainer, load_config
+
+    trainer = Trainer(load_config(config, [*overrides, "log.progress=false", f"run.output_dir={out}"]))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return metrics(out, timing=False)
+
+
+def launch_metrics(args: list[str], nproc: int, out: Path) -> list[dict]:
+    """`jagg-train ARGS run.output_dir=OUT` as a user runs it (torchrun with `nproc` > 1): its metrics rows."""
+    from jagg_scale.parallel.ranks import free_port, launcher_env
+
+    args = [*args, f"run.output_dir={out}"]
+    cmd = ([str(BIN / "jagg-train"), *args] if nproc == 1 else
+           [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+            str(BIN / "jagg-train"), *args])
+    proc = subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=RUN_S)  # a hang guard
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return metrics(out)
