@@ -10,8 +10,13 @@ Implementation: diffusers' own context parallelism (`ContextParallelConfig(ulyss
 `_cp_plan`: which inputs split on which dim, where the output gathers), maintained with the transformers it plans
 (FLUX.1, Wan, Qwen-Image, ...) and dispatching to the attention kernels those use. Chosen over yunchang (what xDiT and
 FastVideo use) because it needs no patching of each family's attention processor, and over PyTorch's
-context_parallel API because that one shards SDPA calls but not a diffusers model's inputs and outputs. A family
-whose transformer has no `_cp_plan` (SD3's MMDiT in diffusers 0.42) is refused, naming the key.
+context_parallel API because that one shards SDPA calls but not a diffusers model's inputs and outputs.
+
+SD3's MMDiT has no plan in diffusers 0.42 and its joint attention calls SDPA directly: here it gets both (SD3_PLAN:
+every block's image and text tokens split after the patch embedding, the output gathered before unpatchifying;
+JointContextParallelProcessor: its attention through the same Ulysses dispatch). The ranks' [image | text] slices
+meet in an order other than [image | text], which joint attention cannot see (it has no positional term: SD3's
+positions are added at the patch embedding). Any other family without a plan is refused, naming the key.
 
 Layout (`data_rank`): world = D x N; ranks r = d N + s (d the data rank, s the sequence rank); the rows of a step
 are dealt by data rank (train/rows.py), so an sp group samples, scores and trains the same rows. The gathered
@@ -44,7 +49,13 @@ def apply_sequence_parallel(transformer: nn.Module, sp: int, rank: int, world_si
     from torch.distributed.device_mesh import init_device_mesh
 
     name = type(transformer).__name__
-    if getattr(transformer, "_cp_plan", None) is None:
+    plan = None
+    if name == "SD3Transformer2DModel":
+        plan = sd3_plan()
+        for module in transformer.modules():  # joint attention (attn) and SD3.5's image-only attention (attn2)
+            if type(getattr(module, "processor", None)).__name__ == "JointAttnProcessor2_0":
+                module.processor = JointContextParallelProcessor()
+    elif getattr(transformer, "_cp_plan", None) is None:
         raise ValueError(f"config key 'parallel.sequence_parallel' {sp}: {name} has no context-parallel plan in "
                          "diffusers (its _cp_plan), so its sequence cannot be split; use 1")
     heads = getattr(transformer.config, "num_attention_heads", None)
@@ -63,5 +74,78 @@ def apply_sequence_parallel(transformer: nn.Module, sp: int, rank: int, world_si
         return config
 
     transformer._resolve_parallel_config = resolve
-    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=sp, mesh=cp_mesh))
+    plan = plan if plan is not None else transformer._cp_plan
+    _check_even_splits(transformer, plan, sp)
+    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=sp, mesh=cp_mesh), cp_plan=plan)
     return transformer
+
+
+def _check_even_splits(transformer: nn.Module, plan: dict, sp: int) -> None:
+    """Ulysses splits a sequence in equal parts (diffusers' uneven variant has no backward): a pre-hook on each module
+    the plan splits names the input whose tokens `sp` does not divide, before diffusers' split fails on it."""
+    import inspect
+
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    for name, inputs in plan.items():
+        if not isinstance(inputs, dict):
+            continue
+        module = transformer.get_submodule(name) if name else transformer
+        params = list(inspect.signature(module.forward).parameters)
+
+        def check(mod, args, kwargs, inputs=inputs, params=params, where=name or type(transformer).__name__):
+            for key, spec in inputs.items():
+                if not isinstance(spec, ContextParallelInput) or spec.split_output:
+                    continue
+                value = kwargs.get(key) if isinstance(key, str) else None
+                if value is None and isinstance(key, str) and key in params and params.index(key) < len(args):
+                    value = args[params.index(key)]
+                n = value.shape[spec.split_dim] if isinstance(value, torch.Tensor) else None
+                if n is not None and n % sp:
+                    raise ValueError(f"config key 'parallel.sequence_parallel' {sp} must divide the {n} tokens of "
+                                     f"{where}'s {key} (Ulysses splits a sequence evenly): change the resolution, "
+                                     "the prompt length (model.max_sequence_length) or the size")
+
+        module.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def sd3_plan() -> dict:
+    """SD3Transformer2DModel's context-parallel plan: block 0's image and text tokens split on the sequence (every
+    later block gets the local tokens from the one before), proj_out's output gathered (module docstring)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    split = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+    return {"transformer_blocks.0": {"hidden_states": split, "encoder_hidden_states": split},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
+
+
+class JointContextParallelProcessor:
+    """SD3's joint attention (diffusers' JointAttnProcessor2_0, or its image-only self-attention without
+    encoder_hidden_states) with the attention itself through diffusers' dispatch, so that context parallelism runs it
+    as Ulysses over the sequence group: the same projections, norms and output split, [B, S, H, D] layout."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        heads = lambda t: t.unflatten(-1, (attn.heads, -1))  # noqa: E731 - [B, S, H, D]
+        query, key, value = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(
+            attn.to_v(hidden_states))
+        if attn.norm_q is not None:
+            query, key = attn.norm_q(query), attn.norm_k(key)
+        if encoder_hidden_states is not None:
+            q, k, v = (heads(f(encoder_hidden_states)) for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            if attn.norm_added_q is not None:
+                q, k = attn.norm_added_q(q), attn.norm_added_k(k)
+            query, key, value = torch.cat([query, q], 1), torch.cat([key, k], 1), torch.cat([value, v], 1)
+        out = dispatch_attention_fn(query, key, value, backend=self._attention_backend,
+                                    parallel_config=self._parallel_config)
+        out = out.flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return attn.to_out[1](attn.to_out[0](out))
+        out, context = out[:, :hidden_states.shape[1]], out[:, hidden_states.shape[1]:]
+        if not attn.context_pre_only:
+            context = attn.to_add_out(context)
+        return attn.to_out[1](attn.to_out[0](out)), context

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hang_guard import RUN_S
 from train_runs import launch_metrics
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 STEP0 = {"reward_mean": 1e-5, "grad_norm": 1e-5, "ratio_mean": 1e-6}
 LATER = {"reward_mean": 1e-3, "grad_norm": 1e-2, "ratio_mean": 1e-5}
-CONFIGS = {"wan": "wan_tiny_cpu.yaml", "flux": "flux_tiny_cpu.yaml"}
+CONFIGS = {"wan": "wan_tiny_cpu.yaml", "flux": "flux_tiny_cpu.yaml", "sd3": "sd3_tiny_cpu.yaml"}
 
 
 def run(kind: str, pipe: Path, nproc: int, out: Path, *overrides: str) -> list[dict]:
@@ -36,7 +37,7 @@ SP = ["parallel.engine=fsdp2", "parallel.sequence_parallel=2"]
 
 
 @pytest.mark.parametrize("kind, nproc, extra", [
-    ("wan", 2, []), ("flux", 2, []), ("wan", 4, []),
+    ("wan", 2, []), ("flux", 2, []), ("sd3", 2, []), ("wan", 4, []),
     ("wan", 2, ["model.lora.enabled=false", "grpo.beta=0.04"]),  # a full fine-tune: its KL reference copy split too
 ])
 def test_groups_of_two_ranks_splitting_the_tokens_train_as_one_process(kind, nproc, extra, request, tmp_path):
@@ -62,17 +63,35 @@ def test_a_checkpoint_written_with_sp2_resumes_with_sp1(wan_dir, tmp_path):
         close(a, b)
 
 
-def test_a_family_without_a_context_parallel_plan_or_enough_heads_is_refused_by_key(sd3_dir, wan_dir):
-    """Refused before any collective: SD3's MMDiT has no _cp_plan in diffusers; Ulysses needs whole heads per rank."""
+def test_a_family_without_a_context_parallel_plan_or_enough_heads_is_refused_by_key(zimage_dir, wan_dir):
+    """Refused before any collective: Z-Image's transformer has no _cp_plan in diffusers (SD3's is this stack's own,
+    parallel/sequence.py); Ulysses needs whole heads per rank."""
     import torch
 
-    from jagg_scale.models.sd3 import SD3Velocity
     from jagg_scale.models.wan import WanVelocity
+    from jagg_scale.models.zimage import ZImageVelocity
     from jagg_scale.parallel.sequence import apply_sequence_parallel
 
-    sd3 = SD3Velocity.from_pretrained(sd3_dir).transformer
-    with pytest.raises(ValueError, match="sequence_parallel' 2: SD3Transformer2DModel has no context-parallel"):
-        apply_sequence_parallel(sd3, 2, 0, 2, torch.device("cpu"))
+    zimage = ZImageVelocity.from_pretrained(zimage_dir, resolution=16).transformer
+    with pytest.raises(ValueError, match="sequence_parallel' 2: ZImageTransformer2DModel has no context-parallel"):
+        apply_sequence_parallel(zimage, 2, 0, 2, torch.device("cpu"))
     wan = WanVelocity.from_pretrained(wan_dir, resolution=16, num_frames=5).transformer
     with pytest.raises(ValueError, match="'parallel.sequence_parallel' 4 must divide WanTransformer3DModel's 2"):
         apply_sequence_parallel(wan, 4, 0, 4, torch.device("cpu"))
+
+
+def test_a_sequence_sp_does_not_divide_is_refused_naming_the_key_and_the_tokens(sd3_dir, tmp_path):
+    """SD3.5's 77 CLIP + T5 tokens: with an odd T5 length the text does not split over 2 ranks; the run stops with
+    a one-line error naming the key and the tokens (exit 2), not deep inside diffusers' split."""
+    import subprocess
+
+    from train_runs import BIN
+    from jagg_scale.parallel.ranks import free_port, launcher_env
+
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(BIN / "jagg-train"),
+           str(ROOT / "configs" / CONFIGS["sd3"]), f"model.pretrained={sd3_dir}", "model.max_sequence_length=31",
+           "parallel.engine=fsdp2", "parallel.sequence_parallel=2", f"run.output_dir={tmp_path / 'run'}",
+           "train.steps=1", "log.progress=false"]
+    proc = subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=RUN_S)
+    assert proc.returncode != 0
+    assert "config key 'parallel.sequence_parallel' 2 must divide the 63 tokens of" in proc.stderr
