@@ -93,7 +93,9 @@ def _check_even_splits(transformer: nn.Module, plan: dict, sp: int) -> None:
         module = transformer.get_submodule(name) if name else transformer
         params = list(inspect.signature(module.forward).parameters)
 
-        def check(mod, args, kwargs, inputs=inputs, params=params, where=name or type(transformer).__name__):
+        where = name or type(transformer).__name__
+
+        def check(mod, args, kwargs, inputs=inputs, params=params, where=where):
             for key, spec in inputs.items():
                 if not isinstance(spec, ContextParallelInput) or spec.split_output:
                     continue
