@@ -115,7 +115,12 @@ class RemoteReward(Reward):
         return RewardOutput(scores=torch.tensor(scores, dtype=torch.float32), info=info)
 
     def _body(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> bytes:
-        body = {"prompts": [str(p) for p in prompts], "metadata": list(metadata), "images": encode_images(images)}
+        body = {"prompts": [str(p) for p in prompts], "metadata": list(metadata)}
+        if images.ndim == 5:  # videos [N, 3, F, H, W]: each one's frames, in order (VideoAlign-style judges)
+            frames = images.transpose(1, 2)
+            body["videos"] = [encode_images(v) for v in frames]
+        else:
+            body["images"] = encode_images(images)
         if any(getattr(p, "image", None) is not None for p in prompts):  # edits: the judge sees input and output
             from .edit import input_images
 

@@ -217,21 +217,31 @@ def to_jsonable(value: Any) -> Any:
 class Request:
     """A checked request: prompts, metadata and the PNGs opened (headers only) within the limits. An edit batch also
     carries `input_images` (one PNG per prompt, the outputs' size, counted in the pixel budget): the prompts reach
-    the rewards as `data.EditPrompt`s carrying them, as in training."""
+    the rewards as `data.EditPrompt`s carrying them, as in training. A video batch carries `videos` instead of
+    `images`: one list of frame PNGs per prompt, every video as many frames of one size (all frames count in the
+    pixel budget), decoded to [N, 3, F, H, W] as a video model's samples are."""
 
     def __init__(self, req: Any, max_image_pixels: int, max_request_pixels: int,
                  max_metadata_bytes: int = MAX_METADATA_BYTES):
         if not isinstance(req, dict):
             raise ValueError(f"body must be a JSON object, got {type(req).__name__}")
-        prompts, images = req.get("prompts"), req.get("images")
+        prompts, images, videos = req.get("prompts"), req.get("images"), req.get("videos")
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise ValueError("field 'prompts' must be a list of strings")
+        self.frames = 0  # frames per video: 0 for an image batch
+        if videos is not None:
+            if images is not None or not isinstance(videos, list) or not all(isinstance(v, list) for v in videos):
+                raise ValueError("field 'videos' must be a list of lists of base64 PNG strings (and no 'images')")
+            self.frames = len(videos[0]) if videos else 0
+            if any(len(v) != self.frames for v in videos) or (videos and not self.frames):
+                raise ValueError("field 'videos': every video must have the same number (>= 1) of frames")
+            images = [frame for v in videos for frame in v]
         if not isinstance(images, list):
             raise ValueError("field 'images' must be a list of base64 PNG strings")
         metadata = req.get("metadata", [{} for _ in prompts])
         if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
             raise ValueError("field 'metadata' must be a list of objects")
-        if not len(prompts) == len(images) == len(metadata):
+        if not len(prompts) == len(images) // max(self.frames, 1) == len(metadata):
             raise ValueError(
                 f"length mismatch: {len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata entries"
             )
@@ -248,6 +258,8 @@ class Request:
         named += [(f"input_images[{i}]", data) for i, data in enumerate(inputs or [])]
         try:
             for i, (where, data) in enumerate(named):
+                if self.frames and i < len(images):
+                    where = f"videos[{i // self.frames}][{i % self.frames}]"
                 raw = b64(data, where)
                 if i < len(images):
                     images[i] = None  # the base64 text is no longer needed
@@ -281,7 +293,10 @@ class Request:
         batch = np.empty((len(self.pngs), h, w, 3), dtype=np.uint8)
         for i in range(len(self.pngs)):
             batch[i] = pixels(self.pngs[i], f"images[{i}]")
-        return torch.from_numpy(batch).permute(0, 3, 1, 2).float().div_(255.0)
+        out = torch.from_numpy(batch).permute(0, 3, 1, 2).float().div_(255.0)
+        if self.frames:  # [N F, 3, H, W] -> videos [N, 3, F, H, W]
+            out = out.view(-1, self.frames, *out.shape[1:]).transpose(1, 2)
+        return out
 
     def close(self) -> None:
         for img in self.pngs + getattr(self, "_inputs", []):

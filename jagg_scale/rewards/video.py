@@ -6,8 +6,9 @@
     temporal_consistency   the mean CLIP cosine between adjacent frames' image embeddings (CLIPModel directory or
                            cached hub id, as clip_score): 1 for a still video, lower the more frames jump
 
-Image rewards given a video fail at config validation (train.config), naming video_frames. Not yet: the `remote`
-reward for VideoAlign-style judges (its protocol carries one image per prompt).
+The `remote` reward sends a video batch as `videos` (each video's frames as PNGs) to a judge behind jagg-reward-server
+(VideoAlign-style), which gets them back as [N, 3, F, H, W]. Image rewards given a video fail at config validation
+(train.config), naming video_frames.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .clip import ClipBackbone
 
 __all__ = ["VIDEO_REWARDS", "TemporalConsistency", "VideoFrames", "frames_of"]
 
-VIDEO_REWARDS = ("video_frames", "temporal_consistency")  # what scores a video model's output
+VIDEO_REWARDS = ("video_frames", "temporal_consistency", "remote")  # what scores a video model's output
 
 
 def frames_of(videos: torch.Tensor, name: str) -> torch.Tensor:
