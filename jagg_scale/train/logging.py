@@ -68,7 +68,8 @@ class RunLogger:
             self.wandb.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=metrics["step"])
 
     def log_eval(self, step: int, result: dict, eval_dir: Path) -> None:
-        """wandb only (eval.json already holds the evaluation): eval/ scalars, eval/grid and eval/prompts."""
+        """wandb only (eval.json already holds the evaluation): eval/ scalars, eval/grid and eval/prompts, and a video
+        model's eval/videos (its GIFs as wandb.Video)."""
         if self.wandb is None:
             return
         import wandb
@@ -87,6 +88,10 @@ class RunLogger:
             rows = grid_rows(grid, len(result["grid"]["rows"]))
             data["eval/prompts"] = [wandb.Image(row, caption=f"{p['prompt']}: {_caption(p)}")
                                     for row, p in zip(rows, result["per_prompt"])]
+            videos = [Path(eval_dir) / name for name in result["grid"].get("videos", [])]  # a video model's GIFs
+            if videos:
+                data["eval/videos"] = [wandb.Video(str(path), caption=f"{p['prompt']}: {_caption(p)}", format="gif")
+                                       for path, p in zip(videos, result["per_prompt"]) if path.is_file()]
         self.wandb.log(data, step=step)
 
     def close(self) -> None:

@@ -92,9 +92,9 @@ def test_jagg_train_two_steps_and_the_lora_loads_into_a_plain_pipeline(wan_dir, 
 
 
 @pytest.mark.slow
-def test_the_eval_of_a_video_model_writes_a_frame_grid_and_gifs(wan_dir, tmp_path):
+def test_the_eval_of_a_video_model_writes_a_frame_grid_and_gifs(wan_dir, tmp_path, monkeypatch):
     """The shipped tiny config's evaluation: per-frame rewards, the grid with every frame of each video (5 frames x
-    2 videos a row), one looping GIF a prompt, named in eval.json."""
+    2 videos a row), one looping GIF a prompt, named in eval.json, and sent to wandb as wandb.Video."""
     from PIL import Image
 
     from jagg_scale.train import Trainer, load_config
@@ -115,3 +115,22 @@ def test_the_eval_of_a_video_model_writes_a_frame_grid_and_gifs(wan_dir, tmp_pat
     assert grid.size == (LABEL_WIDTH + 10 * (64 + PAD) + PAD, 2 * (64 + PAD) + PAD)
     gif = Image.open(out / "video_001.gif")
     assert gif.n_frames == 5 and gif.size == (64, 64) and gif.info["loop"] == 0
+
+    import sys
+    import types
+
+    from jagg_scale.train.logging import RunLogger
+
+    sent = {}
+    video = lambda path, caption=None, format=None: ("video", path, caption, format)  # noqa: E731
+    run = types.SimpleNamespace(log=lambda data, step=None: sent.update(data), finish=lambda: None)
+    fake = types.SimpleNamespace(Image=lambda data, caption=None: ("image", caption), Video=video,
+                                 init=lambda **kw: run)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    logger = RunLogger(tmp_path / "log", total_steps=1, start_step=0, progress=False,
+                       wandb_cfg={"project": "p", "mode": "offline"}, config={})
+    logger.log_eval(1, result, out)
+    logger.close()
+    assert [v[1] for v in sent["eval/videos"]] == [str(out / "video_000.gif"), str(out / "video_001.gif")]
+    assert all(v[3] == "gif" and v[2].startswith(p["prompt"]) for v, p in zip(sent["eval/videos"],
+                                                                              result["per_prompt"]))
