@@ -27,6 +27,8 @@ factor D, not D N (engine), making the step the data-parallel mean over the D gr
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 from torch import nn
 
@@ -83,32 +85,36 @@ def apply_sequence_parallel(transformer: nn.Module, sp: int, rank: int, world_si
 def _check_even_splits(transformer: nn.Module, plan: dict, sp: int) -> None:
     """Ulysses splits a sequence in equal parts (diffusers' uneven variant has no backward): a pre-hook on each module
     the plan splits names the input whose tokens `sp` does not divide, before diffusers' split fails on it."""
+    for name, inputs in plan.items():
+        if not isinstance(inputs, dict):
+            continue
+        # a plan names a module, or modules by a wildcard (Qwen-Image's "transformer_blocks.*")
+        modules = [m for n, m in transformer.named_modules() if fnmatch.fnmatchcase(n, name)] if name else [transformer]
+        for module in modules:
+            _check_splits_of(module, inputs, sp, name or type(transformer).__name__)
+
+
+def _check_splits_of(module: nn.Module, inputs: dict, sp: int, where: str) -> None:
     import inspect
 
     from diffusers.models._modeling_parallel import ContextParallelInput
 
-    for name, inputs in plan.items():
-        if not isinstance(inputs, dict):
-            continue
-        module = transformer.get_submodule(name) if name else transformer
-        params = list(inspect.signature(module.forward).parameters)
+    params = list(inspect.signature(module.forward).parameters)
 
-        where = name or type(transformer).__name__
+    def check(mod, args, kwargs):
+        for key, spec in inputs.items():
+            if not isinstance(spec, ContextParallelInput) or spec.split_output:
+                continue
+            value = kwargs.get(key) if isinstance(key, str) else None
+            if value is None and isinstance(key, str) and key in params and params.index(key) < len(args):
+                value = args[params.index(key)]
+            n = value.shape[spec.split_dim] if isinstance(value, torch.Tensor) else None
+            if n is not None and n % sp:
+                raise ValueError(f"config key 'parallel.sequence_parallel' {sp} must divide the {n} tokens of "
+                                 f"{where}'s {key} (Ulysses splits a sequence evenly): change the resolution, "
+                                 "the prompt length (model.max_sequence_length) or the size")
 
-        def check(mod, args, kwargs, inputs=inputs, params=params, where=where):
-            for key, spec in inputs.items():
-                if not isinstance(spec, ContextParallelInput) or spec.split_output:
-                    continue
-                value = kwargs.get(key) if isinstance(key, str) else None
-                if value is None and isinstance(key, str) and key in params and params.index(key) < len(args):
-                    value = args[params.index(key)]
-                n = value.shape[spec.split_dim] if isinstance(value, torch.Tensor) else None
-                if n is not None and n % sp:
-                    raise ValueError(f"config key 'parallel.sequence_parallel' {sp} must divide the {n} tokens of "
-                                     f"{where}'s {key} (Ulysses splits a sequence evenly): change the resolution, "
-                                     "the prompt length (model.max_sequence_length) or the size")
-
-        module.register_forward_pre_hook(check, with_kwargs=True)
+    module.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def sd3_plan() -> dict:

@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 STEP0 = {"reward_mean": 1e-5, "grad_norm": 1e-5, "ratio_mean": 1e-6}
 LATER = {"reward_mean": 1e-3, "grad_norm": 1e-2, "ratio_mean": 1e-5}
-CONFIGS = {"wan": "wan_tiny_cpu.yaml", "flux": "flux_tiny_cpu.yaml", "sd3": "sd3_tiny_cpu.yaml"}
+CONFIGS = {"wan": "wan_tiny_cpu.yaml", "flux": "flux_tiny_cpu.yaml", "sd3": "sd3_tiny_cpu.yaml",
+           "qwenimage": "qwenimage_tiny_cpu.yaml"}
 
 
 def run(kind: str, pipe: Path, nproc: int, out: Path, *overrides: str) -> list[dict]:
@@ -38,6 +39,7 @@ SP = ["parallel.engine=fsdp2", "parallel.sequence_parallel=2"]
 
 @pytest.mark.parametrize("kind, nproc, extra", [
     ("wan", 2, []), ("flux", 2, []), ("sd3", 2, []), ("wan", 4, []),
+    ("qwenimage", 2, ["model.resolution=16"]),  # a plan naming its blocks by wildcard
     ("wan", 2, ["model.lora.enabled=false", "grpo.beta=0.04"]),  # a full fine-tune: its KL reference copy split too
 ])
 def test_groups_of_two_ranks_splitting_the_tokens_train_as_one_process(kind, nproc, extra, request, tmp_path):
