@@ -58,6 +58,23 @@ def row_sigmas(sigma, x: torch.Tensor) -> torch.Tensor:
     return sigma.expand(x.shape[0]) if sigma.ndim == 0 else sigma
 
 
+class TransformerVelocity(nn.Module):
+    """v(x, sigma, cond) of a bare diffusers transformer through its family's velocity function (qwenimage_velocity,
+    zimage_velocity, wan_velocity), without a pipeline (no encoders, no VAE): what the GPU check trains at a family's
+    real shape with random weights (tools/gpu_families.py). `autocast` (e.g. torch.bfloat16): the forward under that
+    autocast, as the trainer's policy runs it."""
+
+    def __init__(self, velocity: Callable, transformer: nn.Module, latent_shape: tuple[int, ...],
+                 autocast: torch.dtype | None = None):
+        super().__init__()
+        self.velocity, self.transformer, self.autocast = velocity, transformer, autocast
+        self.latent_shape = tuple(latent_shape)
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            return self.velocity(self.transformer, x, sigma, cond)
+
+
 class DiffusersVelocity(VelocityModel):
     #: pipeline components that are frozen (set by each adapter)
     frozen_names: tuple[str, ...] = ()

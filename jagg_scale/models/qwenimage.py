@@ -137,7 +137,7 @@ def qwenimage_velocity(transformer, x: torch.Tensor, sigma, cond) -> torch.Tenso
     """The Qwen-Image velocity of a diffusers QwenImageTransformer2DModel at unpacked latents x [N, C, H, W]: packed
     into 2x2 tokens by the pipeline's own (static) _pack_latents, timestep = sigma (the pipeline's timestep / 1000),
     the prompt and its mask, the latent grid; unpacked back, in x's dtype. The one place this mapping is written: the
-    pipeline adapter above and the bare-transformer wrapper below both call it."""
+    pipeline adapter above and the GPU check's bare transformer (diffusers_common.TransformerVelocity) both call it."""
     embeds, mask = cond
     dtype = next(transformer.parameters()).dtype
     n, c, h, w = x.shape
@@ -152,18 +152,3 @@ def qwenimage_velocity(transformer, x: torch.Tensor, sigma, cond) -> torch.Tenso
     )[0]
     return unpack_latents(out, h, w).to(x.dtype)
 
-
-class QwenImageTransformerVelocity(torch.nn.Module):
-    """v(x, sigma, (embeds, mask)) of a bare QwenImageTransformer2DModel, without a pipeline (no encoders, no VAE):
-    what the GPU check trains at the real shape with random weights (tools/gpu_check.py, section families).
-    `autocast` (e.g. torch.bfloat16): the forward under that autocast, as the trainer's policy runs it."""
-
-    def __init__(self, transformer, latent_size: int, autocast: torch.dtype | None = None):
-        super().__init__()
-        self.transformer = transformer
-        self.autocast = autocast
-        self.latent_shape = (transformer.config.in_channels // 4, latent_size, latent_size)
-
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
-            return qwenimage_velocity(self.transformer, x, sigma, cond)

@@ -103,18 +103,3 @@ def zimage_velocity(transformer, x: torch.Tensor, sigma, cond) -> torch.Tensor:
     out = transformer(list(x.to(dtype).unsqueeze(2).unbind(0)), t, prompts, return_dict=False)[0]
     return -torch.stack(out, dim=0).squeeze(2).to(x.dtype)
 
-
-class ZImageTransformerVelocity(torch.nn.Module):
-    """v(x, sigma, (embeds, mask)) of a bare ZImageTransformer2DModel, without a pipeline: what the GPU check trains at
-    the real shape with random weights (tools/gpu_families.py). `autocast` (e.g. torch.bfloat16): the forward under
-    that autocast, as the trainer's policy runs it."""
-
-    def __init__(self, transformer, latent_size: int, autocast: torch.dtype | None = None):
-        super().__init__()
-        self.transformer = transformer
-        self.autocast = autocast
-        self.latent_shape = (transformer.config.in_channels, latent_size, latent_size)
-
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
-            return zimage_velocity(self.transformer, x, sigma, cond)

@@ -35,9 +35,9 @@ def test_the_gpu_check_runs_every_section_at_toy_scale(tmp_path):
         case = sections["window"]["windows"][f"W{W}"]
         assert case["per_step"]["seconds"] > 0 and case["jagg_cached"]["seconds"] > 0 and case["speedup"] > 0
     assert sections["window"]["lora_parameters"] < sections["window"]["parameters"]
-    for family in ("qwen_image", "z_image"):  # the newer families' windows, each through its bare-transformer velocity
-        fam = sections["families"][family]
-        assert 0 < fam["lora_parameters"] < fam["parameters"] and fam["latent"] == [4, 8, 8]
+    for family, latent in (("qwen_image", [4, 8, 8]), ("z_image", [4, 8, 8]), ("wan", [4, 3, 8, 8])):
+        fam = sections["families"][family]  # the newer families' windows, each through its family's velocity
+        assert 0 < fam["lora_parameters"] < fam["parameters"] and fam["latent"] == latent
         for W in (4, 8):
             assert fam["windows"][f"W{W}"]["per_step"]["seconds"] > 0 and fam["windows"][f"W{W}"]["speedup"] > 0
     assert 0 < sections["syncs"]["host_syncs_per_step"] <= 25
