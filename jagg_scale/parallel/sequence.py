@@ -108,7 +108,9 @@ def _check_splits_of(module: nn.Module, inputs: dict, sp: int, where: str) -> No
             value = kwargs.get(key) if isinstance(key, str) else None
             if value is None and isinstance(key, str) and key in params and params.index(key) < len(args):
                 value = args[params.index(key)]
-            n = value.shape[spec.split_dim] if isinstance(value, torch.Tensor) else None
+            # a tensor of another rank than planned is not split (diffusers' hook skips it too: Wan's 1-D timestep)
+            n = value.shape[spec.split_dim] if isinstance(value, torch.Tensor) and value.ndim == spec.expected_dims \
+                else None
             if n is not None and n % sp:
                 raise ValueError(f"config key 'parallel.sequence_parallel' {sp} must divide the {n} tokens of "
                                  f"{where}'s {key} (Ulysses splits a sequence evenly): change the resolution, "

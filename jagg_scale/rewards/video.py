@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from .base import Reward, RewardOutput, build_reward, register
 from .clip import ClipBackbone
 
-__all__ = ["VIDEO_REWARDS", "TemporalConsistency", "VideoFrames", "frames_of"]
+__all__ = ["VIDEO_ONLY", "VIDEO_REWARDS", "TemporalConsistency", "VideoFrames", "frames_of"]
 
-VIDEO_REWARDS = ("video_frames", "temporal_consistency", "remote")  # what scores a video model's output
+VIDEO_ONLY = ("video_frames", "temporal_consistency")  # rewards of videos alone
+VIDEO_REWARDS = (*VIDEO_ONLY, "remote")  # what scores a video model's output (a remote judge takes either)
 
 
 def frames_of(videos: torch.Tensor, name: str) -> torch.Tensor:
@@ -40,7 +41,7 @@ class VideoFrames(Reward):
     def __init__(self, *, reward: str, options: dict | None = None, every: int = 1):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"video_frames: every must be a positive int, got {every!r}")
-        if reward in VIDEO_REWARDS:
+        if reward in VIDEO_ONLY:
             raise ValueError(f"video_frames: its reward scores frames (an image reward), not {reward!r}")
         self.inner = build_reward(reward, **(options or {}))
         self.every = every

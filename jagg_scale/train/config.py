@@ -294,7 +294,7 @@ def config_from_dict(data: dict) -> Config:
 def _check_video_rewards(cfg: Config) -> None:
     """A video model's samples are frames [N, 3, F, H, W]: every reward it is scored by must take videos."""
     from ..models.base import VIDEO_KINDS
-    from ..rewards.video import VIDEO_REWARDS
+    from ..rewards.video import VIDEO_ONLY, VIDEO_REWARDS
 
     r, kind = cfg.reward, cfg.model.kind
     for name in list(r.components) if r.components else [r.name]:
@@ -303,7 +303,7 @@ def _check_video_rewards(cfg: Config) -> None:
             _require(name in VIDEO_REWARDS, key, f"{name!r} scores images; model.kind {kind} makes videos: use "
                      f"{' or '.join(VIDEO_REWARDS)} (video_frames: {{reward: {name}, options: ...}} scores frames)")
         else:
-            _require(name not in VIDEO_REWARDS, key, f"{name!r} scores videos; model.kind {kind} makes images")
+            _require(name not in VIDEO_ONLY, key, f"{name!r} scores videos; model.kind {kind} makes images")
 
 
 def validate(cfg: Config, *, check_files: bool = True) -> None:

@@ -47,8 +47,9 @@ class StepRows:
     def draw(cls, n: int, batch_size: int, seed: int, step: int, rank: int, world_size: int,
              sp: int = 1) -> "StepRows":
         if batch_size % (world_size // sp) or n % batch_size:
-            raise ValueError(f"train.batch_size={batch_size} must be divisible by the {world_size // sp} data-parallel "
-                             f"groups and divide the step's {n} rows")
+            groups = f"world size {world_size}" if sp == 1 else f"{world_size // sp} sequence-parallel groups"
+            raise ValueError(f"train.batch_size={batch_size} must be divisible by the {groups} and divide the step's "
+                             f"{n} rows")
         gen = torch.Generator().manual_seed(step_seed(seed, step, 1))
         return cls(torch.randperm(n, generator=gen), batch_size, world_size, rank, sp)
 
