@@ -22,7 +22,7 @@ def run(config: str, nproc: int, out: Path, *overrides: str) -> list[dict]:
     return launch_metrics([config, *overrides], nproc, out)
 
 
-@pytest.mark.parametrize("kind, resolution", [("qwenimage", 16), ("flux2", 32), ("zimage", 16), ("flux_kontext", 16)])
+@pytest.mark.parametrize("kind, resolution", [("qwenimage", 16), ("flux2", 32), ("zimage", 16)])
 def test_two_processes_with_a_sharded_text_encoder_match_one_process(kind, resolution, request, tmp_path):
     pipe = request.getfixturevalue(f"{kind}_dir")
     config = str(ROOT / "configs" / f"{kind}_tiny_cpu.yaml")

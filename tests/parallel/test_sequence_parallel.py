@@ -40,7 +40,6 @@ SP = ["parallel.engine=fsdp2", "parallel.sequence_parallel=2"]
 @pytest.mark.parametrize("kind, nproc, extra", [
     ("wan", 2, []), ("wan", 4, []),
     ("sd3", 2, ["grpo.beta=0.04"]),  # this stack's own plan; a full fine-tune: its KL reference copy split too
-    ("qwenimage", 2, ["model.resolution=16"]),  # a plan naming its blocks by wildcard
 ])
 def test_groups_of_two_ranks_splitting_the_tokens_train_as_one_process(kind, nproc, extra, request, tmp_path):
     pipe = request.getfixturevalue(f"{kind}_dir")
@@ -97,3 +96,19 @@ def test_a_sequence_sp_does_not_divide_is_refused_naming_the_key_and_the_tokens(
     proc = subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=RUN_S)
     assert proc.returncode != 0
     assert "config key 'parallel.sequence_parallel' 2 must divide the 63 tokens of" in proc.stderr
+
+
+def test_the_even_split_check_reaches_the_blocks_a_plan_names_by_wildcard(qwenimage_dir):
+    """Qwen-Image's plan names its blocks "transformer_blocks.*" (its start failed on the wildcard once): the check
+    hooks every block, and a prompt of 63 tokens is refused over 2 ranks naming the key, before any collective."""
+    import torch
+
+    from jagg_scale.models.qwenimage import QwenImageVelocity
+    from jagg_scale.parallel.sequence import _check_even_splits
+
+    model = QwenImageVelocity.from_pretrained(qwenimage_dir, resolution=16, max_sequence_length=63)
+    t = model.transformer
+    _check_even_splits(t, t._cp_plan, 2)
+    assert all(len(b._forward_pre_hooks) >= 1 for b in t.transformer_blocks)  # block 0 named twice: 2
+    with pytest.raises(ValueError, match="'parallel.sequence_parallel' 2 must divide the 63 tokens of transformer_bl"):
+        model(torch.randn(1, *model.latent_shape), torch.tensor([0.5]), model.encode_prompts(["a cat " * 20]))
