@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=None, help="shapes/NAME.json instead of model.pretrained's own configs")
     ap.add_argument("--measure", action="store_true", help="measure missing activation coefficients on this CPU")
     ap.add_argument("--counts", action="store_true", help="print the parameter counts of the shape files")
+    ap.add_argument("--a2a-gbps", type=float, default=steptime.A2A_GBPS,
+                    help="GB/s a rank sends in sequence parallelism's all-to-alls (default: inside a node, NVLink)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_intermixed_args(argv)
     if args.counts:
@@ -72,12 +74,12 @@ def step_time(cfg, s: dict, est: dict, args) -> tuple[dict, dict | None]:
     step), each at the estimate's micro-batch and rollout batch."""
     from ..train.config import load_config
 
-    own = steptime.step_seconds(s, est)
+    own = steptime.step_seconds(s, est, a2a_gbps=args.a2a_gbps)
     if cfg.train.algorithm != "grpo":
         return own, None
     peer_cfg = load_config(args.config, [*args.overrides, *steptime.flow_grpo_overrides(cfg)], check_files=False)
     peer = prepare(peer_cfg, args.world_size, args.shapes, False, args.overhead_gb, args.gpu_mem or 79.2)
-    return own, steptime.step_seconds(peer, estimate(peer), cfg_rows_with_grad=True)
+    return own, steptime.step_seconds(peer, estimate(peer), cfg_rows_with_grad=True, a2a_gbps=args.a2a_gbps)
 
 
 if __name__ == "__main__":

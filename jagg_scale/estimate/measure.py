@@ -82,12 +82,17 @@ def cast_inputs_hook(module, args, kwargs):  # FSDP2 MixedPrecisionPolicy(cast_f
     return _to_bf16(args), {k: _to_bf16(v) for k, v in kwargs.items()}
 
 
-def model_inputs(kind: str, cfg: dict, n: int, h: int, w: int, t: int, device: str = "cpu") -> dict:
-    """The transformer's forward arguments for n rows of h x w image tokens and t text tokens, as the family's adapter
-    (models/<family>.py) calls it: random on the CPU (the measurement) or on the meta device (FLOPs, steptime.py)."""
+def model_inputs(kind: str, cfg: dict, n: int, h: int, w: int, t: int, device: str = "cpu", frames: int = 1) -> dict:
+    """The transformer's forward arguments for n rows of h x w image tokens (Wan: frames x h x w) and t text tokens, as
+    the family's adapter (models/<family>.py) calls it: random on the CPU (the measurement) or on the meta device
+    (FLOPs, steptime.py)."""
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g).to(device)
     u = lambda n: torch.rand(n, generator=g).to(device)
+    if kind == "wan":  # video latents [N, C, F, H, W] patchified (1, 2, 2) inside, timestep 1000 sigma (models/wan.py)
+        _, ph, pw = cfg["patch_size"]
+        return dict(hidden_states=r(n, cfg["in_channels"], frames, h * ph, w * pw), timestep=u(n) * 1000,
+                    encoder_hidden_states=r(n, t, cfg["text_dim"]), return_dict=False)
     if kind == "qwenimage":  # packed 2x2 tokens, the prompt with its mask, the latent grid (models/qwenimage.py)
         return dict(hidden_states=r(n, h * w, cfg["in_channels"]), timestep=u(n),
                     encoder_hidden_states=r(n, t, cfg["joint_attention_dim"]),
@@ -128,6 +133,8 @@ def _min_transformer(comp: dict) -> tuple[torch.nn.Module, list[str]]:
                      pos_embed_max_size=max(POINTS[-1][1:3]))
     elif comp["class"].startswith("QwenImage"):  # one kind of double-stream block
         types, small = ["double"] * cfg["num_layers"], dict(cfg, num_layers=1)
+    elif comp["class"].startswith("Wan"):  # one kind of block: self-attention, cross-attention to the prompt, FFN
+        types, small = ["block"] * cfg["num_layers"], dict(cfg, num_layers=1)
     elif comp["class"].startswith("ZImage"):  # the image refiner, the prompt refiner, then the joint blocks
         R = cfg["n_refiner_layers"]
         types = ["noise"] * R + ["context"] * R + ["joint"] * cfg["n_layers"]
@@ -219,7 +226,10 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
         for pt, v in samples["model"][mode]:
             whole = v[0] if mode == "nograd" else max(v[0], v[1] + v[2] + v[3])
             resid.append((pt, whole - compose(fits, kinds, mode, *_tok(pt))))
-        fits[f"root_{mode}"] = _fit(resid)
+        # the root's tensors do not shrink as rows and tokens grow: where a constant transient of the root (its weight
+        # gradients) outweighs the blocks at the small measured sizes, an unconstrained fit's negative slope would
+        # extrapolate to a negative root at production sizes (Wan2.1-14B: -23 GB at 33k tokens)
+        fits[f"root_{mode}"] = _fit(resid, nonneg=True)
     for k in kinds:
         for _q, coef in fits[k].items():
             worst = max(worst, coef[4])
@@ -227,7 +237,7 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
 
 
 # a transformer's family by its class name (FLUX.1's FluxTransformer2DModel the rest)
-FAMILIES = (("SD3", "sd3"), ("QwenImage", "qwenimage"), ("Flux2", "flux2"), ("ZImage", "zimage"))
+FAMILIES = (("SD3", "sd3"), ("QwenImage", "qwenimage"), ("Flux2", "flux2"), ("ZImage", "zimage"), ("Wan", "wan"))
 
 
 def transformer_kind(comp: dict) -> str:
@@ -240,18 +250,31 @@ def _tok(pt):
     return n, h * w, t
 
 
-def _fit(samples) -> list[float]:
-    """Least squares bytes = rows x (a image tokens + b text tokens + c) + d; [a, b, c, d, max relative residual]."""
+def _fit(samples, nonneg: bool = False) -> list[float]:
+    """Least squares bytes = rows x (a image tokens + b text tokens + c) + d; [a, b, c, d, max relative residual].
+    nonneg: a, b, c >= 0 (the best fit over the ways of holding some of them at 0)."""
+    import itertools
+
     X = torch.tensor([[n * i, n * t, n, 1.0] for (n, i, t) in (_tok(pt) for pt, _ in samples)], dtype=torch.float64)
     y = torch.tensor([float(v) for _, v in samples], dtype=torch.float64)
-    coef = torch.linalg.pinv(X) @ y  # minimum norm where a variable does not vary (a fixed sequence length)
+    best = None
+    for zero in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in range(4 if nonneg else 1)):
+        keep = [j for j in range(4) if j not in zero]
+        coef = torch.zeros(4, dtype=torch.float64)
+        # minimum norm where a variable does not vary (a fixed sequence length)
+        coef[keep] = torch.linalg.pinv(X[:, keep]) @ y
+        err = float(((X @ coef - y) ** 2).sum())
+        if (coef[:3] >= 0).all() or not nonneg:
+            best = min(best or (err, coef), (err, coef), key=lambda e: e[0])
+    coef = best[1]
     rel = ((X @ coef - y).abs() / y.abs().clamp_min(1.0)).max()
     return [*coef.tolist(), float(rel)]
 
 
 def measure_nograd(comp: dict, what: str, dtype: torch.dtype, seq: int) -> list[float]:
     """Fit of the no-grad forward peak of a frozen component: a text encoder on `seq` tokens, the VAE decoder
-    (per latent pixel) or a reward CLIP (per 224 px image), as the pipeline / reward calls them."""
+    (per latent pixel; a video VAE, what "video": per latent pixel of a frame and of the video) or a reward CLIP (per
+    224 px image), as the pipeline / reward calls them."""
     config = clean(comp["config"])
     if what == "t5":
         config["num_layers"] = min(2, config["num_layers"])  # the peak does not grow with depth (no hidden states kept)
@@ -279,8 +302,18 @@ def measure_nograd(comp: dict, what: str, dtype: torch.dtype, seq: int) -> list[
     # the VAE from 2 images up: with one image the CPU convolution takes an im2col path (9x its input, +56 KB per
     # latent pixel) that 2+ images and cuDNN do not; from 2 up the peak is linear, 96 KB per latent pixel and image
     grid = ((2, 16), (3, 16), (2, 32), (3, 32), (2, 48)) if what == "vae" else ((1, 0), (2, 0), (3, 0))
-    for n, size in grid:
-        if what == "vae":
+    if what == "video":  # (images, latent side, latent frames): Wan's decoder runs a latent frame at a time with a
+        # cache (a working set per frame, larger than the first frame's from the second on, which decodes 4) and
+        # concatenates the frames; from 4 latent frames up the peak grows slowly and linearly with the frames (a
+        # frame's working set dominates the video's output at production sizes), measured up to 12; sides 16 and 24
+        # (below them a frame's borders weigh more: the working set per latent pixel is lower at side 8)
+        grid = ((2, 16, 4), (3, 16, 4), (2, 16, 8), (2, 16, 12), (2, 24, 4), (3, 24, 6))
+    for n, size, *frames in grid:
+        if what == "video":  # fit as images x (a x side^2 + b x frames x side^2 + c) + d (models/wan.py decode)
+            x = torch.randn(n, config["z_dim"], frames[0], size, size, dtype=dtype)
+            fn = lambda x=x: ((module.decode(x, return_dict=False)[0].float() + 1) / 2).clamp(0, 1)
+            pt = (n, size, size, frames[0] * size * size)
+        elif what == "vae":
             video = "z_dim" in config  # Qwen-Image's VAE decodes [N, C, 1, H, W] (models/qwenimage.py)
             x = torch.randn(n, config["z_dim"] if video else config["latent_channels"], *([1] if video else []), size,
                             size, dtype=dtype)
@@ -302,6 +335,6 @@ def measure_nograd(comp: dict, what: str, dtype: torch.dtype, seq: int) -> list[
             fn()
             kept = layers_kept * n * seq * per_token * dtype.itemsize
             samples.append((pt, _profile(fn)[0] + kept))
-    return _fit(samples)
+    return _fit(samples, nonneg=what == "video")  # a longer video does not decode in less memory
 
 

@@ -8,7 +8,10 @@ gradient, the fp32 reduce-scatter input and the previous block's one in flight. 
 and states, its KL reference is the adapter off. Activations: measured coefficients composed over the real depth
 (activations.py). What the trainer does is read from the trainer's own pieces: the rows each rank samples and
 trains (train/rows.py StepRows), the with-grad rows of a pass and the interior steps of a segment (the planner,
-jagg/planners.py), whether blocks are recomputed (parallel.activation_checkpointing, on every engine).
+jagg/planners.py), whether blocks are recomputed (parallel.activation_checkpointing, on every engine). A video model
+(Wan) is a row of latent frames: its tokens, stored latents, decode and frames scored grow with them.
+parallel.sequence_parallel N (sequence_parallel() below): a rank holds its data-parallel group's rows (world / N
+groups) whole, and runs 1 / N of every transformer pass's tokens.
 
 Phases of a step (each a sum of components; the peak is the max):
 
@@ -35,7 +38,8 @@ from ..models.lora import DEFAULT_TARGETS
 from ..train.rows import StepRows
 from .activations import cached as _cached
 from .activations import ev, key, reduce_buffers, transformer_activations
-from .shapes import FROZEN, QWEN_TEXT, clean, component_params, pipeline_shapes, reward_models, transformer_stats
+from .shapes import (FROZEN, QWEN_TEXT, clean, component_params, context_parallel, pipeline_shapes, reward_models,
+                     transformer_stats)
 
 __all__ = ["COMPONENTS", "GiB", "PHASES", "balanced", "choose_micro", "estimate", "local_rows", "prepare", "report",
            "shard_group"]
@@ -54,10 +58,11 @@ class DoesNotDivide(ValueError):
 
 
 def local_rows(cfg, world: int) -> tuple[int, int]:
-    """(rows this rank samples per step, its share of a minibatch), as the trainer splits them (train/rows.py)."""
+    """(rows this rank samples per step, its share of a minibatch), as the trainer splits them (train/rows.py): by
+    data-parallel group, the world / parallel.sequence_parallel groups whose ranks hold the same rows."""
     n = cfg.train.prompts_per_step * cfg.grpo.group_size
     try:
-        rows = StepRows.draw(n, cfg.train.batch_size, cfg.run.seed, 0, 0, world)
+        rows = StepRows.draw(n, cfg.train.batch_size, cfg.run.seed, 0, 0, world, cfg.parallel.sequence_parallel)
     except ValueError as err:
         raise DoesNotDivide(str(err)) from None
     return len(rows.mine), rows.local_batch
@@ -121,6 +126,12 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
         side = (cfg.model.resolution or vae["sample_size"]) // scale  # ZImagePipeline's default: 1024 px
         latent, p = (tc["in_channels"], side, side), tc["all_patch_size"][0]
         text, cond_row = -(-prompt // 32) * 32, prompt * (tc["cap_feat_dim"] + 2)
+    elif kind == "wan":  # video latents [C, F, H, W]: the VAE's 8x spatial and 4x temporal factors, (1, 2, 2)
+        # patches; the transformer cross-attends to the padded UMT5 prompt (models/wan.py; 480 px, 81 frames unless set)
+        scale, nf = vae.get("scale_factor_spatial", 8), cfg.model.num_frames or 81
+        side = (cfg.model.resolution or 480) // scale
+        latent, p = (tc["in_channels"], (nf - 1) // vae.get("scale_factor_temporal", 4) + 1, side, side), 2
+        text, cond_row = tokens["t5"], tokens["t5"] * tc["text_dim"]
     else:  # FLUX.1 (T5 tokens, CLIP's pooled vector) and FLUX.2 [klein] (the padded Qwen3 prompt): 2x2 latent patches
         scale = 2 ** (len(vae["block_out_channels"]) - 1)
         side = (cfg.model.resolution or vae["sample_size"]) // scale
@@ -129,8 +140,12 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
         cond_row = text * tc["joint_attention_dim"] + tc.get("pooled_projection_dim", 0)
         if kind == "flux_kontext":  # the input image's latents ride in the conditioning (models/kontext.py)
             cond_row += math.prod(latent)
-    # the transformer's image tokens: FLUX.1-Kontext's passes carry the input image's tokens beside the noisy ones
-    images_per_pass = 2 if kind == "flux_kontext" else 1
+    # the transformer's image tokens: FLUX.1-Kontext's passes carry the input image's tokens beside the noisy ones, a
+    # video's every latent frame's; its decode gives 4 (F - 1) + 1 frames (models/wan.py)
+    images_per_pass = 2 if kind == "flux_kontext" else latent[1] if len(latent) == 4 else 1
+    frames = (latent[1], cfg.model.num_frames or 81) if len(latent) == 4 else (1, 1)
+    n_img = images_per_pass * (side // p) ** 2
+    stats = transformer_stats(tcomp, rank, targets)
     t_key = ("transformer", tcomp["class"], clean(tc), precision, rank, sorted(targets) if rank else None)
     label = f"{shapes.get('name', tcomp['class'])} transformer, {precision}, {'LoRA r%d' % rank if rank else 'full'}"
     act = cached(key(*t_key), label, lambda: M.measure_transformer(tcomp, precision, rank), measure)
@@ -143,31 +158,63 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
         if kind in QWEN_TEXT:
             what, seq = QWEN_TEXT[kind], prompt  # the padded prompt (Qwen-Image: the template's tokens besides)
         else:
-            what = "t5" if c["class"].startswith("T5") else ("clip_hidden" if kind == "sd3" else "clip")
+            what = "t5" if c["class"].startswith(("T5", "UMT5")) else ("clip_hidden" if kind == "sd3" else "clip")
             seq = tokens["t5" if what == "t5" else "clip"]
         k = key(what, c["class"], clean(c["config"]), str(fdt), seq)
         encoders[name] = {"seq": seq, "coef": cached(k, f"{name} ({c['class']}) no-grad, {fdt}, {seq} tokens",
                           lambda c=c, what=what, seq=seq: M.measure_nograd(c, what, fdt, seq), measure)}
-    vkey = key("vae", clean(vae), str(fdt))
-    decode = cached(vkey, f"VAE decode, {fdt}", lambda: M.measure_nograd(comps["vae"], "vae", fdt, 0), measure)
+    what = "video" if frames[0] > 1 else "vae"  # a video VAE fit over its frames too (measure.measure_nograd)
+    decode = cached(key(what, clean(vae), str(fdt)), f"VAE decode{' of videos' * (what == 'video')}, {fdt}",
+                    lambda: M.measure_nograd(comps["vae"], what, fdt, 0), measure)
     rewards = {}
     for name, c in reward_models(cfg).items():
         rdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(c["options"].get("dtype"), torch.float32)
         rkey = key("reward", clean(c["config"]), str(rdt))
-        rewards[name] = {"params": component_params(c), "bytes": rdt.itemsize, "coef": cached(
+        rewards[name] = {"params": component_params(c), "bytes": rdt.itemsize, "every": c["every"],
+                         "batch": c["options"].get("batch_size", 16), "coef": cached(
             rkey, f"reward {name} CLIP no-grad, {rdt}", lambda c=c, rdt=rdt: M.measure_nograd(c, "reward", rdt, 0),
             measure)}
     return {"cfg": cfg, "world": world, "kind": kind, "shapes": shapes.get("name"), "precision": precision,
-            "sharded": sharded, "bf16": bf16, "lora_rank": rank, "stats": transformer_stats(tcomp, rank, targets),
+            "sharded": sharded, "bf16": bf16, "lora_rank": rank, "stats": stats,
             "frozen": {n: component_params(comps[n]) / (world if n == t5 and cfg.model.shard_t5 else 1)
                        for n in frozen},
             "encoders": encoders, "ref_bytes": 2 if bf16 and tcomp.get("stored_dtype") == "bfloat16" else 4,
-            "decode": decode, "rewards": rewards, "act": act, "latent": latent, "patch": p,
-            "image_tokens": images_per_pass * (side // p) ** 2,
-            "text_tokens": text, "cond_row": cond_row,
+            "decode": decode, "rewards": rewards, "act": act, "latent": latent, "patch": p, "frames": frames,
+            "image_tokens": n_img, "text_tokens": text, "cond_row": cond_row,
+            **sequence_parallel(cfg, world, tcomp, n_img, text, math.prod(latent), 2 if bf16 else 4,
+                                len(stats["block_params"])),
             "overhead": overhead_gb * GiB, "vae_scale": scale, "eval_images": eval_images(cfg),
             # gpu_gib: what sampling.batch_size auto is sized for (an 80 GB GPU unless told)
             "gpu_gib": gpu_gib, "components": comps}
+
+
+def sequence_parallel(cfg, world: int, tcomp: dict, n_img: int, text: int, lat: int, cdt: int, layers: int) -> dict:
+    """parallel.sequence_parallel N (parallel/sequence.py): a rank's share of each pass's tokens, and per row what the
+    split adds. Ulysses splits the tokens the transformer's context-parallel plan names (the image / video tokens;
+    FLUX's text tokens too, Wan's prompt stays whole on every rank as its cross-attention's keys); every attention
+    layer exchanges q, k, v and its output by all-to-alls ((N - 1) / N of each is sent), and the output is gathered
+    back to full rows on every rank (a row's latents, velocities, SDE, decode and reward are not split)."""
+    sp = cfg.parallel.sequence_parallel
+    if sp == 1:
+        return {"sp": 1, "sp_text": False, "rank_tokens": (n_img, text), "a2a_row": 0.0,
+                "sp_row": {"grad": 0.0, "nograd": 0.0}}
+    if world % sp:
+        raise DoesNotDivide(f"parallel.sequence_parallel {sp} must divide the world size {world}")
+    split_text = context_parallel(tcomp)  # ShapeError for a transformer without a plan (the trainer refuses it too)
+    c = tcomp["config"]
+    heads, width = c["num_attention_heads"], c["num_attention_heads"] * c["attention_head_dim"]
+    if heads % sp:
+        raise DoesNotDivide(f"parallel.sequence_parallel {sp} must divide {tcomp['class']}'s {heads} attention heads")
+    if n_img % sp or (split_text and text % sp):  # Ulysses splits evenly (parallel/sequence.py refuses the rest)
+        raise DoesNotDivide(f"parallel.sequence_parallel {sp} must divide a pass's {n_img} image tokens"
+                            + (f" and {text} text tokens" if split_text else ""))
+    img, txt = n_img // sp, text // sp if split_text else text
+    attn = img + txt * split_text  # the self-attention's tokens on a rank (one per block)
+    exchange = 6 * attn * width * cdt  # at one layer: q, k, v, their contiguous copies and the all-to-all outputs
+    return {"sp": sp, "sp_text": split_text, "rank_tokens": (img, txt),
+            "a2a_row": layers * 4 * attn * width * cdt * (sp - 1) / sp,  # bytes a rank sends per row and forward
+            # the gathered output beside its local part (with grad: its gradient too), the exchange's transient
+            "sp_row": {"nograd": lat * cdt + exchange, "grad": 2 * lat * cdt + exchange}}
 
 
 def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = None) -> dict:
@@ -184,9 +231,14 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     cdt = 2 if s["bf16"] else 4
     cfgg, ref, lat, S = cfg.sampling.guidance != 1.0, cfg.uses_reference, math.prod(s["latent"]), cfg.sampling.num_steps
     nft = cfg.train.algorithm == "nft"
-    n_img, T, cond = s["image_tokens"], s["text_tokens"], 4 * s["cond_row"]  # conditioning is float32 (models/sd3.py)
+    cond = 4 * s["cond_row"]  # conditioning is float32 (models/sd3.py)
+    n_img, T = s["rank_tokens"]  # this rank's share of a pass's tokens: all of them unless sequence parallel
     ckpt = cfg.parallel.activation_checkpointing  # every engine applies it (parallel/blocks.py)
     act = s["act"]
+
+    def tact(mode, n, extra=None):  # a pass of n rows on this rank, and what splitting its tokens adds
+        return transformer_activations(act, mode, n, n_img, T, extra) + n * s["sp_row"][
+            "nograd" if mode == "nograd" else "grad"]
 
     static = {
         # full fine-tune: fp32 masters (+ ZeRO-3's bf16 shard); LoRA under bf16: the frozen base stored bf16
@@ -227,37 +279,43 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     rows = planner.knots_per_pass * m
     pass_in = rows * (4 * 4 * lat + cond)  # stacked latents, v, G and its parts (float32), repeated conditioning
     mode = "ckpt" if ckpt else "grad"
-    activ = transformer_activations(act, mode, rows, n_img, T)
-    reduce_buf = transformer_activations(act, mode, rows, n_img, T, reduce) - activ if shard else 0.0
+    activ = tact(mode, rows)
+    reduce_buf = tact(mode, rows, reduce) - activ if shard else 0.0
     trained = cfg.sampling.sde_window or len(trained_steps(S, cfg.grpo.timestep_fraction))
     interior = planner.max_interior(trained)
     forward_mode = cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto" and steps_per_rollout > 1)
     if interior and forward_mode:  # no-grad forwards of a segment's interior steps (jagg/backward.py)
         saved = sum(ev(act["fits"][k][f"keep_{mode}"], rows, n_img, T) for k in act["types"]) \
             + ev(act["fits"][f"root_{mode}"], rows, n_img, T)  # the pass's graph, alive while the interior runs
-        nograd = transformer_activations(act, "nograd", interior * m, n_img, T) + interior * m * (cond + 8 * lat)
+        nograd = tact("nograd", interior * m) + interior * m * (cond + 8 * lat)
         activ = max(activ, saved + nograd)
 
     def encoders(n):  # Policy.encode: each encoder in turn on n prompts
         return max((ev(c["coef"], n, 0, c["seq"]) for c in s["encoders"].values()), default=0.0)
 
-    def score(n):  # decode n latents (ChunkScorer) and score them (rewards/clip.py resizes float images first)
-        side = s["latent"][1]
-        img = n * 3 * (side * s["vae_scale"]) ** 2 * 4
-        return ev(s["decode"], n, side * side, 0) + sum(ev(r["coef"], n, 0, 1) for r in s["rewards"].values()) \
-            + (2 * img if s["rewards"] else 0)
+    lf, nf = s["frames"]  # latent and decoded frames of a row (1, 1 for an image)
+    side = s["latent"][-1]
+    px = 3 * (side * s["vae_scale"]) ** 2 * 4  # a float32 frame
+
+    def score(n):  # decode n latents (ChunkScorer) and score them (rewards/clip.py resizes float images first): a
+        # chunk's images at once; of a video every k-th frame (video_frames: a copy of them beside the videos),
+        # reward.options batch_size frames at a time
+        rewards = s["rewards"].values()
+        frames = [n * -(-nf // r["every"]) for r in rewards]
+        return ev(s["decode"], n, side * side, lf * side * side if nf > 1 else 0) \
+            + sum(ev(r["coef"], k if nf == 1 else min(k, r["batch"]), 0, 1) for k, r in zip(frames, rewards)) \
+            + (n * nf * px + max(frames) * px if frames else 0)
 
     bs = sampling_batch or cfg.sampling.batch_size
     if bs == "auto":
         bs = rollout_batch(s, s["gpu_gib"])
     sample_rows = bs * (1 + cfgg)
-    sampling = (transformer_activations(act, "nograd", sample_rows, n_img, T) + sample_rows * (3 * 4 * lat + cond)
-                + score(bs))
+    sampling = tact("nograd", sample_rows) + sample_rows * (3 * 4 * lat + cond) + score(bs)
     e = cfg.eval.batch_size  # train/evaluate.py: per batch encode, ODE, decode, score in turn; a grid kept (uint8)
     e_rows = e * (1 + cfgg)
-    grid = min(cfg.eval.grid_images, s["eval_images"]) * 3 * (s["latent"][1] * s["vae_scale"]) ** 2
-    eval_batch = (e * cond * (1 + cfgg) + 2 * e * lat * 4 + grid + max(encoders(e), score(e), transformer_activations(
-        act, "nograd", e_rows, n_img, T) + e_rows * (3 * 4 * lat + cond))) if cfg.eval.enabled else 0
+    grid = min(cfg.eval.grid_images, s["eval_images"]) * nf * px / 4  # uint8 frames
+    eval_batch = (e * cond * (1 + cfgg) + 2 * e * lat * 4 + grid + max(encoders(e), score(e), tact(
+        "nograd", e_rows) + e_rows * (3 * 4 * lat + cond))) if cfg.eval.enabled else 0
     eval_batch += 4 * Pt / div if cfg.train.ema_decay > 0 and cfg.eval.enabled else 0  # ema_weights' live copy
     dyn = {
         "encode": {"prompt conditioning": cond_all, "encoder / sampling / decode / reward transients": encoders(R)},
@@ -268,9 +326,10 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
         "update": {"FSDP2 gathered weights + reduce buffers": gather + reduce_buf, "gradients": grads,
                    "prompt conditioning": cond_all, "rollout storage": store,
                    "minibatch copies + pass inputs": mb + pass_in, "activations": activ},
-        # the Updater makes the next minibatch's copies while the previous ones are alive (gradients are None)
+        # the Updater makes the next minibatch's copies while the previous ones are alive (gradients are None); a
+        # step of one minibatch has no next one
         "update_switch": {"prompt conditioning": cond_all, "rollout storage": store,
-                          "minibatch copies + pass inputs": 2 * mb},
+                          "minibatch copies + pass inputs": 2 * mb if steps_per_rollout > 1 else mb},
         "optimizer": {"gradients": grads, "prompt conditioning": cond_all, "rollout storage": store,
                       "minibatch copies + pass inputs": mb, "optimizer step temporaries": 4 * Pt / div},
         "eval": {"FSDP2 gathered weights + reduce buffers": gather, "eval batch": eval_batch},
@@ -336,6 +395,12 @@ def report(s: dict, est: dict, gpu_gib: float | None = None, headroom: float = 0
             f"{est['micro_batch_size']} -> {est['pass_rows']} rows per with-grad pass ({s['image_tokens']} image + "
             f"{s['text_tokens']} text tokens each); rollout {est['sampling_batch']} rows per forward"
             + (" (sampling.batch_size auto)" if cfg.sampling.batch_size == "auto" else ""))
+    if s["sp"] > 1:
+        img, txt = s["rank_tokens"]
+        head += (f"\nsequence parallel {s['sp']}: {s['world'] // s['sp']} data-parallel groups of {s['sp']} ranks "
+                 f"holding the same rows; a rank runs {img} image + {txt} text tokens of each pass"
+                 f"{'' if s['sp_text'] else ' (the prompt whole on every rank)'}, sends "
+                 f"{s['a2a_row'] / 2**20:.0f} MiB a row and forward in all-to-alls; decode and reward on every rank")
     lines = [head, "", "| component (GiB) | " + " | ".join(PHASES) + " |", "|---" * (len(PHASES) + 1) + "|"]
     for c in COMPONENTS:
         vals = [est["phases"][ph]["components"][c] / GiB for ph in PHASES]

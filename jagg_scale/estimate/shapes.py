@@ -23,22 +23,24 @@ import torch
 
 from ..models.diffusers_common import T5_DEFAULT
 from ..models.qwenimage import PROMPT_TOKENS_DEFAULT
+from ..models.wan import PROMPT_TOKENS_DEFAULT as WAN_TOKENS_DEFAULT
 from ..models.lora import DEFAULT_TARGETS
 from ..paths import resolve_path
 from ..train.config_sections import PROMPT_TOKEN_LIMITS
 
-__all__ = ["FROZEN", "KNOWN", "QWEN_TEXT", "SHAPES", "block_lists", "clean", "component_params", "counts",
-           "meta_module", "pipeline_shapes", "reward_models", "transformer_stats"]
+__all__ = ["FROZEN", "KNOWN", "QWEN_TEXT", "SHAPES", "block_lists", "clean", "component_params", "context_parallel",
+           "counts", "meta_module", "pipeline_shapes", "reward_models", "transformer_stats"]
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
 KNOWN = {"stable-diffusion-3.5-medium": "sd35_medium", "stable-diffusion-3.5-large": "sd35_large",
          "flux.1-dev": "flux1_dev", "flux1-dev": "flux1_dev", "qwen-image": "qwen_image",
          "flux.2-klein-4b": "flux2_klein", "flux.2-klein-base-4b": "flux2_klein", "z-image": "z_image",
-         "flux.1-kontext-dev": "flux1_kontext_dev"}
+         "flux.1-kontext-dev": "flux1_kontext_dev", "wan2.1-t2v-14b": "wan21_t2v_14b"}
 # a family's frozen components, the VAE first and the large (shardable: model.shard_t5) text encoder last
 FROZEN = {"sd3": ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"),
           "flux": ("vae", "text_encoder", "text_encoder_2"), "flux_kontext": ("vae", "text_encoder", "text_encoder_2"),
-          "qwenimage": ("vae", "text_encoder"), "flux2": ("vae", "text_encoder"), "zimage": ("vae", "text_encoder")}
+          "qwenimage": ("vae", "text_encoder"), "flux2": ("vae", "text_encoder"), "zimage": ("vae", "text_encoder"),
+          "wan": ("vae", "text_encoder")}
 
 # the families whose text encoder is a Qwen LM run with every hidden state kept (measure.measure_nograd): qwen at the
 # model's default use_cache (its K/V kept too), qwen_lm Flux2KleinPipeline's causal LM (use_cache=False, logits)
@@ -93,6 +95,10 @@ def _from_directory(path: Path, kind: str) -> dict:
     if kind in QWEN_TEXT:  # the Qwen prompt tokens every prompt is padded to (models/<kind>.py)
         text = {"prompt": PROMPT_TOKENS_DEFAULT, "prompt_limit": PROMPT_TOKEN_LIMITS[kind]}
         return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
+    if kind == "wan":  # UMT5 alone, every prompt padded to WanPipeline's 512
+        t5 = limit("tokenizer", 512)
+        text = {"t5": min(WAN_TOKENS_DEFAULT, t5), "t5_limit": t5}
+        return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
     t5 = limit("tokenizer_3" if kind == "sd3" else "tokenizer_2", 512)  # what model.max_sequence_length can reach
     text = {"clip": limit("tokenizer", 77), "t5": min(T5_DEFAULT["sd3" if kind == "sd3" else "flux"], t5),
             "t5_limit": t5}
@@ -143,19 +149,41 @@ def _params(comp_json: str) -> int:
     return sum(p.numel() for p in meta_module(json.loads(comp_json)).parameters())
 
 
+def context_parallel(comp: dict) -> bool:
+    """Whether the transformer's context-parallel plan (diffusers' _cp_plan, what parallel.sequence_parallel splits)
+    splits the text tokens too (FLUX's and SD3's joint attention) or the image / video tokens alone (Wan's prompt is
+    whole on every rank); a ShapeError for a transformer without a plan (Z-Image: the trainer refuses it too)."""
+    from ..parallel.sequence import sd3_plan
+
+    plan = getattr(getattr(importlib.import_module(comp["library"]), comp["class"]), "_cp_plan", None)
+    if plan is None and comp["class"] == "SD3Transformer2DModel":  # none in diffusers: the trainer's own
+        plan = sd3_plan()
+    if plan is None:
+        raise ShapeError(f"config key 'parallel.sequence_parallel': {comp['class']} has no context-parallel plan in "
+                         "diffusers (its _cp_plan), so its sequence cannot be split; use 1")
+
+    def keys(d):
+        return {k for k, v in d.items() for k in (k, *(keys(v) if isinstance(v, dict) else ()))}
+
+    return "encoder_hidden_states" in keys(plan)
+
+
 def reward_models(cfg) -> dict[str, dict]:
-    """{reward name: CLIPModel component} of the GPU reward models the config scores with."""
+    """{reward name: CLIPModel component} of the GPU reward models the config scores with; video_frames' image reward
+    with the frames it scores a video (every: every k-th frame, rewards/video.py), 1 for an image reward."""
     table = json.loads((SHAPES / "rewards.json").read_text())
     spec = cfg.reward.components or {cfg.reward.name: cfg.reward.options}
     out = {}
     for name, opts in spec.items():
-        opts = opts or {}
+        opts, every = opts or {}, 1
+        if name == "video_frames":
+            name, every, opts = opts["reward"], opts.get("every", 1), opts.get("options") or {}
         path = opts.get("path") or opts.get("clip_path")
         if path and (resolve_path(path) / "config.json").is_file():
-            out[name] = {"library": "transformers", "class": "CLIPModel",
+            out[name] = {"library": "transformers", "class": "CLIPModel", "every": every,
                          "config": json.loads((resolve_path(path) / "config.json").read_text()), "options": opts}
         elif table["models"].get(name):
-            out[name] = dict(table["models"][name], options=opts)
+            out[name] = dict(table["models"][name], options=opts, every=every)
         elif name not in table["gpu_free"]:
             print(f"note: reward {name!r} not estimated (no shape; 0 bytes assumed)", file=sys.stderr)
     return out

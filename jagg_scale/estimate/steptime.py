@@ -21,7 +21,14 @@ checkpointing there is no recompute (x 2/3).
     decode     the VAE decoder and the reward models on the rank's samples
     eval       an evaluation's forwards and decodes, shared over eval.every steps (0 when eval.every is 0)
 
-Not counted: collectives (FSDP2 prefetches its all-gathers behind compute; they are the comm part of
+    sp_all_to_all  parallel.sequence_parallel N: each rank runs its group's rows at 1/N of every pass's tokens (the
+               FLOPs above are a rank's: 1/N of the attention, the rest at its tokens), and every attention layer's
+               Ulysses all-to-alls send (N - 1)/N of the rank's q, k, v and output: 4 per layer and forward, the
+               same again in a with-grad pass's backward (and its recomputed forward), at A2A_GBPS a rank (an sp
+               group inside one node: NVLink; --a2a-gbps for another link), not overlapped with compute. The
+               decode, the reward and the encoders run on the group's rows on every rank of it.
+
+Not counted: the other collectives (FSDP2 prefetches its all-gathers behind compute; they are the comm part of
 docs/benchmarks.md), the optimizer step and host work. So on a GPU not like the calibration's, or with NCCL
 bound by a slow network, the model is optimistic; `compare()` reads every config at the same rates, so ratios
 between configs (the knobs: rollout batch, micro-batch, window, SDE window, dpm2) hold better than seconds.
@@ -42,6 +49,9 @@ from .measure import model_inputs
 from .shapes import meta_module
 
 PASSES = Path(__file__).with_name("passes.json")
+# GB/s a rank sends in an all-to-all inside one 8-GPU node: an assumption, not measured here (NVLink 4: 450 GB/s a GPU
+# each way; NCCL's all-to-all over NVSwitch reaches well under that at the 10-100 MB messages of one layer)
+A2A_GBPS = 200.0
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,27 +80,42 @@ def pass_seconds(rows: float, flops_per_row: float, grad: bool = False, factor: 
 
 
 @functools.lru_cache(maxsize=None)
-def _transformer_flops(comp_json: str, kind: str, latent: tuple, patch: int, text_tokens: int) -> float:
-    """Forward FLOPs of one row of latents [C, H, W] in patch x patch tokens through the transformer, called as its
-    family's adapter calls it (the measurement's inputs, measure.model_inputs, on the meta device)."""
+def _transformer_flops(comp_json: str, kind: str, latent: tuple, patch: int, text_tokens: int, sp: int = 1,
+                       split_text: bool = False) -> float:
+    """Forward FLOPs of one row of latents [C, H, W] (a video's [C, F, H, W]) in patch x patch tokens through the
+    transformer, called as its family's adapter calls it (the measurement's inputs, measure.model_inputs, on the meta
+    device), on one rank of a sequence-parallel group of `sp`: its attention (all tokens of 1 / sp of the heads) is
+    1 / sp of the row's, everything else is counted at the rank's share of the tokens (the text tokens too where the
+    plan splits them: FLUX; Wan's prompt embedding and cross-attention keys are computed whole on every rank)."""
     comp = json.loads(comp_json)
-    _, H, W = latent
-    args = model_inputs(kind, comp["config"], 1, H // patch, W // patch, text_tokens, device="meta")
+    *_, H, W = latent
     m = meta_module(comp)
-    return _count(lambda: m(**args))
+
+    def count(w: int, t: int) -> tuple[float, float]:
+        args = model_inputs(kind, comp["config"], 1, H // patch, w, t, device="meta",
+                            frames=latent[1] if len(latent) == 4 else 1)
+        return _count(lambda: m(**args), attention=True)
+
+    total, attention = count(W // patch, text_tokens)
+    if sp == 1:
+        return total
+    local, local_attention = count(-(-(W // patch) // sp), -(-text_tokens // sp) if split_text else text_tokens)
+    return attention / sp + local - local_attention
 
 
 @functools.lru_cache(maxsize=None)
 def _frozen_flops(comp_json: str, what: str, arg: int) -> float:
     """Forward FLOPs of one prompt through a text encoder (`arg` tokens) or of one image through the VAE decoder
-    (`arg` latent pixels a side); 0 when the component does not run on the meta device."""
+    (`arg` latent pixels a side; a video: (latent frames, side)); 0 when the component does not run on the meta
+    device."""
     comp = json.loads(comp_json)
     try:
         m = meta_module(comp)
         if what == "vae":
-            video = "z_dim" in comp["config"]  # Qwen-Image's VAE decodes [N, C, 1, H, W]
-            z = torch.zeros(1, comp["config"]["z_dim" if video else "latent_channels"], *([1] if video else []), arg,
-                            arg, device="meta")
+            video = "z_dim" in comp["config"]  # Qwen-Image's VAE decodes [N, C, 1, H, W], Wan's [N, C, F, H, W]
+            frames, side = arg if isinstance(arg, tuple) else (1, arg)
+            z = torch.zeros(1, comp["config"]["z_dim" if video else "latent_channels"], *([frames] if video else []),
+                            side, side, device="meta")
             return _count(lambda: m.decode(z, return_dict=False))
         ids = torch.zeros(1, arg, dtype=torch.long, device="meta")
         return _count(lambda: m(ids))
@@ -98,27 +123,35 @@ def _frozen_flops(comp_json: str, what: str, arg: int) -> float:
         return 0.0
 
 
-def _count(fn) -> float:
+def _count(fn, attention: bool = False):
+    """fn's FLOPs; attention=True: (all, the attention's) (on the meta device SDPA runs as its math: the batched
+    matmuls, which nothing else in these transformers uses)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.no_grad(), FlopCounterMode(display=False) as fc:
         fn()
-    return float(fc.get_total_flops())
+    total = float(fc.get_total_flops())
+    if not attention:
+        return total
+    return total, float(sum(v for op, v in fc.get_flop_counts()["Global"].items()
+                            if "bmm" in str(op) or "scaled_dot_product" in str(op)))
 
 
-def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: dict | None = None) -> dict:
+def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: dict | None = None,
+                 a2a_gbps: float = A2A_GBPS) -> dict:
     """{phase: seconds} of one training step on one rank and their sum ("step"), for the prepared config `s`
     (memory.prepare) at the estimate `est` (memory.estimate: its micro-batch and rollout batch).
     cfg_rows_with_grad: train the conditional and unconditional rows of CFG together with grad, as Flow-GRPO's
     train_sd3.py does (this stack trains the conditional rows and reuses the rollout's unconditional ones).
-    calib: the measured passes to price with (rate()); default passes.json, the H200's."""
+    calib: the measured passes to price with (rate()); default passes.json, the H200's. a2a_gbps: the GB/s a rank
+    sends in sequence parallelism's all-to-alls (A2A_GBPS: within a node)."""
     cfg, comps = s["cfg"], s["components"]
     smp, g = cfg.sampling, cfg.grpo
     S, R, B, m = smp.num_steps, est["local_rows"], est["local_batch"], est["micro_batch_size"]
     cfgg = 1 + (smp.guidance != 1.0)
     nft = cfg.train.algorithm == "nft"
     F = _transformer_flops(json.dumps(comps["transformer"], sort_keys=True), s["kind"], tuple(s["latent"]),
-                           s["patch"], s["text_tokens"])
+                           s["patch"], s["text_tokens"], s["sp"], s["sp_text"])
     factor = (4 / 3 if s["lora_rank"] == 0 else 1.0) * (1.0 if cfg.parallel.activation_checkpointing else 2 / 3)
 
     def fwd(rows_per_pass: list, flops: float = F, x: int = 1) -> float:  # no-grad passes, `x` times the rows each
@@ -153,24 +186,30 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     enc = sum(_frozen_flops(json.dumps(comps[n], sort_keys=True), "text", e["seq"]) for n, e in s["encoders"].items()
               if n in comps)
     out["encode"] = fwd([R], enc)
-    vae = _frozen_flops(json.dumps(comps["vae"], sort_keys=True), "vae", s["latent"][1])
+    lf = s["frames"][0]
+    vae = _frozen_flops(json.dumps(comps["vae"], sort_keys=True), "vae", (lf, s["latent"][-1]) if lf > 1
+                        else s["latent"][-1])
     out["decode"] = fwd(chunks, vae)
     e = cfg.eval
     if e.enabled and e.every > 0:
-        per = math.ceil(s["eval_images"] / s["world"])
+        per = math.ceil(s["eval_images"] / (s["world"] // s["sp"]))  # an sp group evaluates the same images
         ev = [min(e.batch_size, per - i) for i in range(0, per, e.batch_size)]
         out["eval"] = (smp.eval_num_steps * fwd(ev, x=cfgg) + fwd(ev, vae)) / e.every
+        eval_rows = smp.eval_num_steps * per * cfgg / e.every
     else:
-        out["eval"] = 0.0
+        out["eval"], eval_rows = 0.0, 0
+    # sequence parallelism: every pass's all-to-alls (q, k, v and the output of each attention layer; a with-grad
+    # pass's backward and recomputed forward again), not overlapped with compute (diffusers' Ulysses waits on them)
+    grad_rows = minibatches * sum(len(k) for k in groups) * B * rows_x
+    rows = {"rollout": forwards * R * cfgg, "reference": (ref_runs * R * cfgg) if out["reference"] else 0,
+            "train": grad_rows, "train_nograd": minibatches * nograd_passes * B}
+    passes = sum(rows.values()) + eval_rows + rows["train"] * (2 if cfg.parallel.activation_checkpointing else 1)
+    out["sp_all_to_all"] = passes * s["a2a_row"] / (a2a_gbps * 1e9)
     out["step"] = sum(out.values())
-    out["forward_tflop_per_row"] = F / 1e12
+    out["forward_tflop_per_row"], out["a2a_gbps"] = F / 1e12, a2a_gbps
     # the arithmetic of each phase (TFLOP), to read a measured phase's achieved rate: a with-grad pass is ~3
     # forwards with checkpointing (forward, recomputed forward, backward of a LoRA model), `factor` of that otherwise
-    grad_rows = minibatches * sum(len(k) for k in groups) * B * rows_x
-    out["tflop"] = {"rollout": forwards * R * cfgg * F / 1e12,
-                    "reference": out["reference"] and ref_runs * R * cfgg * F / 1e12,
-                    "train": 3 * factor * grad_rows * F / 1e12,
-                    "train_nograd": minibatches * nograd_passes * B * F / 1e12}
+    out["tflop"] = {p: (3 * factor if p == "train" else 1) * n * F / 1e12 for p, n in rows.items()}
     return out
 
 
@@ -188,10 +227,11 @@ def flow_grpo_overrides(cfg) -> list[str]:
 
 def report(t: dict, flow_grpo: dict | None = None) -> str:
     c = calibration()
-    phases = ("rollout", "reference", "train", "train_nograd", "encode", "decode", "eval")
+    phases = ("rollout", "reference", "train", "train_nograd", "encode", "decode", "eval", "sp_all_to_all")
     line = ", ".join(f"{p} {t[p]:.1f}" for p in phases if t[p] > 0.05)
     out = (f"step time per rank: {t['step']:.1f} s ({line}), at the passes measured on an {c['gpu']} "
-           f"(estimate/passes.json; collectives and the optimizer step not counted)")
+           f"(estimate/passes.json; FSDP2's collectives and the optimizer step not counted"
+           f"{'; all-to-alls at %g GB/s' % t['a2a_gbps'] if t['sp_all_to_all'] else ''})")
     if flow_grpo is not None:
         out += (f"\nFlow-GRPO's step of the same config (per step, 9-row passes, CFG rows trained with grad, no "
                 f"checkpointing): {flow_grpo['step']:.1f} s: this config {flow_grpo['step'] / t['step']:.2f}x faster")
