@@ -26,8 +26,8 @@ FAMILIES = {
     "z_image": ("z_image", (16, 64, 64), 512, "cap_feat_dim",
                 dict(in_channels=4, dim=16, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16,
                      axes_dims=[2, 2, 4], axes_lens=[256, 64, 64])),
-    # configs/wan21_t2v_14b_hps.yaml: 81 frames at 640 px (21 x 80 x 80 latents, 33,600 tokens), 512 UMT5 tokens
-    "wan": ("wan21_t2v_14b", (16, 21, 80, 80), 512, "text_dim",
+    # configs/wan21_t2v_14b_hps.yaml: 81 frames at 640 px (21 x 80 x 80 latents, 33,600 tokens), 226 UMT5 tokens
+    "wan": ("wan21_t2v_14b", (16, 21, 80, 80), 226, "text_dim",
             dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
                  text_dim=16, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32)),
 }
