@@ -54,6 +54,8 @@ class FluxVelocity(DiffusersVelocity):
 
     frozen_names = ("vae", "text_encoder", "text_encoder_2")
     t5_name = "text_encoder_2"
+    pipeline_class = "FluxPipeline"
+    guidance_default = 3.5  # FluxPipeline.__call__'s guidance_scale
 
     def __init__(self, pipe, max_sequence_length: int = 512, guidance_scale: float = 3.5,
                  latent_size: int | None = None):
@@ -77,12 +79,15 @@ class FluxVelocity(DiffusersVelocity):
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | dict = torch.float32, *, max_sequence_length: int | None = None,
-                        guidance_scale: float = 3.5, latent_size: int | None = None,
+                        guidance_scale: float | None = None, latent_size: int | None = None,
                         resolution: int | None = None, local_files_only: bool = True) -> "FluxVelocity":
-        """Load a saved FluxPipeline directory (offline by default); `dtype` as for SD3Velocity.from_pretrained."""
-        from diffusers import FluxPipeline
+        """Load a saved `pipeline_class` directory (offline by default); `dtype` as for SD3Velocity.from_pretrained;
+        guidance_scale None: the pipeline's own default (`guidance_default`)."""
+        import diffusers
 
-        pipe = FluxPipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
+        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(str(Path(path)), dtype=dtype,
+                                                                      local_files_only=local_files_only)
+        guidance_scale = cls.guidance_default if guidance_scale is None else guidance_scale
         max_sequence_length = t5_length(pipe.tokenizer_2, max_sequence_length, T5_DEFAULT["flux"])
         if resolution is not None:
             latent_size = cls.latent_size_for(pipe, resolution, 2)

@@ -23,34 +23,18 @@ plain rule, the negative prompt on the same input image, which Policy.encode giv
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from ..data.images import load_rgb
-from .diffusers_common import T5_DEFAULT, t5_length
 from .flux import FluxVelocity
-
-DISTILLED_GUIDANCE_DEFAULT = 2.5  # FluxKontextPipeline.__call__'s guidance_scale
-
 
 class FluxKontextVelocity(FluxVelocity):
     """v_theta(x, sigma, (embeds, pooled, image_latents)) of a FluxKontextPipeline's transformer."""
 
-    @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | dict = torch.float32, *, max_sequence_length: int | None = None,
-                        guidance_scale: float = DISTILLED_GUIDANCE_DEFAULT, latent_size: int | None = None,
-                        resolution: int | None = None, local_files_only: bool = True) -> "FluxKontextVelocity":
-        """Load a saved FluxKontextPipeline directory (offline by default); `dtype` as SD3Velocity.from_pretrained's."""
-        from diffusers import FluxKontextPipeline
-
-        pipe = FluxKontextPipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
-        max_sequence_length = t5_length(pipe.tokenizer_2, max_sequence_length, T5_DEFAULT["flux"])
-        if resolution is not None:
-            latent_size = cls.latent_size_for(pipe, resolution, 2)
-        return cls(pipe, max_sequence_length=max_sequence_length, guidance_scale=guidance_scale,
-                   latent_size=latent_size)
+    pipeline_class = "FluxKontextPipeline"
+    guidance_default = 2.5  # FluxKontextPipeline.__call__'s guidance_scale
 
     @torch.no_grad()
     def encode_images(self, images: Sequence) -> torch.Tensor:
