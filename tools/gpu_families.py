@@ -17,6 +17,7 @@ import torch
 from gpu_timing import rollout_and_windows, sync  # noqa: E402 - tools/ is on the path
 
 # each family at its production config's shape: (shape file, latent shape, text tokens, text width key, tiny config)
+KINDS = {"qwen_image": "qwenimage", "z_image": "zimage", "wan": "wan"}  # each family's model.kind (its LoRA targets)
 FAMILIES = {
     # configs/qwenimage_hps.yaml: 720 px (90 x 90 latents, 2025 packed tokens), 512 prompt tokens
     "qwen_image": ("qwen_image", (16, 90, 90), 512, "joint_attention_dim",
@@ -66,7 +67,7 @@ def section_families(args, device, state) -> dict:
     (fp32) on the library's targets and per-block checkpointing, an on-policy rollout of B rows, then one window of
     each width per step and by JAGG (time_windows); one family's memory freed before the next."""
     from jagg_scale.estimate.shapes import clean, pipeline_shapes
-    from jagg_scale.models.lora import add_lora
+    from jagg_scale.models.lora import add_lora, lora_targets
 
     state.pop("policy", None)  # the SD3.5 policy of earlier sections: its memory back before the larger weights
     info = {}
@@ -78,7 +79,8 @@ def section_families(args, device, state) -> dict:
         torch.manual_seed(0)
         t0 = time.perf_counter()
         transformer, policy, cond = _family(name, cfg, latent, text, width, device, args.rows)
-        add_lora(transformer, rank=args.lora_rank, alpha=2 * args.lora_rank, dtype=torch.float32)
+        add_lora(transformer, rank=args.lora_rank, alpha=2 * args.lora_rank, dtype=torch.float32,
+                 targets=lora_targets(KINDS[name]))
         transformer.enable_gradient_checkpointing()
         policy.train()
         for p in policy.parameters():

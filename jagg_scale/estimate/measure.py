@@ -28,7 +28,6 @@ import inspect
 
 import torch
 
-from ..models.lora import DEFAULT_TARGETS
 from .activations import compose
 from .shapes import block_lists, clean, meta_module
 
@@ -147,8 +146,9 @@ def _min_transformer(comp: dict) -> tuple[torch.nn.Module, list[str]]:
     return getattr(lib, comp["class"])(**small), types
 
 
-def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
-    """Fit coefficients of every measured quantity of each block type and of the root residual (module docstring)."""
+def measure_transformer(comp: dict, precision: str, lora_rank: int, targets=()) -> dict:
+    """Fit coefficients of every measured quantity of each block type and of the root residual (module docstring);
+    with LoRA of `lora_rank` on `targets` (models/lora.py lora_targets)."""
     from torch.utils.checkpoint import checkpoint
 
     kind = transformer_kind(comp)
@@ -157,7 +157,7 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int) -> dict:
         from peft import LoraConfig
 
         model.requires_grad_(False)
-        model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(DEFAULT_TARGETS)))
+        model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(targets)))
     blocks = [b for bl in block_lists(model) for b in bl]
     kinds = list(dict.fromkeys(types))
     if precision == "bf16_mp":

@@ -34,7 +34,7 @@ import math
 import torch
 
 from ..jagg import trained_steps
-from ..models.lora import DEFAULT_TARGETS
+from ..models.lora import lora_targets
 from ..train.rows import StepRows
 from .activations import cached as _cached
 from .activations import ev, key, reduce_buffers, transformer_activations
@@ -98,7 +98,8 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     shapes = pipeline_shapes(cfg, shapes_name)
     kind, comps = shapes["kind"], shapes["components"]
     tcomp, lora = comps["transformer"], cfg.model.lora
-    rank, targets = (lora.rank if lora.enabled else 0), (tuple(lora.targets) or DEFAULT_TARGETS)
+    rank = lora.rank if lora.enabled else 0
+    targets = lora_targets(cfg.model.kind, lora.targets) if rank else ()  # the trainer's (models.build_model)
     sharded, bf16 = cfg.parallel.engine != "none", cfg.model.dtype == "bfloat16"
     precision = ("bf16_mp" if sharded else "amp") if bf16 else "fp32"
     tc, vae = tcomp["config"], comps["vae"]["config"]
@@ -148,7 +149,7 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     stats = transformer_stats(tcomp, rank, targets)
     t_key = ("transformer", tcomp["class"], clean(tc), precision, rank, sorted(targets) if rank else None)
     label = f"{shapes.get('name', tcomp['class'])} transformer, {precision}, {'LoRA r%d' % rank if rank else 'full'}"
-    act = cached(key(*t_key), label, lambda: M.measure_transformer(tcomp, precision, rank), measure)
+    act = cached(key(*t_key), label, lambda: M.measure_transformer(tcomp, precision, rank, targets), measure)
     fdt = torch.bfloat16 if bf16 else torch.float32
     t5 = FROZEN[kind][-1]  # model.text_encoders no_t5: not loaded; model.shard_t5: 1/world of it per rank
     frozen = [n for n in FROZEN[kind] if n in comps and not (n == t5 and cfg.model.text_encoders == "no_t5")]

@@ -49,7 +49,7 @@ def checkpoint_bytes(cfg, stats: dict) -> float:
 def lead(cfg, nodes: int, gpus: int) -> dict:
     """{checkpoint_gb, per_rank_gb, save_s, step_s (None when the memory model lacks this model's coefficients),
     shutdown_s (the least SHUTDOWN_TIMEOUT), lead_s (the least --signal lead)} for `cfg` on nodes x gpus."""
-    from ..models.lora import DEFAULT_TARGETS
+    from ..models.lora import lora_targets
     from . import memory as E
     from . import steptime as T
     from .activations import CoefficientsMissing
@@ -58,7 +58,8 @@ def lead(cfg, nodes: int, gpus: int) -> dict:
     world = nodes * gpus
     comp = pipeline_shapes(cfg)["components"]["transformer"]
     lora = cfg.model.lora
-    stats = transformer_stats(comp, lora.rank if lora.enabled else 0, tuple(lora.targets) or DEFAULT_TARGETS)
+    rank = lora.rank if lora.enabled else 0
+    stats = transformer_stats(comp, rank, lora_targets(cfg.model.kind, lora.targets) if rank else ())
     nbytes = checkpoint_bytes(cfg, stats)
     save = save_seconds(nbytes, nodes, gpus)
     try:

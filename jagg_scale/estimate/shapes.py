@@ -4,8 +4,8 @@ device (no memory, no download) and counted.
     pipeline_shapes(cfg, name=None)   a local pipeline directory's config.json files, or shapes/NAME.json for a
                                       model.pretrained that is not here (matched by name, or NAME given)
     meta_module(comp)                 the component on the meta device
-    transformer_stats(comp, lora)     parameters, buffers, per-block and root parameters, LoRA parameters (the
-                                      library's LoRA targets: models/lora.py)
+    transformer_stats(comp, r, targets)   parameters, buffers, per-block and root parameters, LoRA parameters and
+                                      modules of rank r on `targets` (models/lora.py lora_targets: the trainer's)
     reward_models(cfg)                the CLIP reward models the config scores with, as components
 
 shapes/README.md says where each file's values come from.
@@ -24,12 +24,12 @@ import torch
 from ..models.diffusers_common import T5_DEFAULT
 from ..models.qwenimage import PROMPT_TOKENS_DEFAULT
 from ..models.wan import PROMPT_TOKENS_DEFAULT as WAN_TOKENS_DEFAULT
-from ..models.lora import DEFAULT_TARGETS
+from ..models.lora import target_linears
 from ..paths import resolve_path
 from ..train.config_sections import PROMPT_TOKEN_LIMITS
 
 __all__ = ["FROZEN", "KNOWN", "QWEN_TEXT", "SHAPES", "block_lists", "clean", "component_params", "context_parallel",
-           "counts", "meta_module", "pipeline_shapes", "reward_models", "transformer_stats"]
+           "counts", "meta_module", "named_block_lists", "pipeline_shapes", "reward_models", "transformer_stats"]
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
 KNOWN = {"stable-diffusion-3.5-medium": "sd35_medium", "stable-diffusion-3.5-large": "sd35_large",
@@ -114,30 +114,40 @@ def meta_module(comp: dict, device: str = "meta") -> torch.nn.Module:
         return cls(cls.config_class(**clean(config)))
 
 
+def named_block_lists(module: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
+    """(name, list) of the transformer's block lists in forward order (the FSDP2 units of parallel/blocks.py
+    block_slots)."""
+    return [(n, m) for n, m in module.named_children() if isinstance(m, torch.nn.ModuleList)]
+
+
 def block_lists(module: torch.nn.Module) -> list[torch.nn.ModuleList]:
-    """The transformer's block lists in forward order (the FSDP2 units of parallel/blocks.py block_slots)."""
-    return [m for n, m in module.named_children() if isinstance(m, torch.nn.ModuleList)]
+    return [m for _, m in named_block_lists(module)]
 
 
-def transformer_stats(comp: dict, lora_rank: int = 0, targets=DEFAULT_TARGETS) -> dict:
+def transformer_stats(comp: dict, lora_rank: int = 0, targets=()) -> dict:
+    """`targets`: the LoRA targets (models/lora.py lora_targets), needed when lora_rank > 0."""
+    if lora_rank and not targets:
+        raise ValueError("transformer_stats: LoRA rank %d without targets (models.lora.lora_targets)" % lora_rank)
     return _stats(json.dumps(comp, sort_keys=True), lora_rank, tuple(targets))
 
 
 @functools.lru_cache(maxsize=None)
 def _stats(comp_json: str, lora_rank: int, targets: tuple) -> dict:
     m = meta_module(json.loads(comp_json))
-    blocks = [b for bl in block_lists(m) for b in bl]
+    blocks = [(f"{name}.{i}.", b) for name, bl in named_block_lists(m) for i, b in enumerate(bl)]
 
     def n(mod):
         return sum(p.numel() for p in mod.parameters())
 
-    def lora(mod):  # peft's suffix match of the target names (models/lora.py)
-        return sum(lora_rank * (x.in_features + x.out_features) for name, x in mod.named_modules()
-                   if isinstance(x, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
-
+    # A (in x r) and B (r x out) of every Linear the targets wrap, matched on the model's qualified names as peft
+    # matches them (models/lora.py), then attributed to the block that holds it
+    wrapped = [(name, lora_rank * (x.in_features + x.out_features)) for name, x in target_linears(m, targets)
+               ] if lora_rank else []
     return {"params": n(m), "buffers": sum(b.numel() * b.element_size() for b in m.buffers()),
-            "block_params": [n(b) for b in blocks], "root_params": n(m) - sum(n(b) for b in blocks),
-            "lora_params": lora(m) if lora_rank else 0, "block_lora": [lora(b) for b in blocks] if lora_rank else []}
+            "block_params": [n(b) for _, b in blocks], "root_params": n(m) - sum(n(b) for _, b in blocks),
+            "lora_params": sum(k for _, k in wrapped), "lora_modules": len(wrapped),
+            "block_lora": [sum(k for name, k in wrapped if name.startswith(prefix)) for prefix, _ in blocks]
+            if lora_rank else []}
 
 
 def component_params(comp: dict) -> int:

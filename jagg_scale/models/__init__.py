@@ -22,6 +22,21 @@ from .base import PIPELINE_KINDS, VelocityModel
 from .dit import DiT, DiTConfig, HashTokenizer
 
 
+# each diffusers family's velocity class, by model.kind: (module under models/, class)
+VELOCITY_CLASSES = {"sd3": ("sd3", "SD3Velocity"), "flux": ("flux", "FluxVelocity"),
+                    "flux_kontext": ("kontext", "FluxKontextVelocity"), "flux2": ("flux2", "Flux2Velocity"),
+                    "qwenimage": ("qwenimage", "QwenImageVelocity"), "zimage": ("zimage", "ZImageVelocity"),
+                    "wan": ("wan", "WanVelocity")}
+
+
+def velocity_class(kind: str) -> type:
+    """The velocity class of a diffusers model.kind (its module imported now: diffusers is an optional extra)."""
+    import importlib
+
+    module, name = VELOCITY_CLASSES[kind]
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
+
 def build_model(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     """A velocity model from the `model` config section (train.config.ModelConfig), on the host (CPU).
 
@@ -124,8 +139,11 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     if transformer != torch.float32 and not cfg.lora.enabled:
         model.master_dtype = torch.float32  # upcast by the engine, shard by shard, on the device
     if cfg.lora.enabled:
-        kwargs = {"targets": tuple(cfg.lora.targets)} if cfg.lora.targets else {}
-        model.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dtype=torch.float32, **kwargs)
+        from .lora import check_lora_binding, lora_targets
+
+        targets = lora_targets(cfg.kind, cfg.lora.targets)
+        model.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dtype=torch.float32, targets=targets)
+        check_lora_binding(model, cfg.lora.expect_modules, targets)  # the recipe's count, refused otherwise
     return model
 
 
@@ -199,5 +217,5 @@ def load_pretrained(model: VelocityModel, path: str) -> None:
                          f"unexpected {unexpected[:5]}")
 
 
-__all__ = ["PIPELINE_KINDS", "VelocityModel", "DiT", "DiTConfig",
-           "HashTokenizer", "build_model", "load_pretrained", "pretrained_path", "safetensors_problem", "stored_dtype"]
+__all__ = ["PIPELINE_KINDS", "VELOCITY_CLASSES", "VelocityModel", "DiT", "DiTConfig", "HashTokenizer", "build_model",
+           "load_pretrained", "pretrained_path", "safetensors_problem", "stored_dtype", "velocity_class"]

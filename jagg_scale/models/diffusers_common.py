@@ -82,6 +82,8 @@ class DiffusersVelocity(VelocityModel):
     t5_name: str = ""
     #: False on an adapter made by `with_transformer`: the frozen parts are the policy's, it does not move them
     owns_frozen: bool = True
+    #: the family's default LoRA targets (models/lora.py lora_targets; peft's match), each its cited peer's list
+    lora_targets: tuple[str, ...] = ()
 
     def __init__(self, pipe, max_sequence_length: int):
         super().__init__()
@@ -170,11 +172,12 @@ class DiffusersVelocity(VelocityModel):
         return self
 
     # ------------------------------------------------------------------ LoRA (models/lora.py)
-    def add_lora(self, **kwargs):
-        """Inject LoRA into the transformer (see lora.add_lora); only the LoRA params stay trainable."""
+    def add_lora(self, *, targets=(), **kwargs):
+        """Inject LoRA into the transformer (see lora.add_lora) on `targets`, or on the family's `lora_targets`;
+        only the LoRA params stay trainable."""
         from .lora import add_lora
 
-        return add_lora(self.transformer, **kwargs)
+        return add_lora(self.transformer, targets=tuple(targets) or self.lora_targets, **kwargs)
 
     def reference_disabled(self):
         """Context manager: this model with the LoRA adapter off (the KL reference)."""

@@ -56,6 +56,11 @@ class FluxVelocity(DiffusersVelocity):
     t5_name = "text_encoder_2"
     pipeline_class = "FluxPipeline"
     guidance_default = 3.5  # FluxPipeline.__call__'s guidance_scale
+    # DanceGRPO's FLUX LoRA (XueZeyue/DanceGRPO 15cc71d fastvideo/train_grpo_flux_lora.py:663, run by
+    # scripts/finetune/finetune_flux_grpo_8gpus_lora.sh; its FLUX recipe that configs/flux1_dev_hps.yaml follows trains
+    # the full model): bare names, so the image-stream q/k/v/out of the 19 double-stream blocks and q/k/v of the 38
+    # single-stream blocks (190 modules on FLUX.1-dev)
+    lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
 
     def __init__(self, pipe, max_sequence_length: int = 512, guidance_scale: float = 3.5,
                  latent_size: int | None = None):

@@ -46,6 +46,15 @@ class Flux2Velocity(DiffusersVelocity):
 
     frozen_names = ("vae", "text_encoder")
     t5_name = "text_encoder"
+    # Flow-Factory's FLUX.2 [klein] default (X-GenGroup/Flow-Factory a0b2bc5 src/flow_factory/models/flux/
+    # flux2_klein.py:92-104; [dev]'s flux2.py:92-104 is the same list; configs/flux2_klein_pickscore.yaml follows its
+    # full fine-tune): the double-stream blocks' attention and feed-forwards, the single-stream blocks' fused
+    # qkv + MLP input. Its list names "attn.to_out.0" twice, for the single-stream blocks too, whose output
+    # projection is a bare Linear (attn.to_out): it matches nothing there, so Flow-Factory wraps what this wraps
+    lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+                    "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+                    "attn.to_qkv_mlp_proj")
 
     def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None,
                  guidance_scale: float | None = None):

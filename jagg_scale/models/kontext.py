@@ -35,6 +35,12 @@ class FluxKontextVelocity(FluxVelocity):
 
     pipeline_class = "FluxKontextPipeline"
     guidance_default = 2.5  # FluxKontextPipeline.__call__'s guidance_scale
+    # Flow-Factory's FLUX.1-Kontext default (X-GenGroup/Flow-Factory a0b2bc5 src/flow_factory/models/flux/
+    # flux1_kontext.py:140-146; its "default" in examples/grpo/lora/flux1_kontext/default.yaml:23): both streams'
+    # attention projections and the double-stream blocks' feed-forwards
+    lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+                    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                    "ff.net.0.proj", "ff_context.net.0.proj", "ff.net.2", "ff_context.net.2")
 
     @torch.no_grad()
     def encode_images(self, images: Sequence) -> torch.Tensor:

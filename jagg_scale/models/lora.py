@@ -1,15 +1,24 @@
-"""LoRA on a diffusers transformer (SD3, FLUX): Flow-GRPO's adapter, the adapter-off KL reference, diffusers-format
-saving.
+"""LoRA on a diffusers transformer: the family's targets, the adapter-off KL reference, diffusers-format saving.
 
-    add_lora(transformer, rank=32, alpha=64)    peft LoraConfig + diffusers' `add_adapter`; only LoRA params train
+    lora_targets(kind, configured)              model.lora.targets, or the family's default (its velocity class's
+                                                `lora_targets`): what the trainer wraps AND what the estimator counts
+    target_matches(name, targets)               peft's rule for a list of targets (below)
+    add_lora(transformer, targets=..., rank=32, alpha=64)   peft LoraConfig + diffusers' `add_adapter`; only LoRA
+                                                params train
+    check_lora_binding(model, expected, ...)    the wrapped module count against model.lora.expect_modules
     with reference_disabled(model): ...         the same transformer with the adapter off = the frozen base
                                                 (the KL reference of GRPO: no second copy of the weights)
     save_lora(transformer, out_dir)             pytorch_lora_weights.safetensors, readable by a plain
-                                                StableDiffusion3Pipeline(...).load_lora_weights(out_dir)
+                                                StableDiffusion3Pipeline(...).load_lora_weights(out_dir), read back
+                                                and checked tensor by tensor against the model's adapter
 
 Flow-GRPO (SD3.5) uses r=32, lora_alpha=64, init_lora_weights="gaussian" (A ~ N(0, 1/r), B = 0, so the adapted
-model starts exactly at the base) on the joint-attention projections listed in DEFAULT_TARGETS. peft matches
-targets as suffixes of module names, so "to_out.0" is `attn.to_out[0]` (the output Linear; [1] is the Dropout).
+model starts exactly at the base). Targets: peft (tuners_utils.check_target_module_exists) matches a LIST of targets
+against a module's qualified name as the name itself or its ending after a dot, so "attn.to_q" wraps
+`transformer_blocks.3.attn.to_q` but not `...attn2.to_q` (SD3.5-medium's dual-attention blocks) while a bare "to_q"
+wraps both; "to_out.0" is `attn.to_out[0]` (the output Linear; [1] is the Dropout). A single STRING target is a
+regular expression to peft (re.fullmatch): model.lora.targets is always a list, so that form never reaches it. Each
+family's default is its cited peer's list (the velocity classes name the file and line).
 The saved file carries the LoraConfig as metadata so the loader restores lora_alpha (scale alpha / r) instead of
 guessing alpha = r.
 """
@@ -20,14 +29,36 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
+import logging
+
 import torch
 
-DEFAULT_TARGETS: tuple[str, ...] = (  # SD3 and FLUX name their attention projections alike
-    "to_q", "to_k", "to_v", "to_out.0",  # image-stream attention projections
-    "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",  # context-stream (text) projections
-)
+log = logging.getLogger(__name__)
 
 ADAPTER_NAME = "default"
+
+
+def lora_targets(kind: str, configured: Sequence[str] = ()) -> tuple[str, ...]:
+    """The LoRA targets of a model.kind: `configured` (model.lora.targets) when given, else the family's default (its
+    velocity class's `lora_targets`). The one resolution the trainer (models.build_model) and the estimator
+    (estimate/memory.py, preemption.py) both use, so the modules trained and the modules counted are the same."""
+    if configured:
+        return tuple(configured)
+    from . import velocity_class
+
+    return velocity_class(kind).lora_targets
+
+
+def target_matches(name: str, targets: Sequence[str]) -> bool:
+    """peft's match of a module's qualified name against a list of targets: the name itself, or its ending after a
+    dot (peft.tuners.tuners_utils.check_target_module_exists, the list branch)."""
+    return name in targets or any(name.endswith("." + t) for t in targets)
+
+
+def target_linears(module: torch.nn.Module, targets: Sequence[str]) -> list[tuple[str, torch.nn.Linear]]:
+    """(name, Linear) of every module of `module` that `targets` wrap, in module order (peft would refuse a matched
+    module it has no LoRA layer for; every family default matches Linears alone)."""
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, torch.nn.Linear) and target_matches(n, targets)]
 
 
 def _transformer(model) -> torch.nn.Module:
@@ -49,11 +80,11 @@ def lora_module_names(model) -> list[str]:
     return [n for n, m in _transformer(model).named_modules() if isinstance(m, BaseTunerLayer)]
 
 
-def add_lora(transformer, rank: int = 32, alpha: float = 64, targets: Sequence[str] = DEFAULT_TARGETS,
-             init: str | bool = "gaussian", dropout: float = 0.0, adapter_name: str = ADAPTER_NAME,
-             dtype: torch.dtype | None = None):
-    """Inject a LoRA adapter (peft LoraConfig via diffusers' PeftAdapterMixin.add_adapter) into `transformer`
-    (or an adapter's `.transformer`); freezes every base weight so that only the LoRA A/B matrices require grad.
+def add_lora(transformer, *, targets: Sequence[str], rank: int = 32, alpha: float = 64, init: str | bool = "gaussian",
+             dropout: float = 0.0, adapter_name: str = ADAPTER_NAME, dtype: torch.dtype | None = None):
+    """Inject a LoRA adapter (peft LoraConfig via diffusers' PeftAdapterMixin.add_adapter) on `targets` (lora_targets)
+    into `transformer` (or an adapter's `.transformer`); freezes every base weight so that only the LoRA A/B matrices
+    require grad. Logs the modules wrapped and the LoRA parameters; none wrapped is refused (ValueError).
     New LoRA params take the base weights' device and `dtype` (None: the base's; float32 over a bf16 base: the
     trained weights and their optimizer state stay float32). Returns the LoraConfig."""
     from peft import LoraConfig
@@ -71,10 +102,28 @@ def add_lora(transformer, rank: int = 32, alpha: float = 64, targets: Sequence[s
         if is_lora and (p.dtype != dtype or p.device != ref.device):
             p.data = p.data.to(device=ref.device, dtype=dtype)
         p.requires_grad_(is_lora)
-        n_lora += is_lora
-    if n_lora == 0:
+        n_lora += p.numel() if is_lora else 0
+    modules = lora_module_names(tr)
+    if not modules:
         raise ValueError(f"no module of {type(tr).__name__} matched the LoRA targets {list(targets)}")
+    log.info("LoRA r%d: %d modules of %s wrapped, %s LoRA parameters (targets %s)", int(rank), len(modules),
+             type(tr).__name__, f"{n_lora:,}", list(targets))
     return config
+
+
+def check_lora_binding(model, expected: int | None, targets: Sequence[str], key: str = "model.lora.expect_modules"
+                       ) -> int:
+    """The number of modules the LoRA adapter wraps in the (model's) transformer; a ConfigError naming `key`, the
+    count found and the targets unless it is `expected` (None: not checked). A recipe states its count so that a
+    renamed module (a diffusers upgrade), an edited target list or a family default that no longer matches is
+    refused at start-up instead of training a different adapter than the peer's."""
+    from ..sections import ConfigError
+
+    found = len(lora_module_names(model))
+    if expected is not None and found != expected:
+        raise ConfigError(f"config key '{key}' is {expected}, but the LoRA targets {list(targets)} wrap {found} "
+                          f"modules of {type(_transformer(model)).__name__}")
+    return found
 
 
 def lora_parameters(model) -> list[torch.nn.Parameter]:
@@ -139,4 +188,31 @@ def save_lora(transformer, out_dir, adapter_name: str = ADAPTER_NAME, pipeline_c
     out.mkdir(parents=True, exist_ok=True)
     pipeline_cls.save_lora_weights(str(out), transformer_lora_layers=layers,
                                                transformer_lora_adapter_metadata=metadata)
+    check_saved_lora(out / LORA_FILE, tr, layers, adapter_name)
     return out
+
+
+LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' name (LORA_WEIGHT_NAME_SAFE)
+
+
+def check_saved_lora(file, model, layers: dict, adapter_name: str = ADAPTER_NAME) -> None:
+    """ValueError in one line, naming the first tensor at fault, unless `file` (what save_lora wrote) holds exactly
+    the model's adapter: `transformer.<module>.lora_A/B.weight` for every LoRA parameter of the (model's) transformer
+    (its names, so a gathered state that lacks one is caught too), each equal in value and dtype to `layers`, the
+    tensors handed to the writer, and nothing else."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(file))
+    expected = {"transformer." + n.replace(f".{adapter_name}.", ".")
+                for n, _ in _transformer(model).named_parameters() if "lora_" in n}
+    missing, unexpected = sorted(expected - set(saved)), sorted(set(saved) - expected)
+    if missing:
+        raise ValueError(f"LoRA export {file}: the adapter tensor {missing[0]!r} is missing ({len(missing)} of "
+                         f"{len(expected)} missing)")
+    if unexpected:
+        raise ValueError(f"LoRA export {file}: {unexpected[0]!r} is not a tensor of the model's adapter "
+                         f"({len(unexpected)} such)")
+    for name in sorted(expected):
+        written = layers.get(name[len("transformer."):])
+        if written is None or saved[name].dtype != written.dtype or not torch.equal(saved[name], written):
+            raise ValueError(f"LoRA export {file}: the adapter tensor {name!r} differs from the model's")

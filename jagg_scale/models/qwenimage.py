@@ -69,7 +69,14 @@ class QwenImageVelocity(DiffusersVelocity):
 
     frozen_names = ("vae", "text_encoder")
     t5_name = "text_encoder"
-    guidance_rule = "token_norm"
+    # eff_grpo, whose recipe configs/qwenimage_hps.yaml follows, trains the full model (SchumiDing/eff_grpo ae14d64
+    # run_jagg.sh: no LoRA flag), as DanceGRPO's Qwen-Image script does; the default is Flow-Factory's Qwen-Image
+    # LoRA (X-GenGroup/Flow-Factory a0b2bc5 src/flow_factory/models/qwen_image/qwen_image.py:81-89): both streams'
+    # attention projections and their MLPs' input projections. Its "img_mlp.net.2.proj" / "txt_mlp.net.2.proj" name
+    # nothing in diffusers' QwenImage (net.2 is the output Linear itself), so Flow-Factory wraps what this wraps
+    lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+                    "img_mlp.net.0.proj", "txt_mlp.net.0.proj")
     negative_prompt = " "
 
     def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None):

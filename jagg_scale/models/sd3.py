@@ -42,6 +42,11 @@ class SD3Velocity(DiffusersVelocity):
 
     frozen_names = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
     t5_name = "text_encoder_3"
+    # Flow-GRPO's (yifan123/flow_grpo ac4c86e scripts/train_sd3.py:419-428) and DiffusionNFT's (NVlabs/DiffusionNFT
+    # 24af555 scripts/train_nft_sd3.py:420-429) joint-attention projections, "attn."-prefixed: SD3.5-medium's
+    # dual-attention blocks' attn2 is left out (191 modules at r 32 = 18.8M parameters, not 243 = 23.9M)
+    lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
 
     def __init__(self, pipe, max_sequence_length: int = 256, latent_size: int | None = None):
         super().__init__(pipe, max_sequence_length)

@@ -40,6 +40,12 @@ class WanVelocity(DiffusersVelocity):
     frozen_names = ("vae", "text_encoder")
     t5_name = "text_encoder"
     is_video = True
+    # DanceGRPO's Wan2.1 script, whose recipe configs/wan21_t2v_14b_hps.yaml follows, trains the full model
+    # (XueZeyue/DanceGRPO 15cc71d fastvideo/train_grpo_wan_2_1.py: no LoRA); the default is Flow-Factory's Wan2.1 T2V
+    # LoRA (X-GenGroup/Flow-Factory a0b2bc5 src/flow_factory/models/wan/wan2_t2v.py:74-85): self- and
+    # cross-attention projections and the feed-forward
+    lora_targets = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
+                    "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
 
     def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None,
                  num_frames: int = 81):

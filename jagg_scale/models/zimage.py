@@ -46,6 +46,11 @@ class ZImageVelocity(DiffusersVelocity):
 
     frozen_names = ("vae", "text_encoder")
     t5_name = "text_encoder"
+    # Flow-Factory's Z-Image default (X-GenGroup/Flow-Factory a0b2bc5 src/flow_factory/models/z_image/z_image.py:70-75;
+    # configs/zimage_pickscore.yaml follows its full fine-tune): every block's attention (the noise and context
+    # refiners' too) and SwiGLU feed-forward
+    lora_targets = ("attention.to_k", "attention.to_q", "attention.to_v", "attention.to_out.0",
+                    "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 
     def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None):
         super().__init__(pipe, max_sequence_length)

@@ -66,11 +66,20 @@ class LoRAConfig(_Section):
     enabled: bool = False
     rank: int = 32  # Flow-GRPO: r 32, alpha 64
     alpha: float = 64.0
-    targets: list[str] = field(default_factory=list)  # empty: the backbone's defaults (attention q/k/v/out + add_*)
+    # module names peft wraps (a name, or a name's ending after a dot: "attn.to_q" is not "attn2.to_q"); empty: the
+    # family's default, its cited peer's list (models/lora.py lora_targets; each velocity class's lora_targets)
+    targets: list[str] = field(default_factory=list)
+    # the number of modules the targets must wrap on this model (the startup log prints it); any other count is
+    # refused when the model is built. null: not checked (a run that wraps none is refused either way)
+    expect_modules: Optional[int] = None
 
     def check(self, prefix: str) -> None:
         _require(self.rank >= 1, f"{prefix}.rank", "must be >= 1")
         _require(self.alpha > 0, f"{prefix}.alpha", "must be > 0")
+        _require(self.expect_modules is None or self.expect_modules >= 1, f"{prefix}.expect_modules",
+                 f"must be >= 1 (a LoRA that wraps no module is refused), got {self.expect_modules}")
+        _require(self.expect_modules is None or self.enabled, f"{prefix}.expect_modules",
+                 f"is the module count of a LoRA adapter: set {prefix}.enabled true, or leave it null")
 
 
 def _check_dit(d: DiTConfig, prefix: str) -> None:

@@ -11,7 +11,7 @@ need("transformers")
 need("peft")
 
 from jagg_scale.models.lora import (
-    DEFAULT_TARGETS, add_lora, lora_module_names, lora_parameters, reference_disabled, save_lora,
+    add_lora, lora_module_names, lora_parameters, reference_disabled, save_lora, target_matches,
 )
 from jagg_scale.models.sd3 import SD3Velocity
 
@@ -51,10 +51,10 @@ def test_add_lora_trains_only_lora_on_the_default_targets(sd3_dir):
     assert {id(p) for p in lora_parameters(model)} == {id(p) for p in model.parameters() if p.requires_grad}
     assert not any(p.requires_grad for m in model.frozen.values() for p in m.parameters())
 
-    names = lora_module_names(model)
-    matched = {t for n in names for t in DEFAULT_TARGETS if n == t or n.endswith("." + t)}
-    assert matched == set(DEFAULT_TARGETS)
-    assert all(any(n.endswith("." + t) for t in DEFAULT_TARGETS) for n in names)
+    names, targets = lora_module_names(model), SD3Velocity.lora_targets
+    matched = {t for n in names for t in targets if target_matches(n, [t])}
+    assert matched == set(targets)
+    assert all(target_matches(n, targets) for n in names)
     # every block's image-stream projections are adapted; nothing outside the attention
     n_blocks = len(model.transformer.transformer_blocks)
     assert sum(n.endswith("attn.to_q") for n in names) == n_blocks
@@ -75,7 +75,7 @@ def test_reference_disabled_is_the_base_model(sd3_dir):
     x, sigma, cond = _inputs(model)
     with torch.no_grad():
         base = model(x, sigma, cond)
-    add_lora(model.transformer, rank=4, alpha=8)
+    add_lora(model.transformer, rank=4, alpha=8, targets=SD3Velocity.lora_targets)
 
     # one SGD step on a loss moves only LoRA params (B gets a gradient first: A is random, B = 0)
     opt = torch.optim.SGD(lora_parameters(model), lr=1.0)
