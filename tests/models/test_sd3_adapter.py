@@ -157,8 +157,26 @@ def test_lora_run_with_kl_to_the_adapter_off_reference_and_checkpointing(sd3_dir
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").exists()
     resumed = Trainer(load_config(config, common + ["train.steps=3", "run.resume=auto"]))
     assert resumed.start_step == 2
-    for k, v in resumed.engine.trainable_state_dict().items():
+    live = resumed.engine.trainable_state_dict()
+    assert set(live) == set(saved)  # every adapter tensor bound by the resume (issue 34 item 2) ...
+    for k, v in live.items():
         assert torch.equal(v, saved[k])
+    # ... and exported: the diffusers file holds each of them by name and value, nothing else
+    exported = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
+    assert set(exported) == {k.replace(".default.", ".") for k in saved}
+    assert all(torch.equal(exported[k.replace(".default.", ".")], v) for k, v in saved.items())
+    resumed.close()
+    # a checkpoint that lacks one adapter tensor is refused on resume, naming it (resealed as a tamperer would)
+    from safetensors.torch import save_file
+    from tamper import reseal
+    from jagg_scale.checkpoint import CheckpointError
+
+    ckpt = tmp_path / "checkpoints" / "step_00000002"
+    dropped = sorted(saved)[-1]
+    save_file({k: v for k, v in saved.items() if k != dropped}, str(ckpt / "model.safetensors"))
+    reseal(ckpt)
+    with pytest.raises(CheckpointError, match=f"missing \\['{dropped}'\\]"):
+        Trainer(load_config(config, common + ["train.steps=3", f"run.resume={ckpt}"]))
 
 
 def test_bf16_autocast_keeps_the_sde_math_in_float32(sd3_dir, tmp_path):
