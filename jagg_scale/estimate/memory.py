@@ -281,7 +281,7 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     mode = "ckpt" if ckpt else "grad"
     activ = tact(mode, rows)
     reduce_buf = tact(mode, rows, reduce) - activ if shard else 0.0
-    trained = cfg.sampling.sde_window or len(trained_steps(S, cfg.grpo.timestep_fraction))
+    trained = cfg.trained_per_sample
     interior = planner.max_interior(trained)
     forward_mode = cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto" and steps_per_rollout > 1)
     if interior and forward_mode:  # no-grad forwards of a segment's interior steps (jagg/backward.py)

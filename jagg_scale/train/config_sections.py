@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional, Union, get_args
 
 from ..grpo.sde import SdeKind
 from ..grpo.solver import OdeSolver
+from ..grpo.steps import StepSelection
 from ..jagg.backward import IntermediateMode
 from ..jagg.knots import ErrorModel
 from ..jagg.planners import ExactPlanner, Planner, PlannerSettingError, build_planner
@@ -53,7 +54,7 @@ RESUME_KEYWORDS = ("none", "auto")  # run.resume: these, or the path of a checkp
 
 __all__ = [
     "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "Algorithm", "NFTTimesteps",
-    "NFTNoise", "NFTOldAt", "RefAt", "PlanKind", "Intermediate",
+    "NFTNoise", "NFTOldAt", "RefAt", "PlanKind", "Intermediate", "StepSelection",
     "DataSource", "RewardAggregate", "WandbMode", "Device", "EngineName", "GradSync", "ErrorModel", "IntermediateMode",
     "RouteBy", "TextEncoders", "ExportDType", "OdeSolver", "SdeKind",
     "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
@@ -213,8 +214,15 @@ class GRPOConfig(_Section):
     # knots needs a plan known before the rollout (jagg.mode jagg with jagg_frac 1, or share_knots)
     ref_at: RefAt = "steps"
     timestep_fraction: float = 1.0
+    # which steps a sample trains (grpo/steps.py): first, Flow-GRPO's first int(T x timestep_fraction) | random,
+    # DanceGRPO's int((T - 1) x timestep_fraction) of the first T - 1 drawn per sample | windows, eff_grpo's blocks of
+    # jagg.window steps, int(blocks x timestep_fraction) of them drawn per sample
+    step_selection: StepSelection = "first"
     inner_epochs: int = 1
     global_std: bool = False
+    # the on-policy invariant (train/invariants.py): the largest |log ratio| training may find to the rollout on a
+    # step's first minibatch (the rollout's own parameters) before the run stops
+    onpolicy_tolerance: float = 1e-3
 
     def check(self, prefix: str) -> None:
         _require(self.group_size >= 2, f"{prefix}.group_size",
@@ -225,6 +233,7 @@ class GRPOConfig(_Section):
         _require(0 < self.timestep_fraction <= 1, f"{prefix}.timestep_fraction",
                  f"must be in (0, 1], got {self.timestep_fraction}")
         _require(self.inner_epochs >= 1, f"{prefix}.inner_epochs", "must be >= 1")
+        _require(self.onpolicy_tolerance > 0, f"{prefix}.onpolicy_tolerance", "must be > 0")
 
 
 # jagg: the planner settings (jagg/planners.py) a config section may carry; null = the chosen planner's default
