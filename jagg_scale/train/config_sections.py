@@ -320,9 +320,8 @@ class NFTConfig(_Section):
     # jagg_frac 1, or share_knots)
     old_at: NFTOldAt = "timesteps"
     timesteps: NFTTimesteps = "per_row"  # per_row: each sample's own random timesteps, as DiffusionNFT
-    # the clipped advantage before its map to r (nft/loss.py optimality; DiffusionNFT's train_nft_sd3.py:915-925):
-    # all as is (its config/nft.py:62); positive_only / negative_only: the other sign's to 0; one_only: 1 where > 0,
-    # else 0; binary: its sign
+    # the clipped advantage before its map to r (nft/loss.py; DiffusionNFT train_nft_sd3.py:915-925): all as is (its
+    # config/nft.py:62), positive_only / negative_only the other sign's to 0, one_only 1 where > 0 else 0, binary sign
     adv_mode: AdvMode = "all"
 
     def check(self, prefix: str) -> None:
