@@ -1,7 +1,7 @@
 """The sections of the run configuration: one dataclass each, its typed choices and its own range checks.
 
 Choices are `Literal` types with one source each: the config's own concepts are defined here, the others where
-the concept lives (jagg.backward.IntermediateMode, jagg.planners.RouteBy, jagg.knots.ErrorModel,
+the concept lives (jagg.backward.IntermediateMode, jagg.planners.RouteBy, jagg.knots.ErrorModel, nft.loss.AdvMode,
 parallel.types.EngineName); the `parallel` section is the engines' own (parallel/config.py). `config._check_type`
 validates them (and every other typed field) while the config is built, so the `check` methods below hold range
 checks only. Checks that need more than one section, and file existence, are `config.validate`. Every error is a
@@ -24,6 +24,7 @@ from ..jagg.planners import ExactPlanner, Planner, PlannerSettingError, build_pl
 from ..jagg.planners import RouteBy
 from ..models.base import PIPELINE_KINDS
 from ..models.dit import DiTConfig
+from ..nft import AdvMode
 from ..parallel.config import ParallelConfig
 from ..parallel.types import EngineName, GradSync
 from ..sections import ConfigError, require as _require
@@ -306,7 +307,8 @@ class NFTConfig(_Section):
     settings. The group advantages are grpo's (group_size, global_std, adv_clip_max), the trained timesteps
     int(num_steps x grpo.timestep_fraction) of the sampling schedule's, the rollout the old policy's ODE
     (sampling.ode_solver on the whole trajectory), the gradient the jagg section's planner over each sample's
-    timesteps (mode exact: one backward per timestep, as DiffusionNFT)."""
+    timesteps (mode exact: one backward per timestep, as DiffusionNFT). Each inner epoch (grpo.inner_epochs) draws
+    the timesteps and noise afresh, as DiffusionNFT (scripts/train_nft_sd3.py:806-812, 868)."""
 
     beta: float = 1.0  # the implicit policies' step: v_+ = beta v + (1 - beta) v_old (its config.beta)
     kl_beta: float = 1e-4  # weight of ||v - v_ref||^2 to the starting model (its config.train.beta); 0: no reference
@@ -327,6 +329,9 @@ class NFTConfig(_Section):
     # jagg_frac 1, or share_knots)
     old_at: NFTOldAt = "timesteps"
     timesteps: NFTTimesteps = "per_row"  # per_row: each sample's own random timesteps, as DiffusionNFT
+    # the clipped advantage before its map to r (nft/loss.py; DiffusionNFT train_nft_sd3.py:915-925): all as is (its
+    # config/nft.py:62), positive_only / negative_only the other sign's to 0, one_only 1 where > 0 else 0, binary sign
+    adv_mode: AdvMode = "all"
 
     def check(self, prefix: str) -> None:
         _require(self.beta > 0, f"{prefix}.beta", f"must be > 0 (the loss divides by it), got {self.beta}")

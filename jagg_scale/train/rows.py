@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["step_seed", "row_generators", "StepRows"]
+__all__ = ["step_seed", "row_seed", "row_generators", "StepRows"]
 
 
 def step_seed(seed: int, step: int, stream: int) -> int:
@@ -26,10 +26,17 @@ def step_seed(seed: int, step: int, stream: int) -> int:
     return ((seed * 1_000_003 + step) * 16 + stream) % (2**63 - 1)
 
 
+def row_seed(seed: int, step: int, stream: int, row: int, epoch: int = 0) -> int:
+    """The seed of one global row's draws in `stream` of a step, and of its inner epoch `epoch` (DiffusionNFT draws
+    each inner epoch afresh): a function of (seed, step, stream, epoch, row) alone, so a row draws the same on any
+    rank, in any minibatch and after a resume. Epoch 0 keeps the row's seed of the step."""
+    mixed = step_seed(seed, step, stream) * 1_000_033 + int(row)
+    return (mixed * 1_000_037 + epoch if epoch else mixed) % (2**63 - 1)
+
+
 def row_generators(seed: int, step: int, rows: torch.Tensor) -> list[torch.Generator]:
     """One CPU generator per global row index: the row's initial noise and every SDE step's noise."""
-    base = step_seed(seed, step, 0)
-    return [torch.Generator().manual_seed((base * 1_000_033 + int(r)) % (2**63 - 1)) for r in rows.tolist()]
+    return [torch.Generator().manual_seed(row_seed(seed, step, 0, r)) for r in rows.tolist()]
 
 
 @dataclass
