@@ -49,15 +49,14 @@ def trained_count(selection: str, num_steps: int, fraction: float, window: int =
 def select_steps(selection: str, num_steps: int, fraction: float, window: int, seed: int, step: int,
                  rows: torch.Tensor) -> torch.Tensor:
     """[K, len(rows)] long: the sorted steps each global row in `rows` trains at training step `step`."""
-    from ..train.rows import step_seed  # the trainer's seed scheme (rows.py sits above grpo/)
+    from ..train.rows import row_seed  # the trainer's seed scheme (rows.py sits above grpo/)
 
     C, K = candidate_steps(selection, num_steps), trained_count(selection, num_steps, fraction, window)
     if selection == "first":
         return torch.arange(K).unsqueeze(1).expand(K, len(rows)).clone()
-    base = step_seed(seed, step, SELECTION_STREAM)
     out = []
     for r in rows.tolist():
-        gen = torch.Generator().manual_seed((base * 1_000_033 + int(r)) % (2**63 - 1))
+        gen = torch.Generator().manual_seed(row_seed(seed, step, SELECTION_STREAM, r))
         if selection == "random":
             picked = torch.randperm(C, generator=gen)[:K]
         else:
