@@ -4,12 +4,13 @@
               scripts/train_sd3.py, `num_train_timesteps = int(config.sample.num_steps * timestep_fraction)`, the
               loop over `range(num_train_timesteps)`).
     random    DanceGRPO: each row its own random int(C x timestep_fraction) of the C = T - 1 candidate steps (the
-              trajectory's last transition is not among them): XueZeyue/DanceGRPO fastvideo/train_grpo_flux.py
-              :511-520 (the last step dropped), :550-562 (a randperm per sample), :569 (the first
-              int(len x timestep_fraction) of it trained); fastvideo/train_grpo_wan_2_1.py:431-493 the same.
+              trajectory's last transition is not among them): XueZeyue/DanceGRPO (15cc71d)
+              fastvideo/train_grpo_flux.py:512-519 (the last step dropped), :552-554 (a randperm per sample), :570
+              (its first int(len x timestep_fraction) trained); fastvideo/train_grpo_wan_2_1.py:437-444, :476, :493.
     windows   eff_grpo: the C = T - 1 candidates cut into blocks of W consecutive steps (W = jagg.window; C must be a
               multiple of W, as eff_grpo asserts), each row its own random max(1, int(blocks x timestep_fraction))
-              blocks: SchumiDing/eff_grpo fastvideo/train_grpo_qwenimage_jagg.py:751-797.
+              blocks: SchumiDing/eff_grpo (ae14d64) fastvideo/train_grpo_qwenimage_jagg.py:722-725 (the last step
+              dropped), :758-761 (the assertion), :762-763 (the count), :767-769 (a block permutation per sample).
 
 Where rows differ, the minibatch is re-laid out per row (`positioned`): position q of row b is the q-th smallest
 step row b trains, so every row has the same K positions and one knot plan over the positions serves all rows
