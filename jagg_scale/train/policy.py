@@ -9,7 +9,8 @@
     policy.encode(prompts)   the conditioning; with guidance != 1 the pair (cond, uncond) of the prompts and of the
                              model's negative prompt (an edit prompt's on its own input image)
     policy.rollout(...)      SDE trajectories of given global rows on the training schedule `policy.sigmas`,
-                             every draw seeded per (run seed, step, row); outside an SDE window the ODE runs
+                             every draw seeded per (run seed, step, row) (x_0 per group with
+                             sampling.same_initial_noise); outside an SDE window the ODE runs
                              sampling.ode_solver on sampling.ode_steps (grpo/solver.py)
 
 Used by the trainer and by `jagg-eval` (which needs only velocity_fn and encode: no optimizer, no engine).
@@ -29,7 +30,7 @@ from ..grpo import StepBatch, Trajectories, guided_velocity, model_schedule, sam
 from ..grpo.rollout import to_device
 from ..jagg import fill_interior, plan_knots
 from .config import Config
-from .rows import row_generators
+from .rows import initial_noise, row_generators
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +151,10 @@ class Policy:
             raise ValueError("sampling.batch_size auto: give Policy the resolved rollout_batch (rollout_batch())")
         for start in range(0, len(rows), self.rollout_batch):
             chunk = slice(start, min(start + self.rollout_batch, len(rows)))
-            # each row's generator draws its initial noise, then its SDE steps' (inside sample_sde), as one stream
-            noise = torch.stack([torch.randn(self.model.latent_shape, generator=g) for g in gens[chunk]])
+            # each row's generator draws its initial noise, then its SDE steps' (inside sample_sde), as one stream;
+            # sampling.same_initial_noise: x_0 its group's (rows.initial_noise)
+            noise = initial_noise(gens[chunk], rows[chunk], self.model.latent_shape, seed=cfg.run.seed, step=step,
+                                  group_size=cfg.grpo.group_size if cfg.sampling.same_initial_noise else None)
             parts.append(sample_sde(predict, index_cond(cond, chunk), to_device(noise, self.device), self.sigmas,
                                     noise_level=cfg.sampling.noise_level, generator=gens[chunk],
                                     ref_velocity_fn=ref, sde_steps=sde_steps, ref_steps=ref_steps,
