@@ -322,13 +322,12 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     _check_algorithm(cfg)
     _warn_window(cfg)
     _check_rewards(cfg.reward)
-    _require(cfg.reward.aggregate != "gdpo" or not g.global_std, "grpo.global_std",
-             "is true, but reward.aggregate gdpo normalises each reward by its group's std and the sum by the batch's "
-             "(Flow-Factory's gdpo has no global std: advantage_processor.py:459-470): set it to false")
-    _require(not (cfg.parallel.sequence_parallel > 1 and m.attention == "xformers"), "model.attention",
-             f"xformers with parallel.sequence_parallel {cfg.parallel.sequence_parallel}: its attention processors "
-             "take no part in the context-parallel exchange, so each rank would attend to its own tokens alone: "
-             "use sdpa")
+    _require(cfg.reward.aggregate != "gdpo" or not g.global_std, "grpo.global_std", "is true, but reward.aggregate "
+             "gdpo normalises each reward by its group's std and the sum by the batch's: set it to false")
+    sp = cfg.parallel.sequence_parallel  # xformers' processors take no part in the exchange (parallel/sequence.py)
+    _require(sp == 1 or m.attention != "xformers", "model.attention", f"xformers with parallel.sequence_parallel "
+             f"{sp}: its attention takes no part in the context-parallel exchange, each rank would attend to its own "
+             "tokens alone: use sdpa")
     # deadlines nest: a rank's wait for its rewards ends inside the collective timeout of the all-gather after it
     c = cfg.parallel.collective_timeout_s
     _require(cfg.reward_deadline_s + DEADLINE_MARGIN_S <= c, "reward.deadline_s",

@@ -44,8 +44,7 @@ RefAt = Literal["steps", "knots"]  # grpo.ref_at: where the rollout runs the KL 
 PlanKind = Literal["uniform", "budget"]  # jagg.plan: windows of jagg.window (shared knots or not) | the DP planner
 Intermediate = Literal[("auto", *get_args(IntermediateMode))]  # auto: chosen per update (train.update)
 DataSource = Literal["list", "wds"]  # prompt_file / prompts in memory | webdataset shards streamed per rank
-RewardAggregate = Literal["sum", "advantage", "gdpo"]  # GRPO on sum_c w_c r_c | sum_c w_c A_c (MixGRPO) |
-# sum_c w_c A_c normalised over the batch (Flow-Factory's gdpo)
+RewardAggregate = Literal["sum", "advantage", "gdpo"]  # rewards/multi.py: GRPO on sum w r | MixGRPO's | Flow-Factory's
 WandbMode = Literal["offline", "online", "disabled"]
 Device = Literal["auto", "cpu", "cuda"]
 TextEncoders = Literal["all", "no_t5"]  # sd3: no_t5 loads no T5 encoder (zero T5 embeddings, as diffusers does)
@@ -173,9 +172,8 @@ class SamplingConfig(_Section):
     # (grpo/solver.py); the window keeps its sigmas, log-probs and training are unchanged. Evaluation stays Euler.
     ode_solver: OdeSolver = "euler"
     ode_steps: int = 0
-    # every row of a prompt group starts from the same x_0 (one draw per (run seed, step, group): train/rows.py
-    # initial_noise), each row's SDE noise still its own: Flow-GRPO's sample.same_latent, DanceGRPO's and MixGRPO's
-    # --init_same_noise (which share x_0 only, never the step noise). false: every row its own x_0
+    # a prompt group's rows start from one x_0 drawn per (run seed, step, group), each row's SDE noise its own
+    # (train/rows.py initial_noise): Flow-GRPO's sample.same_latent, DanceGRPO's --init_same_noise. false: per row
     same_initial_noise: bool = False
 
     def check(self, prefix: str) -> None:
