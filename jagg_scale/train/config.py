@@ -349,6 +349,12 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     _check_algorithm(cfg)
     _warn_window(cfg)
     _check_rewards(cfg.reward)
+    _require(cfg.reward.aggregate != "gdpo" or not g.global_std, "grpo.global_std", "is true, but reward.aggregate "
+             "gdpo normalises each reward by its group's std and the sum by the batch's: set it to false")
+    sp = cfg.parallel.sequence_parallel  # xformers' processors take no part in the exchange (parallel/sequence.py)
+    _require(sp == 1 or m.attention != "xformers", "model.attention", f"xformers with parallel.sequence_parallel "
+             f"{sp}: its attention takes no part in the context-parallel exchange, each rank would attend to its own "
+             "tokens alone: use sdpa")
     # deadlines nest: a rank's wait for its rewards ends inside the collective timeout of the all-gather after it
     c = cfg.parallel.collective_timeout_s
     _require(cfg.reward_deadline_s + DEADLINE_MARGIN_S <= c, "reward.deadline_s",
@@ -413,6 +419,9 @@ def _check_algorithm(cfg: Config) -> None:
                          "must leave the last step untrained with sampling.sde cps (its step to s = 0 is "
                          "deterministic: no density, a KL term of 1 / 0); Flow-GRPO trains 0.99 of the steps")
         return
+    _require(not s.same_initial_noise, "sampling.same_initial_noise",
+             "would make every row of a group the same sample: DiffusionNFT's rollout (train.algorithm nft) is the "
+             "deterministic ODE (its config/nft.py:65), so a shared start leaves nothing to compare in a group")
     default = SamplingConfig()
     for key in ("sde_window", "sde", "noise_level"):  # the NFT rollout is deterministic: no SDE to shape
         _require(getattr(s, key) == getattr(default, key), f"sampling.{key}",

@@ -46,7 +46,7 @@ RefAt = Literal["steps", "knots"]  # grpo.ref_at: where the rollout runs the KL 
 PlanKind = Literal["uniform", "budget"]  # jagg.plan: windows of jagg.window (shared knots or not) | the DP planner
 Intermediate = Literal[("auto", *get_args(IntermediateMode))]  # auto: chosen per update (train.update)
 DataSource = Literal["list", "wds"]  # prompt_file / prompts in memory | webdataset shards streamed per rank
-RewardAggregate = Literal["sum", "advantage"]  # GRPO on sum_c w_c r_c | sum_c w_c A_c (MixGRPO)
+RewardAggregate = Literal["sum", "advantage", "gdpo"]  # rewards/multi.py: GRPO on sum w r | MixGRPO's | Flow-Factory's
 WandbMode = Literal["offline", "online", "disabled"]
 Device = Literal["auto", "cpu", "cuda"]
 TextEncoders = Literal["all", "no_t5"]  # sd3: no_t5 loads no T5 encoder (zero T5 embeddings, as diffusers does)
@@ -174,6 +174,9 @@ class SamplingConfig(_Section):
     # (grpo/solver.py); the window keeps its sigmas, log-probs and training are unchanged. Evaluation stays Euler.
     ode_solver: OdeSolver = "euler"
     ode_steps: int = 0
+    # a prompt group's rows start from one x_0 drawn per (run seed, step, group), each row's SDE noise its own
+    # (train/rows.py initial_noise): Flow-GRPO's sample.same_latent, DanceGRPO's --init_same_noise. false: per row
+    same_initial_noise: bool = False
 
     def check(self, prefix: str) -> None:
         _require(self.num_steps >= 1, f"{prefix}.num_steps", f"must be >= 1, got {self.num_steps}")

@@ -41,7 +41,7 @@ from .config import Config, ConfigError, load_prompt_file, validate_world
 from .invariants import check_on_policy
 from .evaluate import EvalInterrupted, eval_prompts, evaluate, load_eval, load_grid
 from .logging import RunLogger
-from .policy import Policy, rollout_batch
+from .policy import Policy, agreed_rollout_batch
 from .preemption import Preemption
 from .rows import StepRows, step_seed
 from .run_lock import RunLock, write_run_file
@@ -102,7 +102,7 @@ class Trainer:
         model.place_frozen(self.device, shard_t5=self._t5_sharder() if cfg.model.shard_t5 else None)
         self.policy = Policy(self.model, cfg, self.device,
                              ref_model=self.engine.shard_frozen(ref) if ref is not None else None,
-                             rollout_batch=rollout_batch(cfg, self.dist.world_size, self.device))
+                             rollout_batch=agreed_rollout_batch(cfg, self.dist, self.device))
         if cfg.reward.shard and self.dist.world_size > 1:
             from ..rewards.sharded import shard_reward
 
