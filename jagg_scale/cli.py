@@ -47,6 +47,7 @@ def _train(argv: list[str] | None) -> int:
         return _failed(err, 2)
     from .checkpoint import CheckpointError
     from .parallel.engine import NonFiniteError
+    from .train.invariants import InvariantError
     from .train.run_lock import RunDirLocked
 
     try:
@@ -60,7 +61,7 @@ def _train(argv: list[str] | None) -> int:
         history = trainer.fit()
         if trainer.is_main:
             _summary(trainer, cfg, history)
-    except (NonFiniteError, OSError) as err:  # diverged / refused to save NaN weights; the disk: said plainly
+    except (NonFiniteError, InvariantError, OSError) as err:  # diverged, an invariant broke; the disk: said plainly
         return _failed(err, 1)
     finally:
         trainer.close()  # the process group, then the run lock (after the last write into the run directory)

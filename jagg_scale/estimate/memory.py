@@ -273,6 +273,8 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     steps_per_rollout = (R // B) * cfg.grpo.inner_epochs
     off_policy_cfg = cfgg and steps_per_rollout > 1  # Updater: the uncond of later minibatches is recomputed
     mb = B * row + B * cond * (1 + off_policy_cfg)  # step_batch and index_cond copies; micro-batches are views
+    if cfg.grpo.step_selection != "first":  # grpo/steps.py positioned: 2K latents, sigmas and 2K-spaced per-step values
+        mb += B * (4 * lat * 2 * cfg.trained_per_sample * (2 + cfgg + ref) + 4 * 4 * cfg.trained_per_sample)
     if nft:  # train/nft.py: per minibatch the clean latents, and per timestep x_t, the noise, v_old (and v_ref)
         K = len(trained_steps(S, cfg.grpo.timestep_fraction))
         mb = B * cond + B * lat * 4 * (1 + K * (3 + ref))
@@ -282,7 +284,7 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     mode = "ckpt" if ckpt else "grad"
     activ = tact(mode, rows)
     reduce_buf = tact(mode, rows, reduce) - activ if shard else 0.0
-    trained = cfg.sampling.sde_window or len(trained_steps(S, cfg.grpo.timestep_fraction))
+    trained = cfg.trained_per_sample
     interior = planner.max_interior(trained)
     forward_mode = cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto" and steps_per_rollout > 1)
     if interior and forward_mode:  # no-grad forwards of a segment's interior steps (jagg/backward.py)

@@ -43,7 +43,6 @@ from pathlib import Path
 
 import torch
 
-from ..jagg import trained_steps
 from ..jagg.plans import pass_groups, plan_knots
 from .measure import model_inputs
 from .shapes import meta_module
@@ -160,13 +159,13 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     bs = est["sampling_batch"]
     chunks = [min(bs, R - i) for i in range(0, R, bs)]
     forwards = (smp.sde_window + smp.ode_steps) if smp.sde_window and smp.ode_steps else S
-    trained = smp.sde_window or len(trained_steps(S, g.timestep_fraction))
+    trained = cfg.trained_per_sample
     planner = cfg.jagg.planner()
     plan = planner.plan(torch.randn(trained, 2, 4), torch.linspace(1, 0, trained + 1),
                         grad_norms=lambda: torch.ones(trained)).plan
     knots = len(plan_knots(plan))
     out = {"rollout": forwards * fwd(chunks, x=cfgg)}
-    ref_runs = knots if g.ref_at == "knots" else trained  # the KL reference on the trained steps or their knots
+    ref_runs = knots if g.ref_at == "knots" else cfg.reference_steps  # on the trained (or candidate) steps, or knots
     out["reference"] = ref_runs * fwd(chunks, x=cfgg) if cfg.uses_reference and not nft else 0.0
     minibatches = (R // B) * g.inner_epochs
     micro = [min(m, B - i) for i in range(0, B, m)]

@@ -29,11 +29,16 @@ class StepBatch:
     latents: torch.Tensor  # [T + 1, B, ...] the latents x_0 .. x_T of the sampling steps
     velocities: torch.Tensor  # [T, B, ...] the rollout's v_k
     log_probs: torch.Tensor  # [T, B] the rollout's log p_k
-    sigmas: torch.Tensor  # [T + 1]
+    sigmas: torch.Tensor  # [T + 1], or [T + 1, B] when rows train different steps (grpo/steps.py positioned)
     advantages: torch.Tensor  # [B]
     mask: torch.Tensor  # bool [B]
     ref_velocities: torch.Tensor | None = None  # [T, B, ...] when beta > 0
     uncond_velocities: torch.Tensor | None = None  # [T, B, ...] with CFG: the unconditional predictions u_k
+    sigma_max: torch.Tensor | None = None  # the schedule's s_1 (the SDE's std at s = 1); None: sigmas[1]
+
+    @property
+    def s_max(self) -> torch.Tensor:
+        return self.sigmas[1] if self.sigma_max is None else self.sigma_max
 
     def rows(self, index) -> "StepBatch":
         """The rows `index` (a slice or index tensor) of the batch: a micro-batch."""
@@ -41,9 +46,11 @@ class StepBatch:
             return None if t is None else t[:, index]
 
         return StepBatch(latents=per_step(self.latents), velocities=per_step(self.velocities),
-                         log_probs=per_step(self.log_probs), sigmas=self.sigmas, advantages=self.advantages[index],
-                         mask=self.mask[index], ref_velocities=per_step(self.ref_velocities),
-                         uncond_velocities=per_step(self.uncond_velocities))
+                         log_probs=per_step(self.log_probs),
+                         sigmas=self.sigmas if self.sigmas.ndim == 1 else per_step(self.sigmas),
+                         advantages=self.advantages[index], mask=self.mask[index],
+                         ref_velocities=per_step(self.ref_velocities),
+                         uncond_velocities=per_step(self.uncond_velocities), sigma_max=self.sigma_max)
 
 
 @dataclass
@@ -66,6 +73,7 @@ class GRPOStepLoss(MinibatchLoss):
     guidance_rule: str = "plain"  # the model family's CFG rule (grpo/guidance.py), as the rollout sampled with it
     sde: str = "flow_grpo"  # the stochastic step the rollout sampled with (grpo/sde.py: flow_grpo | cps)
     metrics: dict = field(default_factory=lambda: defaultdict(list))
+    log_ratios: list = field(default_factory=list, init=False)  # |log ratio| maxima per evaluation (log_ratio_max)
 
     def __call__(self, b: StepBatch, k: int, v: torch.Tensor) -> torch.Tensor:
         if self.guidance != 1.0:
@@ -73,7 +81,7 @@ class GRPOStepLoss(MinibatchLoss):
                 raise ValueError("guidance != 1 needs the unconditional predictions (StepBatch.uncond_velocities)")
             u = b.uncond_velocities[k].detach().to(v.dtype)
             v = guide(v, u, self.guidance, self.guidance_rule)
-        s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], b.sigmas[1]  # tensors: no host read
+        s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], b.s_max  # tensors: no host read
         sde_step = SDE_STEPS[self.sde]
         step = sde_step(b.latents[k], v, s, s_next, noise_level=self.noise_level, sigma_max=sigma_max,
                         prev_sample=b.latents[k + 1])
@@ -105,4 +113,11 @@ class GRPOStepLoss(MinibatchLoss):
             m["ratio_mean"].append((ratio * w).sum() / denom)
             m["ratio_max"].append(ratio.max())
             m["ratio_min"].append(ratio.min())
+            self.log_ratios.append(log_ratio.abs().max())
         return loss * self.scale
+
+    def log_ratio_max(self) -> torch.Tensor:
+        """max |log p(theta) - log p(old)| over every row (masked ones too) and step this loss evaluated: on a
+        step's first minibatch, at the rollout's own parameters, the on-policy invariant's value (0-d, on the
+        device: read with the step's metrics)."""
+        return torch.stack(self.log_ratios).max()

@@ -12,9 +12,10 @@ reference's v_ref (no grad),
     L   = (r ||d_+ - d||^2 / w_+ + (1 - r) ||d_- - d||^2 / w_-) / beta x adv_clip_max  (means over a sample's dims)
         + kl_beta ||v - v_ref||^2
 
-with r in [0, 1] the sample's optimality: its group advantage clipped to +-adv_clip_max and mapped by
-r = clip(A / adv_clip_max / 2 + 1/2, 0, 1). L depends on theta only through v, which is what lets JAGG move the
-transformer backward out of the per-timestep loop (docs/algorithm.md, section 8).
+with r in [0, 1] the sample's optimality: its group advantage clipped to +-adv_clip_max, changed by adv_mode
+(`optimality`; all keeps it) and mapped by r = clip(A / adv_clip_max / 2 + 1/2, 0, 1). L depends on theta only
+through v, which is what lets JAGG move the transformer backward out of the per-timestep loop (docs/algorithm.md,
+section 8).
 
 `NFTStepLoss(batch, k, v)` is the loss of timestep position k of an `NFTBatch`; `loss.on(batch)` the step_loss(k, v)
 closure knot_backward takes. Means over the batch are over its valid rows (`denominator` as in grpo/loss.py).
@@ -24,17 +25,33 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from ..jagg.backward import MinibatchLoss
 
-__all__ = ["NFTBatch", "NFTStepLoss", "optimality"]
+__all__ = ["AdvMode", "NFTBatch", "NFTStepLoss", "optimality"]
 
 
-def optimality(advantages: torch.Tensor, adv_clip_max: float) -> torch.Tensor:
-    """r = clip(clip(A, +-adv_clip_max) / adv_clip_max / 2 + 1/2, 0, 1): 1 for the best samples, 0 for the worst."""
-    a = advantages.float().clamp(-adv_clip_max, adv_clip_max)
+# DiffusionNFT's config.train.adv_mode (scripts/train_nft_sd3.py:915-925), applied to the advantage clipped to
+# +-adv_clip_max (:910-914) before its map to r (:928-929); "all" (its config/nft.py:62 default, and any value its
+# chain does not name) leaves it as it is
+AdvMode = Literal["all", "positive_only", "negative_only", "one_only", "binary"]  # nft.adv_mode
+ADV_MODES = {
+    "all": lambda a: a,
+    "positive_only": lambda a: a.clamp(min=0.0),  # :916-917 clamp(a, 0, adv_clip_max): a worse sample's r is 1/2
+    "negative_only": lambda a: a.clamp(max=0.0),  # :918-919 clamp(a, -adv_clip_max, 0): a better sample's r is 1/2
+    # :920-923 the ADVANTAGE 1 where it is > 0, else 0 (so r = 1/2 + 1 / (2 adv_clip_max), not 1: 0.6 at clip 5)
+    "one_only": lambda a: (a > 0).to(a.dtype),
+    "binary": torch.sign,  # :924-925 -1, 0 or 1 (r = 1/2 -+ 1 / (2 adv_clip_max))
+}
+
+
+def optimality(advantages: torch.Tensor, adv_clip_max: float, adv_mode: AdvMode = "all") -> torch.Tensor:
+    """r = clip(mode(clip(A, +-adv_clip_max)) / adv_clip_max / 2 + 1/2, 0, 1) with mode = ADV_MODES[adv_mode]
+    (nft.adv_mode): under all, 1 for the best samples and 0 for the worst."""
+    a = ADV_MODES[adv_mode](advantages.float().clamp(-adv_clip_max, adv_clip_max))
     return (a / adv_clip_max / 2.0 + 0.5).clamp(0.0, 1.0)
 
 

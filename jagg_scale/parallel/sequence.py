@@ -16,7 +16,9 @@ SD3's MMDiT has no plan in diffusers 0.42 and its joint attention calls SDPA dir
 every block's image and text tokens split after the patch embedding, the output gathered before unpatchifying;
 JointContextParallelProcessor: its attention through the same Ulysses dispatch). The ranks' [image | text] slices
 meet in an order other than [image | text], which joint attention cannot see (it has no positional term: SD3's
-positions are added at the patch embedding). Any other family without a plan is refused, naming the key.
+positions are added at the patch embedding). Any other family without a plan is refused, naming the key, and so is
+any attention module whose processor the exchange would skip (xformers' on SD3, say): it would attend to its rank's
+tokens alone.
 
 Layout (`data_rank`): world = D x N; ranks r = d N + s (d the data rank, s the sequence rank); the rows of a step
 are dealt by data rank (train/rows.py), so an sp group samples, scores and trains the same rows. The gathered
@@ -60,6 +62,7 @@ def apply_sequence_parallel(transformer: nn.Module, sp: int, rank: int, world_si
     elif getattr(transformer, "_cp_plan", None) is None:
         raise ValueError(f"config key 'parallel.sequence_parallel' {sp}: {name} has no context-parallel plan in "
                          "diffusers (its _cp_plan), so its sequence cannot be split; use 1")
+    _check_processors(transformer, sp)
     heads = getattr(transformer.config, "num_attention_heads", None)
     if heads is not None and heads % sp:
         raise ValueError(f"config key 'parallel.sequence_parallel' {sp} must divide {name}'s {heads} attention heads "
@@ -80,6 +83,24 @@ def apply_sequence_parallel(transformer: nn.Module, sp: int, rank: int, world_si
     _check_even_splits(transformer, plan, sp)
     transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=sp, mesh=cp_mesh), cp_plan=plan)
     return transformer
+
+
+def _check_processors(transformer: nn.Module, sp: int) -> None:
+    """Every attention module's processor takes part in the exchange, by diffusers' own rule (enable_parallelism,
+    diffusers 0.42 models/modeling_utils.py:1816-1823): it hands the parallel config to the processors of its
+    attention classes that have a `_parallel_config` attribute and silently skips the others, while the plan still
+    splits the tokens, so a skipped processor (xformers', a custom one) would attend to this rank's tokens alone."""
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention, MochiAttention
+
+    for name, module in transformer.named_modules():
+        processor = getattr(module, "processor", None)
+        if isinstance(module, (Attention, MochiAttention, AttentionModuleMixin)) and not hasattr(
+                processor, "_parallel_config"):
+            raise ValueError(f"config key 'parallel.sequence_parallel' {sp}: {name}'s attention processor "
+                             f"{type(processor).__name__} takes no part in the context-parallel exchange (diffusers "
+                             "passes it only to processors with a _parallel_config), so each rank would attend to its "
+                             "own tokens alone: use model.attention sdpa, or parallel.sequence_parallel 1")
 
 
 def _check_even_splits(transformer: nn.Module, plan: dict, sp: int) -> None:

@@ -9,6 +9,9 @@ component separately for training, where two aggregations are offered:
                                                                       normalised in its group first, so a
                                                                       reward with a large scale cannot drown
                                                                       the others
+    gdpo       A = batch-normalise( sum_c w_c group-normalise( r_c ) )   Flow-Factory's default (grpo/
+                                                                      advantages.py gdpo_advantages), with one
+                                                                      reward too
 
 A sample whose reward failed in any component is masked out of the loss (and counted per component).
 
@@ -35,7 +38,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..grpo.advantages import Advantages, combine_advantages, compute_advantages
+from ..grpo.advantages import Advantages, combine_advantages, compute_advantages, gdpo_advantages
 from .base import Reward, RewardOutput, build_reward, score_safely
 
 log = logging.getLogger(__name__)
@@ -102,9 +105,13 @@ class RewardMix(Reward):
     def advantages(self, parts: dict[str, ComponentScores], group_ids: list, *, aggregate: str, global_std: bool,
                    adv_clip_max: float) -> Advantages:
         """The group advantages of a step's scores under `aggregate` (module docstring): `sum` normalises the
-        weighted sum, `advantage` sums the per-reward normalised advantages (MixGRPO)."""
+        weighted sum, `advantage` sums the per-reward normalised advantages (MixGRPO), `gdpo` normalises that sum
+        over the batch (Flow-Factory; global_std is refused with it at start-up)."""
         kw = dict(global_std=global_std, adv_clip_max=adv_clip_max)
         total, valid = self.weighted_sum(parts)
+        if aggregate == "gdpo":
+            return gdpo_advantages([(self.weights[n], p.scores, p.valid) for n, p in parts.items()], group_ids, valid,
+                                   adv_clip_max=adv_clip_max)
         if aggregate == "advantage" and len(parts) > 1:
             return combine_advantages([(self.weights[n], compute_advantages(p.scores, group_ids, valid=p.valid, **kw))
                                        for n, p in parts.items()], group_ids, valid, adv_clip_max=adv_clip_max)

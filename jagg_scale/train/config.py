@@ -57,6 +57,33 @@ class Config:
         return (self.nft.kl_beta if self.train.algorithm == "nft" else self.grpo.beta) > 0
 
     @property
+    def trained_per_sample(self) -> int:
+        """K: the steps every sample trains per training step (the SDE window, or grpo.step_selection's count)."""
+        from ..grpo.steps import trained_count
+
+        g, s = self.grpo, self.sampling
+        return s.sde_window or trained_count(g.step_selection, s.num_steps, g.timestep_fraction,
+                                             self.selection_window)
+
+    @property
+    def selection_window(self) -> int:
+        """The block length of grpo.step_selection windows: jagg.window, or the window planner's default."""
+        from ..jagg.planners import WindowPlanner
+
+        return self.jagg.window or WindowPlanner.window
+
+    @property
+    def reference_steps(self) -> int:
+        """The steps whose KL reference the rollout runs per sample (before grpo.ref_at knots thins them): the trained
+        ones, or with per-sample selections every candidate (a chunk's rows train different steps)."""
+        from ..grpo.steps import candidate_steps
+
+        g = self.grpo
+        if g.step_selection == "first" or self.sampling.sde_window:
+            return self.trained_per_sample
+        return candidate_steps(g.step_selection, self.sampling.num_steps)
+
+    @property
     def reward_deadline_s(self) -> float:
         """reward.deadline_s, or half of parallel.collective_timeout_s (null)."""
         d = self.reward.deadline_s
@@ -322,6 +349,12 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     _check_algorithm(cfg)
     _warn_window(cfg)
     _check_rewards(cfg.reward)
+    _require(cfg.reward.aggregate != "gdpo" or not g.global_std, "grpo.global_std", "is true, but reward.aggregate "
+             "gdpo normalises each reward by its group's std and the sum by the batch's: set it to false")
+    sp = cfg.parallel.sequence_parallel  # xformers' processors take no part in the exchange (parallel/sequence.py)
+    _require(sp == 1 or m.attention != "xformers", "model.attention", f"xformers with parallel.sequence_parallel "
+             f"{sp}: its attention takes no part in the context-parallel exchange, each rank would attend to its own "
+             "tokens alone: use sdpa")
     # deadlines nest: a rank's wait for its rewards ends inside the collective timeout of the all-gather after it
     c = cfg.parallel.collective_timeout_s
     _require(cfg.reward_deadline_s + DEADLINE_MARGIN_S <= c, "reward.deadline_s",
@@ -336,6 +369,27 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
 DEADLINE_MARGIN_S = 30  # reward.deadline_s's distance from parallel.collective_timeout_s: the gather's own time
 
 
+def _check_step_selection(cfg: Config) -> None:
+    """grpo.step_selection other than first: rows train different steps, which these cannot follow."""
+    g, s = cfg.grpo, cfg.sampling
+    if g.step_selection == "first":
+        return
+    why = f"grpo.step_selection {g.step_selection} (each sample its own trained steps)"
+    _require(cfg.train.algorithm == "grpo", "grpo.step_selection",
+             f"is a GRPO setting; DiffusionNFT draws each sample's training timesteps itself ({why})")
+    _require(s.sde_window == 0, "sampling.sde_window", f"chooses the trained steps itself: it cannot go with {why}")
+    _require(g.ref_at == "steps", "grpo.ref_at",
+             f"knots needs one plan known before the rollout; with {why} the rollout runs the reference on every "
+             "candidate step: set grpo.ref_at steps")
+    _require(cfg.jagg.planner_kind != "budget", "jagg.plan",
+             f"budget places knots from one sigma per step; with {why} each sample has its own: use jagg.plan uniform")
+    if g.step_selection == "windows":
+        C, W = s.num_steps - 1, cfg.selection_window
+        _require(C >= W and C % W == 0, "jagg.window",
+                 f"{W} must divide the {C} candidate steps (sampling.num_steps - 1) of grpo.step_selection windows, "
+                 "as eff_grpo asserts: every sample then trains the same number of whole blocks")
+
+
 def _check_algorithm(cfg: Config) -> None:
     """What each train.algorithm reads: a key only the other one uses, set away from its default, is refused."""
     s, g = cfg.sampling, cfg.grpo
@@ -344,6 +398,7 @@ def _check_algorithm(cfg: Config) -> None:
         _require(nft or s.sde_window > 0 or getattr(s, key) == default, f"sampling.{key}",
                  "acts on the ODE steps outside the SDE window: it needs sampling.sde_window > 0 (with sde_window 0 "
                  "every step is SDE) or train.algorithm nft (its rollout is the ODE)")
+    _check_step_selection(cfg)
     if not nft:
         if g.ref_at == "knots":
             _require(g.beta > 0, "grpo.ref_at", "knots places the KL reference's forwards, but grpo.beta is 0 (no "
@@ -364,6 +419,9 @@ def _check_algorithm(cfg: Config) -> None:
                          "must leave the last step untrained with sampling.sde cps (its step to s = 0 is "
                          "deterministic: no density, a KL term of 1 / 0); Flow-GRPO trains 0.99 of the steps")
         return
+    _require(not s.same_initial_noise, "sampling.same_initial_noise",
+             "would make every row of a group the same sample: DiffusionNFT's rollout (train.algorithm nft) is the "
+             "deterministic ODE (its config/nft.py:65), so a shared start leaves nothing to compare in a group")
     default = SamplingConfig()
     for key in ("sde_window", "sde", "noise_level"):  # the NFT rollout is deterministic: no SDE to shape
         _require(getattr(s, key) == getattr(default, key), f"sampling.{key}",
@@ -418,9 +476,8 @@ def validate_world(cfg: Config, world_size: int) -> None:
 def _warn_window(cfg: Config) -> None:
     """A JAGG window longer than the steps trained per training step is one window of all of them: legal, but likely
     not what was meant (say, after lowering sampling.num_steps), so say so."""
-    s = cfg.sampling
     window = getattr(cfg.jagg.planner(), "window", None)
-    trained = s.sde_window or len(trained_steps(s.num_steps, cfg.grpo.timestep_fraction))
+    trained = cfg.trained_per_sample
     if window is not None and window > trained:
         log.warning("config key 'jagg.window' is %d, more than the %d steps trained per training step "
                     "(sampling.num_steps, grpo.timestep_fraction, sampling.sde_window): one window of all %d is used",

@@ -1,7 +1,7 @@
 """The sections of the run configuration: one dataclass each, its typed choices and its own range checks.
 
 Choices are `Literal` types with one source each: the config's own concepts are defined here, the others where
-the concept lives (jagg.backward.IntermediateMode, jagg.planners.RouteBy, jagg.knots.ErrorModel,
+the concept lives (jagg.backward.IntermediateMode, jagg.planners.RouteBy, jagg.knots.ErrorModel, nft.loss.AdvMode,
 parallel.types.EngineName); the `parallel` section is the engines' own (parallel/config.py). `config._check_type`
 validates them (and every other typed field) while the config is built, so the `check` methods below hold range
 checks only. Checks that need more than one section, and file existence, are `config.validate`. Every error is a
@@ -17,12 +17,14 @@ from typing import Any, Literal, Optional, Union, get_args
 
 from ..grpo.sde import SdeKind
 from ..grpo.solver import OdeSolver
+from ..grpo.steps import StepSelection
 from ..jagg.backward import IntermediateMode
 from ..jagg.knots import ErrorModel
 from ..jagg.planners import ExactPlanner, Planner, PlannerSettingError, build_planner
 from ..jagg.planners import RouteBy
 from ..models.base import PIPELINE_KINDS
 from ..models.dit import DiTConfig
+from ..nft import AdvMode
 from ..parallel.config import ParallelConfig
 from ..parallel.types import EngineName, GradSync
 from ..sections import ConfigError, require as _require
@@ -44,7 +46,7 @@ RefAt = Literal["steps", "knots"]  # grpo.ref_at: where the rollout runs the KL 
 PlanKind = Literal["uniform", "budget"]  # jagg.plan: windows of jagg.window (shared knots or not) | the DP planner
 Intermediate = Literal[("auto", *get_args(IntermediateMode))]  # auto: chosen per update (train.update)
 DataSource = Literal["list", "wds"]  # prompt_file / prompts in memory | webdataset shards streamed per rank
-RewardAggregate = Literal["sum", "advantage"]  # GRPO on sum_c w_c r_c | sum_c w_c A_c (MixGRPO)
+RewardAggregate = Literal["sum", "advantage", "gdpo"]  # rewards/multi.py: GRPO on sum w r | MixGRPO's | Flow-Factory's
 WandbMode = Literal["offline", "online", "disabled"]
 Device = Literal["auto", "cpu", "cuda"]
 TextEncoders = Literal["all", "no_t5"]  # sd3: no_t5 loads no T5 encoder (zero T5 embeddings, as diffusers does)
@@ -53,7 +55,7 @@ RESUME_KEYWORDS = ("none", "auto")  # run.resume: these, or the path of a checkp
 
 __all__ = [
     "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "Algorithm", "NFTTimesteps",
-    "NFTNoise", "NFTOldAt", "RefAt", "PlanKind", "Intermediate",
+    "NFTNoise", "NFTOldAt", "RefAt", "PlanKind", "Intermediate", "StepSelection",
     "DataSource", "RewardAggregate", "WandbMode", "Device", "EngineName", "GradSync", "ErrorModel", "IntermediateMode",
     "RouteBy", "TextEncoders", "ExportDType", "OdeSolver", "SdeKind",
     "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
@@ -181,6 +183,9 @@ class SamplingConfig(_Section):
     # (grpo/solver.py); the window keeps its sigmas, log-probs and training are unchanged. Evaluation stays Euler.
     ode_solver: OdeSolver = "euler"
     ode_steps: int = 0
+    # a prompt group's rows start from one x_0 drawn per (run seed, step, group), each row's SDE noise its own
+    # (train/rows.py initial_noise): Flow-GRPO's sample.same_latent, DanceGRPO's --init_same_noise. false: per row
+    same_initial_noise: bool = False
 
     def check(self, prefix: str) -> None:
         _require(self.num_steps >= 1, f"{prefix}.num_steps", f"must be >= 1, got {self.num_steps}")
@@ -222,8 +227,15 @@ class GRPOConfig(_Section):
     # knots needs a plan known before the rollout (jagg.mode jagg with jagg_frac 1, or share_knots)
     ref_at: RefAt = "steps"
     timestep_fraction: float = 1.0
+    # which steps a sample trains (grpo/steps.py): first, Flow-GRPO's first int(T x timestep_fraction) | random,
+    # DanceGRPO's int((T - 1) x timestep_fraction) of the first T - 1 drawn per sample | windows, eff_grpo's blocks of
+    # jagg.window steps, int(blocks x timestep_fraction) of them drawn per sample
+    step_selection: StepSelection = "first"
     inner_epochs: int = 1
     global_std: bool = False
+    # the on-policy invariant (train/invariants.py): the largest |log ratio| training may find to the rollout on a
+    # step's first minibatch (the rollout's own parameters) before the run stops
+    onpolicy_tolerance: float = 1e-3
 
     def check(self, prefix: str) -> None:
         _require(self.group_size >= 2, f"{prefix}.group_size",
@@ -234,6 +246,7 @@ class GRPOConfig(_Section):
         _require(0 < self.timestep_fraction <= 1, f"{prefix}.timestep_fraction",
                  f"must be in (0, 1], got {self.timestep_fraction}")
         _require(self.inner_epochs >= 1, f"{prefix}.inner_epochs", "must be >= 1")
+        _require(self.onpolicy_tolerance > 0, f"{prefix}.onpolicy_tolerance", "must be > 0")
 
 
 # jagg: the planner settings (jagg/planners.py) a config section may carry; null = the chosen planner's default
@@ -306,7 +319,8 @@ class NFTConfig(_Section):
     settings. The group advantages are grpo's (group_size, global_std, adv_clip_max), the trained timesteps
     int(num_steps x grpo.timestep_fraction) of the sampling schedule's, the rollout the old policy's ODE
     (sampling.ode_solver on the whole trajectory), the gradient the jagg section's planner over each sample's
-    timesteps (mode exact: one backward per timestep, as DiffusionNFT)."""
+    timesteps (mode exact: one backward per timestep, as DiffusionNFT). Each inner epoch (grpo.inner_epochs) draws
+    the timesteps and noise afresh, as DiffusionNFT (scripts/train_nft_sd3.py:806-812, 868)."""
 
     beta: float = 1.0  # the implicit policies' step: v_+ = beta v + (1 - beta) v_old (its config.beta)
     kl_beta: float = 1e-4  # weight of ||v - v_ref||^2 to the starting model (its config.train.beta); 0: no reference
@@ -327,6 +341,9 @@ class NFTConfig(_Section):
     # jagg_frac 1, or share_knots)
     old_at: NFTOldAt = "timesteps"
     timesteps: NFTTimesteps = "per_row"  # per_row: each sample's own random timesteps, as DiffusionNFT
+    # the clipped advantage before its map to r (nft/loss.py; DiffusionNFT train_nft_sd3.py:915-925): all as is (its
+    # config/nft.py:62), positive_only / negative_only the other sign's to 0, one_only 1 where > 0 else 0, binary sign
+    adv_mode: AdvMode = "all"
 
     def check(self, prefix: str) -> None:
         _require(self.beta > 0, f"{prefix}.beta", f"must be > 0 (the loss divides by it), got {self.beta}")

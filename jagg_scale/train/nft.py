@@ -4,7 +4,8 @@ The rollout is the old policy's (the engine's shadow weights "old", swapped in b
 with sampling.ode_solver, CFG-free; its clean latents d and the group advantages are what training reads. Then, per
 minibatch (rows.py) and per sample, K = int(num_steps x grpo.timestep_fraction) training timesteps drawn from the
 sampling schedule's (a random permutation per sample, its first K, as DiffusionNFT: nft.timesteps per_row; or one
-draw for the whole minibatch: per_batch), sorted from high noise to low:
+draw for the whole minibatch: per_batch), sorted from high noise to low, drawn afresh with the noise every inner epoch
+(grpo.inner_epochs; DiffusionNFT scripts/train_nft_sd3.py:806-812, 868):
 
     x_t = (1 - t) d + t e       e fresh per timestep, one per sample, or one per JAGG window (nft.noise)
     v_old, v_ref                the old policy's and the reference's velocities there (no grad); with nft.old_at
@@ -19,8 +20,10 @@ draw for the whole minibatch: per_batch), sorted from high noise to low:
 
 and after the rollout's last minibatch the old policy moves towards the trained one: old = decay old + (1 - decay)
 trained, decay = min(max(0, (optimizer steps - flat) x rate), max) (nft.old_decay; DiffusionNFT's return_decay).
-Every draw is seeded by (run.seed, step, global row), so N ranks draw what one process does and a resumed run what
-the uninterrupted one drew; the old policy is checkpointed with the engine's state.
+The optimality r each sample's loss weighs its positive and negative terms by comes from its group advantage through
+nft.adv_mode (nft/loss.py optimality). Every draw is seeded by (run.seed, step, inner epoch, global row), so N ranks
+draw what one process does and a resumed run what the uninterrupted one drew; the old policy is checkpointed with the
+engine's state.
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ from ..cond import index_cond
 from ..grpo.rollout import to_device
 from ..jagg import exact_plan, fill_interior, knot_backward, pass_groups, plan_knots, split_windows, trained_steps
 from ..nft import NFTBatch, NFTStepLoss, optimality
-from .rows import step_seed
+from .rows import row_seed
 from .update import BackwardStats, Updater, UpdateTotals, _cos, _flat_grad, _norm_ratio, micro_batches
 
 __all__ = ["NFTUpdater", "old_decay"]
 
-NOISE_STREAM, TIMESTEP_STREAM = 5, 6  # step_seed streams (rows.py uses 0-3)
+NOISE_STREAM, TIMESTEP_STREAM = 5, 6  # row_seed streams (rows.py uses 0-3)
 
 
 def old_decay(optimizer_steps: int, schedule) -> float:
@@ -72,25 +75,26 @@ class NFTUpdater(Updater):
         return self.engine.shadow_weights("old")
 
     # ------------------------------------------------------------------ the training inputs of a minibatch
-    def _timesteps(self, step: int, global_rows: torch.Tensor) -> torch.Tensor:
-        """[K, B] each row's K training timesteps (the sampling schedule's at a random permutation's first K),
-        sorted from high noise to low; per_batch: the first row's draw for every row."""
+    def _timesteps(self, step: int, epoch: int, global_rows: torch.Tensor, minibatch: torch.Tensor) -> torch.Tensor:
+        """[K, B] the K training timesteps of inner epoch `epoch` of each of `global_rows` (the sampling schedule's
+        at a random permutation's first K), sorted from high noise to low; per_batch: the draw of the whole
+        minibatch's first row (`minibatch`: its global rows, every rank's) for every row, on every rank."""
         nft = self.cfg.nft
         draws = []
-        for r in (global_rows[:1] if nft.timesteps == "per_batch" else global_rows).tolist():
-            g = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, TIMESTEP_STREAM) * 1_000_033 + r)
+        for r in (minibatch[:1] if nft.timesteps == "per_batch" else global_rows).tolist():
+            g = torch.Generator().manual_seed(row_seed(self.cfg.run.seed, step, TIMESTEP_STREAM, r, epoch))
             picked = torch.randperm(len(self.sigmas), generator=g)[: self.K]
             draws.append(torch.tensor(sorted((self.sigmas[i] for i in picked.tolist()), reverse=True)))
         t = torch.stack(draws, dim=1)  # [K, B or 1]
         return t.expand(self.K, len(global_rows)).contiguous()
 
-    def _noise(self, step: int, global_rows: torch.Tensor, shape) -> torch.Tensor:
-        """[K, B, ...] N(0, 1) per row from its own seeded stream: one draw per group of timesteps (nft.noise),
-        repeated over the group's positions."""
+    def _noise(self, step: int, epoch: int, global_rows: torch.Tensor, shape) -> torch.Tensor:
+        """[K, B, ...] N(0, 1) per row of inner epoch `epoch` from the row's own seeded stream: one draw per group of
+        timesteps (nft.noise), repeated over the group's positions."""
         draws = int(self.draw_of[-1]) + 1
         out = []
         for r in global_rows.tolist():
-            g = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, NOISE_STREAM) * 1_000_033 + r)
+            g = torch.Generator().manual_seed(row_seed(self.cfg.run.seed, step, NOISE_STREAM, r, epoch))
             out.append(torch.randn(draws, *shape, generator=g)[self.draw_of])
         return torch.stack(out, dim=1)
 
@@ -107,12 +111,13 @@ class NFTUpdater(Updater):
                 out[k, rows] = fn(x[k, rows], t[k, rows], sub).float()
         return out if self.old_plan is None else fill_interior(self.old_plan, out, t)
 
-    def _batch(self, traj, mb_cond, r, local, global_rows, step: int) -> NFTBatch:
-        """The minibatch's training inputs; `mb_cond` is its rows' conditioning."""
+    def _batch(self, traj, mb_cond, r, local, global_rows, minibatch, step: int, epoch: int) -> NFTBatch:
+        """The training inputs in inner epoch `epoch` of this rank's rows `local` (global `global_rows`) of the
+        minibatch whose global rows are `minibatch`; `mb_cond` is their conditioning."""
         device = self.dist.device
         clean = traj.final[local].float()
-        t = to_device(self._timesteps(step, global_rows), device)
-        e = to_device(self._noise(step, global_rows, clean.shape[1:]), device)
+        t = to_device(self._timesteps(step, epoch, global_rows, minibatch), device)
+        e = to_device(self._noise(step, epoch, global_rows, clean.shape[1:]), device)
         tb = t.reshape(*t.shape, *([1] * (clean.ndim - 1)))
         noised = (1 - tb) * clean + tb * e
         with self.engine.shadow_weights("old"):
@@ -126,7 +131,7 @@ class NFTUpdater(Updater):
     def __call__(self, traj, cond, adv, rows, step: int, steps: list[int]) -> dict:
         cfg, device, nft = self.cfg, self.dist.device, self.cfg.nft
         self._mask = to_device(adv.mask[rows.mine], device)
-        r = to_device(optimality(adv.values[rows.mine], cfg.grpo.adv_clip_max), device)
+        r = to_device(optimality(adv.values[rows.mine], cfg.grpo.adv_clip_max, nft.adv_mode), device)
         predict = self.policy.model_fn()
         intermediate = {"auto": "interpolate"}.get(cfg.jagg.intermediate, cfg.jagg.intermediate)
         done, probe = UpdateTotals(), {}
@@ -135,7 +140,7 @@ class NFTUpdater(Updater):
             for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
                 local_d = to_device(local, device)
                 mb_cond = index_cond(cond, local_d)
-                batch = self._batch(traj, mb_cond, r, local_d, rows.mine[local], step)
+                batch = self._batch(traj, mb_cond, r, local_d, rows.mine[local], global_rows, step, epoch)
                 loss = NFTStepLoss(beta=nft.beta, kl_beta=nft.kl_beta, adv_clip_max=cfg.grpo.adv_clip_max,
                                    scale=1.0 / self.K,
                                    denominator=float(adv.mask[global_rows].sum()) / rows.world_size)

@@ -9,7 +9,8 @@
     policy.encode(prompts)   the conditioning; with guidance != 1 the pair (cond, uncond) of the prompts and of the
                              model's negative prompt (an edit prompt's on its own input image)
     policy.rollout(...)      SDE trajectories of given global rows on the training schedule `policy.sigmas`,
-                             every draw seeded per (run seed, step, row); outside an SDE window the ODE runs
+                             every draw seeded per (run seed, step, row) (x_0 per group with
+                             sampling.same_initial_noise); outside an SDE window the ODE runs
                              sampling.ode_solver on sampling.ode_steps (grpo/solver.py)
 
 Used by the trainer and by `jagg-eval` (which needs only velocity_fn and encode: no optimizer, no engine).
@@ -29,31 +30,48 @@ from ..grpo import StepBatch, Trajectories, guided_velocity, model_schedule, sam
 from ..grpo.rollout import to_device
 from ..jagg import fill_interior, plan_knots
 from .config import Config
-from .rows import row_generators
+from .rows import initial_noise, row_generators
 
 log = logging.getLogger(__name__)
 
 
-def rollout_batch(cfg: Config, world_size: int, device: torch.device) -> int:
-    """sampling.batch_size, with auto resolved: on a GPU the largest chunk whose rollout fits its memory by the
-    estimator (estimate/memory.rollout_batch, the same number `jagg-estimate` prints), off a GPU or for the built-in
-    DiT (no estimator shapes) half of a rank's rows; a model the estimator cannot size (no shapes or coefficients
-    for it) falls back to that, with a warning."""
+def rollout_batch(cfg: Config, world_size: int, device: torch.device, *, gpu_gib: float | None = None) -> int:
+    """sampling.batch_size, with auto resolved for this rank: on a GPU the largest chunk whose rollout fits its memory
+    by the estimator (estimate/memory.rollout_batch, the same number `jagg-estimate` prints), off a GPU or for the
+    built-in DiT (no estimator shapes) half of a rank's rows; a model the estimator cannot size (no shapes or
+    coefficients for it) falls back to that, with a warning. `gpu_gib`: this rank's memory in GiB instead of its
+    device's (a test gives each rank its own). Ranks must agree on it: agreed_rollout_batch."""
     n = cfg.sampling.batch_size
     if n != "auto":
         return n
     from ..estimate import memory as M  # the estimator sits above the trainer: imported only for auto
 
     half = M.rollout_cap(cfg, world_size)
-    if device.type != "cuda" or cfg.model.kind == "dit":
+    if cfg.model.kind == "dit" or (gpu_gib is None and device.type != "cuda"):
         return half
     try:
-        gib = torch.cuda.get_device_properties(device).total_memory / M.GiB
+        gib = torch.cuda.get_device_properties(device).total_memory / M.GiB if gpu_gib is None else gpu_gib
         return M.rollout_batch(M.prepare(cfg, world_size, gpu_gib=gib), gib)
     except (LookupError, ValueError, OSError) as err:  # no shapes or coefficients for this model
         log.warning("sampling.batch_size auto: the estimator cannot size this model (%s); %d rows per forward",
                     err, half)
         return half
+
+
+def agreed_rollout_batch(cfg: Config, dist, device: torch.device, *, gpu_gib: float | None = None) -> int:
+    """rollout_batch agreed over the ranks of `dist` (a DistContext): the smallest rank's, by one all-gather at
+    start-up, logged once. Resolved per rank from its own GPU's memory, ranks on different GPUs (a mixed partition,
+    MIG slices) would run different numbers of rollout chunks, and every chunk runs collectives (the sharded
+    transformer's parameter gathers at each forward, a sharded reward's per chunk): they would stop matching."""
+    local = rollout_batch(cfg, dist.world_size, device, gpu_gib=gpu_gib)
+    if cfg.sampling.batch_size != "auto":  # the config's number: the same on every rank
+        return local
+    every = dist.all_gather_object(local)
+    agreed = min(every)
+    if dist.is_main:
+        log.info("sampling.batch_size auto: %d rows per rollout forward on every rank (the smallest of the ranks' "
+                 "%s)", agreed, sorted(set(every)))
+    return agreed
 
 
 class Policy:
@@ -150,8 +168,10 @@ class Policy:
             raise ValueError("sampling.batch_size auto: give Policy the resolved rollout_batch (rollout_batch())")
         for start in range(0, len(rows), self.rollout_batch):
             chunk = slice(start, min(start + self.rollout_batch, len(rows)))
-            # each row's generator draws its initial noise, then its SDE steps' (inside sample_sde), as one stream
-            noise = torch.stack([torch.randn(self.model.latent_shape, generator=g) for g in gens[chunk]])
+            # each row's generator draws its initial noise, then its SDE steps' (inside sample_sde), as one stream;
+            # sampling.same_initial_noise: x_0 its group's (rows.initial_noise)
+            noise = initial_noise(gens[chunk], rows[chunk], self.model.latent_shape, seed=cfg.run.seed, step=step,
+                                  group_size=cfg.grpo.group_size if cfg.sampling.same_initial_noise else None)
             parts.append(sample_sde(predict, index_cond(cond, chunk), to_device(noise, self.device), self.sigmas,
                                     noise_level=cfg.sampling.noise_level, generator=gens[chunk],
                                     ref_velocity_fn=ref, sde_steps=sde_steps, ref_steps=ref_steps,

@@ -8,7 +8,10 @@ one process would have seen.
 
 Noise is drawn per row from a generator seeded by (run seed, step, row), never from a shared stream, so a row's
 trajectory does not depend on which rank samples it or on what else is in its batch: 1 process and N processes
-sample the same images.
+sample the same images. With sampling.same_initial_noise the starting noise x_0 is drawn per prompt group instead,
+from a generator seeded by (run seed, step, group), so every row of a group starts from it wherever it is sampled;
+each row's own generator still draws (and here discards) its x_0 first, so its SDE noise is the one it draws without
+the option.
 """
 
 from __future__ import annotations
@@ -17,19 +20,43 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["step_seed", "row_generators", "StepRows"]
+__all__ = ["step_seed", "row_seed", "row_generators", "initial_noise", "StepRows"]
 
 
 def step_seed(seed: int, step: int, stream: int) -> int:
     """A distinct, reproducible seed per (run seed, step, stream); streams: 0 rollout noise, 1 row order,
-    2 later inner epochs' order, 3 the SDE window's start."""
+    2 later inner epochs' order, 3 the SDE window's start, 4 a prompt group's shared initial noise, 5-6 DiffusionNFT's
+    noise and timesteps (train/nft.py), 9 the per-sample trained steps (grpo/steps.py); at most 15."""
     return ((seed * 1_000_003 + step) * 16 + stream) % (2**63 - 1)
+
+
+def row_seed(seed: int, step: int, stream: int, row: int, epoch: int = 0) -> int:
+    """The seed of one global row's draws in `stream` of a step, and of its inner epoch `epoch` (DiffusionNFT draws
+    each inner epoch afresh): a function of (seed, step, stream, epoch, row) alone, so a row draws the same on any
+    rank, in any minibatch and after a resume. Epoch 0 keeps the row's seed of the step. `row` may also index
+    another unit of the step (a prompt group: initial_noise)."""
+    mixed = step_seed(seed, step, stream) * 1_000_033 + int(row)
+    return (mixed * 1_000_037 + epoch if epoch else mixed) % (2**63 - 1)
 
 
 def row_generators(seed: int, step: int, rows: torch.Tensor) -> list[torch.Generator]:
     """One CPU generator per global row index: the row's initial noise and every SDE step's noise."""
-    base = step_seed(seed, step, 0)
-    return [torch.Generator().manual_seed((base * 1_000_033 + int(r)) % (2**63 - 1)) for r in rows.tolist()]
+    return [torch.Generator().manual_seed(row_seed(seed, step, 0, r)) for r in rows.tolist()]
+
+
+def initial_noise(gens: list[torch.Generator], rows: torch.Tensor, shape, *, seed: int, step: int,
+                  group_size: int | None = None) -> torch.Tensor:
+    """The starting noise x_0 of `rows` (global indices; `gens` their row_generators, each advanced past its x_0):
+    each row's own draw, or with `group_size` (sampling.same_initial_noise) its group's, row i in group
+    i // group_size, drawn from a generator seeded by (seed, step, group) alone: the same whichever rank or chunk
+    samples the row. [len(rows), *shape], float32 on the CPU."""
+    own = torch.stack([torch.randn(shape, generator=g) for g in gens])
+    if group_size is None:
+        return own
+    group = (rows // group_size).tolist()
+    drawn = {g: torch.randn(shape, generator=torch.Generator().manual_seed(row_seed(seed, step, 4, g)))
+             for g in dict.fromkeys(group)}
+    return torch.stack([drawn[g] for g in group])
 
 
 @dataclass

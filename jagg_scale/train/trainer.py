@@ -31,15 +31,17 @@ import yaml
 from ..checkpoint.local import write_object
 from ..checkpoint.pickles import load_torch
 from ..data import ListPromptSource, PromptSet, StreamPromptSource
+from ..grpo.steps import candidate_steps
 from ..jagg import plan_knots, trained_steps
 from ..models import build_model
 from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
 from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
 from .config import Config, ConfigError, load_prompt_file, validate_world
+from .invariants import check_on_policy
 from .evaluate import EvalInterrupted, eval_prompts, evaluate, load_eval, load_grid
 from .logging import RunLogger
-from .policy import Policy, rollout_batch
+from .policy import Policy, agreed_rollout_batch
 from .preemption import Preemption
 from .rows import StepRows, step_seed
 from .run_lock import RunLock, write_run_file
@@ -100,13 +102,15 @@ class Trainer:
         model.place_frozen(self.device, shard_t5=self._t5_sharder() if cfg.model.shard_t5 else None)
         self.policy = Policy(self.model, cfg, self.device,
                              ref_model=self.engine.shard_frozen(ref) if ref is not None else None,
-                             rollout_batch=rollout_batch(cfg, self.dist.world_size, self.device))
+                             rollout_batch=agreed_rollout_batch(cfg, self.dist, self.device))
         if cfg.reward.shard and self.dist.world_size > 1:
             from ..rewards.sharded import shard_reward
 
             for _, _, component in self.reward.components:
                 shard_reward(component)
-        self.steps = trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction)
+        self.steps = (trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction)
+                      if cfg.grpo.step_selection == "first" else
+                      list(range(candidate_steps(cfg.grpo.step_selection, cfg.sampling.num_steps))))
         if cfg.train.algorithm == "nft":  # DiffusionNFT: its own update phase over the same rollout, reward, advantages
             from .nft import NFTUpdater
 
@@ -218,10 +222,14 @@ class Trainer:
         }
         metrics.update(self.engine.comm.take())  # collectives per phase (nothing on one process)
         metrics = fetch_metrics(metrics)  # the step's one device-to-host read of its loss statistics
-        return self.dist.mean_over_ranks(metrics, {"ratio_max": "max", "ratio_min": "min"})
+        metrics = self.dist.mean_over_ranks(metrics, {"ratio_max": "max", "ratio_min": "min",
+                                                      "onpolicy_log_ratio": "max"})
+        check_on_policy(metrics, cfg.grpo.onpolicy_tolerance, step)  # every rank: the same reduced value
+        return metrics
 
     def trained_steps_at(self, step: int) -> list[int]:
-        """The steps trained at training step `step`: Flow-GRPO's first timestep_fraction of the trajectory, or the
+        """The steps trained at training step `step`: Flow-GRPO's first timestep_fraction of the trajectory, the
+        candidates each sample draws its own from (grpo.step_selection random | windows: the Updater draws), or the
         SDE window of sampling.sde_window steps (random start per step, or sliding), seeded by the step."""
         s = self.cfg.sampling
         if s.sde_window == 0:

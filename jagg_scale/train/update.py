@@ -29,6 +29,7 @@ import torch
 from ..cond import Cond, index_cond
 from ..grpo.loss import GRPOStepLoss, StepBatch
 from ..grpo.rollout import to_device
+from ..grpo.steps import positioned, select_steps
 from ..jagg import (Backward, ModelFn, Plan, Planned, Planner, autograd_backward, exact_plan, knot_backward,
                     pass_groups, plan_knots, restrict_plan)
 from ..parallel.engine import NonFiniteError
@@ -267,43 +268,54 @@ class Updater:
         cfg = self.cfg
         predict = self.policy.model_fn()
         cond, uncond = self.policy.split_cond(cond)
-        done, probe = UpdateTotals(), {}
+        done, probe, onpolicy = UpdateTotals(), {}, None
         probing = cfg.jagg.probe_every > 0 and step % cfg.jagg.probe_every == 0
-        for local, batch, loss in self.minibatches(traj, adv, rows, step, steps, self.policy.guidance):
+        for local, batch, loss, trained in self.minibatches(traj, adv, rows, step, steps, self.policy.guidance):
             mb_cond, on_policy = index_cond(cond, local), done.applied == 0  # a skipped step changed nothing
             if probing and done.optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
                 t_probe = time.perf_counter()
-                probe = probe_minibatch(predict, batch, mb_cond, loss, steps, self.planner,
+                probe = probe_minibatch(predict, batch, mb_cond, loss, trained, self.planner,
                                         cfg.jagg.intermediate, self.engine.params, on_policy=on_policy,
                                         backward=self.engine.backward)
                 probe["time_probe"] = time.perf_counter() - t_probe
             refresh = uncond is not None and not on_policy  # the rollout's uncond is stale: recomputed
-            stats = backward_minibatch(predict, batch, mb_cond, loss, steps, self.planner,
+            stats = backward_minibatch(predict, batch, mb_cond, loss, trained, self.planner,
                                        intermediate=cfg.jagg.intermediate, on_policy=on_policy,
                                        backward=self.engine.backward, reduce=self._reduce,
                                        micro_batch_size=cfg.train.micro_batch_size,
-                                       prepare=self._uncond_refresh(index_cond(uncond, local), steps) if refresh
+                                       prepare=self._uncond_refresh(index_cond(uncond, local), trained) if refresh
                                        else None)
-            stats.uncond_forward_passes = len(steps) if refresh else 0
+            stats.uncond_forward_passes = len(trained) if refresh else 0
+            if done.optimizer_steps == 0:  # the rollout's parameters: training must reproduce its log-probs
+                onpolicy = loss.log_ratio_max()
             self._optimizer_step(done, stats, loss, step)
-        return done.metrics(**probe)
+        return done.metrics(**probe, onpolicy_log_ratio=onpolicy)
 
     def minibatches(self, traj, adv, rows, step: int, steps: list[int], guidance: float):
-        """(local rows on the device, StepBatch, GRPOStepLoss) of every minibatch of every inner epoch; the loss
-        guides with `guidance` (1: it is called with the guided velocity itself)."""
+        """(local rows on the device, StepBatch, GRPOStepLoss, its trained positions) of every minibatch of every
+        inner epoch; the loss guides with `guidance` (1: it is called with the guided velocity itself). With
+        grpo.step_selection first every row trains `steps`; otherwise each row draws its own among them (the
+        candidates) and the batch is laid out per row over its draw (grpo/steps.py positioned)."""
         cfg, device = self.cfg, self.dist.device
+        g = cfg.grpo
         # host -> device once per step, asynchronously (advantages are computed on the host, in float64)
         adv_values, adv_mask = to_device(adv.values[rows.mine], device), to_device(adv.mask[rows.mine], device)
-        for epoch in range(cfg.grpo.inner_epochs):
+        K = len(steps) if g.step_selection == "first" else cfg.trained_per_sample
+        for epoch in range(g.inner_epochs):
             for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
-                local = to_device(local, device)
                 # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
-                loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
-                                    beta=cfg.grpo.beta, scale=1.0 / len(steps),
+                loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=g.clip_range,
+                                    beta=g.beta, scale=1.0 / K,
                                     denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
                                     guidance=guidance, guidance_rule=self.policy.guidance_rule,
                                     sde=cfg.sampling.sde)
-                yield local, traj.step_batch(local, adv_values, adv_mask), loss
+                on_device = to_device(local, device)
+                batch, trained = traj.step_batch(on_device, adv_values, adv_mask), steps
+                if g.step_selection != "first":
+                    drawn = select_steps(g.step_selection, cfg.sampling.num_steps, g.timestep_fraction,
+                                         cfg.selection_window, cfg.run.seed, step, rows.mine[local])
+                    batch, trained = positioned(batch, drawn)
+                yield on_device, batch, loss, trained
 
     def _optimizer_step(self, done: UpdateTotals, stats: BackwardStats, loss, step: int) -> None:
         """The engine's step after a minibatch's backward, counted in `done` with the loss's metrics."""

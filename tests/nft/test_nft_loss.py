@@ -77,3 +77,31 @@ def test_masked_rows_count_for_nothing_and_the_denominator_is_the_minibatchs():
     torch.testing.assert_close(full, first_two)  # the masked rows neither add nor count
     half = NFTStepLoss(kl_beta=0.0, denominator=4.0)(batch, 0, v)  # 2 valid rows here, 4 over all ranks
     torch.testing.assert_close(half, full / 2)
+
+
+def _official_r(advantages, adv_clip_max, adv_mode):
+    """NVlabs/DiffusionNFT scripts/train_nft_sd3.py:910-929 transcribed: the clip, the adv_mode chain, the map to r."""
+    advantages_clip = torch.clamp(advantages, -adv_clip_max, adv_clip_max)
+    if adv_mode == "positive_only":
+        advantages_clip = torch.clamp(advantages_clip, 0, adv_clip_max)
+    elif adv_mode == "negative_only":
+        advantages_clip = torch.clamp(advantages_clip, -adv_clip_max, 0)
+    elif adv_mode == "one_only":
+        advantages_clip = torch.where(advantages_clip > 0, torch.ones_like(advantages_clip),
+                                      torch.zeros_like(advantages_clip))
+    elif adv_mode == "binary":
+        advantages_clip = torch.sign(advantages_clip)
+    normalized_advantages_clip = (advantages_clip / adv_clip_max) / 2.0 + 0.5
+    return torch.clamp(normalized_advantages_clip, 0, 1)
+
+
+@pytest.mark.parametrize("adv_mode", ["all", "positive_only", "negative_only", "one_only", "binary"])
+@pytest.mark.parametrize("adv_clip_max", [5.0, 1.5])
+def test_each_adv_mode_is_diffusion_nfts(adv_mode, adv_clip_max):
+    """nft.adv_mode's optimality r equals DiffusionNFT's on random advantages (beyond the clip on both sides, exact
+    zeros), and each mode but all changes r somewhere."""
+    adv = torch.cat([torch.randn(200, generator=torch.Generator().manual_seed(2)) * 3.0, torch.zeros(3)])
+    got = optimality(adv, adv_clip_max, adv_mode)
+    assert torch.equal(got, _official_r(adv, adv_clip_max, adv_mode))
+    assert (adv_mode == "all") == torch.equal(got, optimality(adv, adv_clip_max))
+    assert got.min() >= 0 and got.max() <= 1

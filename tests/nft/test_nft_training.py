@@ -68,7 +68,7 @@ def test_nft_noise_draws_one_noise_per_group_of_timesteps(tmp_path, noise, windo
     [0-2] [3]); the draws differ between rows and between groups."""
     over = NFT + [f"nft.noise={noise}", f"run.output_dir={tmp_path}"] + ([f"jagg.window={window}"] if window else [])
     trainer = Trainer(load_config(TINY, over))
-    e = trainer.updater._noise(step=3, global_rows=torch.tensor([5, 9]), shape=(2, 2))
+    e = trainer.updater._noise(step=3, epoch=0, global_rows=torch.tensor([5, 9]), shape=(2, 2))
     assert e.shape == (4, 2, 2, 2)
     for row in range(2):
         groups = {}
@@ -77,7 +77,7 @@ def test_nft_noise_draws_one_noise_per_group_of_timesteps(tmp_path, noise, windo
             assert torch.equal(e[k, row], groups[group]), (noise, k)
         assert len({tuple(v.flatten().tolist()) for v in groups.values()}) == len(groups)
     assert not torch.equal(e[0, 0], e[0, 1])
-    again = trainer.updater._noise(step=3, global_rows=torch.tensor([9]), shape=(2, 2))
+    again = trainer.updater._noise(step=3, epoch=0, global_rows=torch.tensor([9]), shape=(2, 2))
     assert torch.equal(again[:, 0], e[:, 1])  # a row's draws are its own: seeded by (seed, step, row)
     trainer.close()
 
@@ -178,6 +178,8 @@ def test_nft_with_lora_keeps_the_old_adapter_and_exports_a_diffusers_lora(sd3_di
     (["train.algorithm=nft", "nft.old_at=knots", "jagg.jagg_frac=0.5"], "nft.old_at"),  # routed steps: no window
     (["train.algorithm=nft", "nft.old_at=knots", "jagg.plan=budget"], "nft.old_at"),
     (["nft.noise=per_sample"], "nft.noise"),
+    (["nft.adv_mode=binary"], "nft.adv_mode"),
+    (["train.algorithm=nft", "nft.adv_mode=positive"], "nft.adv_mode"),  # not one of DiffusionNFT's modes
 ])
 def test_what_nft_does_not_use_is_refused_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=f"config key '{key}'"):

@@ -39,7 +39,7 @@ def _err(*overrides):
     ("jagg.plan", "uniform, budget"),
     ("jagg.error_model", "residual, cosine"),
     ("data.source", "list, wds"),
-    ("reward.aggregate", "sum, advantage"),
+    ("reward.aggregate", "sum, advantage, gdpo"),
     ("log.wandb_mode", "offline, online, disabled"),
     ("parallel.engine", "none, fsdp2, deepspeed"),
     ("run.device", "auto, cpu, cuda"),

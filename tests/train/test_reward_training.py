@@ -62,7 +62,7 @@ def test_advantage_aggregation_keeps_a_small_scale_reward_alive():
     assert flat.zero_std_groups == 1 and not flat.mask.any()
 
 
-@pytest.mark.parametrize("aggregate", ["sum", "advantage"])
+@pytest.mark.parametrize("aggregate", ["sum", "advantage", "gdpo"])
 def test_two_rewards_train_with_per_reward_metrics(tmp_path, aggregate):
     comps = ("reward.components={jpeg_compressibility: {weight: 1.0}, "
              "jpeg_incompressibility: {weight: 0.25, quality: 80}}")
