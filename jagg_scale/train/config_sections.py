@@ -340,10 +340,8 @@ class TrainConfig(_Section):
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
-    # > 0: an EMA of the trainable weights, used for evaluation and export, moved by Flow-GRPO's rule
-    # (parallel/ema.py): after optimizer step s (from 1) when (s + 1) % ema_every == 0, by decay
-    # min((1 + s) / (10 + s), ema_decay) with ema_warmup (ema_decay without), ema_repeat times (Flow-GRPO's one move
-    # per accumulated batch). The defaults: a constant decay after every optimizer step
+    # > 0: an EMA of the trainable weights for evaluation and export, moved by Flow-GRPO's rule (parallel/ema.py):
+    # every ema_every optimizer steps, ema_repeat moves, its decay warmed up by ema_warmup (default: every step, fixed)
     ema_decay: float = 0.0
     ema_every: int = 1
     ema_warmup: bool = False
