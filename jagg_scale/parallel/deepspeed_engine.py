@@ -34,9 +34,10 @@ is its share of the mean).
 
 EMA (ema_decay > 0): each rank keeps the EMA of its own fp32 master partitions (the optimizer's flat
 `fp32_partitioned_groups_flat`, one tensor per sub-group): no gather, 1/world of the weights per rank, updated
-after every applied step. `ema_weights()` swaps it into the 16-bit partitions the forward gathers from (as
-DeepSpeed's own step does: release the gathered parameters, copy into the flat partitions, re-gather the
-persistent ones) and restores the live partitions bit for bit afterwards; evaluation and export run inside it.
+after the applied steps the EMA rule names (ema.py), as on every engine. `ema_weights()` swaps it into the 16-bit
+partitions the forward gathers from (as DeepSpeed's own step does: release the gathered parameters, copy into the
+flat partitions, re-gather the persistent ones) and restores the live partitions bit for bit afterwards;
+evaluation and export run inside it.
 NVMe offload (partitions swapped out) and ZeRO stages other than 3 have no EMA here (ValueError at build).
 
 State: `save`/`load` are DeepSpeed checkpoints (`save_checkpoint(dir, tag="ds")`: per rank a model-states file
@@ -233,12 +234,6 @@ class DeepSpeedEngine(Engine):
         """ZeRO-3's optimizer: the flat fp32 master partitions and the 16-bit partitions the forward gathers."""
         return self.ds.optimizer
 
-    def init_ema(self) -> None:
-        self.ema_decay = float(self.optim.ema_decay)
-        self.shadows = {}
-        if self.ema_decay > 0:
-            self.add_shadow("ema")
-
     def _live(self) -> dict[str, torch.Tensor]:
         """This rank's flat fp32 master partitions (one per sub-group): what the shadows copy and move towards."""
         zero = self._zero
@@ -252,11 +247,6 @@ class DeepSpeedEngine(Engine):
                              "deepspeed: NVMe offload swaps the partitions out of memory; they need them in memory "
                              "(use offload to cpu or none)")
         return {f"partition.{i}": t for i, t in enumerate(zero.fp32_partitioned_groups_flat)}
-
-    @torch.no_grad()
-    def update_ema(self) -> None:
-        if self.ema is not None and self.ds.was_step_applied():
-            self.lerp_shadow("ema", self.ema_decay)
 
     @contextmanager
     def shadow_weights(self, name: str):
@@ -309,7 +299,7 @@ class DeepSpeedEngine(Engine):
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
         self.step_applied = bool(self.ds.was_step_applied())
-        self.update_ema()
+        self._count_step()
         return torch.tensor(float("nan") if norm is None else float(norm))
 
     def _local_weights(self) -> list[tuple[str, torch.Tensor]]:

@@ -26,13 +26,14 @@ deepspeed_engine.py import it, never the reverse. The contract, in the order a t
                                         backward callable); gradients accumulate, and are synchronised across
                                         ranks when `last` is True (the minibatch's accumulation boundary), or at
                                         every backward under grad_sync every (resolve_grad_sync)
-    engine.step(loss=) -> grad_norm     clip (grad_clip) and step the optimizer, zero grads, update the EMA;
-                                        returns the global gradient norm before clipping (0-d). A non-finite
-                                        norm (or `loss`, on any rank) skips the update: `step_applied` says
-                                        whether it was taken
+    engine.step(loss=) -> grad_norm     clip (grad_clip) and step the optimizer, zero grads, update the EMA when
+                                        due (ema.py); returns the global gradient norm before clipping (0-d). A
+                                        non-finite norm (or `loss`, on any rank) skips the update: `step_applied`
+                                        says whether it was taken; `optimizer_steps` counts the steps either way
     engine.comm                         the collective counter (comm.py): a CommCounter on engines that issue
                                         collectives, a NullCounter (same phase()/take()) here
-    engine.ema / ema_weights()          ema_decay > 0: the EMA of the trainable weights (None when off), and a
+    engine.ema / ema_weights()          ema_decay > 0: the EMA of the trainable weights (None when off), moved
+                                        by Flow-GRPO's rule (ema.py: ema_every, ema_warmup, ema_repeat), and a
                                         context with it swapped into the model (evaluation, export)
     engine.add_shadow(name) / lerp_shadow(name, decay) / shadow_weights(name)
                                         named copies of the trainable weights, held like them (this rank's shards
@@ -66,6 +67,7 @@ from .blocks import compile_blocks, enable_activation_checkpointing
 from .comm import NullCounter
 from .config import ParallelConfig
 from .dist import DistContext
+from .ema import ema_decay_at
 
 __all__ = ["ENGINE_MARKER", "Engine", "LocalEngine", "NonFiniteError", "OptimizerSettings", "checkpoint_engine",
            "make_optimizer", "place_", "resolve_grad_sync", "trains_all"]
@@ -87,7 +89,10 @@ class OptimizerSettings(Protocol):
     adam_betas: tuple[float, float]
     adam_eps: float
     grad_clip: float  # max global gradient norm; 0 disables clipping
-    ema_decay: float  # > 0: an EMA of the trainable weights, updated per optimizer step
+    ema_decay: float  # > 0: an EMA of the trainable weights, moved by ema.py's rule (ema_every, ema_warmup, ...)
+    ema_every: int
+    ema_warmup: bool
+    ema_repeat: int
 
 
 def trains_all(model: torch.nn.Module) -> bool:
@@ -187,6 +192,11 @@ class Engine:
 
     name = ""
     step_applied = True  # whether the last step() updated the weights
+    # optimizer steps taken, the skipped ones included: the EMA rule's s (ema.py). Flow-GRPO's global_step counts
+    # every accumulation boundary, the steps its fp16 grad scaler skips included, and so does this: the count is
+    # then a function of the training step alone (a resumed run sets it from the step: RunState), the same on every
+    # rank. A skipped step still moves no EMA, as it changes no other state.
+    optimizer_steps = 0
 
     parallel: ParallelConfig
     optim: OptimizerSettings
@@ -195,7 +205,8 @@ class Engine:
     # ------------------------------------------------------------------ shadow weights: the EMA, the old policy
     def init_ema(self) -> None:
         """The shadow weight sets start empty; ema_decay > 0 adds the EMA of the trainable weights (shards of them
-        under FSDP2), updated after every applied optimizer step, checkpointed, used for evaluation and export."""
+        under FSDP2, fp32 partitions under ZeRO-3), updated after the applied optimizer steps ema.py's rule names,
+        checkpointed, used for evaluation and export."""
         self.ema_decay = float(self.optim.ema_decay)
         self.shadows: dict[str, dict[str, torch.Tensor]] = {}
         if self.ema_decay > 0:
@@ -221,9 +232,13 @@ class Engine:
             shadow[n].lerp_(t.detach(), 1.0 - decay)
 
     @torch.no_grad()
-    def update_ema(self) -> None:
-        if self.ema is not None:
-            self.lerp_shadow("ema", self.ema_decay)
+    def _count_step(self) -> None:
+        """After an optimizer step (applied or skipped): count it; move the EMA when the step was applied and the
+        rule has an update due after it."""
+        self.optimizer_steps += 1
+        decay = ema_decay_at(self.optimizer_steps, self.optim) if self.ema is not None else None
+        if self.step_applied and decay is not None:
+            self.lerp_shadow("ema", decay)
 
     @contextmanager
     def shadow_weights(self, name: str):
@@ -267,14 +282,14 @@ class Engine:
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm).detach()
 
     def step(self, loss: torch.Tensor | None = None) -> torch.Tensor:
-        """Clip, optimizer step, zero grads, EMA update; returns the global gradient norm before clipping (a 0-d
-        tensor, read by the caller with its other metrics). The update is skipped, and `step_applied` is False,
-        when the norm or `loss` (this rank's loss of the minibatch, when given) is not finite on any rank."""
+        """Clip, optimizer step, zero grads, EMA update when due; returns the global gradient norm before clipping
+        (a 0-d tensor, read by the caller with its other metrics). The update is skipped, and `step_applied` is
+        False, when the norm or `loss` (this rank's loss of the minibatch, when given) is not finite on any rank."""
         norm = self._clip_grads()
         self.step_applied = self._finite(norm, loss)
         if self.step_applied:
             self.optimizer.step()
-            self.update_ema()
+        self._count_step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 

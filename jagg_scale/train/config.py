@@ -84,6 +84,12 @@ class Config:
         return candidate_steps(g.step_selection, self.sampling.num_steps)
 
     @property
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer steps per training step: one per minibatch of train.batch_size rows, every inner epoch. The
+        same every step, so the count so far is a function of the step: what a resumed run continues from."""
+        return self.grpo.inner_epochs * self.train.prompts_per_step * self.grpo.group_size // self.train.batch_size
+
+    @property
     def reward_deadline_s(self) -> float:
         """reward.deadline_s, or half of parallel.collective_timeout_s (null)."""
         d = self.reward.deadline_s

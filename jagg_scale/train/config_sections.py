@@ -366,7 +366,12 @@ class TrainConfig(_Section):
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
-    ema_decay: float = 0.0  # > 0: EMA of the trainable weights (per optimizer step), used for eval and export
+    # > 0: an EMA of the trainable weights for evaluation and export, moved by Flow-GRPO's rule (parallel/ema.py):
+    # every ema_every optimizer steps, ema_repeat moves, its decay warmed up by ema_warmup (default: every step, fixed)
+    ema_decay: float = 0.0
+    ema_every: int = 1
+    ema_warmup: bool = False
+    ema_repeat: int = 1
     # rows per forward/backward chunk on each rank; 0 = the rank's whole share of a minibatch in one chunk. The
     # minibatch's gradient is accumulated over its chunks (a JAGG joint pass then holds 2 x micro_batch_size rows)
     micro_batch_size: int = 0
@@ -390,6 +395,14 @@ class TrainConfig(_Section):
         _require(self.adam_eps >= 0, f"{prefix}.adam_eps", f"must be >= 0, got {self.adam_eps}")
         _require(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0 (0 disables clipping)")
         _require(0.0 <= self.ema_decay < 1.0, f"{prefix}.ema_decay", f"must be in [0, 1), got {self.ema_decay}")
+        for key, least in (("ema_every", "optimizer steps between EMA updates"), ("ema_repeat", "moves per update")):
+            _require(getattr(self, key) >= 1, f"{prefix}.{key}", f"must be >= 1 ({least}), got {getattr(self, key)}")
+        # set while there is no EMA: keys that would not act
+        for key, default in (("ema_every", "1"), ("ema_warmup", "false"), ("ema_repeat", "1")):
+            value = str(getattr(self, key)).lower()
+            _require(self.ema_decay > 0 or value == default, f"{prefix}.{key}",
+                     f"is {value} but {prefix}.ema_decay is 0, so there is no EMA for it to act on: set "
+                     f"{prefix}.ema_decay > 0 or leave {key} at {default}")
         _require(self.max_nonfinite_steps >= 1, f"{prefix}.max_nonfinite_steps",
                  f"must be >= 1, got {self.max_nonfinite_steps}")
 

@@ -212,6 +212,7 @@ class RunState:
                               f"metrics.jsonl. Raise train.steps to at least {step}, or resume an earlier checkpoint")
         self._check_metrics()
         self._load_engine(path)  # verified above: not hashed again
+        self.engine.optimizer_steps = step * self.cfg.optimizer_steps_per_step  # the EMA rule's count (ema.py)
         if state.get("world_size", 1) == self.dist.world_size:  # the same decision on every rank
             self.dist.on_every_rank(lambda: self._restore_rng(path))
         else:  # every draw is seeded per step/row, so only unseeded global draws (none in training) differ

@@ -52,6 +52,13 @@ def test_resume_hashes_each_file_once_across_ranks_and_is_bit_identical(ranks):
     assert len(ranks[0]["resume_hashed"]) == len(hashed[0]) and len(ranks[1]["resume_hashed"]) == len(hashed[1])
     assert hashed[0] | hashed[1] == set(ranks[0]["manifest_ranks"])  # every file of the manifest
     assert ranks[0]["bit_identical"] and ranks[1]["bit_identical"]
+    assert ranks[0]["resume_optimizer_steps"] == ranks[1]["resume_optimizer_steps"] == 2  # the EMA rule's count
+
+
+def test_the_sharded_ema_is_flow_grpos_over_the_warmup_and_the_interval(ranks):
+    for r in ranks:  # 20 steps, every 3 with the warm-up, 2 moves an update: tests/train/test_ema.py in 1 process
+        assert r["ema_rule_close"], r["ema_rule_maxdiff"]
+        assert r["ema_rule_behind"] > 1e-2  # an average behind the weights: far beyond the tolerance
 
 
 def test_a_corrupted_shard_fails_every_rank_with_the_same_error(ranks):

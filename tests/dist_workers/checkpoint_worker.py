@@ -9,7 +9,9 @@ OUT_DIR/result_rank<r>.json:
 
   save          the files this rank hashed while saving step 1, and the manifest's rank of every file
   resume        the files this rank hashed during resume (auto), and whether the resumed engine holds the saved
-                model, optimizer and EMA state bit for bit
+                model, optimizer and EMA state bit for bit, and the optimizer step count it derived
+  ema_rule      Flow-GRPO's EMA rule on the shards (warm-up, an interval of 3, 2 moves per update) over 20 steps,
+                against the float64 transcription of its code (tests/flow_grpo_ema.py) on the gathered weights
   corrupt       a same-size corruption of one shard that only rank 1 hashes: the error each rank raised and how
                 long it took; then resume auto falls back to the previous checkpoint on both ranks
   truncated     a truncated shard: the error each rank raised and the hashes computed (none: sizes come first)
@@ -38,6 +40,9 @@ from jagg_scale.train.config import TrainConfig
 from jagg_scale.parallel.fsdp import FSDP2Engine
 from jagg_scale.train.config import load_config
 from jagg_scale.train.run_state import RunState
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' shared helpers
+from flow_grpo_ema import flow_grpo_ema  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = DiTConfig(image_size=8, in_channels=3, patch_size=2, hidden_size=64, depth=2, num_heads=4, vocab_size=64,
@@ -126,6 +131,7 @@ def main(out: Path, timeout_s: int) -> None:
     restored = snapshot(engine)
     result["bit_identical"] = (saved.keys() == restored.keys()
                                and all(torch.equal(saved[k], restored[k]) for k in saved))
+    result["resume_optimizer_steps"] = engine.optimizer_steps  # 2 steps of one minibatch each (tiny_cpu.yaml)
 
     # corrupt one shard (same size: only its hash tells) that rank 1 verifies, on a copy of step 2
     bad = out / "run" / "checkpoints" / "step_00000003"
@@ -186,9 +192,30 @@ def main(out: Path, timeout_s: int) -> None:
     ctx.barrier()
     result["published_9"] = (out / "run" / "checkpoints" / "step_00000009").exists()
 
+    result.update(ema_rule(ctx))
     (out / f"result_rank{rank}.json").write_text(json.dumps(result, indent=1))
     ctx.barrier()
     ctx.close()
+
+
+def ema_rule(ctx) -> dict:
+    """The sharded EMA after 20 optimizer steps against the transcription of Flow-GRPO's (every rank computes it)."""
+    torch.manual_seed(7)
+    engine = FSDP2Engine(DiT(CFG).init_weights(zero_out=False), ParallelConfig(engine="fsdp2"),
+                         TrainConfig(lr=1e-2, ema_decay=0.9, ema_every=3, ema_warmup=True, ema_repeat=2), ctx)
+
+    def gathered() -> dict:  # collective: the full weights on every rank
+        return {n: p.full_tensor().detach().clone() for n, p in engine.model.named_parameters()}
+
+    weights = [gathered()]
+    for seed in range(20):
+        train_step(engine, 100 + seed)
+        weights.append(gathered())
+    want = flow_grpo_ema(weights, 0.9, 3, True, accumulation=2)
+    got = {n: t.full_tensor().double() for n, t in engine.ema.items()}
+    return {"ema_rule_close": all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-6) for n in want),
+            "ema_rule_maxdiff": max(float((got[n] - want[n]).abs().max()) for n in want),
+            "ema_rule_behind": sum(float((want[n] - weights[-1][n].double()).abs().sum()) for n in want)}
 
 
 class Payload:

@@ -41,7 +41,9 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.hidden_size=64", "model.dit.depth=2", "sampling.num_steps=8", "train.prompts_per_step=2",
          "train.batch_size=4", "log.progress=false", "jagg.window=4"]
 TIMING = ("time_", "comm_")
-EMA = "train.ema_decay=0.9"  # the sharded EMA goes through the DCP checkpoints too
+# the sharded EMA goes through the DCP checkpoints too, moved by Flow-GRPO's rule (parallel/ema.py): 2 optimizer steps
+# a training step, updates after optimizer steps 2 and 5, so a resumed run needs the count it derives from its step
+EMA = ("train.ema_decay=0.9", "train.ema_every=3", "train.ema_warmup=true", "train.ema_repeat=2")
 
 
 
@@ -89,7 +91,7 @@ def close(a: list[dict], b: list[dict]):
 def fsdp2_run(tmp_path_factory):
     """The reference 2-process fsdp2 run: 3 steps, a checkpoint after every step."""
     out = tmp_path_factory.mktemp("fsdp2") / "run"
-    rows = run(2, out, "parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3", EMA)
+    rows = run(2, out, "parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3", *EMA)
     return out, rows
 
 
@@ -177,7 +179,7 @@ def _start_plain_torchrun(out: Path, *overrides: str) -> tuple[subprocess.Popen,
 def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(fsdp2_run, tmp_path):
     ref_out, ref = fsdp2_run
     out = tmp_path / "killed"
-    cmd = _cmd(2, out, "parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3", EMA)
+    cmd = _cmd(2, out, "parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3", *EMA)
     proc = subprocess.Popen(cmd, env=launcher_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     marker = out / "checkpoints" / "step_00000001" / "COMPLETE"
@@ -191,9 +193,22 @@ def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(fsdp2_run, tmp_p
     _wait_gone(workers)
     assert marker.exists()
     resumed = run(2, out, "parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3",
-                  EMA, "run.resume=auto")
+                  *EMA, "run.resume=auto")
     assert [r["step"] for r in resumed] == [0, 1, 2]
     assert strip(resumed) == strip(ref)
+    final = [dcp_ema(run_out / "checkpoints" / "step_00000003") for run_out in (ref_out, out)]
+    assert final[0].keys() == final[1].keys() and all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
+def dcp_ema(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The "ema" entries of an FSDP2 checkpoint, read whole in one process."""
+    from jagg_scale.checkpoint.dcp_reader import dcp_load, read_metadata
+
+    saved = read_metadata(ckpt / "dcp").state_dict_metadata
+    ema = {k[4:]: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items() if k.startswith("ema.")}
+    assert ema
+    dcp_load({"ema": ema}, ckpt / "dcp", no_dist=True)
+    return ema
 
 
 def test_dcp_checkpoint_of_two_processes_resumes_on_one(fsdp2_run, tmp_path):
@@ -204,7 +219,7 @@ def test_dcp_checkpoint_of_two_processes_resumes_on_one(fsdp2_run, tmp_path):
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(ref_out / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref[:2]))
-    rows = run(1, out, "parallel.engine=fsdp2", "train.steps=3", EMA, "run.resume=auto")
+    rows = run(1, out, "parallel.engine=fsdp2", "train.steps=3", *EMA, "run.resume=auto")
     assert [r["step"] for r in rows] == [0, 1, 2]
     close(rows[2:], ref[2:])  # step 2 trained by one process from the 2-process shards = the 2-process step 2
 
@@ -286,7 +301,7 @@ def test_sigusr1_kills_plain_torchrun_and_its_workers_still_checkpoint(tmp_path)
 def test_deepspeed_zero3_two_processes_match_one_process(fsdp2_run, tmp_path):
     need("deepspeed")
     _, fsdp2 = fsdp2_run
-    ds = run(2, tmp_path / "ds", "parallel.engine=deepspeed", "train.steps=3", "run.checkpoint_every=3", EMA)
+    ds = run(2, tmp_path / "ds", "parallel.engine=deepspeed", "train.steps=3", "run.checkpoint_every=3", *EMA)
     close(ds, fsdp2)  # the same rows and gradients as fsdp2 (and so as one process)
     ckpt = tmp_path / "ds" / "checkpoints" / "step_00000003"
     assert (ckpt / "COMPLETE").is_file() and any((ckpt / "ds").iterdir())  # DeepSpeed's own checkpoint inside
@@ -355,7 +370,7 @@ def test_micro_batches_on_two_processes_give_the_whole_minibatch_gradient(fsdp2_
     """train.micro_batch_size=1: every rank runs its minibatch share one row at a time; the step's gradient (its
     norm) and loss are the whole minibatch's, and there are that many more backward calls."""
     _, whole = fsdp2_run
-    micro = run(2, tmp_path / "micro", "parallel.engine=fsdp2", "train.steps=1", EMA, "train.micro_batch_size=1")
+    micro = run(2, tmp_path / "micro", "parallel.engine=fsdp2", "train.steps=1", *EMA, "train.micro_batch_size=1")
     a, b = micro[0], whole[0]
     assert a["reward_mean"] == b["reward_mean"]
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
