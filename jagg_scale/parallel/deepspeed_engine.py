@@ -199,6 +199,8 @@ class DeepSpeedEngine(Engine):
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=params, config=self.ds_config, dist_init_required=False)
         self.model = self.ds  # forward through DeepSpeed's engine; other attributes fall through to the module
+        if self.fp16:  # an overflow at the scale's floor is a non-finite step (loss_scale.py), not a bare Exception
+            self.ds.optimizer.loss_scaler.raise_error_at_min_scale = False
         self.module = self.ds.module
         self.params = params
         self.init_ema()

@@ -41,11 +41,12 @@ __all__ = ["DS_FP16", "MIN_LOSS_SCALE", "SCALER_FILE", "load_scaler", "make_scal
 MIN_LOSS_SCALE = 1.0
 SCALER_FILE = "loss_scale.json"
 # DeepSpeed's dynamic scaler on torch GradScaler's schedule: 2^16, halved at each overflow (hysteresis 1: DeepSpeed's
-# default 2 skips a step before halving), doubled after 2000 clean steps (its default window is 1000). Its floor is
-# far below MIN_LOSS_SCALE: at its floor DeepSpeed raises a bare Exception, while train.max_nonfinite_steps stops the
-# run with its own error long before (10 halvings below 1 at the default)
+# default 2 skips a step before halving), doubled after 2000 clean steps (its default window is 1000), floored at
+# MIN_LOSS_SCALE (DeepSpeed's least: an integer > 0). At the floor DeepSpeed would raise a bare Exception at the next
+# overflow; the engine turns that off (deepspeed_engine.py), so an overflow there is a non-finite step as on the other
+# engines and train.max_nonfinite_steps stops the run with its own error
 DS_FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 2000, "hysteresis": 1,
-           "min_loss_scale": 2.0**-24}
+           "min_loss_scale": int(MIN_LOSS_SCALE)}
 
 
 def make_scaler(compute_dtype: torch.dtype, device: torch.device, sharded: bool):
