@@ -312,7 +312,7 @@ class Engine:
         if loss is not None and self.dist.active:
             with self.comm.phase("control"):
                 ok = self.dist.all_gather_tensor(ok.reshape(1, 2)).amin(0)
-        if scaling:
+        if scaling:  # the scale tensor itself (get_scale() would read the device a second time)
             ok = torch.cat([ok, self.scaler._get_scale_async().reshape(1).float().to(ok.device)])
         values = ok.tolist()
         if scaling:

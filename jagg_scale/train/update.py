@@ -316,7 +316,7 @@ class Updater:
         grad_norm = self.engine.step(loss=stats.loss if torch.is_tensor(stats.loss) else None)
         done.optimizer_steps += 1
         done.applied += self._applied(step)
-        done.scale_skips += self.engine.scale_skipped and not self.engine.step_applied
+        done.scale_skips += self.engine.scale_skipped
         done.loss_scale = self.engine.loss_scale
         done.total.add(stats)
         for key, value in {**reduce_metrics(loss.metrics), "grad_norm": grad_norm}.items():
