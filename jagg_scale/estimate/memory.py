@@ -2,7 +2,8 @@
 
 Weights, gradients, optimizer states, EMA, KL reference, frozen encoders/VAE, reward models, rollout storage:
 counted from the config and the shapes (shapes.py), each term naming the code it mirrors (docs/scale.md tabulates
-them). The transformer is held in fp32 master weights, bf16 in compute; FSDP2 shards weights, AdamW states, EMA and
+them). The transformer is held in fp32 master weights, bf16 in compute (model.dtype float16: fp16, the same bytes and
+the same measured coefficients; its VAE float32, models/__init__.py); FSDP2 shards weights, AdamW states, EMA and
 (grad_sync every) gradients, gathers the root and two blocks, and during each block's backward holds its unsharded
 gradient, the fp32 reduce-scatter input and the previous block's one in flight. LoRA: only the adapter has gradients
 and states, its KL reference is the adapter off. Activations: measured coefficients composed over the real depth
@@ -100,7 +101,8 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     tcomp, lora = comps["transformer"], cfg.model.lora
     rank = lora.rank if lora.enabled else 0
     targets = lora_targets(cfg.model.kind, lora.targets) if rank else ()  # the trainer's (models.build_model)
-    sharded, bf16 = cfg.parallel.engine != "none", cfg.model.dtype == "bfloat16"
+    # 16 bits (bfloat16 or float16: the same bytes, so bf16's measured coefficients) or float32
+    sharded, bf16 = cfg.parallel.engine != "none", cfg.model.dtype != "float32"
     precision = ("bf16_mp" if sharded else "amp") if bf16 else "fp32"
     tc, vae = tcomp["config"], comps["vae"]["config"]
     tokens = dict(shapes["text_tokens"])
@@ -165,8 +167,9 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
         encoders[name] = {"seq": seq, "coef": cached(k, f"{name} ({c['class']}) no-grad, {fdt}, {seq} tokens",
                           lambda c=c, what=what, seq=seq: M.measure_nograd(c, what, fdt, seq), measure)}
     what = "video" if frames[0] > 1 else "vae"  # a video VAE fit over its frames too (measure.measure_nograd)
-    decode = cached(key(what, clean(vae), str(fdt)), f"VAE decode{' of videos' * (what == 'video')}, {fdt}",
-                    lambda: M.measure_nograd(comps["vae"], what, fdt, 0), measure)
+    vdt = torch.float32 if cfg.model.dtype == "float16" else fdt  # fp16 runs keep the VAE float32 (models/)
+    decode = cached(key(what, clean(vae), str(vdt)), f"VAE decode{' of videos' * (what == 'video')}, {vdt}",
+                    lambda: M.measure_nograd(comps["vae"], what, vdt, 0), measure)
     rewards = {}
     for name, c in reward_models(cfg).items():
         rdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(c["options"].get("dtype"), torch.float32)
@@ -179,7 +182,8 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
             "sharded": sharded, "bf16": bf16, "lora_rank": rank, "stats": stats,
             "frozen": {n: component_params(comps[n]) / (world if n == t5 and cfg.model.shard_t5 else 1)
                        for n in frozen},
-            "encoders": encoders, "ref_bytes": 2 if bf16 and tcomp.get("stored_dtype") == "bfloat16" else 4,
+            "encoders": encoders, "ref_bytes": 2 if bf16 and tcomp.get("stored_dtype") == cfg.model.dtype else 4,
+            "vae_bytes": vdt.itemsize,
             "decode": decode, "rewards": rewards, "act": act, "latent": latent, "patch": p, "frames": frames,
             "image_tokens": n_img, "text_tokens": text, "cond_row": cond_row,
             **sequence_parallel(cfg, world, tcomp, n_img, text, math.prod(latent), 2 if bf16 else 4,
@@ -253,7 +257,8 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
         "EMA": 4 * Pt / div * ((cfg.train.ema_decay > 0) + nft),
         # LoRA: the adapter off; else the transformer alone in its checkpoint's dtype, sharded (Trainer, loading.md)
         "KL reference": (s["ref_bytes"] * st["params"] / div + st["buffers"]) if ref and not lora else 0,
-        "frozen encoders + VAE": sum(s["frozen"].values()) * cdt,  # compute-dtype copies on every rank
+        # compute-dtype copies on every rank (the VAE's own dtype: float32 under float16)
+        "frozen encoders + VAE": sum(n * (s["vae_bytes"] if name == "vae" else cdt) for name, n in s["frozen"].items()),
         "reward models": sum(r["params"] * r["bytes"] for r in s["rewards"].values())
         / (W if cfg.reward.shard else 1),
         "CUDA context + NCCL (not tensors)": s["overhead"],

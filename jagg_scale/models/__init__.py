@@ -41,8 +41,8 @@ def build_model(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     """A velocity model from the `model` config section (train.config.ModelConfig), on the host (CPU).
 
     keep_stored_dtype (sd3/flux, the trainer): the transformer is loaded in the dtype its checkpoint stores when
-    that is bfloat16 and model.dtype is bfloat16 (lossless), and `model.master_dtype` (float32) tells the training
-    engine to upcast it while it places the shards on the device, so the host never holds a float32 copy.
+    that is model.dtype's 16-bit dtype (bfloat16 or float16: lossless), and `model.master_dtype` (float32) tells the
+    training engine to upcast it while it places the shards on the device, so the host never holds a float32 copy.
     False (jagg-eval, tests): the transformer is float32 right away, as before."""
     import torch
 
@@ -58,7 +58,7 @@ def build_model(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
             model.init_weights(zero_out=False)
     else:
         raise ValueError(f"model.kind {cfg.kind!r} is not supported")
-    model.compute_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32  # what the engines read
+    model.compute_dtype = getattr(torch, cfg.dtype)  # float32 | bfloat16 | float16: what the engines read
     return model
 
 
@@ -86,22 +86,26 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     """SD3 / FLUX from a local pipeline directory (or a hub id in the local hub cache: pretrained_path), with the
     config's LoRA, attention and text-encoder options. Every component is loaded straight in the dtype it will be
     used in (diffusers' per-component `dtype=` at from_pretrained time, never float32 then cast): the frozen VAE and
-    text encoders in bf16 when model.dtype is bfloat16 (they never feed a gradient), float32 otherwise; the
-    transformer in float32 (master weights; bf16 is autocast), with LoRA under bf16 its frozen base in bf16 (the
-    adapter and its optimizer state float32: the matmuls autocast to bf16 either way, so the base's fp32 copy was
-    only memory and a cast per forward), or with `keep_stored_dtype` in its checkpoint's bf16
-    (see build_model)."""
+    text encoders in model.dtype's 16-bit dtype (they never feed a gradient), float32 under float32; the
+    transformer in float32 (master weights; 16 bits is autocast), with LoRA under a 16-bit dtype its frozen base in
+    it (the adapter and its optimizer state float32: the matmuls autocast to 16 bits either way, so the base's fp32
+    copy was only memory and a cast per forward), or with `keep_stored_dtype` in its checkpoint's 16-bit dtype when
+    that is the compute dtype (see build_model). Under float16 the VAE stays float32, as Flow-GRPO
+    (scripts/train_sd3.py:410) and DiffusionNFT (scripts/train_nft_sd3.py:412) keep it in their fp16 runs: it
+    decodes in float32, where an fp16 VAE can overflow."""
     import torch
 
     path = pretrained_path(cfg)
-    bf16 = cfg.dtype == "bfloat16"
-    frozen = torch.bfloat16 if bf16 else torch.float32
+    compute = getattr(torch, cfg.dtype)
+    half = compute != torch.float32
     transformer = torch.float32
-    if bf16 and cfg.lora.enabled:  # the frozen base in the compute dtype; the adapter float32 (add_lora below)
-        transformer = torch.bfloat16
-    elif keep_stored_dtype and bf16 and stored_dtype(path / "transformer") == torch.bfloat16:
-        transformer = torch.bfloat16
-    dtypes = {"transformer": transformer, "default": frozen}
+    if half and cfg.lora.enabled:  # the frozen base in the compute dtype; the adapter float32 (add_lora below)
+        transformer = compute
+    elif keep_stored_dtype and half and stored_dtype(path / "transformer") == compute:
+        transformer = compute
+    dtypes = {"transformer": transformer, "default": compute}
+    if compute == torch.float16:
+        dtypes["vae"] = torch.float32
     if cfg.kind == "sd3":
         from .sd3 import SD3Velocity  # diffusers is an optional extra: import it only when asked for
 

@@ -2,7 +2,9 @@
 
 The DeepSpeed config is built from the run's settings (`build_ds_config`): ZeRO stage 3 with overlapped
 communication and contiguous gradients, `gradient_clipping` = train.grad_clip (0 disables), bf16 weights when the
-model computes in bf16 (the fp32 master copy lives in the optimizer; the trainer's autocast stays), and AdamW from
+model computes in bf16 (the fp32 master copy lives in the optimizer; the trainer's autocast stays), fp16 weights and
+DeepSpeed's dynamic loss scaling when it computes in float16 (`fp16`: loss_scale.DS_FP16, torch GradScaler's
+schedule; DeepSpeed scales each backward, unscales before its clip and skips an overflowing step), and AdamW from
 the train section as DeepSpeed's optimizer section with `torch_adam: true` (torch.optim.AdamW over the flat fp32
 partitions: no compiled op, runs on CPU and matches the single-process engine). `parallel.deepspeed` is
 deep-merged over it, so any DeepSpeed key can be set there; the shorthand `offload_optimizer: cpu` (or true) adds
@@ -45,15 +47,15 @@ and its fp32-master + optimizer partition under dir/ds; collective; resume on th
 inside `dir`, plus per rank its EMA partition (`ema_rank<r>.safetensors`); `save` returns this rank's files (it
 hashes them for the manifest). `load` reads DeepSpeed's files weights-only (they are torch pickles; DeepSpeed's
 own reader would unpickle anything in them). `full_state_dict()` consolidates the
-16-bit (fp32 without bf16) weights on rank 0 with `_zero3_consolidated_16bit_state_dict` (keys of the plain
+16-bit (fp32 without bf16 or fp16) weights on rank 0 with `_zero3_consolidated_16bit_state_dict` (keys of the plain
 model's `state_dict()`; {} on other ranks; LoRA: the trainable ones).
 
 Placement: the model arrives on the host. Before `deepspeed.initialize`, `_partition` casts each parameter on the
-host to the engine's dtype (bf16 with bf16, else the model's `master_dtype` upcast, if any), and converts the
-model to ZeRO-3 parameters with `deepspeed.zero.Init(module=...)`, which moves one parameter at a time to the
-device and partitions it at once; buffers are moved to the device. `deepspeed.initialize` then sees a ZeRO-Init
-model and neither casts nor moves the whole module (which it would do first for a plain one: the full model on
-every GPU before partitioning). The fp32 master partitions are made from the 16-bit ones, as before.
+host to the engine's dtype (the 16-bit compute dtype under bf16 or fp16, else the model's `master_dtype` upcast, if
+any), and converts the model to ZeRO-3 parameters with `deepspeed.zero.Init(module=...)`, which moves one parameter
+at a time to the device and partitions it at once; buffers are moved to the device. `deepspeed.initialize` then
+sees a ZeRO-Init model and neither casts nor moves the whole module (which it would do first for a plain one: the
+full model on every GPU before partitioning). The fp32 master partitions are made from the 16-bit ones, as before.
 
 The KL reference of a full fine-tune (`shard_frozen`): a second, inference-only DeepSpeed engine (ZeRO-3 without
 an optimizer: `DeepSpeedZeRoOffload`, DeepSpeed-Chat's reference model), partitioned the same way, in the dtype
@@ -78,10 +80,11 @@ from .comm import CommCounter
 from .config import ParallelConfig
 from .dist import DistContext
 from .engine import HALF, Engine, OptimizerSettings, place_, trains_all
+from .loss_scale import DS_FP16, search_skip
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DeepSpeedEngine", "build_ds_config", "deep_merge"]
+__all__ = ["DeepSpeedEngine", "build_ds_config", "deep_merge", "precision_problem"]
 
 TAG = "ds"
 
@@ -97,8 +100,9 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def build_ds_config(parallel: ParallelConfig, optim: OptimizerSettings, bf16: bool) -> dict:
-    """The DeepSpeed config of a run: ours translated, then `parallel.deepspeed` merged over it."""
+def build_ds_config(parallel: ParallelConfig, optim: OptimizerSettings, compute_dtype: torch.dtype) -> dict:
+    """The DeepSpeed config of a run whose model computes in `compute_dtype`: ours translated, then
+    `parallel.deepspeed` merged over it."""
     user = dict(parallel.deepspeed or {})
     offload = user.pop("offload_optimizer", None)  # shorthand: cpu | true
     ds = {
@@ -108,7 +112,8 @@ def build_ds_config(parallel: ParallelConfig, optim: OptimizerSettings, bf16: bo
         "optimizer": {"type": "AdamW", "params": {
             "lr": optim.lr, "betas": list(optim.adam_betas), "eps": optim.adam_eps,
             "weight_decay": optim.weight_decay, "torch_adam": True}},
-        "bf16": {"enabled": bool(bf16)},
+        "bf16": {"enabled": compute_dtype == torch.bfloat16},
+        **({"fp16": dict(DS_FP16)} if compute_dtype == torch.float16 else {}),
         "zero_optimization": {
             "stage": 3,
             "overlap_comm": True,
@@ -126,6 +131,20 @@ def build_ds_config(parallel: ParallelConfig, optim: OptimizerSettings, bf16: bo
         pin = torch.cuda.is_available()
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     return deep_merge(ds, user)
+
+
+def precision_problem(user: dict, dtype: str) -> tuple[str, str] | None:
+    """(config key, why) when `parallel.deepspeed` (`user`) sets a DeepSpeed precision mode against model.dtype
+    `dtype`, else None. build_ds_config sets `bf16` / `fp16` from model.dtype; DeepSpeed's 16-bit weights under
+    another autocast (or none) cannot be right. Under its own dtype a section may tune the mode (fp16's loss
+    scaling: loss_scale_window, initial_scale_power, ...)."""
+    for section, own in (("fp16", "float16"), ("bf16", "bfloat16")):
+        value, on = (user or {}).get(section), dtype == own
+        if value is not None and not (isinstance(value, dict) and value.get("enabled", on) == on
+                                      and (on or set(value) <= {"enabled"})):
+            return (f"parallel.deepspeed.{section}", f"is DeepSpeed's {own} mode, set from model.dtype (here "
+                    f"{dtype}); {'tune it here without `enabled`' if on else 'leave it out'}")
+    return None
 
 
 # The DeepSpeed releases whose internals this engine calls (ZeRO-3's fp32_partitioned_groups_flat and
@@ -162,15 +181,16 @@ class DeepSpeedEngine(Engine):
         dist_ctx.ensure_group()  # one process: a trivial group (closed with the context)
         os.environ.setdefault("LOCAL_RANK", str(dist_ctx.local_rank))  # asserted by deepspeed.initialize
         self.parallel, self.optim, self.dist = parallel, optim, dist_ctx
-        bf16 = getattr(model, "compute_dtype", torch.float32) == torch.bfloat16
-        self.ds_config = build_ds_config(parallel, optim, bf16)
+        compute = getattr(model, "compute_dtype", torch.float32)
+        self.fp16 = compute == torch.float16
+        self.ds_config = build_ds_config(parallel, optim, compute)
         if dist_ctx.is_main:
             log.info("DeepSpeed config:\n%s", json.dumps(self.ds_config, indent=2, sort_keys=True))
         self._trainable = [name for name, p in model.named_parameters() if p.requires_grad]
         self.full_fine_tune = trains_all(model)
         if parallel.activation_checkpointing:
             enable_activation_checkpointing(model)
-        dtype = torch.bfloat16 if bf16 else getattr(model, "master_dtype", None)
+        dtype = compute if compute in HALF else getattr(model, "master_dtype", None)
         if self._stage3:
             self._partition(model, self.ds_config, dtype)
         else:  # ZeRO-1/2 (parallel.deepspeed override): DeepSpeed casts and moves the whole module, as it always did
@@ -180,6 +200,8 @@ class DeepSpeedEngine(Engine):
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=params, config=self.ds_config, dist_init_required=False)
         self.model = self.ds  # forward through DeepSpeed's engine; other attributes fall through to the module
+        if self.fp16:  # an overflow at the scale's floor is a non-finite step (loss_scale.py), not a bare Exception
+            self.ds.optimizer.loss_scaler.raise_error_at_min_scale = False
         self.module = self.ds.module
         self.params = params
         self.init_ema()
@@ -293,14 +315,21 @@ class DeepSpeedEngine(Engine):
         """Clip (grad_clip, inside DeepSpeed), AdamW on the partitions, zero grads, EMA; the global pre-clip
         gradient norm (0-d; DeepSpeed has read it to the host already). ZeRO-3 skips the update itself when that
         norm is not finite (its overflow check, bf16 and fp32 included); `step_applied` reports it. `loss` is not
-        consulted: DeepSpeed's step cannot be withheld at the boundary, and a non-finite loss that carries a
-        gradient makes the norm non-finite anyway."""
+        consulted for that: DeepSpeed's step cannot be withheld at the boundary, and a non-finite loss that carries
+        a gradient makes the norm non-finite anyway. Under float16 (its loss scaler) a skipped step's loss is read
+        (gathered) to tell the scale's search from a non-finite step (loss_scale.py)."""
         self.ds.set_gradient_accumulation_boundary(True)
+        scale = float(self.ds.optimizer.cur_scale) if self.fp16 else None  # a host float: no read of the device
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
+        norm = torch.tensor(float("nan") if norm is None else float(norm))
         self.step_applied = bool(self.ds.was_step_applied())
+        self.loss_scale = scale
+        # every rank agrees on the skip (DeepSpeed reduces its overflow verdict), so every rank gathers here
+        self.scale_skipped = self.fp16 and not self.step_applied and search_skip(
+            False, self._finite(norm.to(self.dist.device), loss)[1], scale)
         self._count_step()
-        return torch.tensor(float("nan") if norm is None else float(norm))
+        return norm
 
     def _local_weights(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's ZeRO-3 partitions (`ds_tensor`; the parameters' own data is empty between gathers) of the

@@ -8,9 +8,10 @@ from the engines' own config section (config.py, beside them) and the optimizer 
     fsdp2      `FSDP2Engine`: torch FSDP2 `fully_shard` per transformer block + root (fsdp.py)
     deepspeed  `DeepSpeedEngine`: a DeepSpeed ZeRO-3 engine (deepspeed_engine.py)
 
-What an engine needs from the model it reads off the model: `compute_dtype` (bfloat16: FSDP2's bf16 gathers,
-DeepSpeed's bf16 weights), `master_dtype` (16-bit weights upcast on the way to the device), and which parameters
-train (a frozen base, LoRA: checkpoints and exports hold the trainable weights alone).
+What an engine needs from the model it reads off the model: `compute_dtype` (bfloat16 / float16: FSDP2's 16-bit
+gathers, DeepSpeed's 16-bit weights; float16 also a loss scaler, loss_scale.py), `master_dtype` (16-bit weights
+upcast on the way to the device), and which parameters train (a frozen base, LoRA: checkpoints and exports hold the
+trainable weights alone).
 
 This module is the contract (`Engine`, with what every engine shares) and the reference engine; fsdp.py and
 deepspeed_engine.py import it, never the reverse. The contract, in the order a training step uses it:
@@ -25,11 +26,14 @@ deepspeed_engine.py import it, never the reverse. The contract, in the order a t
     engine.backward(out, grad, last=)   out.backward(grad) for one backward of a minibatch (knot_backward's
                                         backward callable); gradients accumulate, and are synchronised across
                                         ranks when `last` is True (the minibatch's accumulation boundary), or at
-                                        every backward under grad_sync every (resolve_grad_sync)
-    engine.step(loss=) -> grad_norm     clip (grad_clip) and step the optimizer, zero grads, update the EMA when
-                                        due (ema.py); returns the global gradient norm before clipping (0-d). A
-                                        non-finite norm (or `loss`, on any rank) skips the update: `step_applied`
-                                        says whether it was taken; `optimizer_steps` counts the steps either way
+                                        every backward under grad_sync every (resolve_grad_sync); under float16
+                                        the gradient is seeded times the loss scale
+    engine.step(loss=) -> grad_norm     (unscale,) clip (grad_clip) and step the optimizer, zero grads, update the
+                                        EMA when due (ema.py); returns the global gradient norm before clipping
+                                        (0-d). A non-finite norm (or `loss`, on any rank) skips the update:
+                                        `step_applied` says whether it was taken, `scale_skipped` whether that skip
+                                        was the loss scale's search (float16), `loss_scale` the scale the step used
+                                        (None without a scaler); `optimizer_steps` counts the steps either way
     engine.comm                         the collective counter (comm.py): a CommCounter on engines that issue
                                         collectives, a NullCounter (same phase()/take()) here
     engine.ema / ema_weights()          ema_decay > 0: the EMA of the trainable weights (None when off), moved
@@ -40,10 +44,11 @@ deepspeed_engine.py import it, never the reverse. The contract, in the order a t
                                         or partitions), moved towards them, swapped into the model and
                                         checkpointed with the engine's state; the EMA is the shadow "ema", the
                                         old policy of DiffusionNFT (train/nft.py) the shadow "old"
-    engine.save(dir) / load(dir)        model + optimizer (+ EMA) state into / from a checkpoint directory
-                                        (collective); save returns the files this rank wrote (each rank hashes
-                                        its own, checkpoint/digests.py) and refuses non-finite weights
-                                        (NonFiniteError on every rank); load refuses another engine's checkpoint
+    engine.save(dir) / load(dir)        model + optimizer (+ EMA, loss scaler) state into / from a checkpoint
+                                        directory (collective); save returns the files this rank wrote (each
+                                        rank hashes its own, checkpoint/digests.py) and refuses non-finite
+                                        weights (NonFiniteError on every rank); load refuses another engine's
+                                        checkpoint
     engine.full_state_dict()            the trainable weights gathered on rank 0 for export (others get {})
     Engine.read_weights(dir, model, trainable, ema)   (a classmethod) the checkpoint's trainable weights (or
                                         their EMA) as full tensors, with no engine, process group or optimizer:
@@ -68,6 +73,7 @@ from .comm import NullCounter
 from .config import ParallelConfig
 from .dist import DistContext
 from .ema import ema_decay_at
+from .loss_scale import load_scaler, make_scaler, save_scaler, search_skip
 
 __all__ = ["ENGINE_MARKER", "Engine", "LocalEngine", "NonFiniteError", "OptimizerSettings", "checkpoint_engine",
            "make_optimizer", "place_", "resolve_grad_sync", "trains_all"]
@@ -197,6 +203,9 @@ class Engine:
     # then a function of the training step alone (a resumed run sets it from the step: RunState), the same on every
     # rank. A skipped step still moves no EMA, as it changes no other state.
     optimizer_steps = 0
+    scale_skipped = False  # whether the last step() was skipped by the loss scale's search (loss_scale.py)
+    scaler = None  # model.dtype float16: the engine's loss scaler (loss_scale.make_scaler), else None
+    loss_scale: float | None = None  # the loss scale the last step's backwards used (None: no scaler)
 
     parallel: ParallelConfig
     optim: OptimizerSettings
@@ -275,6 +284,12 @@ class Engine:
         minibatch's last backward): sharded engines synchronise gradients across ranks only then."""
         raise NotImplementedError
 
+    def _scaled(self, out: torch.Tensor, grad: torch.Tensor | None):
+        """(out, grad) of a backward with the loss scale applied to its seed (float16; unchanged otherwise)."""
+        if self.scaler is None:
+            return out, grad
+        return (self.scaler.scale(out), None) if grad is None else (out, self.scaler.scale(grad))
+
     def _clip_grads(self) -> torch.Tensor:
         """Clip the gradients to grad_clip (0: no clipping); the global norm before clipping (0-d, on the device:
         the trainer reads it with the step's other metrics, not here)."""
@@ -282,29 +297,42 @@ class Engine:
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm).detach()
 
     def step(self, loss: torch.Tensor | None = None) -> torch.Tensor:
-        """Clip, optimizer step, zero grads, EMA update when due; returns the global gradient norm before clipping
+        """(Unscale,) clip, optimizer step, zero grads, EMA update; returns the global gradient norm before clipping
         (a 0-d tensor, read by the caller with its other metrics). The update is skipped, and `step_applied` is
-        False, when the norm or `loss` (this rank's loss of the minibatch, when given) is not finite on any rank."""
+        False, when the norm or `loss` (this rank's loss of the minibatch, when given) is not finite on any rank.
+        Under float16 the gradients are unscaled first (the clip and the norm are the true gradients'), and the
+        scaler backs off after an overflow and grows after its interval of clean steps (loss_scale.py)."""
+        scaling = self.scaler is not None and any(p.grad is not None for p in self.params)
+        if scaling:
+            self.scaler.unscale_(self.optimizer)
         norm = self._clip_grads()
-        self.step_applied = self._finite(norm, loss)
+        self.step_applied, loss_finite = self._finite(norm, loss, scaling)
+        self.scale_skipped = scaling and search_skip(self.step_applied, loss_finite, self.loss_scale)
         if self.step_applied:
             self.optimizer.step()
         self._count_step()
+        if scaling:  # its overflow verdict (recorded by unscale_) is ours: an overflow is a non-finite norm
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def _finite(self, norm: torch.Tensor, loss: torch.Tensor | None) -> bool:
-        """Whether the update may be taken: one host read per optimizer step. A NaN gradient would make every
-        weight and AdamW's moments NaN, and no mask on the device keeps AdamW's state and step count as they were,
-        so a bad update is not taken at all. The norm is global already; the losses are per rank, so their
-        verdict is gathered (one tiny collective, counted as control traffic) for every rank to decide alike."""
-        ok = torch.isfinite(norm)
-        if loss is not None:
-            ok = ok & torch.isfinite(loss.detach()).all()
-            if self.dist.active:
-                with self.comm.phase("control"):
-                    ok = self.dist.all_gather_tensor(ok.reshape(1).to(torch.int32)).min() > 0
-        return bool(ok)
+    def _finite(self, norm: torch.Tensor, loss: torch.Tensor | None, scaling: bool = False) -> tuple[bool, bool]:
+        """(whether the update may be taken, whether the loss was finite on every rank): one host read per
+        optimizer step, the loss scale (`scaling`) read with it. A NaN gradient would make every weight and
+        AdamW's moments NaN, and no mask on the device keeps AdamW's state and step count as they were, so a bad
+        update is not taken at all. The norm is global already; the losses are per rank, so their verdict is
+        gathered (one tiny collective, counted as control traffic) for every rank to decide alike."""
+        ok = torch.stack([torch.isfinite(norm), torch.isfinite(loss.detach()).all() if loss is not None
+                          else torch.ones((), dtype=torch.bool, device=norm.device)]).to(torch.float32)
+        if loss is not None and self.dist.active:
+            with self.comm.phase("control"):
+                ok = self.dist.all_gather_tensor(ok.reshape(1, 2)).amin(0)
+        if scaling:  # the scale tensor itself (get_scale() would read the device a second time)
+            ok = torch.cat([ok, self.scaler._get_scale_async().reshape(1).float().to(ok.device)])
+        values = ok.tolist()
+        if scaling:
+            self.loss_scale = values[2]
+        return bool(values[0] and values[1]), bool(values[1])
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -320,6 +348,8 @@ class Engine:
             files = list(self._save(directory))
             if self.dist.is_main:
                 files.append(write_bytes(directory / ENGINE_MARKER, json.dumps({"engine": self.name}).encode()))
+                if self.scaler is not None:  # the same on every rank (ShardedGradScaler agrees on overflows)
+                    files.append(save_scaler(directory, self.scaler))
         except Exception as err:
             full = _disk_full(err, directory)
             if full is None:
@@ -377,6 +407,8 @@ class Engine:
                                   f"{writer}), this run uses {self.name} (parallel.engine {self.name}): resume "
                                   f"with parallel.engine {writer}")
         self._load(directory)
+        if self.scaler is not None:
+            load_scaler(directory, self.scaler)
 
     def _save(self, directory: Path) -> list[Path]:
         raise NotImplementedError
@@ -411,6 +443,7 @@ class LocalEngine(Engine):
         self.model = place_(model, dist.device, getattr(model, "master_dtype", None))
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, optim)
+        self.scaler = make_scaler(getattr(model, "compute_dtype", torch.float32), dist.device, sharded=False)
         self.init_ema()
 
     def shard_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -418,6 +451,7 @@ class LocalEngine(Engine):
         return place_(module, self.dist.device)
 
     def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None, *, last: bool = True) -> None:
+        out, grad = self._scaled(out, grad)
         out.backward(grad)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:

@@ -8,8 +8,9 @@ The helpers both uses share:
     build_mesh(...)         the device mesh: 1-D over all ranks, or HSDP (replicate x shard) when replicate > 1
     parallelize(model)      training: per-block activation checkpointing (optional, the model's own: blocks.py),
                             fully_shard on every block,
-                            then on the root; mixed precision (the blocks' params gathered in bf16, the root's in
-                            fp32, fp32 gradient reduction, inputs left to the caller's bf16 autocast);
+                            then on the root; mixed precision (the blocks' params gathered in the compute dtype,
+                            bf16 or fp16, the root's in fp32, fp32 gradient reduction, inputs left to the caller's
+                            autocast; fp16's loss scaler is the engine's ShardedGradScaler, loss_scale.py);
                             explicit prefetch: block i gathers block i+1 in forward and block i-1 in backward;
                             `reshard_after_forward` configurable (as torchtitan does)
                             compile (parallel.compile): every block torch.compile-d first, so that checkpointing
@@ -53,7 +54,8 @@ from .blocks import block_slots, compile_blocks, enable_activation_checkpointing
 from .comm import CommCounter
 from .config import ParallelConfig
 from .dist import DistContext
-from .engine import Engine, OptimizerSettings, make_optimizer, place_, resolve_grad_sync, trains_all
+from .engine import HALF, Engine, OptimizerSettings, make_optimizer, place_, resolve_grad_sync, trains_all
+from .loss_scale import make_scaler
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +74,12 @@ def build_mesh(device_type: str, world_size: int, replicate: int = 1) -> DeviceM
     return init_device_mesh(device_type, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, activation_checkpointing: bool,
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None, activation_checkpointing: bool,
                 reshard_after_forward: bool = True, prefetch: bool = True, device: torch.device | None = None,
                 master_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
     """Shard `model` in place for training (blocks, then root) and return it.
 
+    `param_dtype`: the blocks' gathered dtype (bf16 / fp16: model.dtype; None: as held, float32).
     `compile` (parallel.compile): each block torch.compile-d in place first (blocks.compile_blocks), so that the
     activation checkpointing and fully_shard applied next wrap compiled blocks. That order is the one both
     checkpointing can have: the model's own checkpointing calls each block from the model's forward, so it always
@@ -96,13 +99,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, activation_ch
         compile_blocks(model)
     if activation_checkpointing:
         enable_activation_checkpointing(model)
-    # bf16 is the trainer's autocast (train/policy.py), as on backend none; FSDP2 adds bf16 gathers of the blocks
-    # alone. Its input cast stays off: it would round every floating input of a unit to bf16 (the root's sigma:
-    # timesteps off by up to 2/1000; FLUX's float32 rotary embeddings at each block). The root's own parameters
-    # (embedders, final layer: under 1% of the weights) stay float32, so what autocast leaves in float32 there
-    # (token embeddings and their pooling, sigma's path) is computed as backend none computes it.
-    blocks_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32,
-                                     cast_forward_inputs=False)
+    # bf16 / fp16 is the trainer's autocast (train/policy.py), as on backend none; FSDP2 adds 16-bit gathers of the
+    # blocks alone. Its input cast stays off: it would round every floating input of a unit to 16 bits (the root's
+    # sigma: timesteps off by up to 2/1000 in bf16; FLUX's float32 rotary embeddings at each block). The root's own
+    # parameters (embedders, final layer: under 1% of the weights) stay float32, so what autocast leaves in float32
+    # there (token embeddings and their pooling, sigma's path) is computed as backend none computes it.
+    blocks_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     root_mp = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     units = []
@@ -186,7 +188,8 @@ class FSDP2Engine(Engine):
         self.parallel, self.optim, self.dist = parallel, optim, dist_ctx
         self.full_fine_tune = trains_all(model)
         self.grad_sync = resolve_grad_sync(parallel, self.full_fine_tune)
-        self.bf16 = getattr(model, "compute_dtype", torch.float32) == torch.bfloat16
+        compute = getattr(model, "compute_dtype", torch.float32)
+        self.param_dtype = compute if compute in HALF else None  # the blocks' gathers
         self.mesh = build_mesh(dist_ctx.device.type, dist_ctx.world_size, parallel.replicate)
         self.model = self._parallelize(model, parallel.activation_checkpointing, getattr(model, "master_dtype", None),
                                        compile=parallel.compile)
@@ -196,13 +199,15 @@ class FSDP2Engine(Engine):
         self.grad_scale = float(dist_ctx.sequence_parallel)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, optim)
+        self.scaler = make_scaler(compute, dist_ctx.device, sharded=True)
         self.init_ema()
         self._options = StateDictOptions(ignore_frozen_params=not self.full_fine_tune)
 
     def _parallelize(self, module: nn.Module, activation_checkpointing: bool,
                      master_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
         p = self.parallel
-        return parallelize(module, self.mesh, bf16=self.bf16, activation_checkpointing=activation_checkpointing,
+        return parallelize(module, self.mesh, param_dtype=self.param_dtype,
+                           activation_checkpointing=activation_checkpointing,
                            reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch,
                            device=self.dist.device, master_dtype=master_dtype, compile=compile)
 
@@ -217,6 +222,7 @@ class FSDP2Engine(Engine):
         self.model.set_requires_gradient_sync(last or self.grad_sync == "every")
         if self.grad_scale != 1.0:
             grad = torch.full_like(out, self.grad_scale) if grad is None else grad * self.grad_scale
+        out, grad = self._scaled(out, grad)
         try:
             out.backward(grad)
         finally:

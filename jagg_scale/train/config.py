@@ -353,6 +353,11 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     _require((t.prompts_per_step * g.group_size) % t.batch_size == 0, "train.batch_size",
              f"must divide train.prompts_per_step * grpo.group_size = {t.prompts_per_step * g.group_size}")
     _check_algorithm(cfg)
+    if cfg.parallel.engine == "deepspeed":  # its 16-bit modes follow model.dtype (build_ds_config)
+        from ..parallel.deepspeed_engine import precision_problem
+
+        problem = precision_problem(cfg.parallel.deepspeed, m.dtype)
+        _require(problem is None, *(problem or ("", "")))
     _warn_window(cfg)
     _check_rewards(cfg.reward)
     _require(cfg.reward.aggregate != "gdpo" or not g.global_std, "grpo.global_std", "is true, but reward.aggregate "
@@ -541,6 +546,8 @@ def _check_files(cfg: Config) -> None:
 
         problem = deepspeed_problem()
         _require(problem is None, "parallel.engine", problem)
+        _require(cfg.model.dtype != "float16" or (cfg.run.device != "cpu" and torch.cuda.is_available()), "model.dtype",
+                 "float16 with parallel.engine deepspeed needs a GPU: DeepSpeed has no fp16 on the CPU")
 
 
 def load_prompt_file(key: str, value: str):

@@ -34,7 +34,9 @@ from ..sections import Section as _Section
 ModelKind = Literal["dit", "sd3", "flux", "qwenimage", "flux2", "zimage", "flux_kontext", "wan"]
 PROMPT_TOKEN_LIMITS = {"sd3": 512, "flux": 512, "qwenimage": 1024, "flux2": 512, "zimage": 512,
                        "flux_kontext": 512, "wan": 512}  # the pipelines' own
-DType = Literal["float32", "bfloat16"]  # autocast dtype of the model; the SDE math stays float32
+# autocast dtype of the model; the SDE math stays float32. float16: fp16 mixed precision with dynamic loss scaling
+# (parallel/loss_scale.py), Flow-GRPO's and DiffusionNFT's mixed_precision fp16
+DType = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
 SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
 JaggMode = Literal["jagg", "exact"]  # exact: Flow-GRPO's per-step backward
@@ -375,7 +377,8 @@ class TrainConfig(_Section):
     # rows per forward/backward chunk on each rank; 0 = the rank's whole share of a minibatch in one chunk. The
     # minibatch's gradient is accumulated over its chunks (a JAGG joint pass then holds 2 x micro_batch_size rows)
     micro_batch_size: int = 0
-    # optimizer steps with a non-finite loss or gradient norm are skipped (counted as nonfinite_steps); this many
+    # optimizer steps with a non-finite loss or gradient norm are skipped (counted as nonfinite_steps; under float16
+    # an overflow of the loss scale's search is loss_scale_skips instead, parallel/loss_scale.py); this many
     # in a row stop the run: the model or the data is broken, and skipping forever would train on nothing
     max_nonfinite_steps: int = 10
 

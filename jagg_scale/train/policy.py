@@ -1,7 +1,8 @@
 """The policy: the velocity the trainer samples and trains, its KL reference, prompt encoding and the rollout.
 
-    policy.velocity_fn()     v(x, sigma, cond): CFG-guided, under bf16 autocast when model.dtype is bfloat16
-                             (the SDE math that consumes it casts back to float32): evaluation, the KL reference
+    policy.velocity_fn()     v(x, sigma, cond): CFG-guided, under bf16 / fp16 autocast when model.dtype is
+                             bfloat16 / float16 (the SDE math that consumes it casts back to float32): the
+                             rollout, evaluation, the KL reference
     policy.model_fn()        the model's own prediction, under the same autocast: what training differentiates.
                              With CFG it is called with the conditional rows only (the unconditional prediction
                              is a constant for the gradient, see grpo/loss.py), so a JAGG joint pass has 2B rows
@@ -96,11 +97,11 @@ class Policy:
 
     def model_fn(self, model: torch.nn.Module | None = None) -> Callable:
         model = self.model if model is None else model
-        bf16 = self.cfg.model.dtype == "bfloat16"
-        device_type = self.device.type
+        dtype = getattr(torch, self.cfg.model.dtype)
+        half, device_type = dtype != torch.float32, self.device.type
 
         def fn(x, sigma, cond):
-            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(device_type, dtype=dtype if half else torch.bfloat16, enabled=half):
                 return model(x, sigma, cond)
 
         return fn

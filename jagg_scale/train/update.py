@@ -8,7 +8,8 @@
                   (jagg/backward.py); CFG: the unconditional predictions refreshed per micro-batch once the
                   weights moved; the engine's backward(out, grad, last) with `last` on the minibatch's final one
         step      engine.step(): clip, optimizer, EMA; a non-finite loss or norm skips it (counted; too many in
-                  a row stop the run)
+                  a row stop the run); under float16 an overflow of the loss scale's search is counted apart
+                  (loss_scale_skips, parallel/loss_scale.py) and the scale is logged (loss_scale)
 
 Every plan runs through `knot_backward`, the one place a transformer backward happens, and one synchronisation rule
 holds for all of them: `last` marks the minibatch's accumulation boundary, where a sharded engine reduces gradients
@@ -101,12 +102,17 @@ class UpdateTotals:
     per_minibatch: dict = field(default_factory=dict)
     optimizer_steps: int = 0
     applied: int = 0  # optimizer steps the engine applied (not skipped as non-finite)
+    scale_skips: int = 0  # float16: steps skipped by the loss scale's search (parallel/loss_scale.py)
+    loss_scale: float | None = None  # float16: the loss scale of the last optimizer step (None: no loss scaling)
 
     def metrics(self, **extra) -> dict:
         """The phase's metrics (metrics.jsonl), `extra` (the probe's, the algorithm's own) before the pass counts."""
+        scaling = {} if self.loss_scale is None else {"loss_scale": self.loss_scale,
+                                                      "loss_scale_skips": self.scale_skips}
         return {"loss": self.total.loss / max(1, self.optimizer_steps), **reduce_metrics(self.per_minibatch),
-                "optimizer_steps": self.optimizer_steps, "nonfinite_steps": self.optimizer_steps - self.applied,
-                **extra, **self.total.metrics()}
+                "optimizer_steps": self.optimizer_steps,
+                "nonfinite_steps": self.optimizer_steps - self.applied - self.scale_skips,
+                **scaling, **extra, **self.total.metrics()}
 
 
 def resolve_intermediate(setting: str, on_policy: bool) -> str:
@@ -322,6 +328,8 @@ class Updater:
         grad_norm = self.engine.step(loss=stats.loss if torch.is_tensor(stats.loss) else None)
         done.optimizer_steps += 1
         done.applied += self._applied(step)
+        done.scale_skips += self.engine.scale_skipped
+        done.loss_scale = self.engine.loss_scale
         done.total.add(stats)
         for key, value in {**reduce_metrics(loss.metrics), "grad_norm": grad_norm}.items():
             done.per_minibatch.setdefault(key, []).append(value)
@@ -337,6 +345,8 @@ class Updater:
         if self.engine.step_applied:
             self.nonfinite_run = 0
             return True
+        if self.engine.scale_skipped:  # float16: the loss scale's search, not a broken step (loss_scale.py)
+            return False
         self.nonfinite_run += 1
         limit = self.cfg.train.max_nonfinite_steps
         if self.dist.is_main:

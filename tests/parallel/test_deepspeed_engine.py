@@ -117,3 +117,6 @@ def test_single_process(tmp_path):
     assert res["single"]
     assert res["nonfinite_skipped"] and res["nonfinite_refused"]  # issue 16: ZeRO-3's own skip, save's check
     assert res["zero2_resume"]
+    # model.dtype float16: DeepSpeed's fp16 partitions and dynamic loss scale (loss_scale.DS_FP16), the search's skip
+    assert res["fp16_partitions"] and res["fp16_scale"] and res["fp16_applied"]
+    assert res["fp16_overflow"] and res["fp16_resume"] and res["fp16_floor"]

@@ -10,6 +10,7 @@ What must hold, and is checked here against real process groups (no mocks):
 - a run killed with SIGKILL and resumed with run.resume=auto writes the metrics of an uninterrupted run;
 - a sharded (DCP) checkpoint written by 2 processes resumes on 1;
 - a truncated checkpoint is refused and the previous one is used;
+- model.dtype float16 (fp16 gathers, the sharded loss scaler) on 2 processes trains step 0 as 1 process does;
 - SIGTERM checkpoints, leaves a PREEMPTED marker and exits 143;
 - through plain `torchrun` (torch's defaults): SIGTERM to the agent reaches the workers, which checkpoint, and the run
   resumes; SIGUSR1, which plain torchrun does not handle, kills the agent at once, and the workers still checkpoint
@@ -389,6 +390,18 @@ def test_fsdp2_bf16_samples_with_the_exact_sigma_of_one_process_bf16(tmp_path):
     one = run(1, tmp_path / "none", *bf16)[0]
     for k in ("reward_mean", "reward_std"):  # the rollout: the same bf16 matmuls on the same rows, all-gathered
         assert two[k] == one[k], (k, two[k], one[k])
+    close([two], [one])
+
+
+def test_fsdp2_fp16_two_processes_match_one_process(tmp_path):
+    """model.dtype float16: FSDP2's fp16 gathers and its ShardedGradScaler (the overflow verdict all-reduced over the
+    ranks) train step 0 on 2 processes as one process's GradScaler does: the same rewards, loss scale and skips,
+    the unscaled gradient norm and the loss within the float tolerance."""
+    fp16 = ["model.dtype=float16", "train.steps=1"]
+    two = run(2, tmp_path / "fsdp2", "parallel.engine=fsdp2", *fp16)[0]
+    one = run(1, tmp_path / "none", *fp16)[0]
+    keys = ("loss_scale", "loss_scale_skips", "nonfinite_steps", "optimizer_steps")
+    assert [two[k] for k in keys] == [one[k] for k in keys] and one["loss_scale"] == 2.0**16
     close([two], [one])
 
 

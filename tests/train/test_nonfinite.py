@@ -1,7 +1,9 @@
 """Non-finite training (issue 16 item 2): an optimizer step on a non-finite loss or gradient norm is skipped on every
 engine (AdamW's state untouched) and counted (`nonfinite_steps`), train.max_nonfinite_steps of them in a row stop
 the run (jagg-train exits 1), a checkpoint of non-finite weights is refused before any file is written, a full
-disk during a save is named as such, and rewards on a 1e38 scale are reduced in float64."""
+disk during a save is named as such, and rewards on a 1e38 scale are reduced in float64. Under model.dtype float16
+the loss scale's search is counted apart (`loss_scale_skips`) and does not stop the run; a gradient non-finite at
+every scale still does (parallel/loss_scale.py)."""
 
 import errno
 from pathlib import Path
@@ -159,6 +161,52 @@ def test_max_nonfinite_steps_in_a_row_stop_the_run_with_exit_1(tmp_path, monkeyp
     rows = read_metrics(tmp_path)
     assert [r["nonfinite_steps"] for r in rows] == [0, 2]  # step 2 stopped before it logged
     assert not (tmp_path / "summary.json").exists()
+
+
+def _initial_loss_scale(monkeypatch, scale: float) -> None:
+    """model.dtype float16's loss scaler starting at `scale` instead of 2^16."""
+    import jagg_scale.parallel.engine as engines
+
+    make = engines.make_scaler
+
+    def starting_at(*args, **kwargs):
+        scaler = make(*args, **kwargs)
+        scaler.load_state_dict({**scaler.state_dict(), "scale": scale})
+        return scaler
+
+    monkeypatch.setattr(engines, "make_scaler", starting_at)
+
+
+def test_the_loss_scale_search_is_counted_apart_and_does_not_stop_the_run(tmp_path, monkeypatch):
+    """2^24 overflows the tiny DiT's fp16 gradients: the first steps are skipped and the scale halves each time;
+    more of them in a row than max_nonfinite_steps (1), and the run trains on."""
+    _initial_loss_scale(monkeypatch, 2.0**24)
+    cfg = load_config(TINY, SMALL + ["model.dtype=float16", "train.steps=3", "train.max_nonfinite_steps=1",
+                                     f"run.output_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    trainer.fit()
+    rows = read_metrics(tmp_path)
+    assert all(r["nonfinite_steps"] == 0 for r in rows)
+    assert rows[0]["loss_scale_skips"] >= 2  # in a row: it would have stopped the run as non-finite steps
+    skips = 0
+    for r in rows:  # halved at every skip (growth needs 2000 clean steps); the scale of each step's last update
+        skips += r["loss_scale_skips"]
+        assert r["loss_scale"] in (2.0**24 / 2**skips, 2.0**24 / 2 ** (skips - 1))
+    assert sum(r["optimizer_steps"] - r["loss_scale_skips"] for r in rows) >= 2  # and it trained
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_a_gradient_non_finite_at_every_loss_scale_still_stops_the_run(tmp_path, monkeypatch, capsys):
+    _initial_loss_scale(monkeypatch, 4.0)
+    _poison(monkeypatch, lambda n: n >= 3)  # step 0 trains, then every gradient is NaN, whatever the scale
+    code = train_main([TINY, *SMALL, "model.dtype=float16", "train.steps=5", "train.max_nonfinite_steps=2",
+                       f"run.output_dir={tmp_path}"])
+    assert code == 1
+    assert "2 optimizer steps in a row had a non-finite loss or gradient norm (train.max_nonfinite_steps=2), " \
+           "the last at training step 2" in capsys.readouterr().err
+    rows = read_metrics(tmp_path)  # step 1: the search at 4 and 2; step 2: at 1 and 0.5, non-finite: stopped
+    assert [(r["loss_scale_skips"], r["nonfinite_steps"], r["loss_scale"]) for r in rows] == [(0, 0, 4.0),
+                                                                                              (2, 0, 2.0)]
 
 
 def test_a_non_finite_checkpoint_is_never_complete(tmp_path):

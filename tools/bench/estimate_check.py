@@ -102,7 +102,7 @@ def worker_pass(spec: dict) -> dict:
         from jagg_scale.parallel.fsdp import build_mesh, parallelize
 
         ctx = init_distributed("cpu")
-        parallelize(model, build_mesh("cpu", world), bf16=False, activation_checkpointing=False)
+        parallelize(model, build_mesh("cpu", world), param_dtype=None, activation_checkpointing=False)
     amp = contextlib.nullcontext()
     # FSDP2 mixed precision on CUDA, as jagg_scale/estimate/measure.py emulates it
     if spec.get("precision") == "bf16_mp":
