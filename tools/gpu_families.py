@@ -40,18 +40,19 @@ def _family(name: str, cfg: dict, latent: tuple, text: int, width: str, device, 
 
     from jagg_scale.models.diffusers_common import TransformerVelocity
 
+    from jagg_scale.cond import Tokens
+
     gen = torch.Generator(device).manual_seed(1)
     embeds = torch.randn(rows, text, cfg[width], generator=gen, device=device)
+    prompts = Tokens(embeds, torch.ones(rows, text, dtype=torch.int64, device=device), (text,) * rows)
     if name == "qwen_image":
         from jagg_scale.models.qwenimage import qwenimage_velocity as velocity
 
-        cls, cond = diffusers.QwenImageTransformer2DModel, (embeds, torch.ones(rows, text, dtype=torch.int64,
-                                                                               device=device))
+        cls, cond = diffusers.QwenImageTransformer2DModel, prompts
     elif name == "z_image":
         from jagg_scale.models.zimage import zimage_velocity as velocity
 
-        cls, cond = diffusers.ZImageTransformer2DModel, (embeds, torch.ones(rows, text, dtype=torch.int64,
-                                                                            device=device))
+        cls, cond = diffusers.ZImageTransformer2DModel, prompts
     else:
         from jagg_scale.models.wan import wan_velocity as velocity
 

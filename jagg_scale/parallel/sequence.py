@@ -32,7 +32,7 @@ import fnmatch
 import torch
 from torch import nn
 
-__all__ = ["apply_sequence_parallel", "data_rank", "data_world"]
+__all__ = ["apply_sequence_parallel", "data_rank", "data_world", "sequence_split"]
 
 
 def data_world(world_size: int, sp: int) -> int:
@@ -159,3 +159,10 @@ class JointContextParallelProcessor:
         if not attn.context_pre_only:
             context = attn.to_add_out(context)
         return attn.to_out[1](attn.to_out[0](out)), context
+
+
+def sequence_split(transformer: nn.Module) -> int:
+    """The number of ranks diffusers' context parallelism splits this transformer's sequences over (1: none): a
+    sequence the plan splits must be a multiple of it (a prompt cut to its length is padded up to one, masked)."""
+    config = getattr(getattr(transformer, "_parallel_config", None), "context_parallel_config", None)
+    return 1 if config is None else (config.ring_degree or 1) * (config.ulysses_degree or 1)

@@ -289,21 +289,21 @@ class Updater:
         return done.metrics(**probe)
 
     def minibatches(self, traj, adv, rows, step: int, steps: list[int], guidance: float):
-        """(local rows on the device, StepBatch, GRPOStepLoss) of every minibatch of every inner epoch; the loss
-        guides with `guidance` (1: it is called with the guided velocity itself)."""
+        """(local rows on the host, StepBatch, GRPOStepLoss) of every minibatch of every inner epoch; the loss
+        guides with `guidance` (1: it is called with the guided velocity itself). The rows stay a host index for
+        index_cond (a conditioning of Tokens is cut from their host lengths, cond.py)."""
         cfg, device = self.cfg, self.dist.device
         # host -> device once per step, asynchronously (advantages are computed on the host, in float64)
         adv_values, adv_mask = to_device(adv.values[rows.mine], device), to_device(adv.mask[rows.mine], device)
         for epoch in range(cfg.grpo.inner_epochs):
             for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
-                local = to_device(local, device)
                 # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
                 loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range,
                                     beta=cfg.grpo.beta, scale=1.0 / len(steps),
                                     denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
                                     guidance=guidance, guidance_rule=self.policy.guidance_rule,
                                     sde=cfg.sampling.sde)
-                yield local, traj.step_batch(local, adv_values, adv_mask), loss
+                yield local, traj.step_batch(to_device(local, device), adv_values, adv_mask), loss
 
     def _optimizer_step(self, done: UpdateTotals, stats: BackwardStats, loss, step: int) -> None:
         """The engine's step after a minibatch's backward, counted in `done` with the loss's metrics."""
