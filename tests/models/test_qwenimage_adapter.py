@@ -204,3 +204,29 @@ def test_a_resumed_run_continues_exactly(qwenimage_dir, tmp_path):
     fit(tmp_path / "split", "train.steps=2")
     resumed = fit(tmp_path / "split", "train.steps=3", "run.resume=auto")
     assert len(whole) == 3 and resumed == whole
+
+
+@pytest.mark.slow
+def test_no_all_padding_text_column_reaches_the_blocks_in_a_training_step(qwenimage_dir, tmp_path):
+    """One jagg-train step with prompts of different lengths, true CFG, rollout chunks of 4 rows, two minibatches
+    (the second refreshes the unconditional rows) in micro-batches of 2 and JAGG joint passes: every transformer
+    call's text is its rows' longest prompt (the last column holds some row's token), never the 64 padded tokens of
+    model.max_sequence_length; its first minibatch rescores the rollout exactly (ratio 1)."""
+    from jagg_scale.train import Trainer, load_config
+
+    prompts = "[a cat, two dogs on a photo in the park at sunset]"
+    cfg = load_config(ROOT / "configs" / "qwenimage_tiny_cpu.yaml", [
+        f"model.pretrained={qwenimage_dir}", "model.resolution=16", f"data.prompts={prompts}", "sampling.guidance=3.0",
+        "sampling.num_steps=4", "sampling.batch_size=4", "train.batch_size=4", "train.micro_batch_size=2",
+        "train.steps=1", "run.checkpoint_every=0", "log.progress=false", "eval.enabled=false",
+        f"run.output_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    seen = _text_tokens(trainer.model)
+    try:
+        metrics = trainer.train_step(0)
+    finally:
+        trainer.close()
+    assert metrics["optimizer_steps"] == 2 and metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    masked = [msk for _, msk in seen if msk is not None]
+    assert len(seen) > 20 and masked and all(msk[:, -1].any() for msk in masked)
+    assert max(n for n, _ in seen) < 64
