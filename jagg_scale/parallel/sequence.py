@@ -27,8 +27,6 @@ factor D, not D N (engine), making the step the data-parallel mean over the D gr
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 from torch import nn
 
@@ -85,12 +83,15 @@ def apply_sequence_parallel(transformer: nn.Module, sp: int, rank: int, world_si
 def _check_even_splits(transformer: nn.Module, plan: dict, sp: int) -> None:
     """Ulysses splits a sequence in equal parts (diffusers' uneven variant has no backward): a pre-hook on each module
     the plan splits names the input whose tokens `sp` does not divide, before diffusers' split fails on it."""
+    from diffusers.hooks.context_parallel import _get_submodule_by_name
+
     for name, inputs in plan.items():
         if not isinstance(inputs, dict):
             continue
-        # a plan names a module, or modules by a wildcard (Qwen-Image's "transformer_blocks.*")
-        modules = [m for n, m in transformer.named_modules() if fnmatch.fnmatchcase(n, name)] if name else [transformer]
-        for module in modules:
+        # a plan names a module, or the items of a ModuleList by a wildcard (Qwen-Image's "transformer_blocks.*"):
+        # resolved as diffusers resolves it, so not their submodules (a block's attention gets the split mask)
+        modules = _get_submodule_by_name(transformer, name)
+        for module in modules if isinstance(modules, list) else [modules]:
             _check_splits_of(module, inputs, sp, name or type(transformer).__name__)
 
 

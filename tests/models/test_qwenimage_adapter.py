@@ -114,6 +114,27 @@ def test_a_pass_carries_its_rows_longest_prompt(qwenimage_dir):
     assert seen[-3][1] is not None and seen[-1][1] is not None  # rows of different lengths: masked
 
 
+def test_a_sequence_split_pads_the_prompts_to_a_multiple_of_it(qwenimage_dir):
+    """Under context parallelism (diffusers' _parallel_config, as parallel/sequence.py enables it) Ulysses splits the
+    text evenly: a pass is padded up to a multiple of the split, masked, with the same velocity (the split itself
+    needs several processes: tests/parallel/test_sequence_parallel.py)."""
+    from diffusers import ContextParallelConfig
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+    m = QwenImageVelocity.from_pretrained(qwenimage_dir, dtype=torch.float32, max_sequence_length=48, resolution=16)
+    seen = _text_tokens(m)
+    cond = m.encode_prompts(["a cat", "two dogs on a photo in the park"])
+    rows = next(torch.tensor([i, i]) for i, n in enumerate(cond.lengths) if n % 4)  # one prompt: no mask unsplit
+    x, s = torch.randn(2, *m.latent_shape), torch.tensor([0.3, 0.8])
+    with torch.no_grad():
+        plain = m(x, s, index_cond(cond, rows))
+        m.transformer._parallel_config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=4))
+        split = m(x, s, index_cond(cond, rows))
+    (n, none), (padded, mask) = seen
+    assert none is None and padded == -(-n // 4) * 4 > n and mask.sum(1).tolist() == [n, n]
+    assert torch.allclose(split, plain, atol=1e-5)
+
+
 def test_a_forward_reads_nothing_back_from_the_device(model):
     """The prompt lengths that size a pass are the host's (cond.Tokens): the adapter reads no device value per
     forward (train/host_syncs.py counts every read on the CPU as if it were one). Rows of one length pass no mask and
