@@ -28,7 +28,7 @@ Sections, each in its own try block (a failing one is recorded and the next runs
     profile  device time by kernel class of one with-grad and one no-grad pass at the production micro-batch,
              eager and under parallel.compile (tools/gpu_step.py)
     families one window per step and by JAGG at each newer family's real shape, random weights: Qwen-Image's
-             20.4B transformer at qwenimage_hps's 720 px + 512 prompt tokens, bf16 base + LoRA r32, B rows
+             20.4B transformer at qwenimage_hps's 720 px + 443 prompt tokens (its longest), bf16 base + LoRA r32, B rows
 
 By default the check runs env, step and profile (~7 min on an H200 at --step-world 16); window, memory, syncs and
 train were measured on an H200 already (docs/gpu_check.json) and run when named: --sections env,window,memory,...

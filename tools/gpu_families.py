@@ -1,7 +1,7 @@
 """The device check's `families` section (tools/gpu_check.py --sections families): one window per step and by JAGG
 at each newer model family's real shape, random weights (issue 27 item 5, issue 28's Wan window at sp = 1). --tiny:
 the same code at toy shapes on the CPU (tests/tools/test_gpu_check.py). Not in the default sections. Priced from
-FLOPs per row forward (Qwen-Image ~0.1 PFLOP at 2537 tokens, Z-Image ~0.03 at 1536, Wan2.1-14B ~1.9 at 33.6k tokens
+FLOPs per row forward (Qwen-Image ~0.1 PFLOP at 2468 tokens, Z-Image ~0.03 at 1536, Wan2.1-14B ~1.9 at 33.6k tokens
 of 81 frames at 640 px) it takes about five minutes on an H200 as
 
     bash tools/gpu_check.sh --sections env,families --rows 1 --widths 4 --repeats 1
@@ -19,8 +19,9 @@ from gpu_timing import rollout_and_windows, sync  # noqa: E402 - tools/ is on th
 # each family at its production config's shape: (shape file, latent shape, text tokens, text width key, tiny config)
 KINDS = {"qwen_image": "qwenimage", "z_image": "zimage", "wan": "wan"}  # each family's model.kind (its LoRA targets)
 FAMILIES = {
-    # configs/qwenimage_hps.yaml: 720 px (90 x 90 latents, 2025 packed tokens), 512 prompt tokens
-    "qwen_image": ("qwen_image", (16, 90, 90), 512, "joint_attention_dim",
+    # configs/qwenimage_hps.yaml: 720 px (90 x 90 latents, 2025 packed tokens); a pass carries its rows' longest
+    # prompt, here the longest of its training prompts, 443 tokens (estimate/shapes/qwen_image.json): its largest pass
+    "qwen_image": ("qwen_image", (16, 90, 90), 443, "joint_attention_dim",
                    dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8,
                         num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(2, 2, 4))),
     # configs/zimage_pickscore.yaml: 512 px (64 x 64 latents, 1024 tokens), prompts of up to 512 tokens
@@ -41,18 +42,19 @@ def _family(name: str, cfg: dict, latent: tuple, text: int, width: str, device, 
 
     from jagg_scale.models.diffusers_common import TransformerVelocity
 
+    from jagg_scale.cond import Tokens
+
     gen = torch.Generator(device).manual_seed(1)
     embeds = torch.randn(rows, text, cfg[width], generator=gen, device=device)
+    prompts = Tokens(embeds, torch.ones(rows, text, dtype=torch.int64, device=device), (text,) * rows)
     if name == "qwen_image":
         from jagg_scale.models.qwenimage import qwenimage_velocity as velocity
 
-        cls, cond = diffusers.QwenImageTransformer2DModel, (embeds, torch.ones(rows, text, dtype=torch.int64,
-                                                                               device=device))
+        cls, cond = diffusers.QwenImageTransformer2DModel, prompts
     elif name == "z_image":
         from jagg_scale.models.zimage import zimage_velocity as velocity
 
-        cls, cond = diffusers.ZImageTransformer2DModel, (embeds, torch.ones(rows, text, dtype=torch.int64,
-                                                                            device=device))
+        cls, cond = diffusers.ZImageTransformer2DModel, prompts
     else:
         from jagg_scale.models.wan import wan_velocity as velocity
 

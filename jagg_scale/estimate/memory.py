@@ -39,6 +39,7 @@ from ..models.lora import lora_targets
 from ..train.rows import StepRows
 from .activations import cached as _cached
 from .activations import ev, key, reduce_buffers, transformer_activations
+from .prompt_tokens import longest
 from .shapes import (FROZEN, QWEN_TEXT, clean, component_params, context_parallel, pipeline_shapes, reward_models,
                      transformer_stats)
 
@@ -112,11 +113,18 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
         tokens["t5"] = min(cfg.model.max_sequence_length, tokens.get("t5_limit", 512))
     # per family: the VAE's scale, the latents, the patch of a token, the transformer's text tokens and a row's
     # conditioning in float32 words: prompt embeddings and the pooled vector (sd3/flux) or the int64 mask (2 words)
-    if kind == "qwenimage":  # a video VAE: 8x spatial (2 per temporal_downsample level); prompts padded to a length
+    prompt_lengths = None  # (encoded lengths, cap) of a family whose pass carries its rows' longest prompt
+    if kind == "qwenimage":  # a video VAE: 8x spatial (2 per temporal_downsample level); a pass carries its rows'
+        # longest prompt (models/qwenimage.py): at most the prompt set's longest (prompt_tokens.py), padded up to a
+        # multiple of a sequence-parallel split
         scale = 2 ** len(vae["temperal_downsample"])
         side = (cfg.model.resolution or 1024) // scale  # QwenImagePipeline's default: 1024 px
         latent, p = (tc["in_channels"] // 4, side, side), 2
-        text, cond_row = prompt, prompt * (tc["joint_attention_dim"] + 2)
+        if "encoded" in tokens:
+            prompt_lengths = (tokens["encoded"]["lengths"], prompt)
+        sp = cfg.parallel.sequence_parallel
+        text = -(-(longest(*prompt_lengths) if prompt_lengths else prompt) // sp) * sp
+        cond_row = text * (tc["joint_attention_dim"] + 2)
     elif kind == "sd3":
         scale = 2 ** (len(vae["block_out_channels"]) - 1)
         side = cfg.model.resolution // scale if cfg.model.resolution else tc["sample_size"]
@@ -185,7 +193,7 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
             "encoders": encoders, "ref_bytes": 2 if bf16 and tcomp.get("stored_dtype") == cfg.model.dtype else 4,
             "vae_bytes": vdt.itemsize,
             "decode": decode, "rewards": rewards, "act": act, "latent": latent, "patch": p, "frames": frames,
-            "image_tokens": n_img, "text_tokens": text, "cond_row": cond_row,
+            "image_tokens": n_img, "text_tokens": text, "prompt_lengths": prompt_lengths, "cond_row": cond_row,
             **sequence_parallel(cfg, world, tcomp, n_img, text, math.prod(latent), 2 if bf16 else 4,
                                 len(stats["block_params"])),
             "overhead": overhead_gb * GiB, "vae_scale": scale, "eval_images": eval_images(cfg),
@@ -396,12 +404,13 @@ def report(s: dict, est: dict, gpu_gib: float | None = None, headroom: float = 0
     train = f"LoRA r{s['lora_rank']}" if s["lora_rank"] else "full fine-tune"
     group = shard_group(cfg, s["world"]) if s["sharded"] else s["world"]
     hsdp = f" (HSDP: {s['world'] // group} replicas of {group})" if group != s["world"] else ""
+    at_most = ", at most: a pass carries its rows' longest prompt" if s["prompt_lengths"] else ""
     head = (f"{s['shapes']} ({s['kind']}), {s['precision']}, {train}, engine {cfg.parallel.engine} x {s['world']} ranks"
             f"{hsdp}, grad_sync {est['grad_sync'] if s['sharded'] else '-'}, checkpointing "
             f"{'on' if est['checkpointing'] else 'off'}\n{est['planner']}"
             f"\nrows per rank: {est['local_rows']} sampled, {est['local_batch']} per minibatch, micro-batch "
             f"{est['micro_batch_size']} -> {est['pass_rows']} rows per with-grad pass ({s['image_tokens']} image + "
-            f"{s['text_tokens']} text tokens each); rollout {est['sampling_batch']} rows per forward"
+            f"{s['text_tokens']} text tokens each{at_most}); rollout {est['sampling_batch']} rows per forward"
             + (" (sampling.batch_size auto)" if cfg.sampling.batch_size == "auto" else ""))
     if s["sp"] > 1:
         img, txt = s["rank_tokens"]

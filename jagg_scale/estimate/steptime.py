@@ -1,7 +1,8 @@
 """Seconds per phase of one training step on one rank: the step-time model beside the memory model (memory.py).
 
 Every model call of a step is a pass of some rows; a pass of n rows costs n x F forward FLOPs, F the model's
-forward FLOPs per row at the config's tokens (torch's FlopCounterMode on the meta device: nothing is allocated),
+forward FLOPs per row at the config's tokens (torch's FlopCounterMode on the meta device: nothing is allocated; a
+family whose pass carries its rows' longest prompt, Qwen-Image, at that pass's expected longest: prompt_tokens.py),
 and runs at an achieved rate read off passes measured on a GPU (passes.json: tools/gpu_check.py on an H200, the
 SD3.5-medium transformer with LoRA r32 and activation checkpointing). The rate is a function of a pass's work,
 rows x F: small passes are launch-bound (an 8-row with-grad pass runs at half the rate of a 72-row one), large
@@ -45,6 +46,7 @@ import torch
 
 from ..jagg.plans import pass_groups, plan_knots
 from .measure import model_inputs
+from .prompt_tokens import distinct_prompts, expected_longest
 from .shapes import meta_module
 
 PASSES = Path(__file__).with_name("passes.json")
@@ -149,12 +151,22 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     S, R, B, m = smp.num_steps, est["local_rows"], est["local_batch"], est["micro_batch_size"]
     cfgg = 1 + (smp.guidance != 1.0)
     nft = cfg.train.algorithm == "nft"
-    F = _transformer_flops(json.dumps(comps["transformer"], sort_keys=True), s["kind"], tuple(s["latent"]),
-                           s["patch"], s["text_tokens"], s["sp"], s["sp_text"])
     factor = (4 / 3 if s["lora_rank"] == 0 else 1.0) * (1.0 if cfg.parallel.activation_checkpointing else 2 / 3)
 
-    def fwd(rows_per_pass: list, flops: float = F, x: int = 1) -> float:  # no-grad passes, `x` times the rows each
-        return sum(pass_seconds(n * x, flops, calib=calib) for n in rows_per_pass)
+    def flops(rows: int, group: int = g.group_size, prompts: int = cfg.train.prompts_per_step) -> float:
+        """A row's forward FLOPs in a pass of `rows` rows drawn from `prompts` prompts x `group` rows each."""
+        text = s["text_tokens"]
+        if s["prompt_lengths"]:  # the pass's longest prompt on average, up to a multiple of the sequence split
+            distinct = distinct_prompts(rows, prompts, group)
+            text = math.ceil(round(expected_longest(*s["prompt_lengths"], rows, distinct)) / s["sp"]) * s["sp"]
+        return _transformer_flops(json.dumps(comps["transformer"], sort_keys=True), s["kind"], tuple(s["latent"]),
+                                  s["patch"], text, s["sp"], s["sp_text"])
+
+    def fwd(rows_per_pass: list, frozen: float | None = None, x: int = 1, **draw) -> float:
+        """No-grad passes of the transformer (or of `frozen`, FLOPs per row), `x` times the rows each (CFG's
+        unconditional rows: their prompt shorter than the conditional ones)."""
+        return sum(pass_seconds(n * x, flops(n, **draw) if frozen is None else frozen, calib=calib)
+                   for n in rows_per_pass)
 
     bs = est["sampling_batch"]
     chunks = [min(bs, R - i) for i in range(0, R, bs)]
@@ -171,7 +183,7 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     micro = [min(m, B - i) for i in range(0, B, m)]
     groups = pass_groups(plan, planner.rows_per_pass)
     rows_x = cfgg if cfg_rows_with_grad else 1
-    train = sum(pass_seconds(len(k) * n * rows_x, F, True, factor, calib=calib) for k in groups for n in micro)
+    train = sum(pass_seconds(len(k) * n * rows_x, flops(n), True, factor, calib=calib) for k in groups for n in micro)
     interior = sum(b - a - 1 for a, b in plan if b > a + 1)
     if nft:  # the old policy's and the reference's forwards at every timestep (or the knots), then the plan's
         frozen = (1 + cfg.uses_reference) * (knots if cfg.nft.old_at == "knots" else trained)
@@ -193,7 +205,8 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     if e.enabled and e.every > 0:
         per = math.ceil(s["eval_images"] / (s["world"] // s["sp"]))  # an sp group evaluates the same images
         ev = [min(e.batch_size, per - i) for i in range(0, per, e.batch_size)]
-        out["eval"] = (smp.eval_num_steps * fwd(ev, x=cfgg) + fwd(ev, vae)) / e.every
+        eval_draw = {"group": e.num_per_prompt, "prompts": -(-per // e.num_per_prompt)}  # its own prompts
+        out["eval"] = (smp.eval_num_steps * fwd(ev, x=cfgg, **eval_draw) + fwd(ev, vae)) / e.every
         eval_rows = smp.eval_num_steps * per * cfgg / e.every
     else:
         out["eval"], eval_rows = 0.0, 0
@@ -205,10 +218,11 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     passes = sum(rows.values()) + eval_rows + rows["train"] * (2 if cfg.parallel.activation_checkpointing else 1)
     out["sp_all_to_all"] = passes * s["a2a_row"] / (a2a_gbps * 1e9)
     out["step"] = sum(out.values())
-    out["forward_tflop_per_row"], out["a2a_gbps"] = F / 1e12, a2a_gbps
+    out["forward_tflop_per_row"], out["a2a_gbps"] = flops(m) / 1e12, a2a_gbps  # at the training micro-batch
     # the arithmetic of each phase (TFLOP), to read a measured phase's achieved rate: a with-grad pass is ~3
     # forwards with checkpointing (forward, recomputed forward, backward of a LoRA model), `factor` of that otherwise
-    out["tflop"] = {p: (3 * factor if p == "train" else 1) * n * F / 1e12 for p, n in rows.items()}
+    per_row = {"rollout": flops(bs), "reference": flops(bs), "train": flops(m), "train_nograd": flops(m)}
+    out["tflop"] = {p: (3 * factor if p == "train" else 1) * n * per_row[p] / 1e12 for p, n in rows.items()}
     return out
 
 

@@ -19,7 +19,7 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
-from ..cond import Cond, cat_cond
+from ..cond import Cond, cat_cond, to_device
 from .guidance import GuidanceRule, guide
 from .loss import StepBatch
 from .sde import SDE_STEPS, ode_step, standard_normal
@@ -92,14 +92,6 @@ def draw_step_noise(generator, shape, num_steps: int, device: torch.device) -> t
     noise = torch.stack([standard_normal(shape, generator) for _ in range(num_steps)]) if num_steps else \
         torch.empty(0, *shape)
     return to_device(noise, device)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without a host synchronisation: pinned and copied asynchronously on CUDA (the
-    caching host allocator keeps the pinned buffer alive until the copy has run)."""
-    if torch.device(device).type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @torch.no_grad()

@@ -5,8 +5,9 @@ x_s = (1 - s) d + s e):
 
     cond = encode_prompts(prompts)     QwenImagePipeline.encode_prompt (no grad): the last hidden states of the
                                        Qwen2.5-VL text encoder over the pipeline's prompt template, its system part
-                                       dropped, (prompt_embeds [B, L, joint_attention_dim], mask [B, L]) padded to
-                                       L = model.max_sequence_length tokens (see "Padding")
+                                       dropped, at most model.max_sequence_length tokens a prompt: a cond.Tokens
+                                       (prompt_embeds [B, L, joint_attention_dim], mask [B, L], each prompt's length
+                                       on the host), L the longest prompt's (see "Prompt length")
     v    = forward(x, sigma, cond)     x [N, C, H, W] UNPACKED latents (C = in_channels / 4) packed into 2x2 tokens
                                        [N, H/2 * W/2, 4 C] (QwenImagePipeline._pack_latents), transformer(
                                        hidden_states, timestep=sigma, encoder_hidden_states, mask, img_shapes),
@@ -19,11 +20,17 @@ Sign: the transformer predicts v = e - d and the scheduler's Euler step is x_nex
 convention of docs/algorithm.md, passed through unchanged (tests/models/test_qwenimage_adapter.py checks the
 adapter's Euler loop against the pipeline's own sampling).
 
-Padding: the pipeline pads a batch's prompts to its longest; the trainer concatenates conditionings encoded at
-different times (a rollout's chunks, the unconditional prompt), so every prompt is padded to the same
-`max_sequence_length` tokens here (zeros, mask 0). The transformer masks padded text tokens out of the joint
+Prompt length: a pass carries its rows' longest prompt, no more. The pipeline pads a batch's prompts to its
+longest (zeros, mask 0); every batch the trainer makes of them (a rollout chunk, a micro-batch, a JAGG joint pass, the
+conditional and unconditional rows of CFG) is cut or padded to its own rows' longest by cond.Tokens from each
+prompt's length, read from the pipeline's mask once per encode (next to the pipeline's own reads of it), so sizing a
+pass reads nothing back from the device. Padding is not free: every text token goes through each of the 60 blocks'
+text-stream projections and MLP, not only the attention. The transformer masks padded text tokens out of the joint
 attention and gives text token i the same rotary position whatever the padded length, so the velocity is the
-pipeline's (tested); the cost is attention over the padding.
+pipeline's at any cut (tested); a batch without padding passes no mask, as the pipeline does. With sequence
+parallelism the text is padded up to a multiple of the ranks it is split over (Ulysses splits evenly), masked.
+(eff_grpo cuts the same way: its rollout pads a batch to its longest prompt, train_grpo_qwenimage_jagg.py:523-548,
+and trains one sample at a time at its own length, :805-811.)
 
 Guidance: Qwen-Image's "true CFG" (QwenImagePipeline.__call__) rescales the guided prediction, per packed token,
 to the conditional prediction's norm there, with the negative prompt " " (its docstring: CFG needs a negative prompt,
@@ -43,6 +50,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..cond import Tokens
+from ..parallel.sequence import sequence_split
 from .diffusers_common import DiffusersVelocity, latent_stats, row_sigmas
 
 PROMPT_TOKENS_DEFAULT = 512  # QwenImagePipeline.__call__'s max_sequence_length
@@ -114,18 +123,16 @@ class QwenImageVelocity(DiffusersVelocity):
 
     # ------------------------------------------------------------------ the VelocityModel interface
     @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompt_embeds [B, L, D] in the transformer's dtype, mask [B, L] int64), L = max_sequence_length."""
+    def encode_prompts(self, prompts: Sequence[str]) -> Tokens:
+        """Tokens(prompt_embeds [B, L, D] in the transformer's dtype, mask [B, L] int64, lengths), L the longest
+        prompt's tokens (at most max_sequence_length)."""
         embeds, mask = self.pipe.encode_prompt(prompt=list(prompts), device=self.device, num_images_per_prompt=1,
                                                max_sequence_length=self.max_sequence_length)
-        n, length, dim = embeds.shape
+        n, length, _ = embeds.shape
         if mask is None:  # the pipeline drops an all-ones mask (every prompt as long as the longest)
             mask = torch.ones(n, length, dtype=torch.int64, device=embeds.device)
-        pad = self.max_sequence_length - length
-        if pad > 0:
-            embeds = torch.cat([embeds, embeds.new_zeros(n, pad, dim)], dim=1)
-            mask = torch.cat([mask, mask.new_zeros(n, pad)], dim=1)
-        return embeds.to(self.dtype).detach(), mask.to(torch.int64)
+        # each prompt's length (its mask is ones, then zeros): the one read of this encode (module docstring)
+        return Tokens(embeds.to(self.dtype).detach(), mask.to(torch.int64), tuple(mask.sum(dim=1).tolist()))
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
         """Velocity v = e - d at unpacked latents x [N, C, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
@@ -140,20 +147,23 @@ class QwenImageVelocity(DiffusersVelocity):
         return ((img.float() + 1) / 2).clamp(0, 1)
 
 
-def qwenimage_velocity(transformer, x: torch.Tensor, sigma, cond) -> torch.Tensor:
+def qwenimage_velocity(transformer, x: torch.Tensor, sigma, cond: Tokens) -> torch.Tensor:
     """The Qwen-Image velocity of a diffusers QwenImageTransformer2DModel at unpacked latents x [N, C, H, W]: packed
     into 2x2 tokens by the pipeline's own (static) _pack_latents, timestep = sigma (the pipeline's timestep / 1000),
-    the prompt and its mask, the latent grid; unpacked back, in x's dtype. The one place this mapping is written: the
-    pipeline adapter above and the GPU check's bare transformer (diffusers_common.TransformerVelocity) both call it."""
-    embeds, mask = cond
+    the prompts at their rows' longest (up to a multiple of a sequence-parallel split) and their mask, none where
+    nothing is padding, as the pipeline passes it; the latent grid; unpacked back, in x's dtype. The one place this
+    mapping is written: the pipeline adapter above and the GPU check's bare transformer
+    (diffusers_common.TransformerVelocity) both call it."""
     dtype = next(transformer.parameters()).dtype
+    split, longest = sequence_split(transformer), max(cond.lengths)
+    embeds, mask = cond.to_length(-(-longest // split) * split)  # host arithmetic: no device read
     n, c, h, w = x.shape
     out = transformer(
         hidden_states=pack_latents(x.to(dtype)),
         timestep=row_sigmas(sigma, x).to(dtype),  # the transformer scales by 1000 itself
         guidance=None,
         encoder_hidden_states=embeds.to(dtype),
-        encoder_hidden_states_mask=mask,
+        encoder_hidden_states_mask=None if cond.full and embeds.shape[1] == longest else mask,
         img_shapes=[[(1, h // 2, w // 2)]] * n,  # Python data: no device copy
         return_dict=False,
     )[0]

@@ -4,8 +4,9 @@ How the pipeline maps onto the interface of base.py (docs/algorithm.md's rectifi
 
     cond = encode_prompts(prompts)     ZImagePipeline.encode_prompt (no grad): Qwen3's second-to-last hidden states
                                        over the chat-templated prompt, one [L_i, D] tensor per prompt (its padding
-                                       dropped), here padded back to (embeds [B, L, D], mask [B, L]) with
-                                       L = model.max_sequence_length, so conditionings encoded apart concatenate
+                                       dropped), here a cond.Tokens (embeds [B, L, D], mask [B, L], the L_i on the
+                                       host) with L the longest prompt's, so conditionings encoded apart concatenate
+                                       (padded to their longest)
     v    = forward(x, sigma, cond)     x [N, C, H, W]: the VAE latents as the pipeline keeps them (the transformer
                                        patchifies 2x2 itself); the transformer takes a list of [C, 1, H, W] latents
                                        and a list of prompts, each of its own length (the mask's), at t = 1 - sigma,
@@ -24,8 +25,9 @@ Guidance: the pipeline's CFG is v_c + g (v_c - v_u) with the empty negative prom
 published setting): the plain rule v_u + w (v_c - v_u) with w = 1 + g, so `sampling.guidance: 1.0` is the pipeline's
 guidance_scale 0. (The pipeline's optional cfg_normalization and cfg_truncation are off by default; not offered.)
 
-Host read: the prompts' lengths (the mask's row sums) are read back once per forward to split the batch into the
-transformer's per-prompt list, which it then pads to multiples of 32 on the host itself.
+Host reads: none. The prompts' lengths are known on the host from encoding (each prompt's tensor's length) and ride
+in the Tokens, so a forward splits the batch into the transformer's per-prompt list, which it pads to multiples of
+32 on the host itself, without reading the device (it read the mask back once per forward before).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..cond import Tokens
 from .diffusers_common import DiffusersVelocity, row_sigmas
 
 PROMPT_TOKENS_DEFAULT = 512  # ZImagePipeline.__call__'s max_sequence_length
@@ -78,32 +81,31 @@ class ZImageVelocity(DiffusersVelocity):
 
     # ------------------------------------------------------------------ the VelocityModel interface
     @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(embeds [B, L, D] in the transformer's dtype, mask [B, L] int64), L = max_sequence_length; "" is the
-        pipeline's negative prompt."""
+    def encode_prompts(self, prompts: Sequence[str]) -> Tokens:
+        """Tokens(embeds [B, L, D] in the transformer's dtype, mask [B, L] int64, lengths), L the longest prompt's
+        (at most max_sequence_length); "" is the pipeline's negative prompt."""
         embeds, _ = self.pipe.encode_prompt(prompt=list(prompts), device=self.device,
                                             do_classifier_free_guidance=False,
                                             max_sequence_length=self.max_sequence_length)
-        n, length, dim = len(embeds), self.max_sequence_length, embeds[0].shape[-1]
+        lengths = tuple(len(e) for e in embeds)  # shapes: known on the host
+        n, length, dim = len(embeds), max(lengths), embeds[0].shape[-1]
         out = embeds[0].new_zeros(n, length, dim)
         mask = torch.zeros(n, length, dtype=torch.int64, device=out.device)
         for i, e in enumerate(embeds):
             out[i, :len(e)] = e
             mask[i, :len(e)] = 1
-        return out.to(self.dtype).detach(), mask
+        return Tokens(out.to(self.dtype).detach(), mask, lengths)
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
         """Velocity v = e - d at latents x [N, C, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
         return zimage_velocity(self.transformer, x, sigma, cond)
 
 
-def zimage_velocity(transformer, x: torch.Tensor, sigma, cond) -> torch.Tensor:
+def zimage_velocity(transformer, x: torch.Tensor, sigma, cond: Tokens) -> torch.Tensor:
     """The Z-Image velocity of a diffusers ZImageTransformer2DModel at latents x [N, C, H, W]: one [C, 1, H, W] latent
     and one unpadded prompt per row, t = 1 - sigma, the output negated (see the module docstring); in x's dtype."""
-    embeds, mask = cond
     dtype = next(transformer.parameters()).dtype
-    lengths = mask.sum(dim=1).tolist()  # the one host read (module docstring)
-    prompts = [e[:n] for e, n in zip(embeds.to(dtype).unbind(0), lengths)]
+    prompts = [e[:n] for e, n in zip(cond.embeds.to(dtype).unbind(0), cond.lengths)]  # host lengths: no device read
     t = 1 - row_sigmas(sigma, x).float()  # float32, as the pipeline passes it
     out = transformer(list(x.to(dtype).unsqueeze(2).unbind(0)), t, prompts, return_dict=False)[0]
     return -torch.stack(out, dim=0).squeeze(2).to(x.dtype)

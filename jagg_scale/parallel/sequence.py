@@ -29,12 +29,10 @@ factor D, not D N (engine), making the step the data-parallel mean over the D gr
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 from torch import nn
 
-__all__ = ["apply_sequence_parallel", "data_rank", "data_world"]
+__all__ = ["apply_sequence_parallel", "data_rank", "data_world", "sequence_split"]
 
 
 def data_world(world_size: int, sp: int) -> int:
@@ -106,12 +104,15 @@ def _check_processors(transformer: nn.Module, sp: int) -> None:
 def _check_even_splits(transformer: nn.Module, plan: dict, sp: int) -> None:
     """Ulysses splits a sequence in equal parts (diffusers' uneven variant has no backward): a pre-hook on each module
     the plan splits names the input whose tokens `sp` does not divide, before diffusers' split fails on it."""
+    from diffusers.hooks.context_parallel import _get_submodule_by_name
+
     for name, inputs in plan.items():
         if not isinstance(inputs, dict):
             continue
-        # a plan names a module, or modules by a wildcard (Qwen-Image's "transformer_blocks.*")
-        modules = [m for n, m in transformer.named_modules() if fnmatch.fnmatchcase(n, name)] if name else [transformer]
-        for module in modules:
+        # a plan names a module, or the items of a ModuleList by a wildcard (Qwen-Image's "transformer_blocks.*"):
+        # resolved as diffusers resolves it, so not their submodules (a block's attention gets the split mask)
+        modules = _get_submodule_by_name(transformer, name)
+        for module in modules if isinstance(modules, list) else [modules]:
             _check_splits_of(module, inputs, sp, name or type(transformer).__name__)
 
 
@@ -180,3 +181,10 @@ class JointContextParallelProcessor:
         if not attn.context_pre_only:
             context = attn.to_add_out(context)
         return attn.to_out[1](attn.to_out[0](out)), context
+
+
+def sequence_split(transformer: nn.Module) -> int:
+    """The number of ranks diffusers' context parallelism splits this transformer's sequences over (1: none): a
+    sequence the plan splits must be a multiple of it (a prompt cut to its length is padded up to one, masked)."""
+    config = getattr(getattr(transformer, "_parallel_config", None), "context_parallel_config", None)
+    return 1 if config is None else (config.ring_degree or 1) * (config.ulysses_degree or 1)

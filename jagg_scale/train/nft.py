@@ -139,7 +139,7 @@ class NFTUpdater(Updater):
         for epoch in range(cfg.grpo.inner_epochs):
             for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
                 local_d = to_device(local, device)
-                mb_cond = index_cond(cond, local_d)
+                mb_cond = index_cond(cond, local)  # a host index (cond.py)
                 batch = self._batch(traj, mb_cond, r, local_d, rows.mine[local], global_rows, step, epoch)
                 loss = NFTStepLoss(beta=nft.beta, kl_beta=nft.kl_beta, adv_clip_max=cfg.grpo.adv_clip_max,
                                    scale=1.0 / self.K,

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ..cond import index_cond, map_cond
+from ..cond import expand_cond, index_cond
 from ..data.images import EditPrompt
 from ..grpo import StepBatch, Trajectories, guided_velocity, model_schedule, sample_sde
 from ..grpo.rollout import to_device
@@ -132,8 +132,7 @@ class Policy:
         if self.guidance != 1.0:
             if self._uncond is None:  # the negative prompt's embedding never changes (frozen encoders): encode once
                 self._uncond = self.model.encode_prompts([self.negative_prompt])
-            n = len(prompts)
-            return cond, map_cond(lambda t: t.expand(n, *t.shape[1:]), self._uncond)
+            return cond, expand_cond(self._uncond, len(prompts))
         return cond
 
     def split_cond(self, cond):

@@ -298,8 +298,9 @@ class Updater:
         return done.metrics(**probe, onpolicy_log_ratio=onpolicy)
 
     def minibatches(self, traj, adv, rows, step: int, steps: list[int], guidance: float):
-        """(local rows on the device, StepBatch, GRPOStepLoss, its trained positions) of every minibatch of every
-        inner epoch; the loss guides with `guidance` (1: it is called with the guided velocity itself). With
+        """(local rows on the host, StepBatch, GRPOStepLoss, its trained positions) of every minibatch of every
+        inner epoch; the loss guides with `guidance` (1: it is called with the guided velocity itself). The rows stay
+        a host index for index_cond (a conditioning of Tokens is cut from their host lengths, cond.py). With
         grpo.step_selection first every row trains `steps`; otherwise each row draws its own among them (the
         candidates) and the batch is laid out per row over its draw (grpo/steps.py positioned)."""
         cfg, device = self.cfg, self.dist.device
@@ -315,13 +316,12 @@ class Updater:
                                     denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
                                     guidance=guidance, guidance_rule=self.policy.guidance_rule,
                                     sde=cfg.sampling.sde)
-                on_device = to_device(local, device)
-                batch, trained = traj.step_batch(on_device, adv_values, adv_mask), steps
+                batch, trained = traj.step_batch(to_device(local, device), adv_values, adv_mask), steps
                 if g.step_selection != "first":
                     drawn = select_steps(g.step_selection, cfg.sampling.num_steps, g.timestep_fraction,
                                          cfg.selection_window, cfg.run.seed, step, rows.mine[local])
                     batch, trained = positioned(batch, drawn)
-                yield on_device, batch, loss, trained
+                yield local, batch, loss, trained
 
     def _optimizer_step(self, done: UpdateTotals, stats: BackwardStats, loss, step: int) -> None:
         """The engine's step after a minibatch's backward, counted in `done` with the loss's metrics."""

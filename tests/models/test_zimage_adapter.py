@@ -1,7 +1,8 @@
 """The diffusers Z-Image adapter (models/zimage.py) on a tiny random offline pipeline
 (tools/make_tiny_pipeline.py --kind zimage).
 
-Checks the interface (variable-length prompts padded to a fixed length with their mask, shapes, frozen parts), the
+Checks the interface (variable-length prompts as a cond.Tokens at their longest, shapes, frozen parts; a forward
+reads no device value), the
 sign, time and CFG against the pipeline's own sampling loop, the GRPO log-prob round trip, JAGG W = 2 == per-step on
 the transformer, jagg-train with LoRA (JAGG and exact; the export loads into a plain ZImagePipeline) and a full
 fine-tune that resumes exactly and whose exported transformer loads into a plain pipeline to the trained outputs.
@@ -19,9 +20,11 @@ need("transformers")
 
 from adapter_checks import (PROMPTS, check_jagg_w2_equals_per_step, check_only_the_transformer_trains,
                             check_rollout_logprobs_recomputed, check_trains_and_the_lora_loads)
+from jagg_scale.cond import index_cond
 from jagg_scale.grpo import sample_ode
 from jagg_scale.grpo.rollout import guided_velocity
 from jagg_scale.models.zimage import ZImageVelocity
+from jagg_scale.train.host_syncs import HostSyncs
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "zimage_tiny_cpu.yaml"
@@ -35,20 +38,21 @@ def model(zimage_dir):
 
 def unpadded(cond):
     """The pipeline's own form of a conditioning: one [L_i, D] tensor per prompt."""
-    embeds, mask = cond
-    return [e[m.bool()] for e, m in zip(embeds, mask)]
+    return [e[m.bool()] for e, m in zip(cond.embeds, cond.mask)]
 
 
 def test_shapes_padding_decoding_and_frozen_parts(model):
     assert model.latent_shape == (4, 8, 8) and model.image_size == 16
-    embeds, mask = model.encode_prompts(PROMPTS)
-    assert embeds.shape == (2, 48, 16) and mask.dtype == torch.int64
-    lengths = mask.sum(1).tolist()
-    assert 0 < lengths[0] < lengths[1] < 48 and (embeds[0, lengths[0]:] == 0).all() and not embeds.requires_grad
+    cond = model.encode_prompts(PROMPTS)
+    lengths = list(cond.lengths)
+    assert cond.embeds.shape == (2, lengths[1], 16) and cond.mask.dtype == torch.int64
+    assert cond.mask.sum(1).tolist() == lengths
+    assert 0 < lengths[0] < lengths[1] < 48 and (cond.embeds[0, lengths[0]:] == 0).all()
+    assert not cond.embeds.requires_grad
     theirs, _ = model.pipe.encode_prompt(prompt=list(PROMPTS), device="cpu", do_classifier_free_guidance=False,
                                          max_sequence_length=48)
     assert [t.shape[0] for t in theirs] == lengths
-    assert all(torch.equal(a, b) for a, b in zip(unpadded((embeds, mask)), theirs))
+    assert all(torch.equal(a, b) for a, b in zip(unpadded(cond), theirs))
     x = torch.randn(3, *model.latent_shape)
     v = model(x, torch.tensor([1.0, 0.5, 0.1]), model.encode_prompts(PROMPTS + [""]))
     assert v.shape == x.shape and v.abs().sum() > 0
@@ -64,8 +68,17 @@ def test_a_rows_velocity_does_not_depend_on_the_other_rows_prompts(model):
     sigma, cond = torch.tensor([0.7, 0.2]), model.encode_prompts(PROMPTS)
     with torch.no_grad():
         both = model(x, sigma, cond)
-        alone = torch.cat([model(x[i:i + 1], sigma[i:i + 1], (cond[0][i:i + 1], cond[1][i:i + 1])) for i in (0, 1)])
+        alone = torch.cat([model(x[i:i + 1], sigma[i:i + 1], index_cond(cond, slice(i, i + 1))) for i in (0, 1)])
     assert torch.allclose(both, alone, atol=1e-5)
+
+
+def test_a_forward_reads_nothing_back_from_the_device(model):
+    """Each prompt's length rides on the host in the conditioning (cond.Tokens): splitting the batch into the
+    transformer's per-prompt list reads no device value (it read the mask back once per forward before)."""
+    cond = model.encode_prompts(PROMPTS)
+    with torch.no_grad(), HostSyncs(sites=True) as syncs:
+        model(torch.randn(2, *model.latent_shape), torch.tensor([0.7, 0.2]), cond)
+    assert syncs.count == 0, dict(syncs.by_site)
 
 
 @pytest.mark.parametrize("guidance", [1.0, 4.0])

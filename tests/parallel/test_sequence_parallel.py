@@ -100,7 +100,9 @@ def test_a_sequence_sp_does_not_divide_is_refused_naming_the_key_and_the_tokens(
 
 def test_the_even_split_check_reaches_the_blocks_a_plan_names_by_wildcard(qwenimage_dir):
     """Qwen-Image's plan names its blocks "transformer_blocks.*" (its start failed on the wildcard once): the check
-    hooks every block, and a prompt of 63 tokens is refused over 2 ranks naming the key, before any collective."""
+    hooks every block and nothing inside one (a block hands its attention the mask diffusers split: checking it there
+    refused 42 prompt tokens over 2 ranks as 21), and a prompt of 63 tokens is refused over 2 ranks naming the key,
+    before any collective (the adapter pads it to 64 once parallelism is enabled: models/qwenimage.py)."""
     import torch
 
     from jagg_scale.models.qwenimage import QwenImageVelocity
@@ -110,5 +112,6 @@ def test_the_even_split_check_reaches_the_blocks_a_plan_names_by_wildcard(qwenim
     t = model.transformer
     _check_even_splits(t, t._cp_plan, 2)
     assert all(len(b._forward_pre_hooks) >= 1 for b in t.transformer_blocks)  # block 0 named twice: 2
+    assert not any(m._forward_pre_hooks for b in t.transformer_blocks for m in b.modules() if m is not b)
     with pytest.raises(ValueError, match="'parallel.sequence_parallel' 2 must divide the 63 tokens of transformer_bl"):
         model(torch.randn(1, *model.latent_shape), torch.tensor([0.5]), model.encode_prompts(["a cat " * 20]))
