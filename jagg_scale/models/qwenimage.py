@@ -78,6 +78,7 @@ class QwenImageVelocity(DiffusersVelocity):
 
     frozen_names = ("vae", "text_encoder")
     t5_name = "text_encoder"
+    guidance_rule = "token_norm"
     # eff_grpo, whose recipe configs/qwenimage_hps.yaml follows, trains the full model (SchumiDing/eff_grpo ae14d64
     # run_jagg.sh: no LoRA flag), as DanceGRPO's Qwen-Image script does; the default is Flow-Factory's Qwen-Image
     # LoRA (X-GenGroup/Flow-Factory a0b2bc5 src/flow_factory/models/qwen_image/qwen_image.py:81-89): both streams'
