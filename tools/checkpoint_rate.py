@@ -100,11 +100,12 @@ def measure(gb: float, repeats: int, directory: Path) -> dict:
 def checkpoint_bytes() -> dict[str, dict[str, float]]:
     """{model: {"full": bytes, "full+ema": bytes, "lora": bytes}} of the trainable state a checkpoint holds."""
     from jagg_scale.estimate.shapes import SHAPES, transformer_stats
+    from jagg_scale.models.lora import lora_targets
 
     out = {}
     for name in MODELS:
-        comp = json.loads((SHAPES / f"{name}.json").read_text())["components"]["transformer"]
-        st = transformer_stats(comp, LORA_RANK)
+        shapes = json.loads((SHAPES / f"{name}.json").read_text())
+        st = transformer_stats(shapes["components"]["transformer"], LORA_RANK, lora_targets(shapes["kind"], ()))
         out[name] = {"params": st["params"], "lora_params": st["lora_params"], "full": 12 * st["params"],
                      "full+ema": 16 * st["params"], "lora": 12 * st["lora_params"]}
     return out

@@ -122,7 +122,9 @@ def arm_config(arm: str, args, pipe: Path, reward: Path, out: Path):
         fg = min(9, rows // 2)
         own = [o for o in own if not o.startswith(("sampling.batch_size", "train.micro_batch_size"))]
         own += [f"sampling.batch_size={fg}", f"train.micro_batch_size={fg}"]
-    return load_config(config, [*share, *tiny, f"model.pretrained={pipe}", f"reward.options.path={reward}",
+    # model.lora.expect_modules: the recipe's count is its real model's, not the bench model's
+    return load_config(config, [*share, *tiny, f"model.pretrained={pipe}", "model.lora.expect_modules=null",
+                                f"reward.options.path={reward}",
                                 f"reward.options.processor_path={reward}", "data.prompt_file=null",
                                 f"data.prompts={json.dumps(PROMPTS)}", "eval.enabled=false", "reward.background=false",
                                 "parallel.engine=none", "log.wandb=false", "log.progress=false",

@@ -75,7 +75,7 @@ class FlowGRPOUpdater(Updater):
         predict, ref = self.policy.model_fn(), self.policy.reference_fn()
         c_all, u_all = self.policy.split_cond(cond)
         done = UpdateTotals()
-        for local, batch, loss in self.minibatches(traj, adv, rows, step, steps, guidance=1.0):  # v guided below
+        for local, batch, loss, _ in self.minibatches(traj, adv, rows, step, steps, guidance=1.0):  # first N: `steps`
             chunks = micro_batches(len(local), cfg.train.micro_batch_size)
             total = []
             for i, mrows in enumerate(chunks):
@@ -202,7 +202,8 @@ def own_overrides(arm: str, rows: int) -> list[str]:
 def arm_overrides(arm: str, size: dict, pipe: Path, out: Path) -> list[str]:
     """The scale (the bench model, the rows of a rank, float32, a cheap inline reward, no eval), then the arm's."""
     rows = size["rows"]
-    scale = [f"model.pretrained={pipe}", "model.dtype=float32", f"model.max_sequence_length={size['t5']}",
+    scale = [f"model.pretrained={pipe}", "model.lora.expect_modules=null", "model.dtype=float32",
+             f"model.max_sequence_length={size['t5']}",
              f"model.resolution={2 * size['shape']['sample_size']}", "parallel.engine=none",
              "train.prompts_per_step=2", f"grpo.group_size={rows // 2}", f"train.batch_size={rows // 2}",
              f"train.micro_batch_size={rows // 2}", "data.prompt_file=null",
