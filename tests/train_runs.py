@@ -43,3 +43,14 @@ def launch_metrics(args: list[str], nproc: int, out: Path) -> list[dict]:
     proc = subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=RUN_S)  # a hang guard
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return metrics(out)
+
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")  # the built-in DiT's smoke job
+
+
+def small_dit(num_steps: int, batch_size: int) -> list[str]:
+    """Overrides of TINY for a very small DiT run: 8 px, two blocks, two prompts in groups of 3, `num_steps` sampling
+    steps and minibatches of `batch_size` samples, no progress bar, no checkpoints."""
+    return ["model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
+            "model.dit.num_heads=2", f"sampling.num_steps={num_steps}", "train.prompts_per_step=2",
+            "grpo.group_size=3", f"train.batch_size={batch_size}", "log.progress=false", "run.checkpoint_every=0"]

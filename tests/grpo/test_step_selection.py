@@ -1,7 +1,6 @@
 """grpo.step_selection (grpo/steps.py): which steps each sample trains, as Flow-GRPO (first), DanceGRPO (random per
 sample) and eff_grpo (random windows per sample) choose them, and the per-row layout that trains them."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,14 +10,9 @@ from jagg_scale.grpo.steps import candidate_steps, positioned, select_steps, tra
 from jagg_scale.jagg import exact_plan, knot_backward
 from jagg_scale.train import ConfigError, Trainer, load_config
 from jagg_scale.train.logging import read_metrics
+from train_runs import TINY, small_dit
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
-SMALL = [
-    "model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
-    "model.dit.num_heads=2", "sampling.num_steps=9", "train.prompts_per_step=2", "grpo.group_size=3",
-    "train.batch_size=6", "log.progress=false", "run.checkpoint_every=0",
-]
+SMALL = small_dit(9, 6)
 
 
 def test_counts_are_the_peers():

@@ -1,6 +1,5 @@
 """The per-step invariants that stop a run in one line (train/invariants.py)."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -8,14 +7,9 @@ import torch
 from jagg_scale.train import ConfigError, Trainer, load_config
 from jagg_scale.train.invariants import InvariantError
 from jagg_scale.train.logging import read_metrics
+from train_runs import TINY, small_dit
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
-SMALL = [
-    "model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
-    "model.dit.num_heads=2", "sampling.num_steps=6", "train.prompts_per_step=2", "grpo.group_size=3",
-    "train.batch_size=3", "log.progress=false", "run.checkpoint_every=0", "train.steps=2",
-]
+SMALL = small_dit(6, 3) + ["train.steps=2"]
 
 
 def test_training_reproduces_the_rollouts_log_probs_on_the_first_minibatch(tmp_path):

@@ -6,7 +6,6 @@ the loss scale's search is counted apart (`loss_scale_skips`) and does not stop 
 every scale still does (parallel/loss_scale.py)."""
 
 import errno
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,14 +21,9 @@ from jagg_scale.train.config import TrainConfig
 from jagg_scale.rewards.base import Reward, register
 from jagg_scale.train import Trainer, load_config
 from jagg_scale.train.logging import read_metrics
+from train_runs import TINY, small_dit
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
-SMALL = [
-    "model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
-    "model.dit.num_heads=2", "sampling.num_steps=4", "train.prompts_per_step=2", "grpo.group_size=3",
-    "train.batch_size=3", "log.progress=false", "run.checkpoint_every=0",
-]  # two minibatches (two optimizer steps) per training step
+SMALL = small_dit(4, 3)  # two minibatches (two optimizer steps) per training step
 DIT = DiTConfig(image_size=8, in_channels=3, patch_size=4, hidden_size=32, depth=2, num_heads=2, vocab_size=64,
                 max_prompt_length=4)
 
