@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 CONFIG  ?= configs/digits_cpu.yaml
 ARGS    ?=
 
-.PHONY: setup run lint test test-fast test-slow test-dist bench parity clean
+.PHONY: setup run lint test test-fast test-slow test-dist bench clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -49,9 +49,6 @@ test-dist: setup
 
 bench: setup
 	$(BIN)/python -m tools.bench --out docs/benchmarks
-
-parity: setup
-	$(BIN)/python tools/parity.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -20,4 +20,4 @@ if ! "$PY" -c "import diffusers" 2>/dev/null; then
 fi
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv || true
-exec "$PY" tools/gpu_check.py --out "${OUT:-gpu_check_out}" "$@"
+exec "$PY" -m tools.gpu_check --out "${OUT:-gpu_check_out}" "$@"

@@ -1,6 +1,6 @@
 """Gradient fidelity of the frozen models evaluated at knots, and of DiffusionNFT's noise draws, on the digits task.
 
-    python tools/knot_fidelity.py --out docs/knot_fidelity        # ~10 min on 2 cores; --quick: a smoke run
+    python -m tools.knot_fidelity --out docs/knot_fidelity        # ~10 min on 2 cores; --quick: a smoke run
 
 Two measurements, each of a gradient against the one it stands in for, on real rollouts of configs/digits_cpu.yaml
 (optimizer steps replaced by a capture of the first minibatch's gradient; between measured steps the trainer takes
@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from jagg_scale.jagg import ExactPlanner, WindowPlanner, fill_interior, plan_uniform, split_windows  # noqa: E402
 from jagg_scale.rewards.multi import ChunkScorer, gather_components  # noqa: E402
@@ -137,7 +136,6 @@ def ref_at(beta: float, window: int, steps: int, quick: bool, work: Path) -> dic
 
 def nft(draws: int, repeats: int, quick: bool, work: Path) -> dict:
     """Each scheme's minibatch gradient against the expected per-timestep NFT gradient on one rollout."""
-    sys.path.insert(0, str(ROOT))
     from tools.bench.time_to_reward import RECIPE, arm_overrides
 
     trainer = Trainer(load_config(CONFIG, COMMON + (QUICK if quick else []) + RECIPE + arm_overrides(
@@ -213,7 +211,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1 if args.quick else torch.get_num_threads())
     work = Path(args.out).with_suffix(".work")
     cases = [(0.04, 4)] if args.quick else [(0.01, 4), (0.04, 4), (0.2, 4), (0.2, 8)]
-    res = {"command": "python tools/knot_fidelity.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = {"command": "python -m tools.knot_fidelity " + " ".join(sys.argv[1:] if argv is None else argv),
            "config": "configs/digits_cpu.yaml", "ref_at": [], "nft": None}
     for beta, window in cases:
         r = ref_at(beta, window, steps, args.quick, work)

@@ -591,8 +591,7 @@ def test_server_peak_memory_under_16_concurrent_worst_case_requests(monkeypatch)
     """The measurement of docs/reward_server.md at a small scale: 16 clients at once, each sending two 2048^2 PNG bombs
     (1.6 KB of body, 8.4 MP). The server's peak RSS (VmHWM) stays within its two decode slots' worth of pixels; the
     old server decoded all 16 at once (+1354 MB measured vs +250 MB now)."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "tools"))
-    import server_memory
+    from tools import server_memory
 
     side, slots = 2048, 2  # the server's defaults: decode_slots 2; 8.4 MP is within both pixel limits
     per_request = 2 * side * side

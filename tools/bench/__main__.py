@@ -16,10 +16,6 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python tools/bench/__main__.py`: make `tools.bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    __package__ = "tools.bench"
-
 from tools.bench import DEFAULT_PARTS, PARTS
 from tools.bench.common import machine_info
 

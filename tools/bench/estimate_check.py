@@ -33,8 +33,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 MB = 2**20
 MICRO = (2, 4, 8)
@@ -246,8 +244,7 @@ def predict_train(config: str, overrides: list[str], nproc: int) -> dict:
 # ------------------------------------------------------------------------------------------------ the study
 
 def run(only: str | None = None, out_json: str | None = None) -> list[dict]:
-    sys.path.insert(0, str(ROOT / "tools"))
-    import make_tiny_pipeline
+    from tools import make_tiny_pipeline
 
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="estimate_check_"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import sys
 from pathlib import Path
 
 from . import PARTS
@@ -247,10 +246,7 @@ def write_markdown(results: dict, out: Path, plots: dict[str, str]) -> Path:
     if gpu.exists():  # the device check's figures (tools/gpu_check.sh), kept across CPU re-runs
         import json
 
-        sys_path_tools = str(Path(__file__).resolve().parents[1])
-        if sys_path_tools not in sys.path:
-            sys.path.insert(0, sys_path_tools)
-        from gpu_check import markdown as gpu_markdown
+        from tools.gpu_check import markdown as gpu_markdown
 
         lines += ["## On a GPU: tools/gpu_check.sh", "", gpu_markdown(json.loads(gpu.read_text())["runs"]), ""]
     lines += [

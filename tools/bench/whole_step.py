@@ -257,12 +257,9 @@ def calibrate(trainer: Trainer, F: float, size: dict) -> dict:
 
 
 def run(quick: bool) -> dict:
-    import sys
-
     size = QUICK if quick else FULL
     _quiet()
-    sys.path.insert(0, str(ROOT / "tools"))
-    from make_tiny_pipeline import make_tiny_sd3
+    from tools.make_tiny_pipeline import make_tiny_sd3
 
     with tempfile.TemporaryDirectory(prefix="jagg_bench_whole_") as tmp:
         work = Path(tmp)
