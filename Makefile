@@ -48,7 +48,7 @@ test-dist: setup
 	$(BIN)/python -m pytest -q -m dist tests
 
 bench: setup
-	$(BIN)/python -m tools.bench --out docs/benchmarks
+	$(BIN)/python -m tools.bench
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,7 +1,7 @@
 """Checkpoint save rate, and the preemption signal's lead time per model size (docs/launchers.md, "How long a
 preemption save takes").
 
-    python -m tools.checkpoint_rate [--gb 2] [--repeats 3] [--dir DIR] [--out docs/checkpoint_rate.json]
+    python -m tools.checkpoint_rate [--gb 2] [--repeats 3] [--dir DIR] [--out docs/results/checkpoint_rate.json]
     python -m tools.checkpoint_rate --table-only [--node-gbps 1.0] [--hash-gbps 0.5] [--gpus 8]
 
 Measure (skipped with --table-only): GB of fp32 tensors saved as a DCP checkpoint through the trainer's own protocol

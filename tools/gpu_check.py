@@ -31,7 +31,8 @@ Sections, each in its own try block (a failing one is recorded and the next runs
              20.4B transformer at qwenimage_hps's 720 px + 443 prompt tokens (its longest), bf16 base + LoRA r32, B rows
 
 By default the check runs env, step and profile (~7 min on an H200 at --step-world 16); window, memory, syncs and
-train were measured on an H200 already (docs/gpu_check.json) and run when named: --sections env,window,memory,...
+train were measured on an H200 already (docs/results/gpu_check.json) and run when named:
+--sections env,window,memory,...
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ def markdown(runs: list[dict]) -> str:
     out = [f"GPU: {env.get('gpu', '?')} ({env.get('gpu_memory_gib', '?')} GiB, {env.get('sms', '?')} SMs), torch "
            f"{env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, diffusers {env.get('diffusers', '?')}; bf16 matmul "
            f"8192^3: {env.get('bf16_matmul_tflops', '?')} TFLOP/s. Command: `bash tools/gpu_check.sh` "
-           f"(`tools/gpu_check.py`; raw results in docs/gpu_check.json).", ""]
+           f"(`tools/gpu_check.py`; raw results in docs/results/gpu_check.json).", ""]
     wins = [r["sections"]["window"] for r in runs if r["sections"].get("window", {}).get("ok")]
     if wins:
         w0 = wins[-1]

@@ -1,6 +1,6 @@
 """Gradient fidelity of the frozen models evaluated at knots, and of DiffusionNFT's noise draws, on the digits task.
 
-    python -m tools.knot_fidelity --out docs/knot_fidelity        # ~10 min on 2 cores; --quick: a smoke run
+    python -m tools.knot_fidelity --out docs/results/knot_fidelity       # ~10 min on 2 cores; --quick: a smoke run
 
 Two measurements, each of a gradient against the one it stands in for, on real rollouts of configs/digits_cpu.yaml
 (optimizer steps replaced by a capture of the first minibatch's gradient; between measured steps the trainer takes
@@ -200,7 +200,7 @@ def table(res: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="docs/knot_fidelity")
+    p.add_argument("--out", default="docs/results/knot_fidelity")
     p.add_argument("--quick", action="store_true", help="toy sizes: a smoke run")
     p.add_argument("--steps", type=int, default=None, help="measured steps per ref_at case (3; quick 1)")
     p.add_argument("--draws", type=int, default=None, help="NFT draws for the expected gradient (8; quick 2)")

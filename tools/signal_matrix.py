@@ -2,7 +2,7 @@
 path forwards").
 
     python tools/signal_matrix.py [--paths torchrun,torchrun.sh,deepspeed.sh,mpirun.sh] [--signals TERM,USR1,INT,HUP]
-                                  [--hold 45] [--group] [--out docs/signal_matrix.jsonl]
+                                  [--hold 45] [--group] [--out docs/results/signal_matrix.jsonl]
 
 For each launch path and signal: two workers of a stub trainer (plain Python, no torch) are started through the
 launcher, the signal is sent to the launcher's process once both are up (what `kill PID`, Slurm or a scheduler

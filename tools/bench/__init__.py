@@ -1,6 +1,6 @@
 """jagg-bench: one command that measures what JAGG buys, side by side, on the machine it runs on.
 
-    python -m tools.bench --out docs/benchmarks            # the full run (< 15 min on a 2-core CPU)
+    python -m tools.bench                                  # the full run (< 15 min on a 2-core CPU)
     python -m tools.bench --quick --out /tmp/bench          # every part at toy sizes (< 1 min): a smoke test
     python -m tools.bench --parts window_speed,memory --out /tmp/bench
 
@@ -16,13 +16,13 @@ Parts (one module each; every figure is a ratio of two measurements from the sam
 Studies (run only when named in --parts; they train for longer than the whole default run):
 
     time_to_reward  held-out reward vs wall-clock on digits: Flow-GRPO, JAGG, the planner, SDE windows, the
-                    compressed ODE rollout (python -m tools.bench --parts time_to_reward --merge --out docs/benchmarks)
+                    compressed ODE rollout (python -m tools.bench --parts time_to_reward --merge)
     whole_step      one rank's share of sd35m_pickscore's step at production proportions, phase by phase:
                     Flow-GRPO as its train_sd3.py runs it, the shipped recipe, SDE k4 + dpm2; the step-time model
-                    priced with passes measured here (python -m tools.bench --parts whole_step --merge
-                    --out docs/benchmarks)
+                    priced with passes measured here (python -m tools.bench --parts whole_step --merge)
 
-Outputs: OUT.md (generated report), OUT.json (every number), OUT_<part>.png (plots).
+Outputs (--out OUT, default docs/results/benchmarks): OUT.json (every number), OUT_<part>.png (plots) and the
+generated report (docs/benchmarks.md; OUT.md for an OUT outside a results/ folder).
 """
 
 DEFAULT_PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling", "cfg")

@@ -1,6 +1,7 @@
-"""jagg-bench: `python -m tools.bench [--quick] [--parts a,b] [--out docs/benchmarks]` from the repository root.
+"""jagg-bench: `python -m tools.bench [--quick] [--parts a,b] [--out docs/results/benchmarks]` from the repository root.
 
-Writes OUT.md (report), OUT.json (every number) and OUT_<part>.png; prints each part's wall time. See
+Writes OUT.json (every number), OUT_<part>.png and the report (report.report_path: docs/benchmarks.md for
+docs/results/benchmarks); prints each part's wall time. See
 tools/bench/__init__.py for the parts and each part's module for what it measures and how.
 """
 
@@ -38,7 +39,8 @@ def _clean(x):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="docs/benchmarks", help="output prefix: OUT.md, OUT.json, OUT_<part>.png")
+    p.add_argument("--out", default="docs/results/benchmarks",
+                   help="prefix of OUT.json, OUT_<part>.png; the report OUT.md (docs/NAME.md for docs/results/NAME)")
     p.add_argument("--quick", action="store_true", help="toy sizes, one repeat (< 1 min): a smoke test only")
     p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                    help=f"comma-separated subset of {','.join(PARTS)} (default: all but the studies)")
