@@ -4,7 +4,8 @@
     python -m tools.bench --quick --out /tmp/bench          # every part at toy sizes (< 1 min): a smoke test
     python -m tools.bench --parts window_speed,memory --out /tmp/bench
 
-Parts (one module each; every figure is a ratio of two measurements from the same run):
+Parts (a module each, window_speed, subsampling and cfg one together in window.py; every figure is a ratio of two
+measurements from the same run):
 
     window_speed  one window of W steps on an SD3-shaped DiT: per-step vs eff_grpo-style vs jagg_backward
     grpo_step     whole GRPO steps through jagg_scale.train.Trainer: exact vs JAGG W=4 (jagg_frac 1, 0.5)
@@ -25,6 +26,16 @@ Outputs (--out OUT, default docs/results/benchmarks): OUT.json (every number), O
 generated report (docs/benchmarks.md; OUT.md for an OUT outside a results/ folder).
 """
 
+import importlib
+
 DEFAULT_PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling", "cfg")
 STUDIES = ("time_to_reward", "whole_step")
 PARTS = DEFAULT_PARTS + STUDIES
+MODULES = {"window_speed": "window", "subsampling": "window", "cfg": "window"}  # parts that share one timing loop
+
+
+def part(name: str):
+    """A part's run / markdown / plot (and parse_settings where it takes --set): its module, or its class in a module
+    of several parts (window.PARTS)."""
+    module = importlib.import_module(f"tools.bench.{MODULES.get(name, name)}")
+    return getattr(module, "PARTS", {}).get(name, module)

@@ -8,7 +8,6 @@ tools/bench/__init__.py for the parts and each part's module for what it measure
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import sys
@@ -17,7 +16,7 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tools.bench import DEFAULT_PARTS, PARTS
+from tools.bench import DEFAULT_PARTS, PARTS, part as part_api
 from tools.bench.common import machine_info
 
 # Full-run sizes were chosen from quick runs and single-pass probes so that the whole run stays under 15 minutes
@@ -71,7 +70,7 @@ def main(argv=None) -> int:
         p.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
     settings = dict(kv.split("=", 1) for kv in args.set if "=" in kv)
     if len(settings) != len(args.set) or (settings and (len(parts) != 1 or not hasattr(
-            importlib.import_module(f"tools.bench.{parts[0]}"), "parse_settings"))):
+            part_api(parts[0]), "parse_settings"))):
         p.error(f"--set {args.set}: KEY=VALUE pairs for one part that takes them (time_to_reward)")
     import torch
 
@@ -96,7 +95,7 @@ def main(argv=None) -> int:
         print(f"== {part}" + ("" if args.quick else f" (budget ~{BUDGET_S[part]} s)"), flush=True)
         t0 = time.perf_counter()
         try:
-            mod = importlib.import_module(f"tools.bench.{part}")
+            mod = part_api(part)
             res = mod.run(quick=args.quick, **(mod.parse_settings(settings) if settings else {}))
         except Exception as exc:
             traceback.print_exc()

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 
-from . import PARTS
+from . import PARTS, part as _module
 
 TITLES = {
     "window_speed": "1. window_speed: one window of W steps on an SD3-shaped DiT",
@@ -90,10 +89,6 @@ WHAT = {
         "(`jagg_scale/estimate/steptime.py`) is priced with this model's passes measured in the same run and set "
         "beside the measured phases. A study, not in the default run."),
 }
-
-
-def _module(part: str):
-    return importlib.import_module(f"tools.bench.{part}")
 
 
 def write_plots(results: dict, out: Path) -> dict[str, str]:
