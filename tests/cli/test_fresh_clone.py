@@ -90,10 +90,11 @@ def _training_runs(text: str) -> list[tuple[str, str, str]]:
 
 
 def test_readme_training_commands_each_train_into_their_own_run_directory():
-    """After `make run` (runs/digits_cpu, continued by `run.resume=auto`), the README's training commands run one
-    after another as written: a fresh start (run.resume none) never lands in a directory an earlier one wrote,
-    where it would be refused."""
-    runs = _training_runs(README.read_text())
+    """After `make run` (runs/digits_cpu, continued by `run.resume=auto`), the training commands of the README and
+    the usage, models and distributed pages run one after another as written: a fresh start (run.resume none) never
+    lands in a directory an earlier one wrote, where it would be refused."""
+    pages = [README, *(ROOT / "docs" / f"{name}.md" for name in ("usage", "models", "distributed"))]
+    runs = _training_runs("\n".join(page.read_text() for page in pages))
     assert len(runs) >= 10
     written = {yaml.safe_load((ROOT / "configs/digits_cpu.yaml").read_text())["run"]["output_dir"]}  # make run
     clashes = []

@@ -299,7 +299,7 @@ wait $S
 
 # ------------------------------------------------------------------ the documented multi-node examples
 
-DOCS = [ROOT / "README.md", ROOT / "docs" / "launchers.md", SBATCH]
+DOCS = [ROOT / "docs" / "distributed.md", ROOT / "docs" / "launchers.md", SBATCH]
 
 
 def _commands(path: Path) -> list[str]:
