@@ -31,21 +31,23 @@ lint: setup
 # session instead of skipping tests: tests/extras.py), in one pytest-xdist worker per core (TEST_WORKERS; each runs
 # one torch thread: tests/conftest.py). Markers (pyproject.toml): slow = >= ~5 s alone, dist = several processes or
 # DeepSpeed.
+# Every test target runs in those workers and names its 15 slowest tests at the end.
 TEST_WORKERS ?= auto
+PYTEST  = $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15
 test: lint
-	JAGG_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
+	JAGG_REQUIRE_EXTRAS=1 $(PYTEST) tests
 
-# The inner loop: everything but slow and dist tests (about 3 min on a 2-core machine).
+# The inner loop: everything but slow and dist tests.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not dist" tests
+	$(PYTEST) -m "not slow and not dist" tests
 
 # What test-fast leaves out (test-fast + test-slow = test).
 test-slow: setup
-	$(BIN)/python -m pytest -q -m "slow or dist" tests
+	$(PYTEST) -m "slow or dist" tests
 
 # The multi-process tests only (torchrun, deepspeed, mpirun).
 test-dist: setup
-	$(BIN)/python -m pytest -q -m dist tests
+	$(PYTEST) -m dist tests
 
 bench: setup
 	$(BIN)/python -m tools.bench
