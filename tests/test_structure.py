@@ -126,8 +126,6 @@ LONG_FILES_PENDING = {
     "jagg_scale/train/config_sections.py",
     "tests/rewards/test_reward_server.py",
     "tests/rewards/test_rewards_models.py",
-    "jagg_scale/parallel/engine.py",  # issue 35 item 5, next
-    "jagg_scale/checkpoint/local.py",
 }
 MAX_LINES = 500
 
