@@ -120,23 +120,27 @@ def test_the_tools_are_a_package_that_leaves_sys_path_alone():
     assert edits == []
 
 
-# Files over the limit whose split is pending with their owners; an entry leaves the list when its file is split.
+# Files over the limit whose split is pending with their owners, at most at their length today: a ratchet (a split
+# passes whatever order the branches merge in, growth fails); an entry leaves the list once its file is split.
 LONG_FILES_PENDING = {
-    "jagg_scale/train/config.py",  # the config sections' split (issue 35 item 2)
-    "jagg_scale/train/config_sections.py",
-    "tests/rewards/test_reward_server.py",
-    "tests/rewards/test_rewards_models.py",
-    "jagg_scale/parallel/engine.py",  # issue 35 item 5, next
-    "jagg_scale/checkpoint/local.py",
+    "jagg_scale/train/config.py": 561,  # the config sections' split (issue 35 item 2)
+    "jagg_scale/train/config_sections.py": 538,
 }
 MAX_LINES = 500
 
 
+def _too_long(lines: dict[str, int], pending: dict[str, int]) -> dict[str, int]:
+    return {name: n for name, n in lines.items() if n > MAX_LINES and n > pending.get(name, MAX_LINES)}
+
+
 def test_no_file_over_500_lines():
-    long = {str(path.relative_to(ROOT)) for base in ("jagg_scale", "tools", "tests")
-            for path in (ROOT / base).rglob("*.py") if len(path.read_text().splitlines()) > MAX_LINES}
-    assert long - LONG_FILES_PENDING == set(), f"over {MAX_LINES} lines: split them"
-    assert LONG_FILES_PENDING - long == set(), "split (or gone): remove them from LONG_FILES_PENDING"
+    lines = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+             for base in ("jagg_scale", "tools", "tests") for path in (ROOT / base).rglob("*.py")}
+    assert _too_long(lines, LONG_FILES_PENDING) == {}, f"over {MAX_LINES} lines (or longer than LONG_FILES_PENDING " \
+        "allows): split them"
+    # the check finds a new long file and a pending one that grew, and lets a pending one shrink
+    assert _too_long({"a.py": 501, "b.py": 601, "c.py": 500, "d.py": 520}, {"b.py": 600, "d.py": 561}) == {
+        "a.py": 501, "b.py": 601}
 
 
 def test_nothing_outside_tests_imports_a_test_module():

@@ -39,8 +39,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-
 from jagg_scale.data.digits import (
     DIGIT_WORDS,
     DIGITS_SPLIT_SEED,
@@ -56,6 +54,7 @@ from jagg_scale.models.dit import DiT, DiTConfig
 from jagg_scale.models.dit import HashTokenizer
 from jagg_scale.rewards.digits import DigitClassifier
 
+ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "jagg_scale" / "assets" / "digits"
 
 # ------------------------------------------------------------------------------------------------ settings

@@ -35,15 +35,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+# the lead beyond the step (2 x t_save + 30 s) and t_save itself: jagg_scale/estimate/preemption.py, which
+# slurm/jagg.sbatch checks a job against
+from jagg_scale.estimate.preemption import MARGIN_S, SAFETY, save_seconds
 
+ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
 MODELS = {"sd35_medium": "SD3.5-medium", "sd35_large": "SD3.5-large", "flux1_dev": "FLUX.1-dev"}
 LORA_RANK = 32  # the shipped LoRA configs (configs/sd35m_*.yaml)
 NODES = (1, 2, 4)
-# the lead beyond the step (2 x t_save + 30 s) and t_save itself: jagg_scale/estimate/preemption.py, which
-# slurm/jagg.sbatch checks a job against
-from jagg_scale.estimate.preemption import MARGIN_S, SAFETY, save_seconds  # noqa: E402
 
 
 def measure(gb: float, repeats: int, directory: Path) -> dict:

@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from jagg_scale.jagg import ExactPlanner, WindowPlanner, fill_interior, plan_uniform, split_windows
+from jagg_scale.rewards.multi import ChunkScorer, gather_components
+from jagg_scale.train import Trainer, load_config
+from jagg_scale.train import nft as nft_module
+from jagg_scale.train.rows import StepRows
 
-from jagg_scale.jagg import ExactPlanner, WindowPlanner, fill_interior, plan_uniform, split_windows  # noqa: E402
-from jagg_scale.rewards.multi import ChunkScorer, gather_components  # noqa: E402
-from jagg_scale.train import Trainer, load_config  # noqa: E402
-from jagg_scale.train import nft as nft_module  # noqa: E402
-from jagg_scale.train.rows import StepRows  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = ROOT / "configs" / "digits_cpu.yaml"
 COMMON = ["eval.enabled=false", "log.progress=false", "log.wandb=false", "run.checkpoint_every=0",

@@ -21,9 +21,9 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from jagg_scale.data import shared_prompts_dir
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Pick-a-Pic captions are what users typed, some of it explicit: its samples keep only the captions that pass this
 # deliberately broad word filter (people, bodies, violence, real people's names), not simply the first lines
