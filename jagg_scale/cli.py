@@ -54,6 +54,8 @@ def _train(argv: list[str] | None) -> int:
 
     try:
         trainer = Trainer(cfg)
+    except ImportError as err:  # a package of an optional extra the core install leaves out: name the extra
+        return _failed(_extra_or_raise(err), 2)
     except (ConfigError, RunDirLocked, CheckpointError) as err:
         # found once the run directory is read: an earlier run there, another job on it, no checkpoint that resumes
         return _failed(err, 2)
@@ -84,6 +86,17 @@ def _failed(err: Exception, code: int) -> int:
         except OSError as oserr:  # the message above is the report
             print(f"jagg-train: could not write JAGG_FAILED_FILE={marker}: {oserr}", file=sys.stderr)
     return code
+
+
+def _extra_or_raise(err: ImportError) -> Exception:
+    """The one-line error naming the optional extra that installs the missing package; any other ImportError is a
+    bug, raised with its traceback."""
+    from .extras import missing_extra
+
+    extra = missing_extra(err)
+    if extra is None:
+        raise err
+    return extra
 
 
 def _one_line(err: BaseException) -> str:
@@ -235,6 +248,9 @@ def _eval(argv: list[str] | None) -> int:
         result = evaluate_checkpoint(cfg, path, out)  # under a launcher of N processes: each its share, rank 0 writes
     except (ConfigError, CheckpointError) as err:  # a prompt file of bad records; a checkpoint that fails its checks
         print(f"jagg-eval: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except ImportError as err:  # a package of an optional extra the core install leaves out
+        print(f"jagg-eval: {_extra_or_raise(err)}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: v for k, v in result.items() if k not in ("per_prompt", "grid")}, indent=2))

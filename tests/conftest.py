@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny offline diffusers pipelines of tools/make_tiny_pipeline.py, built once per session
-(read-only for the tests that use them).
+(read-only for the tests that use them), and the production configs' prompt files copied into data/prompt_sets
+from the peers' sets beside the repo (`jagg_scale.data.shared_prompts_dir()`) when they are there.
 
 The tests live in folders named after the packages they cover (tests/jagg, tests/train, ...); the helpers they
 share (minibatch.py, toy_velocity.py, extras.py, ...) sit here, on the import path. Under JAGG_REQUIRE_EXTRAS=1
@@ -31,11 +32,19 @@ def pytest_configure(config):
 
 
 def pytest_sessionstart(session):
+    # the production configs' prompt files (data/prompt_sets, `make prompts`) from a local copy of the peers' sets
+    # when there is one: the suite never downloads (copies are checked against the pinned digests; atomic, so the
+    # xdist workers doing the same at once is harmless)
+    from jagg_scale.data import shared_prompts_dir
+    from jagg_scale.data.fetch import DEST, fill_from
+
+    if shared_prompts_dir().is_dir():
+        fill_from(shared_prompts_dir(), TESTS.parent / DEST)
     gone = missing() if required() else []
     if gone:
         raise pytest.UsageError("JAGG_REQUIRE_EXTRAS=1, but these optional extras are not installed: "
                                 f"{', '.join(gone)} "
-                                "(make setup installs them: rm .venv/bin/.installed && make setup)")
+                                "(rm .venv/bin/.installed-extras && make setup-extras installs them)")
 
 
 def _maker(name: str):

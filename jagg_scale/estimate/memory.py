@@ -79,13 +79,16 @@ def shard_group(cfg, world: int) -> int:
 
 
 def eval_images(cfg) -> int:
-    """Held-out images of an evaluation; eval.grid_images (the most the grid keeps) when the prompt file is absent."""
+    """Held-out images of an evaluation (none when disabled): its prompts x eval.num_per_prompt. A prompt file that
+    is not there is an error naming it (the estimator's CLI says so first): a guess would misprice the evaluation."""
     from ..data import load_prompts
     from ..paths import resolve_path
 
-    e, path = cfg.eval, resolve_path(cfg.eval.prompt_file) if cfg.eval.prompt_file else None
-    n = len(e.prompts) if e.prompts else len(load_prompts(path)) if path and path.is_file() else None
-    return e.grid_images if n is None else n * e.num_per_prompt
+    e = cfg.eval
+    if not e.enabled:
+        return 0
+    n = len(e.prompts) if e.prompts else len(load_prompts(resolve_path(e.prompt_file))) if e.prompt_file else 0
+    return n * e.num_per_prompt
 
 
 def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = False, overhead_gb: float = 1.5,

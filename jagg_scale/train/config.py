@@ -527,6 +527,7 @@ def _pretrained_path(cfg: Config):
 
 
 def _check_files(cfg: Config) -> None:
+    from ..data.fetch import fetch_hint
     from ..data.prompts import prompt_file_problem
     from ..models import safetensors_problem
 
@@ -534,7 +535,8 @@ def _check_files(cfg: Config) -> None:
     for key, value in (("data.prompt_file", cfg.data.prompt_file),
                        ("eval.prompt_file", cfg.eval.prompt_file if cfg.eval.enabled else None),
                        ("model.pretrained", pretrained if cfg.model.kind == "dit" else None)):
-        _require(value is None or resolve_path(value).is_file(), key, f"names a file that does not exist: {value}")
+        _require(value is None or resolve_path(value).is_file(), key,
+                 f"names a file that does not exist: {value}{fetch_hint(value)}")
         if value is not None:
             problem = (safetensors_problem if key == "model.pretrained" else prompt_file_problem)(resolve_path(value))
             _require(problem is None, key, problem)
