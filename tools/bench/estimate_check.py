@@ -247,7 +247,7 @@ def predict_train(config: str, overrides: list[str], nproc: int) -> dict:
 
 def run(only: str | None = None, out_json: str | None = None) -> list[dict]:
     sys.path.insert(0, str(ROOT / "tools"))
-    import make_tiny_pipeline
+    from jagg_scale.models import tiny as make_tiny_pipeline
 
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="estimate_check_"))

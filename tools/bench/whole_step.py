@@ -262,7 +262,7 @@ def run(quick: bool) -> dict:
     size = QUICK if quick else FULL
     _quiet()
     sys.path.insert(0, str(ROOT / "tools"))
-    from make_tiny_pipeline import make_tiny_sd3
+    from jagg_scale.models.tiny import make_tiny_sd3
 
     with tempfile.TemporaryDirectory(prefix="jagg_bench_whole_") as tmp:
         work = Path(tmp)
