@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny offline diffusers pipelines of tools/make_tiny_pipeline.py, built once per session
+"""Shared fixtures: the tiny offline diffusers pipelines of jagg_scale/models/tiny.py, built once per session
 (read-only for the tests that use them), and the production configs' prompt files copied into data/prompt_sets
 from the peers' sets beside the repo (`jagg_scale.data.shared_prompts_dir()`) when they are there.
 
@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-TOOLS = TESTS.parent / "tools"
 if str(TESTS) not in sys.path:  # the shared helpers
     sys.path.insert(0, str(TESTS))
 
@@ -50,15 +49,13 @@ def pytest_sessionstart(session):
 def _maker(name: str):
     need("diffusers")
     need("transformers")
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))
-    import make_tiny_pipeline
+    from jagg_scale.models import tiny
 
-    return getattr(make_tiny_pipeline, name)
+    return getattr(tiny, name)
 
 
 def _tiny_pipeline(kind: str):
-    """A session fixture `<kind>_dir`: the tiny random pipeline of a diffusers family (tools/make_tiny_pipeline.py),
+    """A session fixture `<kind>_dir`: the tiny random pipeline of a diffusers family (jagg_scale/models/tiny.py),
     built once per session."""
     @pytest.fixture(scope="session", name=f"{kind}_dir")
     def fixture(tmp_path_factory):
@@ -67,5 +64,6 @@ def _tiny_pipeline(kind: str):
     return fixture
 
 
-sd3_dir, flux_dir, qwenimage_dir, flux2_dir, zimage_dir, flux_kontext_dir, flux2_dev_dir, wan_dir = (
-    _tiny_pipeline(k) for k in ("sd3", "flux", "qwenimage", "flux2", "zimage", "flux_kontext", "flux2_dev", "wan"))
+(sd3_dir, flux_dir, qwenimage_dir, flux2_dir, zimage_dir, flux_kontext_dir, flux2_dev_dir, wan_dir,
+ qwenimage_edit_dir) = (_tiny_pipeline(k) for k in ("sd3", "flux", "qwenimage", "flux2", "zimage", "flux_kontext",
+                                                     "flux2_dev", "wan", "qwenimage_edit"))

@@ -139,7 +139,7 @@ def section_memory(args, device, state) -> dict:
 
 
 def tiny_pipeline(work: Path) -> Path:
-    from tools.make_tiny_pipeline import make_tiny_sd3
+    from jagg_scale.models.tiny import make_tiny_sd3
 
     path = work / "tiny_sd3"
     if not path.exists():

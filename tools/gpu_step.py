@@ -47,7 +47,7 @@ def write_components(work: Path, device: torch.device, tiny: bool) -> tuple[Path
     tiny pipeline and a tiny CLIP."""
     from transformers import CLIPConfig, CLIPModel
 
-    from tools.make_tiny_pipeline import _clip_tokenizer, _t5_tokenizer, make_tiny_sd3
+    from jagg_scale.models.tiny import _clip_tokenizer, _t5_tokenizer, make_tiny_sd3
 
     pipe_dir, reward_dir = work / "pipeline", work / "reward"
     t0 = time.perf_counter()

@@ -39,9 +39,8 @@ from ..models.lora import lora_targets
 from ..train.rows import StepRows
 from .activations import cached as _cached
 from .activations import ev, key, reduce_buffers, transformer_activations
-from .prompt_tokens import longest
-from .shapes import (FROZEN, QWEN_TEXT, clean, component_params, context_parallel, pipeline_shapes, reward_models,
-                     transformer_stats)
+from ..models.registry import family
+from .shapes import clean, component_params, context_parallel, pipeline_shapes, reward_models, transformer_stats
 
 __all__ = ["COMPONENTS", "GiB", "PHASES", "balanced", "choose_micro", "estimate", "local_rows", "prepare", "report",
            "shard_group"]
@@ -109,54 +108,20 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     sharded, bf16 = cfg.parallel.engine != "none", cfg.model.dtype != "float32"
     precision = ("bf16_mp" if sharded else "amp") if bf16 else "fp32"
     tc, vae = tcomp["config"], comps["vae"]["config"]
-    tokens = dict(shapes["text_tokens"])
-    if kind in QWEN_TEXT:  # a Qwen LM's prompt tokens, every prompt padded to them (models/<kind>.py)
+    tokens, fam, prompt = dict(shapes["text_tokens"]), family(kind), None
+    qwen = fam.text in ("qwen", "qwen_lm")  # a Qwen LM's prompt tokens, every prompt padded to them (models/<kind>.py)
+    if qwen:
         prompt = min(cfg.model.max_sequence_length or tokens["prompt"], tokens["prompt_limit"])
     elif cfg.model.max_sequence_length:  # the T5 length (models/diffusers_common.t5_length)
         tokens["t5"] = min(cfg.model.max_sequence_length, tokens.get("t5_limit", 512))
-    # per family: the VAE's scale, the latents, the patch of a token, the transformer's text tokens and a row's
-    # conditioning in float32 words: prompt embeddings and the pooled vector (sd3/flux) or the int64 mask (2 words)
-    prompt_lengths = None  # (encoded lengths, cap) of a family whose pass carries its rows' longest prompt
-    if kind == "qwenimage":  # a video VAE: 8x spatial (2 per temporal_downsample level); a pass carries its rows'
-        # longest prompt (models/qwenimage.py): at most the prompt set's longest (prompt_tokens.py), padded up to a
-        # multiple of a sequence-parallel split
-        scale = 2 ** len(vae["temperal_downsample"])
-        side = (cfg.model.resolution or 1024) // scale  # QwenImagePipeline's default: 1024 px
-        latent, p = (tc["in_channels"] // 4, side, side), 2
-        if "encoded" in tokens:
-            prompt_lengths = (tokens["encoded"]["lengths"], prompt)
-        sp = cfg.parallel.sequence_parallel
-        text = -(-(longest(*prompt_lengths) if prompt_lengths else prompt) // sp) * sp
-        cond_row = text * (tc["joint_attention_dim"] + 2)
-    elif kind == "sd3":
-        scale = 2 ** (len(vae["block_out_channels"]) - 1)
-        side = cfg.model.resolution // scale if cfg.model.resolution else tc["sample_size"]
-        latent, p = (tc["in_channels"], side, side), tc["patch_size"]
-        text = tokens["clip"] + tokens["t5"]
-        cond_row = text * tc["joint_attention_dim"] + tc["pooled_projection_dim"]
-    elif kind == "zimage":  # the transformer patchifies 2x2 itself and sees each prompt's own tokens rounded up to
-        # 32 (ZImageTransformer2DModel's SEQ_MULTI_OF), a pass its longest prompt's: at most the padded length
-        scale = 2 ** (len(vae["block_out_channels"]) - 1)
-        side = (cfg.model.resolution or vae["sample_size"]) // scale  # ZImagePipeline's default: 1024 px
-        latent, p = (tc["in_channels"], side, side), tc["all_patch_size"][0]
-        text, cond_row = -(-prompt // 32) * 32, prompt * (tc["cap_feat_dim"] + 2)
-    elif kind == "wan":  # video latents [C, F, H, W]: the VAE's 8x spatial and 4x temporal factors, (1, 2, 2)
-        # patches; the transformer cross-attends to the padded UMT5 prompt (models/wan.py; 480 px, 81 frames unless set)
-        scale, nf = vae.get("scale_factor_spatial", 8), cfg.model.num_frames or 81
-        side = (cfg.model.resolution or 480) // scale
-        latent, p = (tc["in_channels"], (nf - 1) // vae.get("scale_factor_temporal", 4) + 1, side, side), 2
-        text, cond_row = tokens["t5"], tokens["t5"] * tc["text_dim"]
-    else:  # FLUX.1 (T5 tokens, CLIP's pooled vector) and FLUX.2 [klein] (the padded Qwen3 prompt): 2x2 latent patches
-        scale = 2 ** (len(vae["block_out_channels"]) - 1)
-        side = (cfg.model.resolution or vae["sample_size"]) // scale
-        latent, p = (tc["in_channels"] // 4, side, side), 2
-        text = prompt if kind == "flux2" else tokens["t5"]
-        cond_row = text * tc["joint_attention_dim"] + tc.get("pooled_projection_dim", 0)
-        if kind == "flux_kontext":  # the input image's latents ride in the conditioning (models/kontext.py)
-            cond_row += math.prod(latent)
-    # the transformer's image tokens: FLUX.1-Kontext's passes carry the input image's tokens beside the noisy ones, a
-    # video's every latent frame's; its decode gives 4 (F - 1) + 1 frames (models/wan.py)
-    images_per_pass = 2 if kind == "flux_kontext" else latent[1] if len(latent) == 4 else 1
+    # the family's geometry (its Family.geometry): the VAE's scale, the latents, the patch of a token, the
+    # transformer's text tokens and a row's conditioning in float32 words (prompt embeddings and the pooled vector
+    # or the int64 mask), the image tokens' copies in a pass (FLUX.1-Kontext's input image, a video's latent frames),
+    # and for a family whose pass carries its rows' longest prompt (encoded lengths, cap)
+    geo = fam.geometry(cfg, tc, vae, tokens, prompt)
+    scale, side, latent, p, text, cond_row = (geo[k] for k in ("scale", "side", "latent", "patch", "text", "cond_row"))
+    prompt_lengths, images_per_pass = geo.get("prompt_lengths"), geo.get("images_per_pass", 1)
+    # a video's decode gives 4 (F - 1) + 1 frames (models/wan.py)
     frames = (latent[1], cfg.model.num_frames or 81) if len(latent) == 4 else (1, 1)
     n_img = images_per_pass * (side // p) ** 2
     stats = transformer_stats(tcomp, rank, targets)
@@ -164,13 +129,13 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     label = f"{shapes.get('name', tcomp['class'])} transformer, {precision}, {'LoRA r%d' % rank if rank else 'full'}"
     act = cached(key(*t_key), label, lambda: M.measure_transformer(tcomp, precision, rank, targets), measure)
     fdt = torch.bfloat16 if bf16 else torch.float32
-    t5 = FROZEN[kind][-1]  # model.text_encoders no_t5: not loaded; model.shard_t5: 1/world of it per rank
-    frozen = [n for n in FROZEN[kind] if n in comps and not (n == t5 and cfg.model.text_encoders == "no_t5")]
+    t5 = fam.frozen[-1]  # model.text_encoders no_t5: not loaded; model.shard_t5: 1/world of it per rank
+    frozen = [n for n in fam.frozen if n in comps and not (n == t5 and cfg.model.text_encoders == "no_t5")]
     encoders = {}
     for name in frozen[1:]:
         c = comps[name]
-        if kind in QWEN_TEXT:
-            what, seq = QWEN_TEXT[kind], prompt  # the padded prompt (Qwen-Image: the template's tokens besides)
+        if qwen:
+            what, seq = fam.text, prompt  # the padded prompt (Qwen-Image: the template's tokens besides)
         else:
             what = "t5" if c["class"].startswith(("T5", "UMT5")) else ("clip_hidden" if kind == "sd3" else "clip")
             seq = tokens["t5" if what == "t5" else "clip"]

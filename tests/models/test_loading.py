@@ -1,5 +1,5 @@
 """Loading at production scale (models/__init__.py build_model, the engines' placement, train/trainer.py), on the
-tiny offline SD3 pipeline (tools/make_tiny_pipeline.py):
+tiny offline SD3 pipeline (jagg_scale/models/tiny.py):
 
 - the frozen VAE and text encoders are loaded straight in their compute dtype (bf16 with model.dtype bfloat16),
   bit for bit what loading float32 and casting gave;

@@ -244,7 +244,7 @@ def predict_train(config: str, overrides: list[str], nproc: int) -> dict:
 # ------------------------------------------------------------------------------------------------ the study
 
 def run(only: str | None = None, out_json: str | None = None) -> list[dict]:
-    from tools import make_tiny_pipeline
+    from jagg_scale.models import tiny as make_tiny_pipeline
 
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="estimate_check_"))

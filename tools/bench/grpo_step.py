@@ -41,7 +41,7 @@ QUICK = {
 
 
 def make_sd3_pipeline(out_dir: Path) -> Path:
-    from tools.make_tiny_pipeline import make_tiny_sd3
+    from jagg_scale.models.tiny import make_tiny_sd3
 
     return make_tiny_sd3(out_dir, seed=0)
 

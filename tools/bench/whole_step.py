@@ -259,7 +259,7 @@ def calibrate(trainer: Trainer, F: float, size: dict) -> dict:
 def run(quick: bool) -> dict:
     size = QUICK if quick else FULL
     _quiet()
-    from tools.make_tiny_pipeline import make_tiny_sd3
+    from jagg_scale.models.tiny import make_tiny_sd3
 
     with tempfile.TemporaryDirectory(prefix="jagg_bench_whole_") as tmp:
         work = Path(tmp)
