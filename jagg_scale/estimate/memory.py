@@ -279,9 +279,9 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     grads = 4 * Pt if not shard or sync == "boundary" else 4 * Pt / div
     if shard and sync == "boundary":
         grads += 4 * Pt / div  # the reduced shard next to the unsharded accumulation at the boundary
-    # latents, velocities, uncond, ref, log-probs (a DiffusionNFT rollout keeps no reference velocities: its KL is
-    # evaluated at training time, below)
-    row = 4 * lat * ((S + 1) + S * (1 + cfgg + (ref and not nft))) + 4 * S
+    # a row's rollout store: latents, velocities, uncond, ref, log-probs of every step (GRPO); a DiffusionNFT rollout
+    # keeps only the final latents (train/nft.py rollout_spec, keep final: its KL is evaluated at training time)
+    row = 4 * lat if nft else 4 * lat * ((S + 1) + S * (1 + cfgg + ref)) + 4 * S
     store, cond_all = R * row, R * cond * (1 + cfgg)
     steps_per_rollout = (R // B) * cfg.grpo.inner_epochs
     off_policy_cfg = cfgg and steps_per_rollout > 1  # Updater: the uncond of later minibatches is recomputed
