@@ -26,6 +26,7 @@ Adding an algorithm = its module (a class with this contract, registered here) +
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Literal
 
@@ -35,7 +36,7 @@ from ..grpo.advantages import Advantages, combine_advantages, compute_advantages
 from ..jagg import Plan
 from .config import ConfigError
 
-__all__ = ["ALGORITHMS", "Algorithm", "RolloutSpec", "build_algorithm"]
+__all__ = ["ALGORITHMS", "Algorithm", "RolloutSpec", "algorithm_class", "build_algorithm"]
 
 
 @dataclass(frozen=True)
@@ -101,26 +102,20 @@ class Algorithm:
         raise NotImplementedError
 
 
-def _grpo():
-    from .update import GRPO
-
-    return GRPO
-
-
-def _nft():
-    from .nft import NFT
-
-    return NFT
+# train.algorithm -> the unit, as "module:class" under jagg_scale.train: loaded when built, since each unit's module
+# imports this one for the contract (an import back would be a cycle)
+ALGORITHMS: dict[str, str] = {"grpo": "update:GRPO", "nft": "nft:NFT"}
 
 
-# train.algorithm -> the unit's class (imported when built: a unit's module imports this one)
-ALGORITHMS: dict[str, Callable[[], type]] = {"grpo": _grpo, "nft": _nft}
-
-
-def build_algorithm(cfg, policy, engine, dist) -> Algorithm:
-    """The unit named by train.algorithm; an unknown name is a ConfigError naming the key."""
-    name = cfg.train.algorithm
+def algorithm_class(name: str) -> type:
+    """The unit registered under train.algorithm `name`; an unknown name is a ConfigError naming the key."""
     if name not in ALGORITHMS:
         raise ConfigError(f"config key 'train.algorithm': unknown algorithm {name!r} (known: "
                           f"{', '.join(sorted(ALGORITHMS))})")
-    return ALGORITHMS[name]()(cfg, policy, engine, dist)
+    module, cls = ALGORITHMS[name].split(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+
+
+def build_algorithm(cfg, policy, engine, dist) -> Algorithm:
+    """The unit named by train.algorithm, built; an unknown name is a ConfigError naming the key."""
+    return algorithm_class(cfg.train.algorithm)(cfg, policy, engine, dist)
