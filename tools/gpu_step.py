@@ -154,7 +154,7 @@ def section_step(args, device, state) -> dict:
         t0 = time.perf_counter()
         trainer = Trainer(cfg)
         if arm == "Flow-GRPO":
-            trainer.updater = FlowGRPOUpdater(cfg, trainer.policy, trainer.engine, trainer.dist)
+            trainer.algorithm = FlowGRPOUpdater(cfg, trainer.policy, trainer.engine, trainer.dist)
         load_s = time.perf_counter() - t0
         try:
             _warm(trainer, device)

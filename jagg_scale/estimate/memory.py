@@ -247,12 +247,12 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     grads = 4 * Pt if not shard or sync == "boundary" else 4 * Pt / div
     if shard and sync == "boundary":
         grads += 4 * Pt / div  # the reduced shard next to the unsharded accumulation at the boundary
-    # latents, velocities, uncond, ref, log-probs (a DiffusionNFT rollout keeps no reference velocities: its KL is
-    # evaluated at training time, below)
-    row = 4 * lat * ((S + 1) + S * (1 + cfgg + (ref and not nft))) + 4 * S
+    # a row's rollout store: latents, velocities, uncond, ref, log-probs of every step (GRPO); a DiffusionNFT rollout
+    # keeps only the final latents (train/nft.py rollout_spec, keep final: its KL is evaluated at training time)
+    row = 4 * lat if nft else 4 * lat * ((S + 1) + S * (1 + cfgg + ref)) + 4 * S
     store, cond_all = R * row, R * cond * (1 + cfgg)
     steps_per_rollout = (R // B) * cfg.grpo.inner_epochs
-    off_policy_cfg = cfgg and steps_per_rollout > 1  # Updater: the uncond of later minibatches is recomputed
+    off_policy_cfg = cfgg and steps_per_rollout > 1  # GRPO: the uncond of later minibatches is recomputed
     mb = B * row + B * cond * (1 + off_policy_cfg)  # step_batch and index_cond copies; micro-batches are views
     if cfg.grpo.step_selection != "first":  # grpo/steps.py positioned: 2K latents, sigmas and 2K-spaced per-step values
         mb += B * (4 * lat * 2 * cfg.trained_per_sample * (2 + cfgg + ref) + 4 * 4 * cfg.trained_per_sample)
@@ -310,7 +310,7 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
         "update": {"FSDP2 gathered weights + reduce buffers": gather + reduce_buf, "gradients": grads,
                    "prompt conditioning": cond_all, "rollout storage": store,
                    "minibatch copies + pass inputs": mb + pass_in, "activations": activ},
-        # the Updater makes the next minibatch's copies while the previous ones are alive (gradients are None); a
+        # the runner makes the next minibatch's copies while the previous ones are alive (gradients are None); a
         # step of one minibatch has no next one
         "update_switch": {"prompt conditioning": cond_all, "rollout storage": store,
                           "minibatch copies + pass inputs": 2 * mb if steps_per_rollout > 1 else mb},

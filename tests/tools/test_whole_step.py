@@ -33,7 +33,7 @@ def test_the_flow_grpo_arm_trains_flow_grpos_update(tmp_path, sd3_dir):
         t = Trainer(load_config(ROOT / "configs" / "sd3_tiny_cpu.yaml",
                                 COMMON + [f"model.pretrained={sd3_dir}", f"run.output_dir={tmp_path / name}"]))
         if fg:
-            t.updater = W.FlowGRPOUpdater(t.cfg, t.policy, t.engine, t.dist)
+            t.algorithm = W.FlowGRPOUpdater(t.cfg, t.policy, t.engine, t.dist)
         return t
 
     ours, fg = trainer("ours", False), trainer("fg", True)
