@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -27,6 +28,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def _train(argv: list[str] | None) -> int:
+    started = time.perf_counter()  # the summary's wall time: set-up included, as a user waits for it
     launcher = os.getppid()  # before the slow imports: the agent (under torchrun) for follow_launcher
     parser = argparse.ArgumentParser(prog="jagg-train", description="GRPO fine-tuning with JAGG")
     parser.add_argument("config", help="YAML config file")
@@ -52,6 +54,8 @@ def _train(argv: list[str] | None) -> int:
 
     try:
         trainer = Trainer(cfg)
+    except ImportError as err:  # a package of an optional extra the core install leaves out: name the extra
+        return _failed(_extra_or_raise(err), 2)
     except (ConfigError, RunDirLocked, CheckpointError) as err:
         # found once the run directory is read: an earlier run there, another job on it, no checkpoint that resumes
         return _failed(err, 2)
@@ -60,7 +64,7 @@ def _train(argv: list[str] | None) -> int:
     try:
         history = trainer.fit()
         if trainer.is_main:
-            _summary(trainer, cfg, history)
+            _summary(trainer, cfg, history, time.perf_counter() - started)
     except (NonFiniteError, InvariantError, OSError) as err:  # diverged, an invariant broke; the disk: said plainly
         return _failed(err, 1)
     finally:
@@ -84,40 +88,89 @@ def _failed(err: Exception, code: int) -> int:
     return code
 
 
+def _extra_or_raise(err: ImportError) -> Exception:
+    """The one-line error naming the optional extra that installs the missing package; any other ImportError is a
+    bug, raised with its traceback."""
+    from .extras import missing_extra
+
+    extra = missing_extra(err)
+    if extra is None:
+        raise err
+    return extra
+
+
 def _one_line(err: BaseException) -> str:
     """The error's message on one line (a list of checkpoints and their problems becomes '; '-separated)."""
     return "; ".join(part.strip(" -") for part in str(err).splitlines() if part.strip(" -")) or type(err).__name__
 
 
-def _summary(trainer, cfg, history: list[dict]) -> None:
-    """Rank 0: the run's summary on stdout and in summary.json, over every step of the run (metrics.jsonl), so a
-    resume with nothing left to train still writes it."""
+def _summary(trainer, cfg, history: list[dict], wall_s: float) -> None:
+    """Rank 0: the run's summary on stdout and in summary.json, rebuilt from the run's files (every step of
+    metrics.jsonl, every eval/step_*/eval.json), so a rerun with nothing left to train prints and writes the same
+    summary as the run that trained. `wall_s`: this jagg-train's wall time, recorded when it trained a step."""
     from .train import summarize
     from .train.diversity import diversity_summary
 
-    summary = summarize(_run_history(trainer.out) or history)
-    if summary:
-        print(
-            f"\n== jagg-train summary ({cfg.run.output_dir}) ==\n"
-            f"  {cfg.jagg.planner()}\n"
-            f"  reward: first {summary['reward_first']:.4f} -> last {summary['reward_last']:.4f} "
-            f"(mean of first/last {min(3, summary['steps'])} steps)\n"
-            f"  transformer backward passes: {summary['backward_passes']} vs "
-            f"{summary['backward_passes_per_step_baseline']} "
-            f"per-step (Flow-GRPO), {100 * summary['backward_saved_frac']:.0f}% saved\n"
-            f"  training-phase seconds: {summary['train_seconds']:.1f}"
-        )
-        if trainer.evals:
-            first, last = min(trainer.evals), max(trainer.evals)
-            e0, e1 = trainer.evals[first], trainer.evals[last]
-            summary["eval_before"], summary["eval_after"] = e0["reward_mean"], e1["reward_mean"]
-            diversity, line = diversity_summary(e1)  # vs the base model's (step-0) evaluation
-            summary.update(diversity)
-            print(f"  held-out eval ({e1['reward']}, ODE, {e1['num_images']} images): "
-                  f"{e0['reward_mean']:.4f} after {first} steps -> {e1['reward_mean']:.4f} after {last} steps\n"
-                  f"{line}\n"
-                  f"  grids: {trainer.out / 'eval'}/step_*/grid.png")
-        (trainer.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    path = trainer.out / "summary.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    rows = _run_history(trainer.out) or history
+    summary = summarize(rows)
+    if not summary:
+        return
+    for phase in ("rollout", "reward"):  # beside summarize's train_seconds: where the rest of a step's time went
+        summary[f"{phase}_seconds"] = sum(r.get(f"time_{phase}", 0.0) for r in rows)
+    steps = summary["steps"]
+    # the wall time is no file's: the jagg-train that trained measured it; a rerun that trained nothing keeps it
+    summary["wall_seconds"] = wall_s if history else old.get("wall_seconds")
+    wall = summary["wall_seconds"]
+    print(
+        f"\n== jagg-train summary ({cfg.run.output_dir}) ==\n"
+        f"  {cfg.jagg.planner()}\n"
+        f"  reward: first {summary['reward_first']:.4f} -> last {summary['reward_last']:.4f} "
+        f"(mean of first/last {min(3, steps)} steps)\n"
+        f"  transformer backward passes: {summary['backward_passes']} vs "
+        f"{summary['backward_passes_per_step_baseline']} "
+        f"per-step (Flow-GRPO), {100 * summary['backward_saved_frac']:.0f}% saved\n"
+        f"  seconds over the {steps} steps: policy update {summary['train_seconds']:.1f} (forward + backward + "
+        f"optimizer: the phase JAGG shortens), rollout {summary['rollout_seconds']:.1f}, reward wait "
+        f"{summary['reward_seconds']:.1f}\n"
+        f"  wall time: {'-' if wall is None else _clock(wall)} (the jagg-train that trained the last step: set-up, "
+        "evaluations and checkpoints included)"
+    )
+    evals = _run_evals(trainer.out)
+    if evals:
+        first, last = min(evals), max(evals)
+        e0, e1 = evals[first], evals[last]
+        summary["eval_before"], summary["eval_after"] = e0["reward_mean"], e1["reward_mean"]
+        diversity, line = diversity_summary(e1)  # vs the base model's (step-0) evaluation
+        summary.update(diversity)
+        print(f"  held-out eval ({e1['reward']}, ODE, {e1['num_images']} images): "
+              f"{e0['reward_mean']:.4f} after {first} steps -> {e1['reward_mean']:.4f} after {last} steps\n"
+              f"{line}\n"
+              f"  grids: {trainer.out / 'eval'}/step_*/grid.png")
+    kept = {k: v for k, v in old.items() if k not in summary}
+    if kept:  # never rewrite the file with less than it held (e.g. a rerun under eval.enabled=false)
+        logging.getLogger(__name__).warning("summary.json: keeping %s from the earlier summary (not rebuilt from "
+                                            "this run's files)", ", ".join(sorted(kept)))
+    path.write_text(json.dumps({**summary, **kept}, indent=2))
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss (or m:ss under an hour), as the progress bar shows time."""
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def _run_evals(out) -> dict[int, dict]:
+    """The run's held-out evaluations by step, read back from out/eval/step_XXXXXXXX/eval.json."""
+    from .train.evaluate import load_eval
+
+    found = {}
+    for d in sorted((out / "eval").glob("step_*")) if (out / "eval").is_dir() else []:
+        if d.name[5:].isdigit() and (result := load_eval(d)) is not None:
+            found[int(d.name[5:])] = result
+    return found
 
 
 def _run_history(out) -> list[dict]:
@@ -195,6 +248,9 @@ def _eval(argv: list[str] | None) -> int:
         result = evaluate_checkpoint(cfg, path, out)  # under a launcher of N processes: each its share, rank 0 writes
     except (ConfigError, CheckpointError) as err:  # a prompt file of bad records; a checkpoint that fails its checks
         print(f"jagg-eval: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except ImportError as err:  # a package of an optional extra the core install leaves out
+        print(f"jagg-eval: {_extra_or_raise(err)}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: v for k, v in result.items() if k not in ("per_prompt", "grid")}, indent=2))

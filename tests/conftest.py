@@ -1,5 +1,6 @@
-"""Shared fixtures: the tiny offline diffusers pipelines of tools/make_tiny_pipeline.py, built once per session
-(read-only for the tests that use them).
+"""Shared fixtures: the tiny offline diffusers pipelines of jagg_scale/models/tiny.py, built once per session
+(read-only for the tests that use them), and the production configs' prompt files copied into data/prompt_sets
+from the peers' sets beside the repo (`jagg_scale.data.shared_prompts_dir()`) when they are there.
 
 The tests live in folders named after the packages they cover (tests/jagg, tests/train, ...); the helpers they
 share (minibatch.py, toy_velocity.py, extras.py, ...) sit here, on the import path. Under JAGG_REQUIRE_EXTRAS=1
@@ -12,7 +13,6 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-TOOLS = TESTS.parent / "tools"
 if str(TESTS) not in sys.path:  # the shared helpers
     sys.path.insert(0, str(TESTS))
 
@@ -31,25 +31,31 @@ def pytest_configure(config):
 
 
 def pytest_sessionstart(session):
+    # the production configs' prompt files (data/prompt_sets, `make prompts`) from a local copy of the peers' sets
+    # when there is one: the suite never downloads (copies are checked against the pinned digests; atomic, so the
+    # xdist workers doing the same at once is harmless)
+    from jagg_scale.data import shared_prompts_dir
+    from jagg_scale.data.fetch import DEST, fill_from
+
+    if shared_prompts_dir().is_dir():
+        fill_from(shared_prompts_dir(), TESTS.parent / DEST)
     gone = missing() if required() else []
     if gone:
         raise pytest.UsageError("JAGG_REQUIRE_EXTRAS=1, but these optional extras are not installed: "
                                 f"{', '.join(gone)} "
-                                "(make setup installs them: rm .venv/bin/.installed && make setup)")
+                                "(rm .venv/bin/.installed-extras && make setup-extras installs them)")
 
 
 def _maker(name: str):
     need("diffusers")
     need("transformers")
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))
-    import make_tiny_pipeline
+    from jagg_scale.models import tiny
 
-    return getattr(make_tiny_pipeline, name)
+    return getattr(tiny, name)
 
 
 def _tiny_pipeline(kind: str):
-    """A session fixture `<kind>_dir`: the tiny random pipeline of a diffusers family (tools/make_tiny_pipeline.py),
+    """A session fixture `<kind>_dir`: the tiny random pipeline of a diffusers family (jagg_scale/models/tiny.py),
     built once per session."""
     @pytest.fixture(scope="session", name=f"{kind}_dir")
     def fixture(tmp_path_factory):
@@ -58,5 +64,6 @@ def _tiny_pipeline(kind: str):
     return fixture
 
 
-sd3_dir, flux_dir, qwenimage_dir, flux2_dir, zimage_dir, flux_kontext_dir, flux2_dev_dir, wan_dir = (
-    _tiny_pipeline(k) for k in ("sd3", "flux", "qwenimage", "flux2", "zimage", "flux_kontext", "flux2_dev", "wan"))
+(sd3_dir, flux_dir, qwenimage_dir, flux2_dir, zimage_dir, flux_kontext_dir, flux2_dev_dir, wan_dir,
+ qwenimage_edit_dir) = (_tiny_pipeline(k) for k in ("sd3", "flux", "qwenimage", "flux2", "zimage", "flux_kontext",
+                                                     "flux2_dev", "wan", "qwenimage_edit"))

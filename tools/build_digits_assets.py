@@ -2,8 +2,8 @@
 """Build the digits task's assets, deterministically, on CPU: a digit classifier (the reward) and a deliberately
 under-trained prompt-conditioned DiT generator (the policy GRPO starts from).
 
-    python tools/build_digits_assets.py                      # writes jagg_scale/assets/digits/ (a few minutes)
-    python tools/build_digits_assets.py --out /tmp/digits    # elsewhere
+    python -m tools.build_digits_assets                      # writes jagg_scale/assets/digits/ (a few minutes)
+    python -m tools.build_digits_assets --out /tmp/digits    # elsewhere
 
 Steps (all seeded; torch runs on a fixed number of threads, since CPU reductions may depend on it):
 
@@ -33,15 +33,11 @@ import json
 import math
 import platform
 import re
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from jagg_scale.data.digits import (
     DIGIT_WORDS,
@@ -58,6 +54,7 @@ from jagg_scale.models.dit import DiT, DiTConfig
 from jagg_scale.models.dit import HashTokenizer
 from jagg_scale.rewards.digits import DigitClassifier
 
+ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "jagg_scale" / "assets" / "digits"
 
 # ------------------------------------------------------------------------------------------------ settings
@@ -447,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
         out_arg = out.resolve().relative_to(ROOT)
     except ValueError:
         out_arg = out.resolve()
-    command = "python tools/build_digits_assets.py" + ("" if out.resolve() == DEFAULT_OUT else f" --out {out_arg}")
+    command = "python -m tools.build_digits_assets" + ("" if out.resolve() == DEFAULT_OUT else f" --out {out_arg}")
     if args.max_steps != GEN_MAX_STEPS:
         command += f" --max-steps {args.max_steps}"
     info = {"classifier": cls_stats, "generator": gen_stats, "command": command, "seconds": time.time() - t_start,

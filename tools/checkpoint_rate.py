@@ -1,8 +1,8 @@
 """Checkpoint save rate, and the preemption signal's lead time per model size (docs/launchers.md, "How long a
 preemption save takes").
 
-    python tools/checkpoint_rate.py [--gb 2] [--repeats 3] [--dir DIR] [--out docs/checkpoint_rate.json]
-    python tools/checkpoint_rate.py --table-only [--node-gbps 1.0] [--hash-gbps 0.5] [--gpus 8]
+    python -m tools.checkpoint_rate [--gb 2] [--repeats 3] [--dir DIR] [--out docs/results/checkpoint_rate.json]
+    python -m tools.checkpoint_rate --table-only [--node-gbps 1.0] [--hash-gbps 0.5] [--gpus 8]
 
 Measure (skipped with --table-only): GB of fp32 tensors saved as a DCP checkpoint through the trainer's own protocol
 (checkpoint/local.py `save_checkpoint_dir` around the FSDP2 engine's DCP writer, fsync included), one process,
@@ -35,17 +35,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# the lead beyond the step (2 x t_save + 30 s) and t_save itself: jagg_scale/estimate/preemption.py, which
+# slurm/jagg.sbatch checks a job against
+from jagg_scale.estimate.preemption import MARGIN_S, SAFETY, save_seconds
 
+ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
 MODELS = {"sd35_medium": "SD3.5-medium", "sd35_large": "SD3.5-large", "flux1_dev": "FLUX.1-dev"}
 LORA_RANK = 32  # the shipped LoRA configs (configs/sd35m_*.yaml)
 NODES = (1, 2, 4)
-# the lead beyond the step (2 x t_save + 30 s) and t_save itself: jagg_scale/estimate/preemption.py, which
-# slurm/jagg.sbatch checks a job against
-from jagg_scale.estimate.preemption import MARGIN_S, SAFETY, save_seconds  # noqa: E402
 
 
 def measure(gb: float, repeats: int, directory: Path) -> dict:
@@ -142,7 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", type=int, default=8, help="ranks per node")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    result = {"command": "python tools/checkpoint_rate.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"command": "python -m tools.checkpoint_rate " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
                           "torch": torch.__version__}}
     if not args.table_only:

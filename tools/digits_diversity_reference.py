@@ -1,6 +1,6 @@
 """Within-prompt diversity of real handwritten digits, the yardstick beside the digits job's eval numbers.
 
-    .venv/bin/python tools/digits_diversity_reference.py [--groups 20] [--size 8] [--seed 0]
+    python -m tools.digits_diversity_reference [--groups 20] [--size 8] [--seed 0]
 
 The digits eval reports diversity in the digit classifier's feature space (jagg_scale/train/diversity.py): the mean
 pairwise cosine distance between the 8 images of one prompt. That space shrinks as images become recognisable, so a
@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jagg_scale.rewards.digits import DigitMatch
 from jagg_scale.train.diversity import FEATURES, mean_pairwise_distance

@@ -1,7 +1,7 @@
 """The device check: what a CPU cannot show, measured in one prepared run on one GPU (<= 8 min on an H100/H200).
 
     bash tools/gpu_check.sh                                   # on a CUDA machine; results in $OUT or gpu_check_out/
-    python tools/gpu_check.py --tiny --device cpu --out DIR   # the same code at toy scale
+    python -m tools.gpu_check --tiny --device cpu --out DIR   # the same code at toy scale
                                                               # (tests/tools/test_gpu_check.py)
 
 Sections, each in its own try block (a failing one is recorded and the next runs), results written after each:
@@ -31,7 +31,8 @@ Sections, each in its own try block (a failing one is recorded and the next runs
              20.4B transformer at qwenimage_hps's 720 px + 443 prompt tokens (its longest), bf16 base + LoRA r32, B rows
 
 By default the check runs env, step and profile (~7 min on an H200 at --step-world 16); window, memory, syncs and
-train were measured on an H200 already (docs/gpu_check.json) and run when named: --sections env,window,memory,...
+train were measured on an H200 already (docs/results/gpu_check.json) and run when named:
+--sections env,window,memory,...
 """
 
 from __future__ import annotations
@@ -48,64 +49,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
-
 from jagg_scale.grpo.loss import GRPOStepLoss
 from jagg_scale.grpo.rollout import Trajectories
 from jagg_scale.grpo.sde import sde_step_with_logprob
 from jagg_scale.grpo.schedule import sigma_schedule
 from jagg_scale.jagg import exact_backward, jagg_backward
 from jagg_scale.train.host_syncs import CudaSyncs, HostSyncs
-
-import gpu_families  # noqa: E402 - tools/ is on the path above
-import gpu_step  # noqa: E402
-from gpu_timing import (CLIP, NOISE_LEVEL, NUM_STEPS, SHIFT, gib, peak_reset, rollout_and_windows,  # noqa: E402
-                        sync)
-
-# CLIP 77 + sd35m_pickscore's model.max_sequence_length T5 tokens (Flow-GRPO's 128), as the SD3 adapter encodes them
-TEXT_TOKENS = 77 + 128
-TINY_CFG = dict(sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
-                num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
-                pos_embed_max_size=8, qk_norm="rms_norm", dual_attention_layers=(0,))
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# the SD3.5-medium-shaped policy
-# ------------------------------------------------------------------------------------------------------------------
-
-def make_policy(cfg: dict, device: torch.device, lora_rank: int) -> torch.nn.Module:
-    """The SD3 transformer of `cfg` as a velocity model (models/sd3.py SD3TransformerVelocity) with LoRA on the
-    library's targets and per-block checkpointing, randomly initialised on the device (seconds, not minutes, for
-    2.5B parameters), called under bf16 autocast."""
-    from diffusers import SD3Transformer2DModel
-
-    from jagg_scale.models.lora import add_lora, lora_targets
-    from jagg_scale.models.sd3 import SD3TransformerVelocity
-
-    with torch.device(device):
-        transformer = SD3Transformer2DModel(**cfg)
-    add_lora(transformer, rank=lora_rank, alpha=2 * lora_rank, targets=lora_targets("sd3"))
-    transformer.enable_gradient_checkpointing()
-    return SD3TransformerVelocity(transformer, autocast=torch.bfloat16)
-
-
-def model_config(tiny: bool) -> dict:
-    if tiny:
-        return dict(TINY_CFG)
-    from jagg_scale.estimate.shapes import pipeline_shapes
-
-    shapes = pipeline_shapes(None, "sd35_medium")
-    cfg = dict(shapes["components"]["transformer"]["config"])
-    cfg["sample_size"] = 64  # 512 px / VAE factor 8
-    return cfg
-
-
-def random_cond(cfg: dict, rows: int, tokens: int, device: torch.device, gen: torch.Generator):
-    embeds = torch.randn(rows, tokens, cfg["joint_attention_dim"], generator=gen, device=device)
-    pooled = torch.randn(rows, cfg["pooled_projection_dim"], generator=gen, device=device)
-    return embeds, pooled
-
+from tools import gpu_families, gpu_step
+from tools.gpu_common import (CLIP, NOISE_LEVEL, NUM_STEPS, ROOT, SHIFT, TEXT_TOKENS, build_policy, gib,
+                              micro_batch_inputs, peak_reset, random_cond, rollout_and_windows, sync)
 
 # ------------------------------------------------------------------------------------------------------------------
 # sections
@@ -139,23 +91,6 @@ def section_env(args, device) -> dict:
     return info
 
 
-def build_policy(args, device):
-    cfg = model_config(args.tiny)
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    policy = make_policy(cfg, device, lora_rank=args.lora_rank).train()
-    sync(device)
-    built = time.perf_counter() - t0
-    n_all = sum(p.numel() for p in policy.parameters())
-    n_lora = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    for p in policy.parameters():  # gradients allocated once: every case accumulates into existing buffers
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    return policy, cfg, {"parameters": n_all, "lora_parameters": n_lora, "build_seconds": round(built, 1),
-                         "latent": [cfg["in_channels"], cfg["sample_size"], cfg["sample_size"]],
-                         "tokens_per_row": (cfg["sample_size"] // cfg["patch_size"]) ** 2 + args.text_tokens}
-
-
 def section_window(args, device, state) -> dict:
     policy, cfg, info = build_policy(args, device)
     state["policy"], state["cfg"] = policy, cfg
@@ -165,16 +100,6 @@ def section_window(args, device, state) -> dict:
     noise = torch.randn(B, cfg["in_channels"], cfg["sample_size"], cfg["sample_size"], generator=gen, device=device)
     info |= rollout_and_windows(args, device, policy, cond, noise, gen)
     return info
-
-
-def micro_batch_inputs(args, device, state, seed: int):
-    """(policy, its config, B = the production micro-batch's rows, a seeded generator, their conditioning): the
-    window section's policy when it ran, else a new one."""
-    policy, cfg = state.get("policy"), state.get("cfg")
-    if policy is None:
-        policy, cfg, _ = build_policy(args, device)
-    gen = torch.Generator(device).manual_seed(seed)
-    return policy, cfg, args.micro_rows, gen, random_cond(cfg, args.micro_rows, args.text_tokens, device, gen)
 
 
 def section_memory(args, device, state) -> dict:
@@ -214,7 +139,7 @@ def section_memory(args, device, state) -> dict:
 
 
 def tiny_pipeline(work: Path) -> Path:
-    from make_tiny_pipeline import make_tiny_sd3
+    from jagg_scale.models.tiny import make_tiny_sd3
 
     path = work / "tiny_sd3"
     if not path.exists():
@@ -301,7 +226,7 @@ def markdown(runs: list[dict]) -> str:
     out = [f"GPU: {env.get('gpu', '?')} ({env.get('gpu_memory_gib', '?')} GiB, {env.get('sms', '?')} SMs), torch "
            f"{env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, diffusers {env.get('diffusers', '?')}; bf16 matmul "
            f"8192^3: {env.get('bf16_matmul_tflops', '?')} TFLOP/s. Command: `bash tools/gpu_check.sh` "
-           f"(`tools/gpu_check.py`; raw results in docs/gpu_check.json).", ""]
+           f"(`tools/gpu_check.py`; raw results in docs/results/gpu_check.json).", ""]
     wins = [r["sections"]["window"] for r in runs if r["sections"].get("window", {}).get("ok")]
     if wins:
         w0 = wins[-1]

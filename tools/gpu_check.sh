@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device check (tools/gpu_check.py): one prepared run, <= 8 min on one H100/H200. Results: $OUT/gpu_check.json
-# (or ./gpu_check_out/) and a summary at the end of the output; record the figures in docs/benchmarks.md.
+# (or ./gpu_check_out/) and a summary at the end of the output; keep the json as docs/results/gpu_check.json
+# (its runs list) and re-render docs/benchmarks.md with `python -m tools.bench --from-json`.
 #
 #   bash tools/gpu_check.sh [gpu_check.py options]        e.g. --sections env,window --widths 4,8
 #
@@ -20,4 +21,4 @@ if ! "$PY" -c "import diffusers" 2>/dev/null; then
 fi
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv || true
-exec "$PY" tools/gpu_check.py --out "${OUT:-gpu_check_out}" "$@"
+exec "$PY" -m tools.gpu_check --out "${OUT:-gpu_check_out}" "$@"

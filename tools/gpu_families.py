@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from gpu_timing import rollout_and_windows, sync  # noqa: E402 - tools/ is on the path
+from tools.gpu_common import rollout_and_windows, sync
 
 # each family at its production config's shape: (shape file, latent shape, text tokens, text width key, tiny config)
 KINDS = {"qwen_image": "qwenimage", "z_image": "zimage", "wan": "wan"}  # each family's model.kind (its LoRA targets)

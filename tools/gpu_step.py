@@ -47,7 +47,7 @@ def write_components(work: Path, device: torch.device, tiny: bool) -> tuple[Path
     tiny pipeline and a tiny CLIP."""
     from transformers import CLIPConfig, CLIPModel
 
-    from make_tiny_pipeline import _clip_tokenizer, _t5_tokenizer, make_tiny_sd3
+    from jagg_scale.models.tiny import _clip_tokenizer, _t5_tokenizer, make_tiny_sd3
 
     pipe_dir, reward_dir = work / "pipeline", work / "reward"
     t0 = time.perf_counter()
@@ -154,7 +154,7 @@ def section_step(args, device, state) -> dict:
         t0 = time.perf_counter()
         trainer = Trainer(cfg)
         if arm == "Flow-GRPO":
-            trainer.updater = FlowGRPOUpdater(cfg, trainer.policy, trainer.engine, trainer.dist)
+            trainer.algorithm = FlowGRPOUpdater(cfg, trainer.policy, trainer.engine, trainer.dist)
         load_s = time.perf_counter() - t0
         try:
             _warm(trainer, device)
@@ -246,9 +246,8 @@ def profile_pass(fn, device) -> dict:
 
 
 def section_profile(args, device, state) -> dict:
-    from gpu_check import micro_batch_inputs
-
     from jagg_scale.parallel.blocks import compile_blocks
+    from tools.gpu_common import micro_batch_inputs
 
     policy, cfg, B, gen, cond = micro_batch_inputs(args, device, state, seed=2)
     x = torch.randn(B, cfg["in_channels"], cfg["sample_size"], cfg["sample_size"], generator=gen, device=device)

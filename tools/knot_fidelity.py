@@ -1,6 +1,6 @@
 """Gradient fidelity of the frozen models evaluated at knots, and of DiffusionNFT's noise draws, on the digits task.
 
-    python tools/knot_fidelity.py --out docs/knot_fidelity        # ~10 min on 2 cores; --quick: a smoke run
+    python -m tools.knot_fidelity --out docs/results/knot_fidelity       # ~10 min on 2 cores; --quick: a smoke run
 
 Two measurements, each of a gradient against the one it stands in for, on real rollouts of configs/digits_cpu.yaml
 (optimizer steps replaced by a capture of the first minibatch's gradient; between measured steps the trainer takes
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -30,14 +31,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from jagg_scale.jagg import ExactPlanner, WindowPlanner, fill_interior, plan_uniform, split_windows
+from jagg_scale.rewards.multi import ChunkScorer, gather_components
+from jagg_scale.train import Trainer, load_config
+from jagg_scale.train import nft as nft_module
+from jagg_scale.train.rows import StepRows
 
-from jagg_scale.jagg import ExactPlanner, WindowPlanner, fill_interior, plan_uniform, split_windows  # noqa: E402
-from jagg_scale.rewards.multi import ChunkScorer, gather_components  # noqa: E402
-from jagg_scale.train import Trainer, load_config  # noqa: E402
-from jagg_scale.train import nft as nft_module  # noqa: E402
-from jagg_scale.train.rows import StepRows  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = ROOT / "configs" / "digits_cpu.yaml"
 COMMON = ["eval.enabled=false", "log.progress=false", "log.wandb=false", "run.checkpoint_every=0",
@@ -64,7 +64,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Capture:
-    """The trainer's updater with its optimizer steps replaced by a capture of each minibatch's gradient."""
+    """The trainer's update phase with its optimizer steps replaced by a capture of each minibatch's gradient."""
 
     def __init__(self, trainer: Trainer):
         self.trainer, self.grads = trainer, []
@@ -78,12 +78,12 @@ class Capture:
             return 0.0
 
         self.trainer.engine.step = capture
-        self.trainer.updater._applied = lambda step: True
+        self.trainer.algorithm.runner.applied = lambda step: True
         return self
 
     def __exit__(self, *exc):
         self.trainer.engine.step = self.real_step
-        del self.trainer.updater._applied
+        del self.trainer.algorithm.runner.applied
 
 
 def rollout(trainer: Trainer, step: int):
@@ -93,16 +93,16 @@ def rollout(trainer: Trainer, step: int):
     records = [r for r in trainer.source.next_prompts() for _ in range(g)]
     rows = StepRows.draw(len(records), cfg.train.batch_size, cfg.run.seed, step, 0, 1)
     prompts, meta = [records[i].prompt for i in rows.mine.tolist()], [records[i].metadata for i in rows.mine.tolist()]
-    cond, steps = trainer.policy.encode(prompts), trainer.trained_steps_at(step)
+    spec = trainer.algorithm.rollout_spec(step)
+    cond, steps = trainer.policy.encode(prompts), list(spec.trained or ())
+    if spec.keep == "trajectory":  # GRPO: the reference on every trained step, nothing filled in
+        spec = dataclasses.replace(spec, ref_steps=frozenset(steps), ref_plan=None)
     scorer = ChunkScorer(trainer.reward, trainer.model.decode, background=False, device=trainer.device)
     trainer.model.eval()
-    sde = set() if cfg.train.algorithm == "nft" else None
-    with trainer.updater.behaviour():
-        traj = trainer.policy.rollout(cond, rows.mine, step, sde_steps=sde, ref_steps=set(steps),
-                                      on_chunk=lambda c, final: scorer.add(final, prompts[c], meta[c]))
+    traj = trainer.policy.rollout(cond, rows.mine, step, spec=spec,
+                                  on_chunk=lambda c, final: scorer.add(final, prompts[c], meta[c]))
     parts = gather_components(scorer.finish(), rows.all_rows, len(records), lambda t: t)
-    adv = trainer.reward.advantages(parts, [i // g for i in range(len(records))], aggregate=cfg.reward.aggregate,
-                                    global_std=cfg.grpo.global_std, adv_clip_max=cfg.grpo.adv_clip_max)
+    adv = trainer.algorithm.advantages(parts, trainer.reward.weights, [i // g for i in range(len(records))])
     trainer.model.train()
     return traj, cond, adv, rows, steps
 
@@ -122,10 +122,11 @@ def ref_at(beta: float, window: int, steps: int, quick: bool, work: Path) -> dic
         with Capture(trainer) as cap:
             for name, t, planner in (("knots", filled, None), ("steps", traj, None), ("exact", traj, ExactPlanner())):
                 cap.grads.clear()
-                saved = trainer.updater.planner
-                trainer.updater.planner = planner or saved
-                trainer.updater(t, cond, adv, rows, step, trained)
-                trainer.updater.planner = saved
+                runner = trainer.algorithm.runner
+                saved = runner.planner
+                runner.planner = planner or saved
+                trainer.algorithm.update(t, cond, adv, rows, step)
+                runner.planner = saved
                 grads[name] = cap.grads[0]  # the first minibatch: the rollout's own weights
         out.append({"knots_vs_steps": _cos(grads["knots"], grads["steps"]),
                     "steps_vs_exact": _cos(grads["steps"], grads["exact"]),
@@ -137,19 +138,18 @@ def ref_at(beta: float, window: int, steps: int, quick: bool, work: Path) -> dic
 
 def nft(draws: int, repeats: int, quick: bool, work: Path) -> dict:
     """Each scheme's minibatch gradient against the expected per-timestep NFT gradient on one rollout."""
-    sys.path.insert(0, str(ROOT))
     from tools.bench.time_to_reward import RECIPE, arm_overrides
 
     trainer = Trainer(load_config(CONFIG, COMMON + (QUICK if quick else []) + RECIPE + arm_overrides(
         "NFT", 8 if quick else 16) + [f"run.output_dir={work / 'nft'}"]))
     traj, cond, adv, rows, trained = rollout(trainer, 0)
-    up, K = trainer.updater, trainer.updater.K
+    up, K = trainer.algorithm, trainer.algorithm.K
     streams = (nft_module.NOISE_STREAM, nft_module.TIMESTEP_STREAM)
 
     def configure(noise: str, window, old_at: str) -> None:
         w = K if window == "K" else window
         trainer.cfg.nft.noise = noise
-        up.planner = ExactPlanner() if w is None else WindowPlanner(window=w)
+        up.runner.planner = ExactPlanner() if w is None else WindowPlanner(window=w)
         groups = {"per_timestep": [[k] for k in range(K)], "per_sample": [list(range(K))],
                   "per_window": split_windows(range(K), w or K)}[noise]
         up.draw_of = torch.tensor([i for i, grp in enumerate(groups) for _ in grp])
@@ -159,7 +159,7 @@ def nft(draws: int, repeats: int, quick: bool, work: Path) -> dict:
         nft_module.NOISE_STREAM, nft_module.TIMESTEP_STREAM = 1000 + 2 * draw, 1001 + 2 * draw  # independent draws
         with Capture(trainer) as cap:
             t0 = time.perf_counter()
-            up(traj, cond, adv, rows, 0, trained)
+            up.update(traj, cond, adv, rows, 0)
             return torch.stack(cap.grads).sum(0), time.perf_counter() - t0
 
     try:
@@ -202,7 +202,7 @@ def table(res: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="docs/knot_fidelity")
+    p.add_argument("--out", default="docs/results/knot_fidelity")
     p.add_argument("--quick", action="store_true", help="toy sizes: a smoke run")
     p.add_argument("--steps", type=int, default=None, help="measured steps per ref_at case (3; quick 1)")
     p.add_argument("--draws", type=int, default=None, help="NFT draws for the expected gradient (8; quick 2)")
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1 if args.quick else torch.get_num_threads())
     work = Path(args.out).with_suffix(".work")
     cases = [(0.04, 4)] if args.quick else [(0.01, 4), (0.04, 4), (0.2, 4), (0.2, 8)]
-    res = {"command": "python tools/knot_fidelity.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = {"command": "python -m tools.knot_fidelity " + " ".join(sys.argv[1:] if argv is None else argv),
            "config": "configs/digits_cpu.yaml", "ref_at": [], "nft": None}
     for beta, window in cases:
         r = ref_at(beta, window, steps, args.quick, work)

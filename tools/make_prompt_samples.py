@@ -1,7 +1,7 @@
 """Rebuild data/prompts/: small, licensed samples of the public prompt sets, committed so that the prompt-set
 readers are tested in any clone (the full sets are optional: `jagg_scale.data.shared_prompts_dir()`).
 
-    .venv/bin/python tools/make_prompt_samples.py [--shared DIR] [--out data/prompts]
+    python -m tools.make_prompt_samples [--shared DIR] [--out data/prompts]
 
 Each sample keeps the source file's own bytes: its header, its first lines (Pick-a-Pic: its first captions that pass
 a broad word filter, `AVOID`), a few chosen rows the tests read (PartiPrompts' quoted "Dogs playing poker" rows)
@@ -21,10 +21,9 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 from jagg_scale.data import shared_prompts_dir
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Pick-a-Pic captions are what users typed, some of it explicit: its samples keep only the captions that pass this
 # deliberately broad word filter (people, bodies, violence, real people's names), not simply the first lines

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Turn a prompt file into webdataset prompt shards for `ShardPromptStream` (`data.source: wds`).
 
-    python tools/make_prompt_shards.py INPUT OUT_DIR [--format auto] [--shard-size 1000] [--prefix prompts]
+    python -m tools.make_prompt_shards INPUT OUT_DIR [--format auto] [--shard-size 1000] [--prefix prompts]
 
 Writes OUT_DIR/{prefix}-000000.tar, ... (sample = `<key>.txt` prompt + `<key>.json` metadata, see
 `jagg_scale.data.shards`), then prints the brace pattern to pass as the stream's urls and the counts, and writes
@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from jagg_scale.data.prompt_sets import read_drawbench, read_geneval, read_ocr, read_parti, read_pickapic
 from jagg_scale.data.prompts import LineReader, PromptRecord, PromptSet, parse_jsonl_record

@@ -1,9 +1,9 @@
 """What hostile or heavy clients cost `jagg-reward-server`: peak memory and latency (docs/reward_server.md).
 
-    python tools/server_memory.py [--clients 16] [--images 2] [--side 4096] [--kind bomb|noise|meta]
+    python -m tools.server_memory [--clients 16] [--images 2] [--side 4096] [--kind bomb|noise|meta]
                                   [--repo DIR] [--out FILE.json] [-- SERVER OPTIONS...]
-    python tools/server_memory.py --slowloris 64 [--seconds 25] [--repo DIR] [--out FILE.json]
-    python tools/server_memory.py --suite [--out FILE.json]      # the figures of docs/reward_server.md
+    python -m tools.server_memory --slowloris 64 [--seconds 25] [--repo DIR] [--out FILE.json]
+    python -m tools.server_memory --suite [--out docs/results/reward_server_memory.jsonl]  # docs/reward_server.md
 
 Starts the server (this repository's, or the one under --repo, e.g. an older checkout) in a child process serving
 `_memory_probe` (the mean of the float batch: reads every pixel, allocates nothing of its own) and sends one small

@@ -28,6 +28,7 @@ import inspect
 
 import torch
 
+from ..models.registry import family, family_of_transformer
 from .activations import compose
 from .shapes import block_lists, clean, meta_module
 
@@ -83,65 +84,19 @@ def cast_inputs_hook(module, args, kwargs):  # FSDP2 MixedPrecisionPolicy(cast_f
 
 def model_inputs(kind: str, cfg: dict, n: int, h: int, w: int, t: int, device: str = "cpu", frames: int = 1) -> dict:
     """The transformer's forward arguments for n rows of h x w image tokens (Wan: frames x h x w) and t text tokens, as
-    the family's adapter (models/<family>.py) calls it: random on the CPU (the measurement) or on the meta device
-    (FLOPs, steptime.py)."""
+    the family's adapter (models/<family>.py) calls it (its Family.inputs): random on the CPU (the measurement) or on
+    the meta device (FLOPs, steptime.py)."""
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g).to(device)
     u = lambda n: torch.rand(n, generator=g).to(device)
-    if kind == "wan":  # video latents [N, C, F, H, W] patchified (1, 2, 2) inside, timestep 1000 sigma (models/wan.py)
-        _, ph, pw = cfg["patch_size"]
-        return dict(hidden_states=r(n, cfg["in_channels"], frames, h * ph, w * pw), timestep=u(n) * 1000,
-                    encoder_hidden_states=r(n, t, cfg["text_dim"]), return_dict=False)
-    if kind == "qwenimage":  # packed 2x2 tokens, the prompt with its mask, the latent grid (models/qwenimage.py)
-        return dict(hidden_states=r(n, h * w, cfg["in_channels"]), timestep=u(n),
-                    encoder_hidden_states=r(n, t, cfg["joint_attention_dim"]),
-                    encoder_hidden_states_mask=torch.ones(n, t, dtype=torch.bool, device=device),
-                    img_shapes=[[(1, h, w)]] * n, return_dict=False)
-    if kind == "zimage":  # lists: one [C, 1, H, W] latent (patchified inside) and one unpadded prompt per row
-        p = cfg["all_patch_size"][0]
-        return dict(x=list(r(n, cfg["in_channels"], 1, h * p, w * p).unbind(0)), t=u(n),
-                    cap_feats=list(r(n, t, cfg["cap_feat_dim"]).unbind(0)), return_dict=False)
-    common = dict(encoder_hidden_states=r(n, t, cfg["joint_attention_dim"]), return_dict=False)
-    if "pooled_projection_dim" in cfg:  # SD3's and FLUX.1's pooled prompt vector (FLUX.2 has none)
-        common["pooled_projections"] = r(n, cfg["pooled_projection_dim"])
-    if kind == "sd3":
-        p = cfg["patch_size"]
-        return dict(hidden_states=r(n, cfg["in_channels"], h * p, w * p), timestep=u(n) * 1000, **common)
-    # FLUX.1 / FLUX.2: packed 2x2 tokens with their rope ids (3 axes; FLUX.2's 4: T, H, W, L), FLUX.1-dev's
-    # distilled guidance
-    ids = torch.zeros(h, w, len(cfg["axes_dims_rope"]))
-    ids[..., 1], ids[..., 2] = torch.arange(h)[:, None], torch.arange(w)[None, :]
-    ids = ids.reshape(-1, ids.shape[-1])
-    guidance = torch.full((n,), 3.5, device=device) if cfg.get("guidance_embeds") else None
-    tokens = h * w
-    if kind == "flux_kontext":  # the input image's tokens after the noisy ones, rope axis 0 = 1 (models/kontext.py)
-        ids, tokens = torch.cat([ids, torch.cat([torch.ones(len(ids), 1), ids[:, 1:]], dim=1)]), 2 * h * w
-    return dict(hidden_states=r(n, tokens, cfg["in_channels"]), timestep=u(n), guidance=guidance,
-                img_ids=ids.to(device), txt_ids=torch.zeros(t, ids.shape[-1], device=device), **common)
+    return family(kind).inputs(cfg, n, h, w, t, r, u, device, frames)
 
 
 def _min_transformer(comp: dict) -> tuple[torch.nn.Module, list[str]]:
     """The transformer at its real width with one block of each type; the real depth's block types in order."""
     cfg = clean(comp["config"])
     lib = importlib.import_module("diffusers")
-    if comp["class"].startswith("SD3"):
-        L, dual = cfg["num_layers"], set(cfg.get("dual_attention_layers") or ())
-        types = ["last" if i == L - 1 else "dual" if i in dual else "joint" for i in range(L)]
-        kinds = list(dict.fromkeys(types))
-        small = dict(cfg, num_layers=len(kinds), dual_attention_layers=(0,) if "dual" in kinds else (),
-                     pos_embed_max_size=max(POINTS[-1][1:3]))
-    elif comp["class"].startswith("QwenImage"):  # one kind of double-stream block
-        types, small = ["double"] * cfg["num_layers"], dict(cfg, num_layers=1)
-    elif comp["class"].startswith("Wan"):  # one kind of block: self-attention, cross-attention to the prompt, FFN
-        types, small = ["block"] * cfg["num_layers"], dict(cfg, num_layers=1)
-    elif comp["class"].startswith("ZImage"):  # the image refiner, the prompt refiner, then the joint blocks
-        R = cfg["n_refiner_layers"]
-        types = ["noise"] * R + ["context"] * R + ["joint"] * cfg["n_layers"]
-        small = dict(cfg, n_refiner_layers=1, n_layers=1)
-    else:  # FLUX.1 and FLUX.2: double-stream then single-stream blocks
-        types = ["double"] * cfg["num_layers"] + ["single"] * cfg["num_single_layers"]
-        kinds = list(dict.fromkeys(types))
-        small = dict(cfg, num_layers=int("double" in kinds), num_single_layers=int("single" in kinds))
+    types, small = _family(comp).blocks(cfg, max(POINTS[-1][1:3]))  # the family's block layout
     torch.manual_seed(0)
     return getattr(lib, comp["class"])(**small), types
 
@@ -236,13 +191,17 @@ def measure_transformer(comp: dict, precision: str, lora_rank: int, targets=()) 
     return {"types": types, "fits": fits, "max_rel_fit_residual": worst}
 
 
-# a transformer's family by its class name (FLUX.1's FluxTransformer2DModel the rest)
-FAMILIES = (("SD3", "sd3"), ("QwenImage", "qwenimage"), ("Flux2", "flux2"), ("ZImage", "zimage"), ("Wan", "wan"))
+def _family(comp: dict):
+    """The family whose transformer the component is (the first registered one: FLUX.1 before Kontext)."""
+    fam = family_of_transformer(comp["class"])
+    if fam is None or fam.blocks is None:
+        raise ValueError(f"{comp['class']}: no registered model family measures this transformer (models/registry.py)")
+    return fam
 
 
 def transformer_kind(comp: dict) -> str:
     """The family of a transformer component, from its class."""
-    return next((kind for prefix, kind in FAMILIES if comp["class"].startswith(prefix)), "flux")
+    return _family(comp).name
 
 
 def _tok(pt):

@@ -39,9 +39,8 @@ from ..models.lora import lora_targets
 from ..train.rows import StepRows
 from .activations import cached as _cached
 from .activations import ev, key, reduce_buffers, transformer_activations
-from .prompt_tokens import longest
-from .shapes import (FROZEN, QWEN_TEXT, clean, component_params, context_parallel, pipeline_shapes, reward_models,
-                     transformer_stats)
+from ..models.registry import family
+from .shapes import clean, component_params, context_parallel, pipeline_shapes, reward_models, transformer_stats
 
 __all__ = ["COMPONENTS", "GiB", "PHASES", "balanced", "choose_micro", "estimate", "local_rows", "prepare", "report",
            "shard_group"]
@@ -79,13 +78,16 @@ def shard_group(cfg, world: int) -> int:
 
 
 def eval_images(cfg) -> int:
-    """Held-out images of an evaluation; eval.grid_images (the most the grid keeps) when the prompt file is absent."""
+    """Held-out images of an evaluation (none when disabled): its prompts x eval.num_per_prompt. A prompt file that
+    is not there is an error naming it (the estimator's CLI says so first): a guess would misprice the evaluation."""
     from ..data import load_prompts
     from ..paths import resolve_path
 
-    e, path = cfg.eval, resolve_path(cfg.eval.prompt_file) if cfg.eval.prompt_file else None
-    n = len(e.prompts) if e.prompts else len(load_prompts(path)) if path and path.is_file() else None
-    return e.grid_images if n is None else n * e.num_per_prompt
+    e = cfg.eval
+    if not e.enabled:
+        return 0
+    n = len(e.prompts) if e.prompts else len(load_prompts(resolve_path(e.prompt_file))) if e.prompt_file else 0
+    return n * e.num_per_prompt
 
 
 def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = False, overhead_gb: float = 1.5,
@@ -106,54 +108,20 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     sharded, bf16 = cfg.parallel.engine != "none", cfg.model.dtype != "float32"
     precision = ("bf16_mp" if sharded else "amp") if bf16 else "fp32"
     tc, vae = tcomp["config"], comps["vae"]["config"]
-    tokens = dict(shapes["text_tokens"])
-    if kind in QWEN_TEXT:  # a Qwen LM's prompt tokens, every prompt padded to them (models/<kind>.py)
+    tokens, fam, prompt = dict(shapes["text_tokens"]), family(kind), None
+    qwen = fam.text in ("qwen", "qwen_lm")  # a Qwen LM's prompt tokens, every prompt padded to them (models/<kind>.py)
+    if qwen:
         prompt = min(cfg.model.max_sequence_length or tokens["prompt"], tokens["prompt_limit"])
     elif cfg.model.max_sequence_length:  # the T5 length (models/diffusers_common.t5_length)
         tokens["t5"] = min(cfg.model.max_sequence_length, tokens.get("t5_limit", 512))
-    # per family: the VAE's scale, the latents, the patch of a token, the transformer's text tokens and a row's
-    # conditioning in float32 words: prompt embeddings and the pooled vector (sd3/flux) or the int64 mask (2 words)
-    prompt_lengths = None  # (encoded lengths, cap) of a family whose pass carries its rows' longest prompt
-    if kind == "qwenimage":  # a video VAE: 8x spatial (2 per temporal_downsample level); a pass carries its rows'
-        # longest prompt (models/qwenimage.py): at most the prompt set's longest (prompt_tokens.py), padded up to a
-        # multiple of a sequence-parallel split
-        scale = 2 ** len(vae["temperal_downsample"])
-        side = (cfg.model.resolution or 1024) // scale  # QwenImagePipeline's default: 1024 px
-        latent, p = (tc["in_channels"] // 4, side, side), 2
-        if "encoded" in tokens:
-            prompt_lengths = (tokens["encoded"]["lengths"], prompt)
-        sp = cfg.parallel.sequence_parallel
-        text = -(-(longest(*prompt_lengths) if prompt_lengths else prompt) // sp) * sp
-        cond_row = text * (tc["joint_attention_dim"] + 2)
-    elif kind == "sd3":
-        scale = 2 ** (len(vae["block_out_channels"]) - 1)
-        side = cfg.model.resolution // scale if cfg.model.resolution else tc["sample_size"]
-        latent, p = (tc["in_channels"], side, side), tc["patch_size"]
-        text = tokens["clip"] + tokens["t5"]
-        cond_row = text * tc["joint_attention_dim"] + tc["pooled_projection_dim"]
-    elif kind == "zimage":  # the transformer patchifies 2x2 itself and sees each prompt's own tokens rounded up to
-        # 32 (ZImageTransformer2DModel's SEQ_MULTI_OF), a pass its longest prompt's: at most the padded length
-        scale = 2 ** (len(vae["block_out_channels"]) - 1)
-        side = (cfg.model.resolution or vae["sample_size"]) // scale  # ZImagePipeline's default: 1024 px
-        latent, p = (tc["in_channels"], side, side), tc["all_patch_size"][0]
-        text, cond_row = -(-prompt // 32) * 32, prompt * (tc["cap_feat_dim"] + 2)
-    elif kind == "wan":  # video latents [C, F, H, W]: the VAE's 8x spatial and 4x temporal factors, (1, 2, 2)
-        # patches; the transformer cross-attends to the padded UMT5 prompt (models/wan.py; 480 px, 81 frames unless set)
-        scale, nf = vae.get("scale_factor_spatial", 8), cfg.model.num_frames or 81
-        side = (cfg.model.resolution or 480) // scale
-        latent, p = (tc["in_channels"], (nf - 1) // vae.get("scale_factor_temporal", 4) + 1, side, side), 2
-        text, cond_row = tokens["t5"], tokens["t5"] * tc["text_dim"]
-    else:  # FLUX.1 (T5 tokens, CLIP's pooled vector) and FLUX.2 [klein] (the padded Qwen3 prompt): 2x2 latent patches
-        scale = 2 ** (len(vae["block_out_channels"]) - 1)
-        side = (cfg.model.resolution or vae["sample_size"]) // scale
-        latent, p = (tc["in_channels"] // 4, side, side), 2
-        text = prompt if kind == "flux2" else tokens["t5"]
-        cond_row = text * tc["joint_attention_dim"] + tc.get("pooled_projection_dim", 0)
-        if kind == "flux_kontext":  # the input image's latents ride in the conditioning (models/kontext.py)
-            cond_row += math.prod(latent)
-    # the transformer's image tokens: FLUX.1-Kontext's passes carry the input image's tokens beside the noisy ones, a
-    # video's every latent frame's; its decode gives 4 (F - 1) + 1 frames (models/wan.py)
-    images_per_pass = 2 if kind == "flux_kontext" else latent[1] if len(latent) == 4 else 1
+    # the family's geometry (its Family.geometry): the VAE's scale, the latents, the patch of a token, the
+    # transformer's text tokens and a row's conditioning in float32 words (prompt embeddings and the pooled vector
+    # or the int64 mask), the image tokens' copies in a pass (FLUX.1-Kontext's input image, a video's latent frames),
+    # and for a family whose pass carries its rows' longest prompt (encoded lengths, cap)
+    geo = fam.geometry(cfg, tc, vae, tokens, prompt)
+    scale, side, latent, p, text, cond_row = (geo[k] for k in ("scale", "side", "latent", "patch", "text", "cond_row"))
+    prompt_lengths, images_per_pass = geo.get("prompt_lengths"), geo.get("images_per_pass", 1)
+    # a video's decode gives 4 (F - 1) + 1 frames (models/wan.py)
     frames = (latent[1], cfg.model.num_frames or 81) if len(latent) == 4 else (1, 1)
     n_img = images_per_pass * (side // p) ** 2
     stats = transformer_stats(tcomp, rank, targets)
@@ -161,13 +129,13 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     label = f"{shapes.get('name', tcomp['class'])} transformer, {precision}, {'LoRA r%d' % rank if rank else 'full'}"
     act = cached(key(*t_key), label, lambda: M.measure_transformer(tcomp, precision, rank, targets), measure)
     fdt = torch.bfloat16 if bf16 else torch.float32
-    t5 = FROZEN[kind][-1]  # model.text_encoders no_t5: not loaded; model.shard_t5: 1/world of it per rank
-    frozen = [n for n in FROZEN[kind] if n in comps and not (n == t5 and cfg.model.text_encoders == "no_t5")]
+    t5 = fam.frozen[-1]  # model.text_encoders no_t5: not loaded; model.shard_t5: 1/world of it per rank
+    frozen = [n for n in fam.frozen if n in comps and not (n == t5 and cfg.model.text_encoders == "no_t5")]
     encoders = {}
     for name in frozen[1:]:
         c = comps[name]
-        if kind in QWEN_TEXT:
-            what, seq = QWEN_TEXT[kind], prompt  # the padded prompt (Qwen-Image: the template's tokens besides)
+        if qwen:
+            what, seq = fam.text, prompt  # the padded prompt (Qwen-Image: the template's tokens besides)
         else:
             what = "t5" if c["class"].startswith(("T5", "UMT5")) else ("clip_hidden" if kind == "sd3" else "clip")
             seq = tokens["t5" if what == "t5" else "clip"]
@@ -279,12 +247,12 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     grads = 4 * Pt if not shard or sync == "boundary" else 4 * Pt / div
     if shard and sync == "boundary":
         grads += 4 * Pt / div  # the reduced shard next to the unsharded accumulation at the boundary
-    # latents, velocities, uncond, ref, log-probs (a DiffusionNFT rollout keeps no reference velocities: its KL is
-    # evaluated at training time, below)
-    row = 4 * lat * ((S + 1) + S * (1 + cfgg + (ref and not nft))) + 4 * S
+    # a row's rollout store: latents, velocities, uncond, ref, log-probs of every step (GRPO); a DiffusionNFT rollout
+    # keeps only the final latents (train/nft.py rollout_spec, keep final: its KL is evaluated at training time)
+    row = 4 * lat if nft else 4 * lat * ((S + 1) + S * (1 + cfgg + ref)) + 4 * S
     store, cond_all = R * row, R * cond * (1 + cfgg)
     steps_per_rollout = (R // B) * cfg.grpo.inner_epochs
-    off_policy_cfg = cfgg and steps_per_rollout > 1  # Updater: the uncond of later minibatches is recomputed
+    off_policy_cfg = cfgg and steps_per_rollout > 1  # GRPO: the uncond of later minibatches is recomputed
     mb = B * row + B * cond * (1 + off_policy_cfg)  # step_batch and index_cond copies; micro-batches are views
     if cfg.grpo.step_selection != "first":  # grpo/steps.py positioned: 2K latents, sigmas and 2K-spaced per-step values
         mb += B * (4 * lat * 2 * cfg.trained_per_sample * (2 + cfgg + ref) + 4 * 4 * cfg.trained_per_sample)
@@ -342,7 +310,7 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
         "update": {"FSDP2 gathered weights + reduce buffers": gather + reduce_buf, "gradients": grads,
                    "prompt conditioning": cond_all, "rollout storage": store,
                    "minibatch copies + pass inputs": mb + pass_in, "activations": activ},
-        # the Updater makes the next minibatch's copies while the previous ones are alive (gradients are None); a
+        # the runner makes the next minibatch's copies while the previous ones are alive (gradients are None); a
         # step of one minibatch has no next one
         "update_switch": {"prompt conditioning": cond_all, "rollout storage": store,
                           "minibatch copies + pass inputs": 2 * mb if steps_per_rollout > 1 else mb},

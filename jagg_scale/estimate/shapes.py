@@ -21,30 +21,19 @@ from pathlib import Path
 
 import torch
 
-from ..models.diffusers_common import T5_DEFAULT
-from ..models.qwenimage import PROMPT_TOKENS_DEFAULT
-from ..models.wan import PROMPT_TOKENS_DEFAULT as WAN_TOKENS_DEFAULT
 from ..models.lora import target_linears
+from ..models.registry import families, family, family_of_transformer
 from ..paths import resolve_path
-from ..train.config_sections import PROMPT_TOKEN_LIMITS
 
-__all__ = ["FROZEN", "KNOWN", "QWEN_TEXT", "SHAPES", "block_lists", "clean", "component_params", "context_parallel",
+__all__ = ["SHAPES", "known_checkpoints", "block_lists", "clean", "component_params", "context_parallel",
            "counts", "meta_module", "named_block_lists", "pipeline_shapes", "reward_models", "transformer_stats"]
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
-KNOWN = {"stable-diffusion-3.5-medium": "sd35_medium", "stable-diffusion-3.5-large": "sd35_large",
-         "flux.1-dev": "flux1_dev", "flux1-dev": "flux1_dev", "qwen-image": "qwen_image",
-         "flux.2-klein-4b": "flux2_klein", "flux.2-klein-base-4b": "flux2_klein", "z-image": "z_image",
-         "flux.1-kontext-dev": "flux1_kontext_dev", "wan2.1-t2v-14b": "wan21_t2v_14b"}
-# a family's frozen components, the VAE first and the large (shardable: model.shard_t5) text encoder last
-FROZEN = {"sd3": ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"),
-          "flux": ("vae", "text_encoder", "text_encoder_2"), "flux_kontext": ("vae", "text_encoder", "text_encoder_2"),
-          "qwenimage": ("vae", "text_encoder"), "flux2": ("vae", "text_encoder"), "zimage": ("vae", "text_encoder"),
-          "wan": ("vae", "text_encoder")}
 
-# the families whose text encoder is a Qwen LM run with every hidden state kept (measure.measure_nograd): qwen at the
-# model's default use_cache (its K/V kept too), qwen_lm Flux2KleinPipeline's causal LM (use_cache=False, logits)
-QWEN_TEXT = {"qwenimage": "qwen", "zimage": "qwen", "flux2": "qwen_lm"}
+
+def known_checkpoints() -> dict[str, str]:
+    """{checkpoint name (lower case) found in model.pretrained: shapes file}, every family's (Family.checkpoints)."""
+    return {k: v for f in families().values() for k, v in f.checkpoints.items()}
 
 
 class ShapeError(ValueError):
@@ -58,17 +47,21 @@ def clean(config: dict) -> dict:
 
 def pipeline_shapes(cfg, name: str | None = None) -> dict:
     """{kind, components: {name: {class, library, config}}, text_tokens} from a pipeline directory or a shape file."""
-    if cfg is not None and cfg.model.kind not in FROZEN:
-        raise ShapeError(f"model.kind {cfg.model.kind}: the estimator sizes {' and '.join(FROZEN)} pipelines; this "
+    sized = [k for k, f in families().items() if f.geometry is not None]
+    if cfg is not None and cfg.model.kind not in sized:
+        raise ShapeError(f"model.kind {cfg.model.kind}: the estimator sizes {' and '.join(sized)} pipelines; this "
                          "family's shapes and activation coefficients are not in it yet")
     if name is None:
         path = resolve_path(cfg.model.pretrained)
         if (path / "model_index.json").is_file():
             return _from_directory(path, cfg.model.kind)
-        name = next((v for k, v in KNOWN.items() if k in path.name.lower()), None)
+        known = known_checkpoints()
+        # the longest name found wins: "qwen-image-edit-2509" holds "qwen-image" too
+        name = max(((k, v) for k, v in known.items() if k in path.name.lower()), key=lambda kv: len(kv[0]),
+                   default=(None, None))[1]
         if name is None:
             raise ShapeError(f"model.pretrained {path} is not a pipeline directory here and not a known checkpoint "
-                             f"({', '.join(KNOWN)}): pass --shapes NAME ({SHAPES}/NAME.json)")
+                             f"({', '.join(known)}): pass --shapes NAME ({SHAPES}/NAME.json)")
     file = SHAPES / f"{name}.json"
     if not file.is_file():
         raise ShapeError(f"--shapes {name}: no {file} "
@@ -79,29 +72,29 @@ def pipeline_shapes(cfg, name: str | None = None) -> dict:
 def _from_directory(path: Path, kind: str) -> dict:
     from ..models import stored_dtype
 
+    fam = family(kind)
     index = json.loads((path / "model_index.json").read_text())
     if kind == "flux2" and index.get("_class_name") == "Flux2Pipeline":
         raise ShapeError(f"model.pretrained {path} is FLUX.2 [dev] (Flux2Pipeline, a Mistral3 text encoder): the "
                          "estimator sizes FLUX.2 [klein]'s Qwen3 encoder only; [dev]'s shapes are not in it yet")
     comps = {n: {"library": index[n][0], "class": index[n][1],
                  "config": json.loads((path / n / "config.json").read_text())}
-             for n in ("transformer",) + FROZEN[kind] if n in index and index[n][0] is not None}
+             for n in ("transformer",) + fam.frozen if n in index and index[n][0] is not None}
     comps["transformer"]["stored_dtype"] = str(stored_dtype(path / "transformer")).replace("torch.", "")
 
     def limit(tok, cap):
         f = path / tok / "tokenizer_config.json"
         return min(cap, int(json.loads(f.read_text()).get("model_max_length", cap)) if f.is_file() else cap)
 
-    if kind in QWEN_TEXT:  # the Qwen prompt tokens every prompt is padded to (models/<kind>.py)
-        text = {"prompt": PROMPT_TOKENS_DEFAULT, "prompt_limit": PROMPT_TOKEN_LIMITS[kind]}
+    if fam.text in ("qwen", "qwen_lm"):  # the Qwen prompt tokens every prompt is padded to (models/<kind>.py)
+        text = {"prompt": fam.prompt_tokens, "prompt_limit": fam.prompt_limit}
         return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
-    if kind == "wan":  # UMT5 alone, every prompt padded to WanPipeline's 512
-        t5 = limit("tokenizer", 512)
-        text = {"t5": min(WAN_TOKENS_DEFAULT, t5), "t5_limit": t5}
-        return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
-    t5 = limit("tokenizer_3" if kind == "sd3" else "tokenizer_2", 512)  # what model.max_sequence_length can reach
-    text = {"clip": limit("tokenizer", 77), "t5": min(T5_DEFAULT["sd3" if kind == "sd3" else "flux"], t5),
-            "t5_limit": t5}
+    # the T5 tokens (its tokenizer's limit: what model.max_sequence_length can reach); Wan's UMT5 alone, every prompt
+    # padded to WanPipeline's 512; CLIP's beside it for SD3 and FLUX.1
+    t5 = limit(fam.frozen[-1].replace("text_encoder", "tokenizer"), 512)
+    text = {"t5": min(fam.prompt_tokens, t5), "t5_limit": t5}
+    if fam.text == "clip_t5":
+        text = {"clip": limit("tokenizer", 77), **text}
     return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
 
 
@@ -163,11 +156,10 @@ def context_parallel(comp: dict) -> bool:
     """Whether the transformer's context-parallel plan (diffusers' _cp_plan, what parallel.sequence_parallel splits)
     splits the text tokens too (FLUX's and SD3's joint attention) or the image / video tokens alone (Wan's prompt is
     whole on every rank); a ShapeError for a transformer without a plan (Z-Image: the trainer refuses it too)."""
-    from ..parallel.sequence import sd3_plan
-
     plan = getattr(getattr(importlib.import_module(comp["library"]), comp["class"]), "_cp_plan", None)
-    if plan is None and comp["class"] == "SD3Transformer2DModel":  # none in diffusers: the trainer's own
-        plan = sd3_plan()
+    fam = family_of_transformer(comp["class"])
+    if fam is not None and fam.context_parallel is not None:  # none in diffusers: the trainer's own (SD3)
+        plan = fam.context_parallel(None)
     if plan is None:
         raise ShapeError(f"config key 'parallel.sequence_parallel': {comp['class']} has no context-parallel plan in "
                          "diffusers (its _cp_plan), so its sequence cannot be split; use 1")

@@ -7,7 +7,7 @@
 `step_loss(k, v_k)` closure knot_backward differentiates. It depends on theta only through v_k, which is what
 lets JAGG move the transformer backward out of the per-step loop. It also records the metrics of each evaluation
 (clipfrac, approx_kl, ratio, kl) as detached tensors in `metrics`, so no extra pass is spent on logging (the
-Updater reduces them: train/update.py reduce_metrics).
+runner reduces them: train/runner.py reduce_metrics).
 """
 
 from __future__ import annotations

@@ -85,6 +85,25 @@ class Trajectories:
                             uncond_velocities=cat("uncond_velocities"))
 
 
+@dataclass
+class FinalLatents:
+    """A rollout that keeps only each row's final latents x_T (sample_sde keep="final"): what DiffusionNFT trains on.
+    None of the per-step tensors of `Trajectories` is stored."""
+
+    final: torch.Tensor  # [N, ...]
+
+    @staticmethod
+    def cat(parts: list["FinalLatents"]) -> "FinalLatents":
+        return FinalLatents(torch.cat([p.final for p in parts]))
+
+
+class _Dropped:
+    """A per-step store that keeps nothing (keep="final"): the sampler's assignments into it are discarded."""
+
+    def __setitem__(self, k, value) -> None:
+        pass
+
+
 def draw_step_noise(generator, shape, num_steps: int, device: torch.device) -> torch.Tensor:
     """The N(0, 1) noise of `num_steps` SDE steps of a chunk, drawn on the CPU in the order the steps consume it
     (step by step, each row from its own generator: the same numbers as drawing at every step) and copied to the
@@ -112,7 +131,8 @@ def sample_sde(
     ode_steps: int = 0,
     host_sigmas: Sequence[float] | None = None,
     sde: str = "flow_grpo",
-) -> Trajectories:
+    keep: str = "trajectory",
+) -> Trajectories | FinalLatents:
     """Run the sampler from `noise` (the latent x_0 at s_0 = 1) through all T steps of `sigmas`: the SDE (with
     log-probs) on `sde_steps` (all when None), the deterministic ODE elsewhere (Flow-GRPO-Fast / MixGRPO: only the SDE
     steps are explored and trained; their log-probs are 0 elsewhere and never used). With guidance != 1 the
@@ -127,7 +147,9 @@ def sample_sde(
     schedule's layout, so trained steps index it as before: latents, velocities and log-probs of the window at
     their own indices, x_T the final sample; grid points the compressed parts do not visit hold zeros (training
     never reads them). The solver's coefficients are Python floats computed from `host_sigmas` (the schedule's
-    values as a list; read from `sigmas` when not given: one read of the device), never per step on the device."""
+    values as a list; read from `sigmas` when not given: one read of the device), never per step on the device.
+
+    `keep` final: only x_T is returned (FinalLatents); nothing per step is held, not even while sampling."""
     x = noise.float()
     n = x.shape[0]
     T = len(sigmas) - 1
@@ -148,11 +170,12 @@ def sample_sde(
         c, u = cfg_predictions(velocity_fn, x, s, cond)
         return guide(c, u, guidance, guidance_rule).float(), c.float(), u.float()  # guided_velocity's very ops
 
-    latents: list = [x] + [None] * T
-    velocities: list = [None] * T
-    uncond_vs: list = [None] * T
-    ref_vs: list = [None] * T
-    log_probs: list = [None] * T
+    final_only = keep == "final"
+    latents: list = _Dropped() if final_only else [x] + [None] * T
+    velocities: list = _Dropped() if final_only else [None] * T
+    uncond_vs: list = _Dropped() if final_only else [None] * T
+    ref_vs: list = _Dropped() if final_only else [None] * T
+    log_probs: list = _Dropped() if final_only else [None] * T
 
     def sde(k, x):
         s = sigmas[k].expand(n)
@@ -180,7 +203,9 @@ def sample_sde(
         x = _ode_segment(predict, x, before, OdeSolverState(ode_solver), n, latents, velocities, uncond_vs)
         for k in window:
             x = sde(k, x)
-        _ode_segment(predict, x, after, OdeSolverState(ode_solver), n, latents, velocities, uncond_vs)
+        x = _ode_segment(predict, x, after, OdeSolverState(ode_solver), n, latents, velocities, uncond_vs)
+    if final_only:
+        return FinalLatents(x)
 
     def stack(ts: list, like: torch.Tensor) -> torch.Tensor:  # zeros where nothing was computed (see above)
         return torch.stack([t if t is not None else torch.zeros_like(like) for t in ts])

@@ -18,23 +18,9 @@ from __future__ import annotations
 
 from ..hub import resolve_model_path
 from ..paths import resolve_path
-from .base import PIPELINE_KINDS, VelocityModel
+from .base import VelocityModel
 from .dit import DiT, DiTConfig, HashTokenizer
-
-
-# each diffusers family's velocity class, by model.kind: (module under models/, class)
-VELOCITY_CLASSES = {"sd3": ("sd3", "SD3Velocity"), "flux": ("flux", "FluxVelocity"),
-                    "flux_kontext": ("kontext", "FluxKontextVelocity"), "flux2": ("flux2", "Flux2Velocity"),
-                    "qwenimage": ("qwenimage", "QwenImageVelocity"), "zimage": ("zimage", "ZImageVelocity"),
-                    "wan": ("wan", "WanVelocity")}
-
-
-def velocity_class(kind: str) -> type:
-    """The velocity class of a diffusers model.kind (its module imported now: diffusers is an optional extra)."""
-    import importlib
-
-    module, name = VELOCITY_CLASSES[kind]
-    return getattr(importlib.import_module(f".{module}", __name__), name)
+from .registry import Family, families, family
 
 
 def build_model(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
@@ -46,9 +32,9 @@ def build_model(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     False (jagg-eval, tests): the transformer is float32 right away, as before."""
     import torch
 
-    if cfg.kind in PIPELINE_KINDS:
+    if family(cfg.kind).is_pipeline:  # an unknown kind: a ConfigError naming the known ones
         model = _build_diffusers(cfg, keep_stored_dtype=keep_stored_dtype)
-    elif cfg.kind == "dit":
+    else:  # the built-in DiT
         model = DiT(cfg.dit)
         if cfg.pretrained:
             load_pretrained(model, str(pretrained_path(cfg)))
@@ -56,8 +42,6 @@ def build_model(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
             # GRPO needs a policy that already draws something; with no weights given we start from a random
             # (not zero-output) DiT so velocities, and therefore rewards, vary between samples from step 0.
             model.init_weights(zero_out=False)
-    else:
-        raise ValueError(f"model.kind {cfg.kind!r} is not supported")
     model.compute_dtype = getattr(torch, cfg.dtype)  # float32 | bfloat16 | float16: what the engines read
     return model
 
@@ -67,7 +51,7 @@ def pretrained_path(cfg, *, allow_download: bool | None = None):
     ORG/NAME/FILE.safetensors for the dit) from the local hub cache (jagg_scale/hub.py), downloaded only with
     `model.allow_download: true` (`allow_download` overrides it: config validation looks without downloading)."""
     download = cfg.allow_download if allow_download is None else allow_download
-    pipeline = cfg.kind in PIPELINE_KINDS
+    pipeline = family(cfg.kind).is_pipeline
     return resolve_model_path(cfg.pretrained, what="model.pretrained", allow_download=download,
                               markers=("model_index.json",) if pipeline else (),
                               fetch=_fetch_pipeline if pipeline else None,
@@ -83,14 +67,14 @@ def _fetch_pipeline(repo_id: str, cache_dir) -> None:
 
 
 def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
-    """SD3 / FLUX from a local pipeline directory (or a hub id in the local hub cache: pretrained_path), with the
-    config's LoRA, attention and text-encoder options. Every component is loaded straight in the dtype it will be
-    used in (diffusers' per-component `dtype=` at from_pretrained time, never float32 then cast): the frozen VAE and
-    text encoders in model.dtype's 16-bit dtype (they never feed a gradient), float32 under float32; the
-    transformer in float32 (master weights; 16 bits is autocast), with LoRA under a 16-bit dtype its frozen base in
-    it (the adapter and its optimizer state float32: the matmuls autocast to 16 bits either way, so the base's fp32
-    copy was only memory and a cast per forward), or with `keep_stored_dtype` in its checkpoint's 16-bit dtype when
-    that is the compute dtype (see build_model). Under float16 the VAE stays float32, as Flow-GRPO
+    """A family's adapter (Family.build) from a local pipeline directory (or a hub id in the local hub cache:
+    pretrained_path), with the config's LoRA, attention and text-encoder options. Every component is loaded straight
+    in the dtype it will be used in (diffusers' per-component `dtype=` at from_pretrained time, never float32 then
+    cast): the frozen VAE and text encoders in model.dtype's 16-bit dtype (they never feed a gradient), float32
+    under float32; the transformer in float32 (master weights; 16 bits is autocast), with LoRA under a 16-bit dtype
+    its frozen base in it (the adapter and its optimizer state float32: the matmuls autocast to 16 bits either way,
+    so the base's fp32 copy was only memory and a cast per forward), or with `keep_stored_dtype` in its checkpoint's
+    16-bit dtype when that is the compute dtype (see build_model). Under float16 the VAE stays float32, as Flow-GRPO
     (scripts/train_sd3.py:410) and DiffusionNFT (scripts/train_nft_sd3.py:412) keep it in their fp16 runs: it
     decodes in float32, where an fp16 VAE can overflow."""
     import torch
@@ -106,40 +90,7 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     dtypes = {"transformer": transformer, "default": compute}
     if compute == torch.float16:
         dtypes["vae"] = torch.float32
-    if cfg.kind == "sd3":
-        from .sd3 import SD3Velocity  # diffusers is an optional extra: import it only when asked for
-
-        model = SD3Velocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
-                                            t5=cfg.text_encoders == "all", max_sequence_length=cfg.max_sequence_length)
-        model.set_attention(cfg.attention)  # raises early when xformers is asked for without CUDA/xformers
-    elif cfg.kind in ("flux", "flux_kontext"):
-        from .flux import FluxVelocity
-        from .kontext import FluxKontextVelocity
-
-        guidance = {} if cfg.distilled_guidance is None else {"guidance_scale": cfg.distilled_guidance}
-        model = (FluxVelocity if cfg.kind == "flux" else FluxKontextVelocity).from_pretrained(
-            path, dtypes, resolution=cfg.resolution, max_sequence_length=cfg.max_sequence_length, **guidance)
-    elif cfg.kind == "flux2":
-        from .flux2 import Flux2Velocity
-
-        model = Flux2Velocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
-                                              max_sequence_length=cfg.max_sequence_length,
-                                              guidance_scale=cfg.distilled_guidance)
-    elif cfg.kind == "wan":
-        from .wan import WanVelocity
-
-        model = WanVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution, num_frames=cfg.num_frames or 81,
-                                            max_sequence_length=cfg.max_sequence_length)
-    elif cfg.kind == "zimage":
-        from .zimage import ZImageVelocity
-
-        model = ZImageVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
-                                               max_sequence_length=cfg.max_sequence_length)
-    else:
-        from .qwenimage import QwenImageVelocity
-
-        model = QwenImageVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
-                                                  max_sequence_length=cfg.max_sequence_length)
+    model = family(cfg.kind).build(cfg, path, dtypes)  # the family's adapter (models/registry.py)
     if transformer != torch.float32 and not cfg.lora.enabled:
         model.master_dtype = torch.float32  # upcast by the engine, shard by shard, on the device
     if cfg.lora.enabled:
@@ -221,5 +172,5 @@ def load_pretrained(model: VelocityModel, path: str) -> None:
                          f"unexpected {unexpected[:5]}")
 
 
-__all__ = ["PIPELINE_KINDS", "VELOCITY_CLASSES", "VelocityModel", "DiT", "DiTConfig", "HashTokenizer", "build_model",
-           "load_pretrained", "pretrained_path", "safetensors_problem", "stored_dtype", "velocity_class"]
+__all__ = ["Family", "VelocityModel", "DiT", "DiTConfig", "HashTokenizer", "build_model", "families", "family",
+           "load_pretrained", "pretrained_path", "safetensors_problem", "stored_dtype"]

@@ -26,10 +26,6 @@ from torch import nn
 
 from ..cond import Cond
 
-# the diffusers families, one adapter module each (models/<kind>.py)
-PIPELINE_KINDS = ("sd3", "flux", "qwenimage", "flux2", "zimage", "flux_kontext", "wan")
-VIDEO_KINDS = ("wan",)  # decode to frames [N, 3, F, H, W]: scored by the video rewards
-
 
 class VelocityModel(nn.Module):
     """Base class: a velocity field v_theta(x, sigma, cond) with prompt encoding and decoding to images."""

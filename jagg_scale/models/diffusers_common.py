@@ -28,9 +28,6 @@ from .base import VelocityModel
 log = logging.getLogger(__name__)
 
 
-T5_DEFAULT = {"sd3": 256, "flux": 512}  # diffusers' pipelines' own max_sequence_length
-
-
 def t5_length(tokenizer, configured: int | None, default: int) -> int:
     """The T5 prompt length in tokens: `configured` (model.max_sequence_length) or the pipeline's own default,
     never past the tokenizer's limit (the tiny test pipelines' T5 tokenizer stops at 32)."""

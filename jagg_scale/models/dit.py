@@ -34,6 +34,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .base import VelocityModel
+from .registry import Family, register
 
 
 #################################################################################
@@ -338,3 +339,6 @@ def get_2d_sincos_pos_embed(embed_dim: int, grid_size: int) -> torch.Tensor:
     emb_h = get_1d_sincos_pos_embed(embed_dim // 2, grid_w)
     emb_w = get_1d_sincos_pos_embed(embed_dim // 2, grid_h)
     return torch.cat([emb_h, emb_w], dim=1)
+
+
+FAMILY = register(Family(name="dit", velocity=DiT))  # built in models/__init__.py: no pipeline directory

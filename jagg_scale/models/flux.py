@@ -46,7 +46,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .diffusers_common import T5_DEFAULT, DiffusersVelocity, row_sigmas, t5_length
+from .diffusers_common import DiffusersVelocity, row_sigmas, t5_length
+from .registry import Family, register
+
+PROMPT_TOKENS = 512  # FluxPipeline's max_sequence_length (T5 tokens), its T5 tokenizer's limit too
 
 
 class FluxVelocity(DiffusersVelocity):
@@ -62,7 +65,7 @@ class FluxVelocity(DiffusersVelocity):
     # single-stream blocks (190 modules on FLUX.1-dev)
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
 
-    def __init__(self, pipe, max_sequence_length: int = 512, guidance_scale: float = 3.5,
+    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS, guidance_scale: float = 3.5,
                  latent_size: int | None = None):
         super().__init__(pipe, max_sequence_length)
         self.guidance_scale = float(guidance_scale)
@@ -93,7 +96,7 @@ class FluxVelocity(DiffusersVelocity):
         pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(str(Path(path)), dtype=dtype,
                                                                       local_files_only=local_files_only)
         guidance_scale = cls.guidance_default if guidance_scale is None else guidance_scale
-        max_sequence_length = t5_length(pipe.tokenizer_2, max_sequence_length, T5_DEFAULT["flux"])
+        max_sequence_length = t5_length(pipe.tokenizer_2, max_sequence_length, PROMPT_TOKENS)
         if resolution is not None:
             latent_size = cls.latent_size_for(pipe, resolution, 2)
         return cls(pipe, max_sequence_length=max_sequence_length, guidance_scale=guidance_scale,
@@ -162,3 +165,55 @@ class FluxVelocity(DiffusersVelocity):
         if not self.transformer.config.guidance_embeds:
             return None
         return torch.full((n,), self.guidance_scale, device=device, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------ the family record (models/registry.py)
+def build_flux(cls, cfg, path, dtypes):
+    """FLUX.1 and FLUX.1-Kontext (`cls`): the distilled guidance from the config, else the pipeline's default."""
+    guidance = {} if cfg.distilled_guidance is None else {"guidance_scale": cfg.distilled_guidance}
+    return cls.from_pretrained(path, dtypes, resolution=cfg.resolution, max_sequence_length=cfg.max_sequence_length,
+                               **guidance)
+
+
+def geometry(cfg, tc, vae, tokens, prompt):
+    """The estimator's latents, patch and text tokens (estimate/memory.py): FLUX.1's T5 tokens and CLIP's pooled
+    vector, or FLUX.2 [klein]'s padded Qwen3 prompt (`prompt`, no pooled vector); 2x2 latent patches."""
+    scale = 2 ** (len(vae["block_out_channels"]) - 1)
+    side = (cfg.model.resolution or vae["sample_size"]) // scale
+    text = tokens["t5"] if prompt is None else prompt
+    return {"scale": scale, "side": side, "latent": (tc["in_channels"] // 4, side, side), "patch": 2, "text": text,
+            "cond_row": text * tc["joint_attention_dim"] + tc.get("pooled_projection_dim", 0)}
+
+
+def inputs(cfg, n, h, w, t, r, u, device, frames, image_copies: int = 1):
+    """The transformer's forward arguments, as FluxVelocity (and FLUX.2's) calls it (estimate/measure.py
+    model_inputs): packed 2x2 tokens with their rope ids (3 axes; FLUX.2's 4: T, H, W, L), SD3's and FLUX.1's pooled
+    prompt vector (FLUX.2 has none), FLUX.1-dev's distilled guidance; `image_copies` 2: Kontext's input image's
+    tokens after the noisy ones, rope axis 0 = 1 (models/kontext.py)."""
+    common = dict(encoder_hidden_states=r(n, t, cfg["joint_attention_dim"]), return_dict=False)
+    if "pooled_projection_dim" in cfg:
+        common["pooled_projections"] = r(n, cfg["pooled_projection_dim"])
+    ids = torch.zeros(h, w, len(cfg["axes_dims_rope"]))
+    ids[..., 1], ids[..., 2] = torch.arange(h)[:, None], torch.arange(w)[None, :]
+    ids = ids.reshape(-1, ids.shape[-1])
+    guidance = torch.full((n,), 3.5, device=device) if cfg.get("guidance_embeds") else None
+    tokens = h * w
+    if image_copies == 2:
+        ids, tokens = torch.cat([ids, torch.cat([torch.ones(len(ids), 1), ids[:, 1:]], dim=1)]), 2 * h * w
+    return dict(hidden_states=r(n, tokens, cfg["in_channels"]), timestep=u(n), guidance=guidance,
+                img_ids=ids.to(device), txt_ids=torch.zeros(t, ids.shape[-1], device=device), **common)
+
+
+def blocks(cfg, side):
+    """FLUX.1 and FLUX.2: double-stream then single-stream blocks (estimate/measure.py)."""
+    types = ["double"] * cfg["num_layers"] + ["single"] * cfg["num_single_layers"]
+    kinds = list(dict.fromkeys(types))
+    return types, dict(cfg, num_layers=int("double" in kinds), num_single_layers=int("single" in kinds))
+
+
+FAMILY = register(Family(
+    name="flux", velocity=FluxVelocity, build=lambda cfg, path, dtypes: build_flux(FluxVelocity, cfg, path, dtypes),
+    pipeline="FluxPipeline", transformer="FluxTransformer2DModel", text="clip_t5", prompt_tokens=PROMPT_TOKENS,
+    prompt_limit=PROMPT_TOKENS, keys=frozenset({"distilled_guidance"}),
+    checkpoints={"flux.1-dev": "flux1_dev", "flux1-dev": "flux1_dev"}, geometry=geometry, inputs=inputs,
+    blocks=blocks, tiny="build_tiny_flux"))

@@ -33,9 +33,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from . import flux
 from .diffusers_common import DiffusersVelocity, row_sigmas
+from .registry import Family, register
 
-PROMPT_TOKENS_DEFAULT = 512  # Flux2Pipeline's and Flux2KleinPipeline's max_sequence_length
+PROMPT_TOKENS = 512  # Flux2Pipeline's and Flux2KleinPipeline's max_sequence_length, and the most it may be
 DISTILLED_GUIDANCE_DEFAULT = 4.0  # Flux2Pipeline.__call__'s guidance_scale: FLUX.2 [dev]'s guidance embedding
 PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")  # FLUX.2 [dev], FLUX.2 [klein]
 
@@ -56,7 +58,7 @@ class Flux2Velocity(DiffusersVelocity):
                     "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
                     "attn.to_qkv_mlp_proj")
 
-    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None,
+    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS, latent_size: int | None = None,
                  guidance_scale: float | None = None):
         super().__init__(pipe, max_sequence_length)
         distilled = bool(self.transformer.config.guidance_embeds)
@@ -85,7 +87,7 @@ class Flux2Velocity(DiffusersVelocity):
         name = _pipeline_class(Path(path))
         pipe = getattr(diffusers, name).from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
         latent_size = cls.latent_size_for(pipe, resolution, 2) if resolution is not None else None
-        return cls(pipe, max_sequence_length=max_sequence_length or PROMPT_TOKENS_DEFAULT, latent_size=latent_size,
+        return cls(pipe, max_sequence_length=max_sequence_length or PROMPT_TOKENS, latent_size=latent_size,
                    guidance_scale=guidance_scale)
 
     # ------------------------------------------------------------------ schedule
@@ -153,3 +155,18 @@ def _pipeline_class(path: Path) -> str:
     if name not in PIPELINES:
         raise ValueError(f"model.kind flux2 loads {' or '.join(PIPELINES)}; {index} names {name!r}")
     return name
+
+
+# ------------------------------------------------------------------ the family record (models/registry.py)
+def _build(cfg, path, dtypes):
+    return Flux2Velocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
+                                         max_sequence_length=cfg.max_sequence_length,
+                                         guidance_scale=cfg.distilled_guidance)
+
+
+FAMILY = register(Family(
+    name="flux2", velocity=Flux2Velocity, build=_build, pipeline="Flux2KleinPipeline",
+    transformer="Flux2Transformer2DModel", text="qwen_lm", prompt_tokens=PROMPT_TOKENS, prompt_limit=PROMPT_TOKENS,
+    keys=frozenset({"distilled_guidance"}),
+    checkpoints={"flux.2-klein-4b": "flux2_klein", "flux.2-klein-base-4b": "flux2_klein"}, geometry=flux.geometry,
+    inputs=flux.inputs, blocks=flux.blocks, tiny="build_tiny_flux2"))

@@ -23,12 +23,16 @@ plain rule, the negative prompt on the same input image, which Policy.encode giv
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Sequence
 
 import torch
 
 from ..data.images import load_rgb
+from . import flux
 from .flux import FluxVelocity
+from .registry import Family, register
 
 class FluxKontextVelocity(FluxVelocity):
     """v_theta(x, sigma, (embeds, pooled, image_latents)) of a FluxKontextPipeline's transformer."""
@@ -87,3 +91,19 @@ class FluxKontextVelocity(FluxVelocity):
             self._ids[key] = ids.clone()
             self._ids[key][:, 0] = 1
         return self._ids[key]
+
+
+# ------------------------------------------------------------------ the family record (models/registry.py)
+def _geometry(cfg, tc, vae, tokens, prompt):
+    """FLUX.1's, with the input image's latents in the conditioning and its tokens in every pass."""
+    g = flux.geometry(cfg, tc, vae, tokens, prompt)
+    return dict(g, cond_row=g["cond_row"] + math.prod(g["latent"]), images_per_pass=2)
+
+
+FAMILY = register(Family(
+    name="flux_kontext", velocity=FluxKontextVelocity,
+    build=lambda cfg, path, dtypes: flux.build_flux(FluxKontextVelocity, cfg, path, dtypes),
+    pipeline="FluxKontextPipeline", transformer="FluxTransformer2DModel", text="clip_t5",
+    prompt_tokens=flux.PROMPT_TOKENS, prompt_limit=flux.PROMPT_TOKENS, keys=frozenset({"distilled_guidance"}),
+    checkpoints={"flux.1-kontext-dev": "flux1_kontext_dev"}, geometry=_geometry,
+    inputs=functools.partial(flux.inputs, image_copies=2), blocks=flux.blocks, tiny="build_tiny_flux_kontext"))

@@ -44,9 +44,9 @@ def lora_targets(kind: str, configured: Sequence[str] = ()) -> tuple[str, ...]:
     (estimate/memory.py, preemption.py) both use, so the modules trained and the modules counted are the same."""
     if configured:
         return tuple(configured)
-    from . import velocity_class
+    from .registry import family
 
-    return velocity_class(kind).lora_targets
+    return family(kind).velocity.lora_targets
 
 
 def target_matches(name: str, targets: Sequence[str]) -> bool:

@@ -53,8 +53,10 @@ import torch
 from ..cond import Tokens
 from ..parallel.sequence import sequence_split
 from .diffusers_common import DiffusersVelocity, latent_stats, row_sigmas
+from .registry import Family, register
 
-PROMPT_TOKENS_DEFAULT = 512  # QwenImagePipeline.__call__'s max_sequence_length
+PROMPT_TOKENS = 512  # QwenImagePipeline.__call__'s max_sequence_length
+PROMPT_LIMIT = 1024  # the most QwenImagePipeline takes
 
 
 def pack_latents(x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +91,7 @@ class QwenImageVelocity(DiffusersVelocity):
                     "img_mlp.net.0.proj", "txt_mlp.net.0.proj")
     negative_prompt = " "
 
-    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None):
+    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS, latent_size: int | None = None):
         super().__init__(pipe, max_sequence_length)
         cfg = self.transformer.config
         if cfg.in_channels % 4:
@@ -111,7 +113,7 @@ class QwenImageVelocity(DiffusersVelocity):
 
         pipe = QwenImagePipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
         latent_size = cls.latent_size_for(pipe, resolution, 2) if resolution is not None else None
-        return cls(pipe, max_sequence_length=min(max_sequence_length or PROMPT_TOKENS_DEFAULT, 1024),
+        return cls(pipe, max_sequence_length=min(max_sequence_length or PROMPT_TOKENS, PROMPT_LIMIT),
                    latent_size=latent_size)
 
     # ------------------------------------------------------------------ packing and schedule
@@ -170,3 +172,45 @@ def qwenimage_velocity(transformer, x: torch.Tensor, sigma, cond: Tokens) -> tor
     )[0]
     return unpack_latents(out, h, w).to(x.dtype)
 
+
+
+# ------------------------------------------------------------------ the family record (models/registry.py)
+def _build(cfg, path, dtypes):
+    return QwenImageVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
+                                             max_sequence_length=cfg.max_sequence_length)
+
+
+def geometry(cfg, tc, vae, tokens, prompt):
+    """The estimator's latents, patch and text tokens (estimate/memory.py). A video VAE: 8x spatial (2 per
+    temporal_downsample level); a pass carries its rows' longest prompt: at most the prompt set's longest
+    (estimate/prompt_tokens.py), padded up to a multiple of a sequence-parallel split."""
+    from ..estimate.prompt_tokens import longest
+
+    scale = 2 ** len(vae["temperal_downsample"])
+    side = (cfg.model.resolution or 1024) // scale  # QwenImagePipeline's default: 1024 px
+    lengths = (tokens["encoded"]["lengths"], prompt) if "encoded" in tokens else None
+    sp = cfg.parallel.sequence_parallel
+    text = -(-(longest(*lengths) if lengths else prompt) // sp) * sp
+    return {"scale": scale, "side": side, "latent": (tc["in_channels"] // 4, side, side), "patch": 2, "text": text,
+            "cond_row": text * (tc["joint_attention_dim"] + 2), "prompt_lengths": lengths}
+
+
+def inputs(cfg, n, h, w, t, r, u, device, frames):
+    """The transformer's forward arguments as the adapter calls it: packed 2x2 tokens, the prompt with its mask, the
+    latent grid (estimate/measure.py model_inputs)."""
+    return dict(hidden_states=r(n, h * w, cfg["in_channels"]), timestep=u(n),
+                encoder_hidden_states=r(n, t, cfg["joint_attention_dim"]),
+                encoder_hidden_states_mask=torch.ones(n, t, dtype=torch.bool, device=device),
+                img_shapes=[[(1, h, w)]] * n, return_dict=False)
+
+
+def blocks(cfg, side):
+    """One kind of double-stream block (estimate/measure.py)."""
+    return ["double"] * cfg["num_layers"], dict(cfg, num_layers=1)
+
+
+FAMILY = register(Family(
+    name="qwenimage", velocity=QwenImageVelocity, build=_build, pipeline="QwenImagePipeline",
+    transformer="QwenImageTransformer2DModel", text="qwen", prompt_tokens=PROMPT_TOKENS, prompt_limit=PROMPT_LIMIT,
+    checkpoints={"qwen-image": "qwen_image"}, geometry=geometry, inputs=inputs, blocks=blocks,
+    tiny="build_tiny_qwenimage"))

@@ -34,7 +34,11 @@ from typing import Sequence
 
 import torch
 
-from .diffusers_common import T5_DEFAULT, DiffusersVelocity, row_sigmas, t5_length
+from .diffusers_common import DiffusersVelocity, row_sigmas, t5_length
+from .registry import Family, register
+
+PROMPT_TOKENS = 256  # StableDiffusion3Pipeline's max_sequence_length (T5 tokens)
+PROMPT_LIMIT = 512  # its T5 tokenizer's
 
 
 class SD3Velocity(DiffusersVelocity):
@@ -73,7 +77,7 @@ class SD3Velocity(DiffusersVelocity):
         no_t5 = {} if t5 else {"text_encoder_3": None}
         pipe = StableDiffusion3Pipeline.from_pretrained(str(Path(path)), dtype=dtype,
                                                         local_files_only=local_files_only, **no_t5)
-        max_sequence_length = t5_length(pipe.tokenizer_3, max_sequence_length, T5_DEFAULT["sd3"])
+        max_sequence_length = t5_length(pipe.tokenizer_3, max_sequence_length, PROMPT_TOKENS)
         latent_size = cls.latent_size_for(pipe, resolution, pipe.transformer.config.patch_size)
         return cls(pipe, max_sequence_length=max_sequence_length, latent_size=latent_size)
 
@@ -163,3 +167,53 @@ class SD3TransformerVelocity(torch.nn.Module):
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
             return sd3_velocity(self.transformer, x, sigma, cond, self.num_train_timesteps)
+
+
+# ------------------------------------------------------------------ the family record (models/registry.py)
+def _build(cfg, path, dtypes):
+    model = SD3Velocity.from_pretrained(path, dtypes, resolution=cfg.resolution, t5=cfg.text_encoders == "all",
+                                        max_sequence_length=cfg.max_sequence_length)
+    model.set_attention(cfg.attention)  # raises early when xformers is asked for without CUDA/xformers
+    return model
+
+
+def _geometry(cfg, tc, vae, tokens, prompt):
+    """The estimator's latents, patch and text tokens (estimate/memory.py): CLIP's and T5's tokens side by side."""
+    scale = 2 ** (len(vae["block_out_channels"]) - 1)
+    side = cfg.model.resolution // scale if cfg.model.resolution else tc["sample_size"]
+    text = tokens["clip"] + tokens["t5"]
+    return {"scale": scale, "side": side, "latent": (tc["in_channels"], side, side), "patch": tc["patch_size"],
+            "text": text, "cond_row": text * tc["joint_attention_dim"] + tc["pooled_projection_dim"]}
+
+
+def _inputs(cfg, n, h, w, t, r, u, device, frames):
+    """The transformer's forward arguments, as SD3Velocity calls it (estimate/measure.py model_inputs)."""
+    p = cfg["patch_size"]
+    text, pooled = r(n, t, cfg["joint_attention_dim"]), r(n, cfg["pooled_projection_dim"])  # drawn in this order
+    return dict(hidden_states=r(n, cfg["in_channels"], h * p, w * p), timestep=u(n) * 1000,
+                encoder_hidden_states=text, pooled_projections=pooled, return_dict=False)
+
+
+def _blocks(cfg, side):
+    """Block types in forward order (SD3.5's dual-attention layers, the last block's context-free output), and the
+    config with one block of each, its positions up to `side` patches (estimate/measure.py)."""
+    L, dual = cfg["num_layers"], set(cfg.get("dual_attention_layers") or ())
+    types = ["last" if i == L - 1 else "dual" if i in dual else "joint" for i in range(L)]
+    kinds = list(dict.fromkeys(types))
+    return types, dict(cfg, num_layers=len(kinds), dual_attention_layers=(0,) if "dual" in kinds else (),
+                       pos_embed_max_size=side)
+
+
+def _context_parallel(transformer):
+    from ..parallel.sequence import sd3_context_parallel
+
+    return sd3_context_parallel(transformer)
+
+
+FAMILY = register(Family(
+    name="sd3", velocity=SD3Velocity, build=_build, pipeline="StableDiffusion3Pipeline",
+    transformer="SD3Transformer2DModel", text="clip_t5", prompt_tokens=PROMPT_TOKENS, prompt_limit=PROMPT_LIMIT,
+    keys=frozenset({"text_encoders", "attention"}),
+    checkpoints={"stable-diffusion-3.5-medium": "sd35_medium", "stable-diffusion-3.5-large": "sd35_large"},
+    geometry=_geometry, inputs=_inputs,
+    blocks=_blocks, context_parallel=_context_parallel, tiny="build_tiny_sd3"))

@@ -30,8 +30,9 @@ from typing import Sequence
 import torch
 
 from .diffusers_common import DiffusersVelocity, latent_stats, row_sigmas
+from .registry import Family, register
 
-PROMPT_TOKENS_DEFAULT = 512  # WanPipeline.__call__'s max_sequence_length
+PROMPT_TOKENS = 512  # WanPipeline.__call__'s max_sequence_length, and the most it may be
 
 
 class WanVelocity(DiffusersVelocity):
@@ -47,7 +48,7 @@ class WanVelocity(DiffusersVelocity):
     lora_targets = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                     "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
 
-    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None,
+    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS, latent_size: int | None = None,
                  num_frames: int = 81):
         if getattr(pipe, "transformer_2", None) is not None:
             raise ValueError("model.kind wan trains one transformer; this WanPipeline has two experts (Wan2.2 A14B's "
@@ -80,7 +81,7 @@ class WanVelocity(DiffusersVelocity):
             raise ValueError(f"model.resolution {resolution} must be a multiple of {f * patch} (VAE factor {f} x "
                              f"patch {patch})")
         latent_size = resolution // f if resolution is not None else None
-        return cls(pipe, max_sequence_length=max_sequence_length or PROMPT_TOKENS_DEFAULT, latent_size=latent_size,
+        return cls(pipe, max_sequence_length=max_sequence_length or PROMPT_TOKENS, latent_size=latent_size,
                    num_frames=num_frames)
 
     def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
@@ -117,3 +118,39 @@ def wan_velocity(transformer, x: torch.Tensor, sigma, cond, num_train_timesteps:
     out = transformer(hidden_states=x.to(dtype), timestep=row_sigmas(sigma, x).float() * num_train_timesteps,
                       encoder_hidden_states=cond.to(dtype), return_dict=False)[0]
     return out.to(x.dtype)
+
+
+# ------------------------------------------------------------------ the family record (models/registry.py)
+def _build(cfg, path, dtypes):
+    return WanVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution, num_frames=cfg.num_frames or 81,
+                                       max_sequence_length=cfg.max_sequence_length)
+
+
+def _geometry(cfg, tc, vae, tokens, prompt):
+    """Video latents [C, F, H, W] (estimate/memory.py): the VAE's 8x spatial and 4x temporal factors, (1, 2, 2)
+    patches, every latent frame's tokens in a pass; the transformer cross-attends to the padded UMT5 prompt (480 px,
+    81 frames unless set)."""
+    scale, nf = vae.get("scale_factor_spatial", 8), cfg.model.num_frames or 81
+    side = (cfg.model.resolution or 480) // scale
+    latent = (tc["in_channels"], (nf - 1) // vae.get("scale_factor_temporal", 4) + 1, side, side)
+    return {"scale": scale, "side": side, "latent": latent, "patch": 2, "text": tokens["t5"],
+            "cond_row": tokens["t5"] * tc["text_dim"], "images_per_pass": latent[1]}
+
+
+def _inputs(cfg, n, h, w, t, r, u, device, frames):
+    """Video latents [N, C, F, H, W] patchified (1, 2, 2) inside, timestep 1000 sigma (estimate/measure.py)."""
+    _, ph, pw = cfg["patch_size"]
+    return dict(hidden_states=r(n, cfg["in_channels"], frames, h * ph, w * pw), timestep=u(n) * 1000,
+                encoder_hidden_states=r(n, t, cfg["text_dim"]), return_dict=False)
+
+
+def _blocks(cfg, side):
+    """One kind of block: self-attention, cross-attention to the prompt, FFN (estimate/measure.py)."""
+    return ["block"] * cfg["num_layers"], dict(cfg, num_layers=1)
+
+
+FAMILY = register(Family(
+    name="wan", velocity=WanVelocity, build=_build, pipeline="WanPipeline", transformer="WanTransformer3DModel",
+    text="t5", prompt_tokens=PROMPT_TOKENS, prompt_limit=PROMPT_TOKENS, video=True, keys=frozenset({"num_frames"}),
+    checkpoints={"wan2.1-t2v-14b": "wan21_t2v_14b"}, geometry=_geometry, inputs=_inputs, blocks=_blocks,
+    tiny="build_tiny_wan"))

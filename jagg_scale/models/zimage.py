@@ -40,8 +40,9 @@ import torch
 
 from ..cond import Tokens
 from .diffusers_common import DiffusersVelocity, row_sigmas
+from .registry import Family, register
 
-PROMPT_TOKENS_DEFAULT = 512  # ZImagePipeline.__call__'s max_sequence_length
+PROMPT_TOKENS = 512  # ZImagePipeline.__call__'s max_sequence_length, and the most it may be
 
 
 class ZImageVelocity(DiffusersVelocity):
@@ -55,7 +56,7 @@ class ZImageVelocity(DiffusersVelocity):
     lora_targets = ("attention.to_k", "attention.to_q", "attention.to_v", "attention.to_out.0",
                     "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 
-    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS_DEFAULT, latent_size: int | None = None):
+    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS, latent_size: int | None = None):
         super().__init__(pipe, max_sequence_length)
         self.vae_scale_factor = pipe.vae_scale_factor
         latent_size = int(latent_size or 1024 // pipe.vae_scale_factor)  # the pipeline's default: 1024 px
@@ -73,7 +74,7 @@ class ZImageVelocity(DiffusersVelocity):
 
         pipe = ZImagePipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
         latent_size = cls.latent_size_for(pipe, resolution, 2) if resolution is not None else None
-        return cls(pipe, max_sequence_length=max_sequence_length or PROMPT_TOKENS_DEFAULT, latent_size=latent_size)
+        return cls(pipe, max_sequence_length=max_sequence_length or PROMPT_TOKENS, latent_size=latent_size)
 
     def _pipeline_sigma_grid(self, num_steps: int):
         """ZImagePipeline's default sigmas: linspace(1, 1/N, N) (get_default_z_image_sigmas), shifted by mu."""
@@ -110,3 +111,38 @@ def zimage_velocity(transformer, x: torch.Tensor, sigma, cond: Tokens) -> torch.
     out = transformer(list(x.to(dtype).unsqueeze(2).unbind(0)), t, prompts, return_dict=False)[0]
     return -torch.stack(out, dim=0).squeeze(2).to(x.dtype)
 
+
+
+# ------------------------------------------------------------------ the family record (models/registry.py)
+def _build(cfg, path, dtypes):
+    return ZImageVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution,
+                                          max_sequence_length=cfg.max_sequence_length)
+
+
+def _geometry(cfg, tc, vae, tokens, prompt):
+    """The estimator's latents, patch and text tokens (estimate/memory.py): the transformer patchifies 2x2 itself and
+    sees each prompt's own tokens rounded up to 32 (ZImageTransformer2DModel's SEQ_MULTI_OF), a pass its longest
+    prompt's: at most the padded length."""
+    scale = 2 ** (len(vae["block_out_channels"]) - 1)
+    side = (cfg.model.resolution or vae["sample_size"]) // scale  # ZImagePipeline's default: 1024 px
+    return {"scale": scale, "side": side, "latent": (tc["in_channels"], side, side), "patch": tc["all_patch_size"][0],
+            "text": -(-prompt // 32) * 32, "cond_row": prompt * (tc["cap_feat_dim"] + 2)}
+
+
+def _inputs(cfg, n, h, w, t, r, u, device, frames):
+    """Lists: one [C, 1, H, W] latent (patchified inside) and one unpadded prompt per row (estimate/measure.py)."""
+    p = cfg["all_patch_size"][0]
+    return dict(x=list(r(n, cfg["in_channels"], 1, h * p, w * p).unbind(0)), t=u(n),
+                cap_feats=list(r(n, t, cfg["cap_feat_dim"]).unbind(0)), return_dict=False)
+
+
+def _blocks(cfg, side):
+    """The image refiner, the prompt refiner, then the joint blocks (estimate/measure.py)."""
+    R = cfg["n_refiner_layers"]
+    return ["noise"] * R + ["context"] * R + ["joint"] * cfg["n_layers"], dict(cfg, n_refiner_layers=1, n_layers=1)
+
+
+FAMILY = register(Family(
+    name="zimage", velocity=ZImageVelocity, build=_build, pipeline="ZImagePipeline",
+    transformer="ZImageTransformer2DModel", text="qwen", prompt_tokens=PROMPT_TOKENS, prompt_limit=PROMPT_TOKENS,
+    checkpoints={"z-image": "z_image"}, geometry=_geometry, inputs=_inputs, blocks=_blocks, tiny="build_tiny_zimage"))

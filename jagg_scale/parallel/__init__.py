@@ -3,7 +3,8 @@
     ranks.py             who we are in a job (torchrun, Slurm, MPI or one process); the process-group backend
     dist.py              `init_distributed` -> `DistContext` (rank, device, the trainer's few collectives)
     config.py            `ParallelConfig`: the `parallel` section, the engines' own settings
-    engine.py            the `Engine` contract and what every engine shares; `LocalEngine`, the one-process reference
+    engine.py            the `Engine` contract and what every engine shares
+    local_engine.py      `LocalEngine`, the one-process reference
     build.py             `build_engine(model, parallel, optim, dist)`: the engine `parallel.engine` names
     blocks.py            the transformer blocks: the units FSDP2 shards and `parallel.compile` compiles
     fsdp.py              FSDP2: the mesh and sharding shared by training and reward sharding, `FSDP2Engine`

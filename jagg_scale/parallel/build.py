@@ -1,8 +1,9 @@
 """The engine factory: `build_engine(model, parallel, optim, dist)` makes the `Engine` that `parallel.engine` names,
 and `engine_class(name)` is that engine's class (also what reads a checkpoint's weights: weights.py).
 
-It lives apart from engine.py (the contract and the single-process reference) so that the sharding engines
-import the base and nothing imports them but this factory (lazily: DeepSpeed is only imported when chosen).
+It lives apart from engine.py (the contract) and local_engine.py (the single-process reference) so that the
+sharding engines import the base and nothing imports them but this factory (lazily: DeepSpeed is only imported when
+chosen).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import torch
 
 from .config import ParallelConfig
 from .dist import DistContext
-from .engine import Engine, LocalEngine, OptimizerSettings
+from .engine import Engine, OptimizerSettings
+from .local_engine import LocalEngine
 from .types import ENGINES
 
 __all__ = ["ENGINES", "build_engine", "engine_class"]

@@ -4,7 +4,8 @@ The trainer talks to one `Engine`, built by `parallel.build.build_engine(model, 
 from the engines' own config section (config.py, beside them) and the optimizer settings of the `train` section
 (`OptimizerSettings`); which engine is `parallel.engine`:
 
-    none       `LocalEngine`: one process, plain autograd, torch AdamW (this file): the reference the others match
+    none       `LocalEngine`: one process, plain autograd, torch AdamW (local_engine.py): the reference the
+               others match
     fsdp2      `FSDP2Engine`: torch FSDP2 `fully_shard` per transformer block + root (fsdp.py)
     deepspeed  `DeepSpeedEngine`: a DeepSpeed ZeRO-3 engine (deepspeed_engine.py)
 
@@ -13,7 +14,7 @@ gathers, DeepSpeed's 16-bit weights; float16 also a loss scaler, loss_scale.py),
 upcast on the way to the device), and which parameters train (a frozen base, LoRA: checkpoints and exports hold the
 trainable weights alone).
 
-This module is the contract (`Engine`, with what every engine shares) and the reference engine; fsdp.py and
+This module is the contract (`Engine`, with what every engine shares); local_engine.py, fsdp.py and
 deepspeed_engine.py import it, never the reverse. The contract, in the order a training step uses it:
 
     build_engine(model, parallel, optim, dist)  the model arrives on the host; the engine applies per-block
@@ -66,16 +67,13 @@ from typing import Protocol
 
 import torch
 
-from ..checkpoint.fits import check_fits
-from ..checkpoint.local import write_bytes, write_object, write_tensors
-from .blocks import compile_blocks, enable_activation_checkpointing
-from .comm import NullCounter
+from ..checkpoint.local import write_bytes
 from .config import ParallelConfig
 from .dist import DistContext
 from .ema import ema_decay_at
-from .loss_scale import load_scaler, make_scaler, save_scaler, search_skip
+from .loss_scale import load_scaler, save_scaler, search_skip
 
-__all__ = ["ENGINE_MARKER", "Engine", "LocalEngine", "NonFiniteError", "OptimizerSettings", "checkpoint_engine",
+__all__ = ["ENGINE_MARKER", "Engine", "NonFiniteError", "OptimizerSettings", "checkpoint_engine",
            "make_optimizer", "place_", "resolve_grad_sync", "trains_all"]
 
 ENGINE_MARKER = "engine.json"  # {"engine": name}, written into every checkpoint directory by rank 0
@@ -422,91 +420,3 @@ class Engine:
         """The trainable weights (`ema`: their EMA) of a checkpoint this engine wrote, as full tensors keyed like
         `model.named_parameters()`, without an engine or a process group (weights.load_trained_weights)."""
         raise NotImplementedError
-
-
-class LocalEngine(Engine):
-    """A single process: plain autograd, gradients accumulate in .grad, torch AdamW."""
-
-    name = "none"
-
-    def __init__(self, model: torch.nn.Module, parallel: ParallelConfig, optim: OptimizerSettings,
-                 dist: DistContext):
-        if dist.world_size > 1:
-            raise ValueError(f"parallel.engine none runs one process, but {dist.world_size} were started: "
-                             "use parallel.engine fsdp2 or deepspeed")
-        self.parallel, self.optim, self.dist = parallel, optim, dist
-        self.comm = NullCounter()  # one process: no collectives to count
-        if parallel.compile:
-            compile_blocks(model)
-        if parallel.activation_checkpointing:
-            enable_activation_checkpointing(model)
-        self.model = place_(model, dist.device, getattr(model, "master_dtype", None))
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(self.params, optim)
-        self.scaler = make_scaler(getattr(model, "compute_dtype", torch.float32), dist.device, sharded=False)
-        self.init_ema()
-
-    def shard_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
-        """A frozen copy (the KL reference of a full fine-tune), placed like the model: moved whole here."""
-        return place_(module, self.dist.device)
-
-    def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None, *, last: bool = True) -> None:
-        out, grad = self._scaled(out, grad)
-        out.backward(grad)
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every weight, or with LoRA (frozen base) the trainable ones alone: the live tensors."""
-        state = self.model.state_dict()
-        if len(self.params) == sum(1 for _ in self.model.parameters()):
-            return state
-        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
-        return {k: v for k, v in state.items() if k in trainable}
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.trainable_state_dict()
-
-    # ------------------------------------------------------------------ the checkpoint format: safetensors + torch
-    # model.safetensors (the trainable weights), optimizer.pt (read weights-only), <shadow>.safetensors per shadow
-    # weight set (ema.safetensors with ema_decay > 0, old.safetensors under DiffusionNFT)
-    def _save(self, directory: Path) -> list[Path]:
-        files = [write_tensors(directory / "model.safetensors", self.trainable_state_dict()),
-                 write_object(directory / "optimizer.pt", self.optimizer.state_dict())]
-        files += [write_tensors(directory / f"{name}.safetensors", shadow) for name, shadow in self.shadows.items()]
-        return files
-
-    def _load(self, directory: Path) -> None:
-        from safetensors.torch import load_file
-
-        from ..checkpoint import CheckpointError
-        from ..checkpoint.pickles import load_torch
-
-        # everything read and checked (names, shapes, dtypes, finite) before anything is copied into the model
-        state = load_file(str(directory / "model.safetensors"))
-        check_fits(directory, "model.safetensors", state, self.trainable_state_dict())
-        shadows = {}
-        for shadow_name, shadow in self.shadows.items():
-            file = directory / f"{shadow_name}.safetensors"
-            if not file.is_file():
-                raise CheckpointError(f"checkpoint {directory} has no {file.name} but this run keeps the "
-                                      f"{shadow_name!r} weights (train.ema_decay > 0, or DiffusionNFT's old policy)")
-            shadows[shadow_name] = load_file(str(file))
-            check_fits(directory, file.name, shadows[shadow_name], shadow)
-        optimizer = load_torch(directory / "optimizer.pt")  # weights-only: tensors and numbers
-        self.model.load_state_dict(state, strict=False)
-        self.optimizer.load_state_dict(optimizer)
-        for shadow_name, saved in shadows.items():
-            for name, value in saved.items():
-                self.shadows[shadow_name][name].copy_(value)
-
-    @classmethod
-    def read_weights(cls, directory: Path, model: torch.nn.Module, trainable: set[str], ema: bool
-                     ) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        from ..checkpoint import CheckpointError
-
-        path = directory / ("ema.safetensors" if ema else "model.safetensors")
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {directory} has no {path.name}")
-        weights = load_file(str(path))
-        return {k: v for k, v in weights.items() if k in trainable or ema}

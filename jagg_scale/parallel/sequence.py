@@ -50,13 +50,12 @@ def apply_sequence_parallel(transformer: nn.Module, sp: int, rank: int, world_si
     from diffusers.models._modeling_parallel import ParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
+    from ..models.registry import family_of_transformer
+
     name = type(transformer).__name__
-    plan = None
-    if name == "SD3Transformer2DModel":
-        plan = sd3_plan()
-        for module in transformer.modules():  # joint attention (attn) and SD3.5's image-only attention (attn2)
-            if type(getattr(module, "processor", None)).__name__ == "JointAttnProcessor2_0":
-                module.processor = JointContextParallelProcessor()
+    plan, fam = None, family_of_transformer(name)
+    if fam is not None and fam.context_parallel is not None:  # the family's own plan where diffusers has none
+        plan = fam.context_parallel(transformer)
     elif getattr(transformer, "_cp_plan", None) is None:
         raise ValueError(f"config key 'parallel.sequence_parallel' {sp}: {name} has no context-parallel plan in "
                          "diffusers (its _cp_plan), so its sequence cannot be split; use 1")
@@ -81,6 +80,15 @@ def apply_sequence_parallel(transformer: nn.Module, sp: int, rank: int, world_si
     _check_even_splits(transformer, plan, sp)
     transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=sp, mesh=cp_mesh), cp_plan=plan)
     return transformer
+
+
+def sd3_context_parallel(transformer: nn.Module | None) -> dict:
+    """SD3's plan (sd3_plan); on a transformer (not None: the estimator asks for the plan alone) its joint attention
+    (attn) and SD3.5's image-only attention (attn2) go through the Ulysses exchange (JointContextParallelProcessor)."""
+    for module in transformer.modules() if transformer is not None else ():
+        if type(getattr(module, "processor", None)).__name__ == "JointAttnProcessor2_0":
+            module.processor = JointContextParallelProcessor()
+    return sd3_plan()
 
 
 def _check_processors(transformer: nn.Module, sp: int) -> None:

@@ -79,7 +79,7 @@ def load_classifier(path: str | Path | None = None, device: str | torch.device =
     if not path.is_file():
         raise FileNotFoundError(
             f"digit classifier weights not found: {path} "
-            "(build them with `python tools/build_digits_assets.py`, or pass reward.options.classifier)"
+            "(build them with `python -m tools.build_digits_assets`, or pass reward.options.classifier)"
         )
     from safetensors.torch import load_file
 

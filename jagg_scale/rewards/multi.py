@@ -2,18 +2,9 @@
 
 `RewardMix` holds (name, weight, reward) components built from the config (`reward.components`, or the single
 `reward.name`). It is itself a `Reward` (the weighted sum, what evaluation reports), and it scores every
-component separately for training, where two aggregations are offered:
-
-    sum        A = group-normalise( sum_c w_c r_c )                   one reward, weighted before GRPO
-    advantage  A = sum_c w_c group-normalise( r_c )                   MixGRPO's aggregation: each reward is
-                                                                      normalised in its group first, so a
-                                                                      reward with a large scale cannot drown
-                                                                      the others
-    gdpo       A = batch-normalise( sum_c w_c group-normalise( r_c ) )   Flow-Factory's default (grpo/
-                                                                      advantages.py gdpo_advantages), with one
-                                                                      reward too
-
-A sample whose reward failed in any component is masked out of the loss (and counted per component).
+component separately for training: the algorithm turns the components into advantages under reward.aggregate
+(train/algorithm.py Algorithm.advantages). A sample whose reward failed in any component is masked out of the loss
+(and counted per component).
 
 `ChunkScorer` decodes and scores rollout chunks in a worker thread while the main thread samples the next chunk
 (reward.background): rewards are per image, so chunking changes nothing but the wall time. A sharded reward model
@@ -38,7 +29,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..grpo.advantages import Advantages, combine_advantages, compute_advantages, gdpo_advantages
 from .base import Reward, RewardOutput, build_reward, score_safely
 
 log = logging.getLogger(__name__)
@@ -101,21 +91,6 @@ class RewardMix(Reward):
         total = sum(self.weights[n] * p.scores.double() for n, p in parts.items())
         valid = torch.stack([p.valid for p in parts.values()]).all(0)
         return total, valid
-
-    def advantages(self, parts: dict[str, ComponentScores], group_ids: list, *, aggregate: str, global_std: bool,
-                   adv_clip_max: float) -> Advantages:
-        """The group advantages of a step's scores under `aggregate` (module docstring): `sum` normalises the
-        weighted sum, `advantage` sums the per-reward normalised advantages (MixGRPO), `gdpo` normalises that sum
-        over the batch (Flow-Factory; global_std is refused with it at start-up)."""
-        kw = dict(global_std=global_std, adv_clip_max=adv_clip_max)
-        total, valid = self.weighted_sum(parts)
-        if aggregate == "gdpo":
-            return gdpo_advantages([(self.weights[n], p.scores, p.valid) for n, p in parts.items()], group_ids, valid,
-                                   adv_clip_max=adv_clip_max)
-        if aggregate == "advantage" and len(parts) > 1:
-            return combine_advantages([(self.weights[n], compute_advantages(p.scores, group_ids, valid=p.valid, **kw))
-                                       for n, p in parts.items()], group_ids, valid, adv_clip_max=adv_clip_max)
-        return compute_advantages(total, group_ids, valid=valid, **kw)
 
 
 def gather_components(local: dict[str, ComponentScores], layout: torch.Tensor, n: int,

@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from ..jagg import trained_steps
-from ..models.base import PIPELINE_KINDS
+from ..models.registry import families, family
 from ..paths import resolve_path
 from .config_sections import *  # noqa: F403 - the sections, their choices and ConfigError are this module's API
 from .config_sections import (ConfigError, DataConfig, EvalConfig, GRPOConfig, JAGGConfig, LogConfig, ModelConfig,
@@ -326,13 +326,12 @@ def config_from_dict(data: dict) -> Config:
 
 def _check_video_rewards(cfg: Config) -> None:
     """A video model's samples are frames [N, 3, F, H, W]: every reward it is scored by must take videos."""
-    from ..models.base import VIDEO_KINDS
     from ..rewards.video import VIDEO_ONLY, VIDEO_REWARDS
 
     r, kind = cfg.reward, cfg.model.kind
     for name in list(r.components) if r.components else [r.name]:
         key = f"reward.components.{name}" if r.components else "reward.name"
-        if kind in VIDEO_KINDS:
+        if family(kind).video:
             _require(name in VIDEO_REWARDS, key, f"{name!r} scores images; model.kind {kind} makes videos: use "
                      f"{' or '.join(VIDEO_REWARDS)} (video_frames: {{reward: {name}, options: ...}} scores frames)")
         else:
@@ -345,8 +344,9 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     for f in dataclasses.fields(cfg):
         getattr(cfg, f.name).check(f.name)
     m, s, g, t = cfg.model, cfg.sampling, cfg.grpo, cfg.train
-    _require(s.shift is not None or m.kind != "dit", "sampling.shift",
-             f"null (the pipeline's own schedule) needs a diffusers model.kind ({', '.join(PIPELINE_KINDS)})")
+    _require(s.shift is not None or family(m.kind).is_pipeline, "sampling.shift",
+             "null (the pipeline's own schedule) needs a diffusers model.kind "
+             f"({', '.join(k for k, f in families().items() if f.is_pipeline)})")
     _check_video_rewards(cfg)
     _require(s.sde_window == 0 or g.timestep_fraction == 1.0, "grpo.timestep_fraction",
              "must be 1.0 with sampling.sde_window (the window decides which steps are trained)")
@@ -527,6 +527,7 @@ def _pretrained_path(cfg: Config):
 
 
 def _check_files(cfg: Config) -> None:
+    from ..data.fetch import fetch_hint
     from ..data.prompts import prompt_file_problem
     from ..models import safetensors_problem
 
@@ -534,7 +535,8 @@ def _check_files(cfg: Config) -> None:
     for key, value in (("data.prompt_file", cfg.data.prompt_file),
                        ("eval.prompt_file", cfg.eval.prompt_file if cfg.eval.enabled else None),
                        ("model.pretrained", pretrained if cfg.model.kind == "dit" else None)):
-        _require(value is None or resolve_path(value).is_file(), key, f"names a file that does not exist: {value}")
+        _require(value is None or resolve_path(value).is_file(), key,
+                 f"names a file that does not exist: {value}{fetch_hint(value)}")
         if value is not None:
             problem = (safetensors_problem if key == "model.pretrained" else prompt_file_problem)(resolve_path(value))
             _require(problem is None, key, problem)

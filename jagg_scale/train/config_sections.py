@@ -22,18 +22,14 @@ from ..jagg.backward import IntermediateMode
 from ..jagg.knots import ErrorModel
 from ..jagg.planners import ExactPlanner, Planner, PlannerSettingError, build_planner
 from ..jagg.planners import RouteBy
-from ..models.base import PIPELINE_KINDS
 from ..models.dit import DiTConfig
+from ..models.registry import families, family
 from ..nft import AdvMode
 from ..parallel.config import ParallelConfig
 from ..parallel.types import EngineName, GradSync
 from ..sections import ConfigError, require as _require
 from ..sections import Section as _Section
 
-# built-in DiT | diffusers StableDiffusion3Pipeline | FluxPipeline | QwenImagePipeline | Flux2KleinPipeline
-ModelKind = Literal["dit", "sd3", "flux", "qwenimage", "flux2", "zimage", "flux_kontext", "wan"]
-PROMPT_TOKEN_LIMITS = {"sd3": 512, "flux": 512, "qwenimage": 1024, "flux2": 512, "zimage": 512,
-                       "flux_kontext": 512, "wan": 512}  # the pipelines' own
 # autocast dtype of the model; the SDE math stays float32. float16: fp16 mixed precision with dynamic loss scaling
 # (parallel/loss_scale.py), Flow-GRPO's and DiffusionNFT's mixed_precision fp16
 DType = Literal["float32", "bfloat16", "float16"]
@@ -56,7 +52,7 @@ ExportDType = Literal["auto", "float32", "bfloat16"]  # the exported weights' dt
 RESUME_KEYWORDS = ("none", "auto")  # run.resume: these, or the path of a checkpoint directory
 
 __all__ = [
-    "ConfigError", "ModelKind", "DType", "Attention", "SdeWindowMode", "JaggMode", "Algorithm", "NFTTimesteps",
+    "ConfigError", "DType", "Attention", "SdeWindowMode", "JaggMode", "Algorithm", "NFTTimesteps",
     "NFTNoise", "NFTOldAt", "RefAt", "PlanKind", "Intermediate", "StepSelection",
     "DataSource", "RewardAggregate", "WandbMode", "Device", "EngineName", "GradSync", "ErrorModel", "IntermediateMode",
     "RouteBy", "TextEncoders", "ExportDType", "OdeSolver", "SdeKind",
@@ -97,7 +93,7 @@ def _check_dit(d: DiTConfig, prefix: str) -> None:
 
 @dataclass
 class ModelConfig(_Section):
-    kind: ModelKind = "dit"  # any other kind (models.PIPELINE_KINDS): a diffusers pipeline directory
+    kind: str = "dit"  # a registered model family (models/registry.py); any other than dit: a diffusers pipeline
     pretrained: Optional[str] = None  # dit: a safetensors state dict; sd3/flux: the pipeline directory (required)
     # pretrained may be a hub id (ORG/NAME, dit: ORG/NAME/FILE) found in the local hub cache; true: fetch it when
     # it is not there (false: a missing id fails at once, naming the command that fetches it)
@@ -124,33 +120,36 @@ class ModelConfig(_Section):
     max_sequence_length: Optional[int] = None
 
     def check(self, prefix: str) -> None:
-        _require(self.kind == "dit" or bool(self.pretrained), f"{prefix}.pretrained",
+        fam = family(self.kind, f"{prefix}.kind")  # an unknown kind: refused, naming the known ones
+        pipelines = ", ".join(k for k, f in families().items() if f.is_pipeline)
+        takes = lambda key: ", ".join(k for k, f in families().items() if key in f.keys)  # noqa: E731
+        _require(not fam.is_pipeline or bool(self.pretrained), f"{prefix}.pretrained",
                  f"must name the diffusers pipeline directory when {prefix}.kind is {self.kind}")
-        _require(not self.lora.enabled or self.kind != "dit", f"{prefix}.lora.enabled",
-                 f"is supported for the diffusers kinds ({', '.join(PIPELINE_KINDS)}), not dit")
-        _require(self.resolution is None or self.kind != "dit", f"{prefix}.resolution",
+        _require(not self.lora.enabled or fam.is_pipeline, f"{prefix}.lora.enabled",
+                 f"is supported for the diffusers kinds ({pipelines}), not dit")
+        _require(self.resolution is None or fam.is_pipeline, f"{prefix}.resolution",
                  f"is for sd3/flux; the dit's size is {prefix}.dit.image_size")
         _require(self.resolution is None or self.resolution >= 16, f"{prefix}.resolution",
                  f"must be >= 16 pixels, got {self.resolution}")
-        _require(self.distilled_guidance is None or self.kind in ("flux", "flux_kontext", "flux2"),
-                 f"{prefix}.distilled_guidance", f"is for the guidance-distilled FLUX kinds, not {self.kind}")
+        _require(self.distilled_guidance is None or "distilled_guidance" in fam.keys, f"{prefix}.distilled_guidance",
+                 f"is for the guidance-distilled FLUX kinds ({takes('distilled_guidance')}), not {self.kind}")
         _require(self.distilled_guidance is None or self.distilled_guidance > 0, f"{prefix}.distilled_guidance",
                  "must be > 0")
-        _require(self.attention == "sdpa" or self.kind == "sd3", f"{prefix}.attention",
-                 "xformers is wired for sd3 only")
-        _require(self.text_encoders == "all" or self.kind == "sd3", f"{prefix}.text_encoders",
-                 f"no_t5 is supported for {prefix}.kind sd3 (FLUX's prompt embeddings are T5's)")
-        _require(not self.shard_t5 or (self.kind != "dit" and self.text_encoders == "all"), f"{prefix}.shard_t5",
+        _require(self.attention == "sdpa" or "attention" in fam.keys, f"{prefix}.attention",
+                 f"xformers is wired for {takes('attention')} only")
+        _require(self.text_encoders == "all" or "text_encoders" in fam.keys, f"{prefix}.text_encoders",
+                 f"no_t5 is supported for {prefix}.kind {takes('text_encoders')} (FLUX's prompt embeddings are T5's)")
+        _require(not self.shard_t5 or (fam.is_pipeline and self.text_encoders == "all"), f"{prefix}.shard_t5",
                  f"needs a large text encoder (T5; Qwen-Image's Qwen2.5-VL): {prefix}.kind "
-                 f"{', '.join(PIPELINE_KINDS)} with {prefix}.text_encoders all")
+                 f"{pipelines} with {prefix}.text_encoders all")
         n = self.max_sequence_length
-        _require(n is None or self.kind != "dit", f"{prefix}.max_sequence_length",
+        _require(n is None or fam.is_pipeline, f"{prefix}.max_sequence_length",
                  "is the prompt length of a diffusers pipeline; the dit's is model.dit.max_prompt_length")
-        limit = PROMPT_TOKEN_LIMITS.get(self.kind, 512)
+        limit = fam.prompt_limit
         _require(n is None or 1 <= n <= limit, f"{prefix}.max_sequence_length",
                  f"must be in [1, {limit}] prompt tokens for {prefix}.kind {self.kind}, got {n}")
-        _require(self.num_frames is None or self.kind == "wan", f"{prefix}.num_frames",
-                 f"is the frame count of a video model (kind wan), not {self.kind}")
+        _require(self.num_frames is None or "num_frames" in fam.keys, f"{prefix}.num_frames",
+                 f"is the frame count of a video model (kind {takes('num_frames')}), not {self.kind}")
         _require(self.num_frames is None or self.num_frames >= 1, f"{prefix}.num_frames",
                  f"must be >= 1, got {self.num_frames}")
         self.lora.check(f"{prefix}.lora")

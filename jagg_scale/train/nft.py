@@ -1,7 +1,8 @@
-"""DiffusionNFT's update phase (train.algorithm nft): `NFTUpdater(...)(traj, cond, adv, rows, step, steps)`.
+"""DiffusionNFT as an algorithm unit (train.algorithm nft; the contract in algorithm.py): `NFT(...)`.
 
-The rollout is the old policy's (the engine's shadow weights "old", swapped in by `behaviour()`), a deterministic ODE
-with sampling.ode_solver, CFG-free; its clean latents d and the group advantages are what training reads. Then, per
+The rollout is the old policy's (the engine's shadow weights "old", which the RolloutSpec swaps in), a deterministic
+ODE with sampling.ode_solver, CFG-free, keeping only each row's final latents: the clean latents d and the group
+advantages are all training reads. Then, per
 minibatch (rows.py) and per sample, K = int(num_steps x grpo.timestep_fraction) training timesteps drawn from the
 sampling schedule's (a random permutation per sample, its first K, as DiffusionNFT: nft.timesteps per_row; or one
 draw for the whole minibatch: per_batch), sorted from high noise to low, drawn afresh with the noise every inner epoch
@@ -16,7 +17,8 @@ draw for the whole minibatch: per_batch), sorted from high noise to low, drawn a
                                 (JAGG-NFT). The interior timesteps' velocity values (jagg.intermediate): cached = the
                                 old policy's, interpolate (auto) = the old policy's moved by the endpoints' drift,
                                 forward = fresh no-grad forwards
-    step                        engine.step(), one optimizer step per minibatch
+    step                        engine.step(), one optimizer step per minibatch (the minibatch loop, micro-batches,
+                                probe and non-finite policy are the runner's: runner.py)
 
 and after the rollout's last minibatch the old policy moves towards the trained one: old = decay old + (1 - decay)
 trained, decay = min(max(0, (optimizer steps - flat) x rate), max) (nft.old_decay; DiffusionNFT's return_decay).
@@ -28,18 +30,17 @@ engine's state.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..cond import index_cond
 from ..grpo.rollout import to_device
-from ..jagg import exact_plan, fill_interior, knot_backward, pass_groups, plan_knots, split_windows, trained_steps
+from ..jagg import fill_interior, plan_knots, split_windows, trained_steps
 from ..nft import NFTBatch, NFTStepLoss, optimality
+from .algorithm import Algorithm, RolloutSpec
 from .rows import row_seed
-from .update import BackwardStats, Updater, UpdateTotals, _cos, _flat_grad, _norm_ratio, micro_batches
+from .runner import Minibatch, MinibatchRunner, micro_batches
 
-__all__ = ["NFTUpdater", "old_decay"]
+__all__ = ["NFT", "old_decay"]
 
 NOISE_STREAM, TIMESTEP_STREAM = 5, 6  # row_seed streams (rows.py uses 0-3)
 
@@ -50,14 +51,18 @@ def old_decay(optimizer_steps: int, schedule) -> float:
     return 0.0 if optimizer_steps < flat else min((optimizer_steps - flat) * rate, top)
 
 
-class NFTUpdater(Updater):
-    """The update phase of DiffusionNFT; the non-finite policy and the cross-rank planning statistics are the
-    Updater's (update.py)."""
+class NFT(Algorithm):
+    """DiffusionNFT as an algorithm unit (the contract in algorithm.py): its rollout is the old policy's ODE and keeps
+    only the final latents; its advantages are the group-relative ones; its update trains through the runner."""
+
+    name = "nft"
 
     def __init__(self, cfg, policy, engine, dist):
         super().__init__(cfg, policy, engine, dist)
         if policy.guidance != 1.0:
             raise ValueError("train.algorithm nft samples and trains CFG-free: sampling.guidance must be 1")
+        self.runner = MinibatchRunner(cfg, engine, dist)
+        planner = self.runner.planner
         # the old policy: the starting weights, held like the trained ones (shards, partitions), checkpointed
         engine.add_shadow("old")
         self.sigmas = policy.host_sigmas[: cfg.sampling.num_steps]  # the sampling schedule's noise levels
@@ -65,14 +70,16 @@ class NFTUpdater(Updater):
         # which draw each timestep position takes (nft.noise), and the plan the frozen models' values are filled by
         # (nft.old_at knots; config.py allows it only for a plan known before the rollout)
         groups = {"per_timestep": [[k] for k in range(self.K)], "per_sample": [list(range(self.K))],
-                  "per_window": split_windows(range(self.K), self.planner.window if cfg.nft.noise == "per_window"
+                  "per_window": split_windows(range(self.K), planner.window if cfg.nft.noise == "per_window"
                                               else self.K)}[cfg.nft.noise]
         self.draw_of = torch.tensor([i for i, g in enumerate(groups) for _ in g])
-        self.old_plan = self.planner.fixed_plan(self.K) if cfg.nft.old_at == "knots" else None
+        self.old_plan = planner.fixed_plan(self.K) if cfg.nft.old_at == "knots" else None
 
-    def behaviour(self):
-        """The policy that samples the rollout: the old one."""
-        return self.engine.shadow_weights("old")
+    def rollout_spec(self, step: int) -> RolloutSpec:
+        """The old policy's ODE on every step (no SDE step, no reference), keeping only the final latents: the
+        clean samples d are all the update reads of the rollout."""
+        return RolloutSpec(sde_steps=frozenset(), ref_steps=frozenset(), keep="final",
+                           weights=lambda: self.engine.shadow_weights("old"))
 
     # ------------------------------------------------------------------ the training inputs of a minibatch
     def _timesteps(self, step: int, epoch: int, global_rows: torch.Tensor, minibatch: torch.Tensor) -> torch.Tensor:
@@ -128,82 +135,26 @@ class NFTUpdater(Updater):
                         ref=ref)
 
     # ------------------------------------------------------------------ the phase
-    def __call__(self, traj, cond, adv, rows, step: int, steps: list[int]) -> dict:
+    def update(self, traj, cond, adv, rows, step: int) -> dict:
         cfg, device, nft = self.cfg, self.dist.device, self.cfg.nft
         self._mask = to_device(adv.mask[rows.mine], device)
         r = to_device(optimality(adv.values[rows.mine], cfg.grpo.adv_clip_max, nft.adv_mode), device)
-        predict = self.policy.model_fn()
         intermediate = {"auto": "interpolate"}.get(cfg.jagg.intermediate, cfg.jagg.intermediate)
-        done, probe = UpdateTotals(), {}
-        probing = cfg.jagg.probe_every > 0 and step % cfg.jagg.probe_every == 0
-        for epoch in range(cfg.grpo.inner_epochs):
-            for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
-                local_d = to_device(local, device)
-                mb_cond = index_cond(cond, local)  # a host index (cond.py)
-                batch = self._batch(traj, mb_cond, r, local_d, rows.mine[local], global_rows, step, epoch)
-                loss = NFTStepLoss(beta=nft.beta, kl_beta=nft.kl_beta, adv_clip_max=cfg.grpo.adv_clip_max,
-                                   scale=1.0 / self.K,
-                                   denominator=float(adv.mask[global_rows].sum()) / rows.world_size)
-                planned = self.planner.plan(batch.old, batch.t.mean(1), reduce=self._reduce,
-                                            grad_norms=lambda loss=loss, batch=batch: self._grad_norms(loss, batch))
-                if probing and done.optimizer_steps == 0:
-                    t_probe = time.perf_counter()
-                    probe = self._probe(predict, batch, mb_cond, loss, planned.plan, intermediate)
-                    probe["time_probe"] = time.perf_counter() - t_probe
-                stats = self._backward(predict, batch, mb_cond, loss, planned, intermediate)
-                self._optimizer_step(done, stats, loss, step)
+        positions = list(range(self.K))
+
+        def minibatch(epoch: int, local: torch.Tensor, global_rows: torch.Tensor, on_policy: bool) -> Minibatch:
+            mb_cond = index_cond(cond, local)  # a host index (cond.py)
+            batch = self._batch(traj, mb_cond, r, to_device(local, device), rows.mine[local], global_rows, step,
+                                epoch)
+            loss = NFTStepLoss(beta=nft.beta, kl_beta=nft.kl_beta, adv_clip_max=cfg.grpo.adv_clip_max,
+                               scale=1.0 / self.K, denominator=float(adv.mask[global_rows].sum()) / rows.world_size)
+            return Minibatch(batch=batch, cond=mb_cond, loss=loss, positions=positions,
+                             inputs=lambda b: (b.noised, b.t, b.old), intermediate=intermediate,
+                             plan_sigmas=batch.t.mean(1))
+
+        done = self.runner.run(self.policy.model_fn(), rows, step, minibatch)
         # the old policy moves towards the trained one once per rollout, as DiffusionNFT's epoch end does; the count
         # of optimizer steps so far is a function of the step (the same minibatches every step): resume-exact
         decay = old_decay((step + 1) * done.optimizer_steps, nft.old_decay)
         self.engine.lerp_shadow("old", decay)
-        return done.metrics(old_decay=decay, **probe)
-
-    def _grad_norms(self, loss: NFTStepLoss, batch: NFTBatch) -> list[float]:
-        """|g_k| = |dL_k/dv_k| at the old policy's velocities, per timestep position (the planners that rank by it)."""
-        probe = loss.fresh()
-        norms = []
-        for k in range(self.K):
-            v = batch.old[k].detach().float().requires_grad_(True)
-            (g,) = torch.autograd.grad(probe(batch, k, v), v)
-            norms.append(float(g.norm()))
-        return norms
-
-    def _run(self, predict, batch: NFTBatch, cond, loss: NFTStepLoss, plan, intermediate, backward) -> torch.Tensor:
-        return knot_backward(predict, plan, batch.noised, batch.t, cond, loss.on(batch), cached_velocities=batch.old,
-                             intermediate=intermediate, rows_per_pass=self.planner.rows_per_pass, backward=backward)
-
-    def _backward(self, predict, batch: NFTBatch, cond, loss: NFTStepLoss, planned, intermediate) -> BackwardStats:
-        """The plan's gradient over the minibatch, in micro-batches; `last` on the final backward only."""
-        chunks = micro_batches(batch.clean.shape[0], self.cfg.train.micro_batch_size)
-        total = []
-        for i, rows in enumerate(chunks):
-            final = i == len(chunks) - 1
-            sub, sub_cond = (batch, cond) if len(chunks) == 1 else (batch.rows(rows), index_cond(cond, rows))
-
-            def chunk_backward(out, grad, last, final=final):
-                self.engine.backward(out, grad, last=last and final)
-
-            total.append(self._run(predict, sub, sub_cond, loss, planned.plan, intermediate, chunk_backward))
-        knots = plan_knots(planned.plan)
-        interior = sum(b - a - 1 for a, b in planned.plan if b > a + 1)
-        return BackwardStats(
-            windows=planned.num_windows, windows_jagg=planned.jagg_windows,
-            backward_calls=len(pass_groups(planned.plan, self.planner.rows_per_pass)) * len(chunks),
-            backward_passes=len(knots), per_step_equiv=self.K,
-            nograd_forward_passes=interior if intermediate == "forward" else 0,
-            intermediate_forward=planned.jagg_windows if intermediate == "forward" else 0,
-            loss=torch.stack(total).sum(), cosines=planned.cosines,
-            knots=[] if planned.windows is not None else [knots])
-
-    def _probe(self, predict, batch: NFTBatch, cond, loss: NFTStepLoss, plan, intermediate) -> dict:
-        """The fidelity probe: DiffusionNFT's per-timestep gradient beside the plan's on the same noise (cosine,
-        norm ratio); leaves .grad cleared."""
-        grads = []
-        for p_ in (exact_plan(self.K), plan):
-            for p in self.engine.params:
-                p.grad = None
-            self._run(predict, batch, cond, loss.fresh(), p_, intermediate, self.engine.backward)
-            grads.append(_flat_grad(self.engine.params))
-        for p in self.engine.params:
-            p.grad = None
-        return {"probe_cos": _cos(grads[1], grads[0]), "probe_norm_ratio": _norm_ratio(grads[1], grads[0])}
+        return done.metrics(old_decay=decay, **done.probe)

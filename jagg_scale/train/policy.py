@@ -9,10 +9,11 @@
     policy.reference_fn()    the KL reference's velocity, or None when grpo.beta = 0
     policy.encode(prompts)   the conditioning; with guidance != 1 the pair (cond, uncond) of the prompts and of the
                              model's negative prompt (an edit prompt's on its own input image)
-    policy.rollout(...)      SDE trajectories of given global rows on the training schedule `policy.sigmas`,
-                             every draw seeded per (run seed, step, row) (x_0 per group with
-                             sampling.same_initial_noise); outside an SDE window the ODE runs
-                             sampling.ode_solver on sampling.ode_steps (grpo/solver.py)
+    policy.rollout(...)      the rollout an algorithm's RolloutSpec asks for (algorithm.py): trajectories of given
+                             global rows on the training schedule `policy.sigmas`, every draw seeded per (run
+                             seed, step, row) (x_0 per group with sampling.same_initial_noise); outside the SDE steps
+                             the ODE runs sampling.ode_solver on sampling.ode_steps (grpo/solver.py); every step kept
+                             or only the final latents
 
 Used by the trainer and by `jagg-eval` (which needs only velocity_fn and encode: no optimizer, no engine).
 """
@@ -28,8 +29,9 @@ import torch
 from ..cond import expand_cond, index_cond
 from ..data.images import EditPrompt
 from ..grpo import StepBatch, Trajectories, guided_velocity, model_schedule, sample_sde
-from ..grpo.rollout import to_device
+from ..grpo.rollout import FinalLatents, to_device
 from ..jagg import fill_interior, plan_knots
+from .algorithm import RolloutSpec
 from .config import Config
 from .rows import initial_noise, row_generators
 
@@ -151,36 +153,39 @@ class Policy:
         return dataclasses.replace(batch, uncond_velocities=fresh)
 
     @torch.no_grad()
-    def rollout(self, cond, rows: torch.Tensor, step: int, on_chunk=None, sde_steps=None, ref_steps=None,
-                ref_plan=None, trained=None) -> Trajectories:
-        """SDE trajectories of the given global rows (cond holds their conditioning, in that order), in chunks of
-        self.rollout_batch rows; `on_chunk(rows, final_latents)` is called after each (reward scoring), `rows` the
-        chunk's slice of `rows`; the KL reference runs on `ref_steps` (the trained steps; None: every SDE step).
-        With `ref_plan` (a plan over the `trained` steps whose knots are ref_steps: grpo.ref_at knots) the other
-        trained steps' reference velocities are filled in, linear in sigma between the knots (fill_interior).
-        Nothing here reads a device value back: noise goes up once per chunk,
-        asynchronously."""
-        cfg = self.cfg
-        gens = row_generators(cfg.run.seed, step, rows)
-        predict, ref = self.model_fn(), self.reference_fn()
-        parts = []
+    def rollout(self, cond, rows: torch.Tensor, step: int, *, spec: RolloutSpec | None = None,
+                on_chunk=None) -> Trajectories | FinalLatents:
+        """Trajectories of the given global rows (cond holds their conditioning, in that order) as the algorithm's
+        `spec` says (algorithm.RolloutSpec; None: the SDE and the KL reference on every step, every step kept), in
+        chunks of self.rollout_batch rows, under the spec's weights; `on_chunk(rows, final_latents)` is called after
+        each (reward scoring), `rows` the chunk's slice of `rows`. With the spec's `ref_plan` (a plan over its trained
+        steps whose knots are its ref_steps: grpo.ref_at knots) the other trained steps' reference velocities are
+        filled in, linear in sigma between the knots (fill_interior). Nothing here reads a device value back: noise
+        goes up once per chunk, asynchronously."""
+        cfg, spec = self.cfg, spec or RolloutSpec()
         if self.rollout_batch == "auto":
             raise ValueError("sampling.batch_size auto: give Policy the resolved rollout_batch (rollout_batch())")
-        for start in range(0, len(rows), self.rollout_batch):
-            chunk = slice(start, min(start + self.rollout_batch, len(rows)))
-            # each row's generator draws its initial noise, then its SDE steps' (inside sample_sde), as one stream;
-            # sampling.same_initial_noise: x_0 its group's (rows.initial_noise)
-            noise = initial_noise(gens[chunk], rows[chunk], self.model.latent_shape, seed=cfg.run.seed, step=step,
-                                  group_size=cfg.grpo.group_size if cfg.sampling.same_initial_noise else None)
-            parts.append(sample_sde(predict, index_cond(cond, chunk), to_device(noise, self.device), self.sigmas,
-                                    noise_level=cfg.sampling.noise_level, generator=gens[chunk],
-                                    ref_velocity_fn=ref, sde_steps=sde_steps, ref_steps=ref_steps,
-                                    guidance=self.guidance, guidance_rule=self.guidance_rule,
-                                    ode_solver=cfg.sampling.ode_solver, ode_steps=cfg.sampling.ode_steps,
-                                    host_sigmas=self.host_sigmas, sde=cfg.sampling.sde))
-            if on_chunk is not None:
-                on_chunk(chunk, parts[-1].final)
-        traj = Trajectories.cat(parts)
-        if ref_plan is not None and traj.ref_velocities is not None and len(plan_knots(ref_plan)) < len(trained):
-            traj.ref_velocities[trained] = fill_interior(ref_plan, traj.ref_velocities[trained], traj.sigmas[trained])
+        gens = row_generators(cfg.run.seed, step, rows)
+        parts = []
+        with spec.weights():
+            predict, ref = self.model_fn(), self.reference_fn()
+            for start in range(0, len(rows), self.rollout_batch):
+                chunk = slice(start, min(start + self.rollout_batch, len(rows)))
+                # each row's generator draws its initial noise, then its SDE steps' (inside sample_sde), as one
+                # stream; sampling.same_initial_noise: x_0 its group's (rows.initial_noise)
+                noise = initial_noise(gens[chunk], rows[chunk], self.model.latent_shape, seed=cfg.run.seed, step=step,
+                                      group_size=cfg.grpo.group_size if cfg.sampling.same_initial_noise else None)
+                parts.append(sample_sde(predict, index_cond(cond, chunk), to_device(noise, self.device), self.sigmas,
+                                        noise_level=cfg.sampling.noise_level, generator=gens[chunk],
+                                        ref_velocity_fn=ref, sde_steps=spec.sde_steps, ref_steps=spec.ref_steps,
+                                        guidance=self.guidance, guidance_rule=self.guidance_rule,
+                                        ode_solver=cfg.sampling.ode_solver, ode_steps=cfg.sampling.ode_steps,
+                                        host_sigmas=self.host_sigmas, sde=cfg.sampling.sde, keep=spec.keep))
+                if on_chunk is not None:
+                    on_chunk(chunk, parts[-1].final)
+        traj = type(parts[0]).cat(parts)
+        trained, plan = list(spec.trained or ()), spec.ref_plan
+        if plan is not None and getattr(traj, "ref_velocities", None) is not None and len(plan_knots(plan)) < len(
+                trained):
+            traj.ref_velocities[trained] = fill_interior(plan, traj.ref_velocities[trained], traj.sigmas[trained])
         return traj

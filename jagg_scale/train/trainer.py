@@ -1,11 +1,13 @@
-"""The GRPO trainer. One training step reads top to bottom as its five phases:
+"""The trainer. One training step reads top to bottom as its phases, the same for every algorithm (algorithm.py: the
+unit named by train.algorithm, GRPO in update.py, DiffusionNFT in nft.py):
 
-    1. rollout     this rank's rows of the step's prompts sampled with the SDE (policy.py), each chunk decoded and
-                   scored by the reward in a worker thread while the next one samples
+    0. spec        what the algorithm's rollout must sample and keep this step (algorithm.rollout_spec)
+    1. rollout     this rank's rows of the step's prompts sampled as the spec says (policy.py), each chunk decoded
+                   and scored by the reward in a worker thread while the next one samples
     2. reward      the scores gathered over ranks, failures checked
-    3. advantage   group-relative advantages over the whole gathered batch (rewards/multi.py, grpo/advantages.py)
-    4. update      inner epochs x minibatches x micro-batches: each minibatch's knot plan through knot_backward,
-                   one optimizer step each (update.py: the Updater owns the whole phase)
+    3. advantage   the algorithm's advantages over the whole gathered batch
+    4. update      the algorithm's update phase: inner epochs x minibatches x micro-batches through the one
+                   minibatch runner (runner.py), one optimizer step per minibatch
     5. log         metrics averaged over ranks; `fit` then checkpoints, exports and evaluates (run_state.py)
 
 Distribution: the same code runs on one process or N; which training engine (parallel/: one process, FSDP2 or
@@ -31,12 +33,11 @@ import yaml
 from ..checkpoint.local import write_object
 from ..checkpoint.pickles import load_torch
 from ..data import ListPromptSource, PromptSet, StreamPromptSource
-from ..grpo.steps import candidate_steps
-from ..jagg import plan_knots, trained_steps
 from ..models import build_model
 from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
 from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
+from .algorithm import build_algorithm
 from .config import Config, ConfigError, load_prompt_file, validate_world
 from .invariants import check_on_policy
 from .evaluate import EvalInterrupted, eval_prompts, evaluate, load_eval, load_grid
@@ -46,7 +47,6 @@ from .preemption import Preemption
 from .rows import StepRows, step_seed
 from .run_lock import RunLock, write_run_file
 from .run_state import RunState, check_fresh_start, check_run_dir, clear_earlier_run
-from .update import Updater
 
 log = logging.getLogger(__name__)
 
@@ -108,15 +108,7 @@ class Trainer:
 
             for _, _, component in self.reward.components:
                 shard_reward(component)
-        self.steps = (trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction)
-                      if cfg.grpo.step_selection == "first" else
-                      list(range(candidate_steps(cfg.grpo.step_selection, cfg.sampling.num_steps))))
-        if cfg.train.algorithm == "nft":  # DiffusionNFT: its own update phase over the same rollout, reward, advantages
-            from .nft import NFTUpdater
-
-            self.updater = NFTUpdater(cfg, self.policy, self.engine, self.dist)
-        else:
-            self.updater = Updater(cfg, self.policy, self.engine, self.dist)
+        self.algorithm = build_algorithm(cfg, self.policy, self.engine, self.dist)  # train.algorithm's unit
         self.preemption = Preemption()
         self.run_state = RunState(cfg, self.dist, self.engine, self.out)
         self.start_step = self.run_state.resume(self.source)
@@ -170,9 +162,11 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------------------
 
     def train_step(self, step: int) -> dict:
-        cfg = self.cfg
+        cfg, algorithm = self.cfg, self.algorithm
         g = cfg.grpo.group_size
         t0 = time.perf_counter()
+        # 0. what this step's rollout samples and keeps: the algorithm's
+        spec = algorithm.rollout_spec(step)
         # 1. rollout: the step's prompts (the same on every rank), this rank's rows, scored chunk by chunk
         records = [r for r in self.source.next_prompts() for _ in range(g)]
         rows = StepRows.draw(len(records), cfg.train.batch_size, cfg.run.seed, step, self.dist.rank,
@@ -180,18 +174,12 @@ class Trainer:
         mine = rows.mine.tolist()
         prompts, metadata = [records[i].prompt for i in mine], [records[i].metadata for i in mine]
         cond = self.policy.encode(prompts)
-        steps = self.trained_steps_at(step)
         self.model.eval()
         background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
         scorer = ChunkScorer(self.reward, self.model.decode, background=background, device=self.device)
         on_chunk = lambda chunk, final: scorer.add(final, prompts[chunk], metadata[chunk])
-        # GRPO: the SDE on every step or on the SDE window; DiffusionNFT: the old policy's ODE (no SDE step at all)
-        sde_steps = set() if cfg.train.algorithm == "nft" else set(steps) if cfg.sampling.sde_window else None
-        ref_plan = self.updater.ref_plan(len(steps))  # the KL reference on the trained steps, or their knots
-        ref_steps = set() if ref_plan is None else {steps[q] for q in plan_knots(ref_plan)}
-        with self._comm("rollout"), self.updater.behaviour():
-            traj = self.policy.rollout(cond, rows.mine, step, on_chunk=on_chunk, sde_steps=sde_steps,
-                                       ref_steps=ref_steps, ref_plan=ref_plan, trained=steps)
+        with self._comm("rollout"):
+            traj = self.policy.rollout(cond, rows.mine, step, spec=spec, on_chunk=on_chunk)
         t1 = time.perf_counter()
         # 2. reward: gathered so that every rank sees the whole batch (and takes the same decisions)
         local = scorer.finish(deadline_s=cfg.reward_deadline_s if background else None)
@@ -201,12 +189,11 @@ class Trainer:
         failed = check_failures(parts, cfg.reward.max_fail_frac)
         t2 = time.perf_counter()
         # 3. advantages over the prompt groups (row i is in group i // G)
-        adv = self.reward.advantages(parts, [i // g for i in range(len(records))], aggregate=cfg.reward.aggregate,
-                                     global_std=cfg.grpo.global_std, adv_clip_max=cfg.grpo.adv_clip_max)
+        adv = algorithm.advantages(parts, self.reward.weights, [i // g for i in range(len(records))])
         # 4. update on this rank's slice of every minibatch
         self.model.train()
         with self._comm("train"):
-            update = self.updater(traj, cond, adv, rows, step, steps)
+            update = algorithm.update(traj, cond, adv, rows, step)
         t3 = time.perf_counter()
         # 5. log
         metrics = {
@@ -215,7 +202,6 @@ class Trainer:
             "zero_std_groups": adv.zero_std_groups,
             "reward_late": scorer.late,  # this rank's samples masked by reward.deadline_s (mean over ranks)
             **update,
-            **({"sde_window_start": steps[0]} if cfg.sampling.sde_window else {}),
             "time_rollout": t1 - t0,  # includes the reward scoring that overlapped it
             "time_reward": t2 - t1,  # reward time not hidden behind the rollout
             "time_train": t3 - t2 - update.get("time_probe", 0.0),  # the probe is diagnostics, not training
@@ -226,22 +212,6 @@ class Trainer:
                                                       "onpolicy_log_ratio": "max"})
         check_on_policy(metrics, cfg.grpo.onpolicy_tolerance, step)  # every rank: the same reduced value
         return metrics
-
-    def trained_steps_at(self, step: int) -> list[int]:
-        """The steps trained at training step `step`: Flow-GRPO's first timestep_fraction of the trajectory, the
-        candidates each sample draws its own from (grpo.step_selection random | windows: the Updater draws), or the
-        SDE window of sampling.sde_window steps (random start per step, or sliding), seeded by the step."""
-        s = self.cfg.sampling
-        if s.sde_window == 0:
-            return self.steps
-        lo, hi = s.sde_window_range or [0, s.num_steps]
-        starts = hi - lo - s.sde_window + 1
-        if s.sde_window_mode == "sliding":
-            start = lo + (step // s.sde_window_every) % starts
-        else:
-            gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, 3))
-            start = lo + int(torch.randint(starts, (1,), generator=gen))
-        return list(range(start, start + s.sde_window))
 
     def _reward_metrics(self, parts, failed: dict[str, int]) -> dict:
         total, valid = self.reward.weighted_sum(parts)

@@ -275,9 +275,9 @@ def _signal_two_workers(script: str, env: dict, sig: int, tmp_path: Path) -> tup
 @pytest.mark.dist
 @pytest.mark.slow  # DeepSpeed's launcher imports for a while
 def test_deepspeed_signal_reaches_every_worker_and_the_script_waits_for_their_save(stubs, tmp_path):
-    """DeepSpeed forwards no signal on one node (docs/signal_matrix.jsonl: the workers were orphaned). deepspeed.sh
-    turns SIGTERM into SIGUSR1 to the launch's process group: both workers get it, and the script exits (143) only
-    after both have finished their 'checkpoint'."""
+    """DeepSpeed forwards no signal on one node (docs/results/signal_matrix.jsonl: the workers were orphaned).
+    deepspeed.sh turns SIGTERM into SIGUSR1 to the launch's process group: both workers get it, and the script exits
+    (143) only after both have finished their 'checkpoint'."""
     if not (VENV_BIN / "deepspeed").exists():
         pytest.skip(f"deepspeed is not installed next to {sys.executable}")
     worker = _stub(tmp_path / "worker", f"""#!/usr/bin/env bash

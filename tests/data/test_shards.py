@@ -3,7 +3,6 @@
 import io
 import json
 import logging
-import sys
 import tarfile
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from jagg_scale.data import (
 )
 from jagg_scale.data.shards import ShardReadError, expand_shard_urls
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def _read_tar(path):
@@ -83,11 +81,8 @@ def test_cli(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     lines = [json.dumps({"prompt": f"p{i}", "tag": i}) for i in range(7)] + ["{not json", '{"prompt": ""}']
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import make_prompt_shards
-    finally:
-        sys.path.remove(str(TOOLS))
+    from tools import make_prompt_shards
+
     out = tmp_path / "out"
     summary = make_prompt_shards.main([str(src), str(out), "--shard-size", "3"])
     assert (summary["written"], summary["skipped"], summary["shards"], summary["format"]) == (7, 2, 3, "jsonl")

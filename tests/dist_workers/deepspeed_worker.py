@@ -41,7 +41,8 @@ from jagg_scale.models.dit import DiT, DiTConfig
 from jagg_scale.parallel.deepspeed_engine import DeepSpeedEngine
 from jagg_scale.parallel.dist import DistContext, init_distributed, leave_launch
 from jagg_scale.parallel.config import ParallelConfig
-from jagg_scale.parallel.engine import Engine, LocalEngine
+from jagg_scale.parallel.engine import Engine
+from jagg_scale.parallel.local_engine import LocalEngine
 from jagg_scale.train.config import Config
 
 B, W1, W2 = 4, 3, 2  # rows of the full batch, the JAGG window, the exact window

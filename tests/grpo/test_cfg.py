@@ -11,8 +11,7 @@ import torch
 from jagg_scale.cond import cat_cond
 from jagg_scale.grpo import GRPOStepLoss, guided_velocity, sample_sde, sigma_schedule
 from jagg_scale.train import Trainer, load_config
-from jagg_scale.train import update as update_mod
-from minibatch import plan_of, rollout_minibatch
+from minibatch import grpo_backward, plan_of, rollout_minibatch
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -35,9 +34,9 @@ def _ours(trainer, cond, batch, guidance, jagg_cfg, on_policy=True):
     trainer.model.zero_grad(set_to_none=True)
     c, uc = trainer.policy.split_cond(cond)
     if uc is not None and not on_policy:
-        batch = trainer.policy.fresh_uncond(batch, trainer.steps, uc)
-    loss = GRPOStepLoss(**LOSS, scale=1 / len(trainer.steps), guidance=guidance)
-    update_mod.backward_minibatch(trainer.policy.model_fn(), batch, c, loss, trainer.steps, **plan_of(**jagg_cfg),
+        batch = trainer.policy.fresh_uncond(batch, trainer.algorithm.steps, uc)
+    loss = GRPOStepLoss(**LOSS, scale=1 / len(trainer.algorithm.steps), guidance=guidance)
+    grpo_backward(trainer.policy.model_fn(), batch, c, loss, trainer.algorithm.steps, **plan_of(**jagg_cfg),
                                   on_policy=on_policy)
     return _grad(trainer.model)
 
@@ -47,9 +46,9 @@ def _flow_grpo(trainer, cond, batch, guidance, detach=True):
     conditional rows WITH grad, the unconditional half detached, the guided velocity into the loss, a backward."""
     trainer.model.zero_grad(set_to_none=True)
     model = trainer.model
-    loss = GRPOStepLoss(**LOSS, scale=1 / len(trainer.steps))  # called with the guided velocity itself
+    loss = GRPOStepLoss(**LOSS, scale=1 / len(trainer.algorithm.steps))  # called with the guided velocity itself
     B = batch.latents.shape[1]
-    for k in trainer.steps:
+    for k in trainer.algorithm.steps:
         x, s = batch.latents[k], batch.sigmas[k].expand(B)
         if guidance == 1.0:
             v = model(x, s, cond)
@@ -133,14 +132,14 @@ def test_off_policy_cfg_in_micro_batches_recomputes_the_uncond_per_chunk(tmp_pat
     ref = _flow_grpo(trainer, cond, batch, guidance)
     c, uc = cond
     trainer.model.zero_grad(set_to_none=True)
-    loss = GRPOStepLoss(**LOSS, scale=1 / len(trainer.steps), guidance=guidance, denominator=6.0)
+    loss = GRPOStepLoss(**LOSS, scale=1 / len(trainer.algorithm.steps), guidance=guidance, denominator=6.0)
     chunk_rows = []
 
     def prepare(b, rows):
         chunk_rows.append(b.latents.shape[1])
-        return trainer.policy.fresh_uncond(b, trainer.steps, uc[rows])
+        return trainer.policy.fresh_uncond(b, trainer.algorithm.steps, uc[rows])
 
-    update_mod.backward_minibatch(trainer.policy.model_fn(), batch, c, loss, trainer.steps, **plan_of(window=2),
+    grpo_backward(trainer.policy.model_fn(), batch, c, loss, trainer.algorithm.steps, **plan_of(window=2),
                                   on_policy=False, micro_batch_size=4, prepare=prepare)
     assert chunk_rows == [4, 2]
     assert _cos(_grad(trainer.model), ref) > 0.99999

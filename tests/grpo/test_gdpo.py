@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from jagg_scale.grpo import compute_advantages, gdpo_advantages
-from jagg_scale.rewards.base import build_reward
-from jagg_scale.rewards.multi import ComponentScores, RewardMix
+from jagg_scale.rewards.multi import ComponentScores
 from jagg_scale.train import ConfigError, load_config
+from jagg_scale.train.algorithm import Algorithm
 
 G = 4  # group size
 
@@ -118,14 +118,15 @@ def test_failed_rows_leave_the_statistics_and_are_masked():
     assert not torch.allclose(partial.values[16:20], adv.values[16:20])
 
 
-def test_reward_mix_dispatches_gdpo_and_the_config_refuses_a_global_std():
+def test_the_algorithm_dispatches_gdpo_and_the_config_refuses_a_global_std():
+    """reward.aggregate gdpo reaches the algorithm's advantages (train/algorithm.py): Flow-Factory's numbers."""
     rewards = random_rewards(3, {"a": 1.0, "b": 5.0}, 5)
-    mix = RewardMix([(n, w, build_reward("jpeg_compressibility")) for n, w in (("a", 1.0), ("b", 2.0))])
     parts = {k: ComponentScores(v, torch.ones(12, dtype=torch.bool)) for k, v in rewards.items()}
-    adv = mix.advantages(parts, [i // G for i in range(12)], aggregate="gdpo", global_std=False, adv_clip_max=5.0)
+    tiny = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
+    algorithm = Algorithm(load_config(tiny, ["reward.aggregate=gdpo"]), None, None, None)
+    adv = algorithm.advantages(parts, {"a": 1.0, "b": 2.0}, [i // G for i in range(12)])
     ref = flow_factory_gdpo({k: v.double().numpy() for k, v in rewards.items()}, {"a": 1.0, "b": 2.0}, groups_of(12))
     assert np.allclose(adv.values.double().numpy(), ref, rtol=1e-6, atol=1e-6)
-    tiny = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
     assert load_config(tiny, ["reward.aggregate=gdpo"]).reward.aggregate == "gdpo"
     with pytest.raises(ConfigError, match="'grpo.global_std' is true, but reward.aggregate gdpo"):
         load_config(tiny, ["reward.aggregate=gdpo", "grpo.global_std=true"])

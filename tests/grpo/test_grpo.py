@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from jagg_scale.train.update import reduce_metrics
+from jagg_scale.train.runner import reduce_metrics
 from torch.distributions import Normal
 
 from jagg_scale.grpo import (GRPOStepLoss, StepBatch, compute_advantages, kl_to_reference, ode_step, sample_sde,
@@ -163,7 +163,7 @@ def _step_batch(B=4, T=3, seed=0):
 
 
 def summary(loss: GRPOStepLoss) -> dict:
-    """The loss's recorded statistics reduced as the Updater reduces them (train/update.py), then cleared."""
+    """The loss's recorded statistics reduced as the runner reduces them (train/runner.py), then cleared."""
     out = reduce_metrics(loss.metrics)
     loss.metrics.clear()
     return out

@@ -12,6 +12,7 @@ import torch
 from jagg_scale.grpo import sample_sde, sde_step_with_logprob, sigma_schedule
 from jagg_scale.grpo.solver import OdeSolverState, respace, split_ode_steps, window_grids
 from jagg_scale.train import ConfigError, Trainer, load_config
+from jagg_scale.train.algorithm import RolloutSpec
 from jagg_scale.train.host_syncs import HostSyncs
 from jagg_scale.train.logging import read_metrics
 from extras import need
@@ -196,7 +197,8 @@ def test_rollout_forwards_drop_to_the_window_plus_ode_steps(tmp_path):
         seen = []
         real = trainer.model.forward
         trainer.model.forward = lambda x, *a, seen=seen, real=real, **k: seen.append(1) or real(x, *a, **k)
-        trainer.policy.rollout(trainer.policy.encode(["a"] * 8), torch.arange(8), 0, sde_steps={2, 3, 4})
+        trainer.policy.rollout(trainer.policy.encode(["a"] * 8), torch.arange(8), 0,
+                               spec=RolloutSpec(sde_steps=frozenset({2, 3, 4})))
         counts[steps] = len(seen)
     assert counts == {0: 8, 2: 5}  # one chunk of 8 rows: T = 8 forwards, then W + ode_steps = 3 + 2
 

@@ -87,7 +87,7 @@ def test_card_lists_current_sha256():
     for f in FILES[:-1]:
         digest = hashlib.sha256((ASSETS / f).read_bytes()).hexdigest()
         assert f"`{digest}`" in card, f"CARD.md has a stale sha256 for {f}"
-    assert "python tools/build_digits_assets.py" in card
+    assert "python -m tools.build_digits_assets" in card
 
 
 def test_split_is_stratified_disjoint_and_seeded(split):

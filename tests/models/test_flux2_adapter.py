@@ -1,5 +1,5 @@
 """The diffusers FLUX.2 [klein] and [dev] adapter (models/flux2.py) on tiny random offline pipelines
-(tools/make_tiny_pipeline.py --kind flux2, --kind flux2_dev).
+(jagg_scale/models/tiny.py --kind flux2, --kind flux2_dev).
 
 Checks the interface (shapes, frozen parts, decoding through the VAE's batch-norm statistics), the schedule, sign and
 CFG against the pipeline's own sampling loop, the GRPO log-prob round trip, JAGG W = 2 == per-step on the

@@ -1,4 +1,4 @@
-"""The diffusers FLUX adapter (models/flux.py) on a tiny random offline pipeline (tools/make_tiny_pipeline.py).
+"""The diffusers FLUX adapter (models/flux.py) on a tiny random offline pipeline (jagg_scale/models/tiny.py).
 
 Checks the interface (unpacked shapes, packing round trip, frozen parts), the sigma/timestep and sign conventions
 against diffusers' own scheduler and sampling loop, the GRPO log-prob round trip (rollout vs training pass) and

@@ -1,5 +1,5 @@
 """FLUX.1-Kontext instruction editing (models/kontext.py) on a tiny random offline FluxKontextPipeline
-(tools/make_tiny_pipeline.py --kind flux_kontext) and the committed edit set data/edits/tiny/edits.jsonl.
+(jagg_scale/models/tiny.py --kind flux_kontext) and the committed edit set data/edits/tiny/edits.jsonl.
 
 Checks the input image's latents against the pipeline's own preprocessing and VAE encoding, the velocity and sampling
 against the pipeline's loop (its image tokens, ids and output slice), that the input image conditions the velocity,

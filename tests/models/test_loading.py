@@ -1,5 +1,5 @@
 """Loading at production scale (models/__init__.py build_model, the engines' placement, train/trainer.py), on the
-tiny offline SD3 pipeline (tools/make_tiny_pipeline.py):
+tiny offline SD3 pipeline (jagg_scale/models/tiny.py):
 
 - the frozen VAE and text encoders are loaded straight in their compute dtype (bf16 with model.dtype bfloat16),
   bit for bit what loading float32 and casting gave;
@@ -107,7 +107,7 @@ def test_jagg_eval_holds_a_bf16_published_transformer_in_bf16(bf16_dir, tmp_path
 
 def test_a_bf16_checkpoint_stays_bf16_on_the_host_and_is_upcast_when_placed(sd3_dir, bf16_dir):
     from jagg_scale.parallel.config import ParallelConfig
-    from jagg_scale.parallel.engine import LocalEngine
+    from jagg_scale.parallel.local_engine import LocalEngine
     from jagg_scale.train.config import TrainConfig
 
     assert stored_dtype(Path(bf16_dir) / "transformer") == torch.bfloat16

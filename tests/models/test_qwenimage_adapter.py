@@ -1,5 +1,5 @@
 """The diffusers Qwen-Image adapter (models/qwenimage.py) on a tiny random offline pipeline
-(tools/make_tiny_pipeline.py --kind qwenimage).
+(jagg_scale/models/tiny.py --kind qwenimage).
 
 Checks the interface (unpacked shapes, packing round trip, frozen parts), that prompts at their encoded length
 (cond.Tokens) leave the velocity the pipeline's and the one padded to max_sequence_length with a mask, that a pass

@@ -1,4 +1,4 @@
-"""The diffusers SD3 adapter (models/sd3.py) on a tiny random offline pipeline (tools/make_tiny_pipeline.py).
+"""The diffusers SD3 adapter (models/sd3.py) on a tiny random offline pipeline (jagg_scale/models/tiny.py).
 
 Checks the interface (shapes, frozen parts), the sigma/timestep and sign conventions against diffusers' own
 scheduler and sampling loop, the GRPO log-prob round trip (rollout vs training pass) and JAGG W = 2 == per-step.

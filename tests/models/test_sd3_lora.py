@@ -1,5 +1,5 @@
 """LoRA on the SD3 adapter (models/lora.py) and the SD3 training options (gradient checkpointing, attention
-kernel, full save), on the tiny random offline pipeline of tools/make_tiny_pipeline.py."""
+kernel, full save), on the tiny random offline pipeline of jagg_scale/models/tiny.py."""
 
 
 import pytest

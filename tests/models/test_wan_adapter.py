@@ -1,4 +1,4 @@
-"""Wan2.1 text-to-video (models/wan.py) on a tiny random offline WanPipeline (tools/make_tiny_pipeline.py --kind wan).
+"""Wan2.1 text-to-video (models/wan.py) on a tiny random offline WanPipeline (jagg_scale/models/tiny.py --kind wan).
 
 The algorithm on 5-D latents [N, C, F, H, W]: the adapter against the pipeline's own sampling loop (its scheduler's
 sigmas, timestep 1000 sigma, its CFG), decoding to frames, the GRPO log-prob round trip, JAGG W = 2 == per-step on the

@@ -1,5 +1,5 @@
 """The diffusers Z-Image adapter (models/zimage.py) on a tiny random offline pipeline
-(tools/make_tiny_pipeline.py --kind zimage).
+(jagg_scale/models/tiny.py --kind zimage).
 
 Checks the interface (variable-length prompts as a cond.Tokens at their longest, shapes, frozen parts; a forward
 reads no device value), the

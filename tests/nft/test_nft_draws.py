@@ -35,7 +35,7 @@ def test_each_inner_epoch_trains_on_fresh_timesteps_and_noise_and_its_adv_mode(t
     the loss: r is 1/2 + 1 / (2 adv_clip_max) for a better-than-average sample, 1/2 for the rest."""
     trainer = Trainer(load_config(TINY, NFT + ["grpo.inner_epochs=2", "train.steps=1", "nft.adv_mode=one_only",
                                                f"run.output_dir={tmp_path}"]))
-    up, seen = trainer.updater, []
+    up, seen = trainer.algorithm, []
     batch_of = up._batch
 
     def record(traj, mb_cond, r, local, global_rows, minibatch, step, epoch):
@@ -71,7 +71,7 @@ def test_the_draws_of_every_epoch_are_the_same_on_any_ranks_and_after_a_resume(t
     rank, the draw of its first row, and a fresh one each epoch. (A later inner epoch's minibatches differ with the
     world size, rows.py keeping rows on their rank: per_batch's draws are then the same per minibatch, not per row.)"""
     over = NFT + [f"nft.timesteps={timesteps}", "nft.noise=per_window", "jagg.mode=jagg", "jagg.window=3"]
-    ups = [Trainer(load_config(TINY, over + [f"run.output_dir={tmp_path / str(i)}"])).updater for i in range(2)]
+    ups = [Trainer(load_config(TINY, over + [f"run.output_dir={tmp_path / str(i)}"])).algorithm for i in range(2)]
     layouts = []
     for up, world in ((ups[0], 1), (ups[0], 2), (ups[0], 4), (ups[1], 1)):
         got = {}

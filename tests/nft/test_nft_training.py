@@ -68,7 +68,7 @@ def test_nft_noise_draws_one_noise_per_group_of_timesteps(tmp_path, noise, windo
     [0-2] [3]); the draws differ between rows and between groups."""
     over = NFT + [f"nft.noise={noise}", f"run.output_dir={tmp_path}"] + ([f"jagg.window={window}"] if window else [])
     trainer = Trainer(load_config(TINY, over))
-    e = trainer.updater._noise(step=3, epoch=0, global_rows=torch.tensor([5, 9]), shape=(2, 2))
+    e = trainer.algorithm._noise(step=3, epoch=0, global_rows=torch.tensor([5, 9]), shape=(2, 2))
     assert e.shape == (4, 2, 2, 2)
     for row in range(2):
         groups = {}
@@ -77,7 +77,7 @@ def test_nft_noise_draws_one_noise_per_group_of_timesteps(tmp_path, noise, windo
             assert torch.equal(e[k, row], groups[group]), (noise, k)
         assert len({tuple(v.flatten().tolist()) for v in groups.values()}) == len(groups)
     assert not torch.equal(e[0, 0], e[0, 1])
-    again = trainer.updater._noise(step=3, epoch=0, global_rows=torch.tensor([9]), shape=(2, 2))
+    again = trainer.algorithm._noise(step=3, epoch=0, global_rows=torch.tensor([9]), shape=(2, 2))
     assert torch.equal(again[:, 0], e[:, 1])  # a row's draws are its own: seeded by (seed, step, row)
     trainer.close()
 
@@ -87,7 +87,7 @@ def test_nft_old_at_knots_runs_the_frozen_models_at_the_knots_only(tmp_path):
     (K = 4 in windows [0-2] [3]: positions 0, 2, 3) and are linear in each row's t inside a window, which is the
     true value when the velocity is affine along a shared-noise line."""
     over = NFT + ["jagg.window=3", "nft.noise=per_sample", "nft.old_at=knots", f"run.output_dir={tmp_path}"]
-    updater = Trainer(load_config(TINY, over)).updater
+    updater = Trainer(load_config(TINY, over)).algorithm
     K, B = 4, 3
     d, e = torch.randn(B, 4, dtype=torch.float64), torch.randn(B, 4, dtype=torch.float64)
     t = torch.sort(torch.rand(K, B, dtype=torch.float64), dim=0, descending=True).values

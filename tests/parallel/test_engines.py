@@ -19,7 +19,8 @@ from jagg_scale.parallel.build import build_engine
 from jagg_scale.parallel.comm import CommCounter, NullCounter
 from jagg_scale.parallel.config import ParallelConfig
 from jagg_scale.parallel.dist import DistContext
-from jagg_scale.parallel.engine import ENGINE_MARKER, LocalEngine, resolve_grad_sync
+from jagg_scale.parallel.engine import ENGINE_MARKER, resolve_grad_sync
+from jagg_scale.parallel.local_engine import LocalEngine
 from jagg_scale.parallel.fsdp import FSDP2Engine
 from jagg_scale.train.config import TrainConfig
 

@@ -103,3 +103,13 @@ def test_time_to_reward_study_quick_writes_its_table_plot_and_target(tmp_path):
     md = (out.parent / "benchmarks.md").read_text()
     assert "7. time_to_reward" in md and "benchmarks_time_to_reward.png" in md and "best arm" in md
     assert (out.parent / "benchmarks_time_to_reward.png").stat().st_size > 1000
+
+
+def test_the_report_of_a_results_prefix_is_a_page_beside_the_results_folder():
+    """`python -m tools.bench` writes docs/results/benchmarks.json and *.png (generated results apart from the prose)
+    and the page docs/benchmarks.md, whose plots link into docs/results/; elsewhere all sit together."""
+    from tools.bench.report import report_path
+
+    assert report_path(Path("docs/results/benchmarks")) == Path("docs/benchmarks.md")
+    assert report_path(Path("/tmp/b/benchmarks")) == Path("/tmp/b/benchmarks.md")
+

@@ -1,16 +1,14 @@
 """tools/checkpoint_rate.py: the save-rate measurement runs through the trainer's save protocol, and the lead-time
 table in docs/launchers.md is the tool's (checkpoint bytes from the model shapes: FLUX.1-dev full fine-tune ~143 GB)."""
 
-import sys
 from pathlib import Path
 
 from extras import need
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
 
 need("diffusers")
-import checkpoint_rate  # noqa: E402
+from tools import checkpoint_rate  # noqa: E402
 
 
 def test_checkpoint_bytes_per_model():

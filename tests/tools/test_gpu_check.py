@@ -1,4 +1,5 @@
-"""tools/gpu_check.py at toy scale on the CPU, so that the device check does not rot between GPU sessions."""
+"""tools/gpu_check.py (`python -m tools.gpu_check`) at toy scale on the CPU, so that the device check does not rot
+between GPU sessions."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_the_gpu_check_runs_every_section_at_toy_scale(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--tiny", "--device", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--tiny", "--device", "cpu",
                            "--out", str(tmp_path), "--sections", "env,window,memory,syncs,train,step,profile,families"],
-                          capture_output=True, text=True, timeout=RUN_S)
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]
     failed = {k: v.get("error") for k, v in sections.items() if not v["ok"]}
@@ -48,10 +49,8 @@ def test_the_gpu_check_runs_every_section_at_toy_scale(tmp_path):
 
 def test_the_real_shape_passes_carry_the_production_configs_text_tokens():
     """The window's rows carry the tokens sd35m_pickscore encodes: CLIP's 77 + its model.max_sequence_length."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import gpu_check
-
     from jagg_scale.train import load_config
+    from tools import gpu_common
 
     cfg = load_config(ROOT / "configs" / "sd35m_pickscore.yaml", check_files=False)
-    assert gpu_check.TEXT_TOKENS == 77 + cfg.model.max_sequence_length
+    assert gpu_common.TEXT_TOKENS == 77 + cfg.model.max_sequence_length

@@ -4,7 +4,6 @@ that could fail (in [-1, 1], the reference-at-knots gradient close to the refere
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_knot_fidelity_quick(tmp_path):
-    sys.path.insert(0, str(ROOT / "tools"))
-    import knot_fidelity
+    from tools import knot_fidelity
 
     assert knot_fidelity.main(["--quick", "--out", str(tmp_path / "kf")]) == 0
     res = json.loads((tmp_path / "kf.json").read_text())

@@ -4,7 +4,6 @@ runs end to end at toy size with every phase and the model's prices in its resul
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ need("diffusers")
 need("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from tools.bench import whole_step as W  # noqa: E402 - after the extras check
 from jagg_scale.train import Trainer, load_config  # noqa: E402
@@ -35,7 +33,7 @@ def test_the_flow_grpo_arm_trains_flow_grpos_update(tmp_path, sd3_dir):
         t = Trainer(load_config(ROOT / "configs" / "sd3_tiny_cpu.yaml",
                                 COMMON + [f"model.pretrained={sd3_dir}", f"run.output_dir={tmp_path / name}"]))
         if fg:
-            t.updater = W.FlowGRPOUpdater(t.cfg, t.policy, t.engine, t.dist)
+            t.algorithm = W.FlowGRPOUpdater(t.cfg, t.policy, t.engine, t.dist)
         return t
 
     ours, fg = trainer("ours", False), trainer("fg", True)

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from jagg_scale.jagg.backward import INTERMEDIATE_MODES, IntermediateMode
-from jagg_scale.models.base import PIPELINE_KINDS
+from jagg_scale.models.registry import families
 from jagg_scale.jagg.knots import ErrorModel
 from jagg_scale.jagg.planners import RouteBy
 from jagg_scale.parallel.types import EngineName
@@ -120,7 +120,7 @@ def test_every_shipped_config_loads_and_round_trips(path, tmp_path):
         cfg = load_config(path)
     except ConfigError as err:  # the diffusers configs name a model directory (and prompt files) not on this machine
         assert "config key 'model.pretrained'" in str(err) or "config key 'data.prompt_file'" in str(err), err
-        assert yaml.safe_load(path.read_text())["model"]["kind"] in PIPELINE_KINDS
+        assert yaml.safe_load(path.read_text())["model"]["kind"] in families()
         cfg = load_config(path, stand_in_paths(tmp_path))
     data = cfg.to_dict()
     assert yaml.safe_load(yaml.safe_dump(data, sort_keys=False)) == data  # config.yaml holds plain types

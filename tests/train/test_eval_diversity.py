@@ -254,7 +254,6 @@ def test_real_digits_of_one_class_are_closer_in_the_classifier_space_than_mixed_
     """tools/digits_diversity_reference.py, the yardstick in docs/digits_cpu.md: real digits of one class are less
     diverse in the reward's feature space than a mix of classes (the space separates classes), yet far from 0."""
     need("sklearn")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tools.digits_diversity_reference import reference
 
     ref = reference(groups=3)

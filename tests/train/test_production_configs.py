@@ -278,7 +278,7 @@ def test_the_flow_factory_recipes_train_a_step_on_the_tiny_pipelines(name, reque
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", paths + shrink)
     trainer = Trainer(cfg)
     try:
-        assert trainer.trained_steps_at(0) == [1, 2, 3]
+        assert list(trainer.algorithm.rollout_spec(0).trained) == [1, 2, 3]
         (row,) = trainer.fit()
     finally:
         trainer.close()

@@ -15,7 +15,7 @@ from jagg_scale.checkpoint import digests
 from jagg_scale.models.dit import DiT, DiTConfig
 from jagg_scale.parallel.dist import DistContext
 from jagg_scale.parallel.config import ParallelConfig
-from jagg_scale.parallel.engine import LocalEngine
+from jagg_scale.parallel.local_engine import LocalEngine
 from jagg_scale.train import Trainer, load_config
 from jagg_scale.train.run_state import EXPORT_RECORD, RunState
 from stand_ins import sigterm_at_step

@@ -13,9 +13,9 @@ from jagg_scale.cli import train_main
 from jagg_scale.grpo import GRPOStepLoss
 from jagg_scale.jagg import fill_interior, plan_knots
 from jagg_scale.train import ConfigError, Trainer, load_config
-from jagg_scale.train import update as update_mod
+from jagg_scale.train import runner as runner_mod
 from jagg_scale.train.logging import read_metrics
-from minibatch import plan_of, rollout_minibatch
+from minibatch import grpo_backward, plan_of, rollout_minibatch
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -111,12 +111,12 @@ def test_bad_yaml_file_key(tmp_path):
 
 def _minibatch(trainer, step=0):
     cond, batch = rollout_minibatch(trainer, step)
-    return cond, batch, GRPOStepLoss(noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.steps))
+    return cond, batch, GRPOStepLoss(noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.algorithm.steps))
 
 
 def _grads(trainer, cond, batch, loss, **kwargs):
     trainer.model.zero_grad(set_to_none=True)
-    stats = update_mod.backward_minibatch(trainer.policy.velocity_fn(), batch, cond, loss, trainer.steps,
+    stats = grpo_backward(trainer.policy.velocity_fn(), batch, cond, loss, trainer.algorithm.steps,
                                           **plan_of(**kwargs), on_policy=True)
     return torch.cat([p.grad.flatten() for p in trainer.model.parameters()]), stats
 
@@ -136,13 +136,13 @@ def test_jagg_frac_zero_is_bit_identical_to_exact(tmp_path):
 
 def test_auto_uses_cached_then_forward(tmp_path, monkeypatch):
     seen = []
-    real = update_mod.knot_backward
+    real = runner_mod.knot_backward
 
     def spy(*args, **kwargs):
         seen.append(kwargs["intermediate"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(update_mod, "knot_backward", spy)
+    monkeypatch.setattr(runner_mod, "knot_backward", spy)
     # 6 samples, minibatches of 3: two optimizer steps per rollout, two windows of 3 steps each
     cfg = small_cfg(tmp_path, "train.steps=1", "train.batch_size=3", "jagg.window=3", "jagg.intermediate=auto")
     rows = Trainer(cfg).fit()
@@ -153,8 +153,8 @@ def test_auto_uses_cached_then_forward(tmp_path, monkeypatch):
 
 def test_inner_epochs_are_off_policy_after_the_first_update(tmp_path, monkeypatch):
     seen = []
-    real = update_mod.knot_backward
-    monkeypatch.setattr(update_mod, "knot_backward",
+    real = runner_mod.knot_backward
+    monkeypatch.setattr(runner_mod, "knot_backward",
                         lambda *a, **k: seen.append(k["intermediate"]) or real(*a, **k))
     cfg = small_cfg(tmp_path, "train.steps=1", "grpo.inner_epochs=2", "jagg.window=6")
     Trainer(cfg).fit()
@@ -243,7 +243,7 @@ def test_wandb_offline_run_is_written(tmp_path):
 def test_micro_batched_gradient_is_the_whole_minibatch_gradient(tmp_path, jagg_cfg, micro):
     trainer = Trainer(small_cfg(tmp_path))
     cond, batch, _ = _minibatch(trainer)
-    loss = GRPOStepLoss(noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.steps), denominator=6.0)
+    loss = GRPOStepLoss(noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.algorithm.steps), denominator=6.0)
     grads, calls = {}, {}
     for size in (0, micro):
         trainer.model.zero_grad(set_to_none=True)
@@ -253,7 +253,7 @@ def test_micro_batched_gradient_is_the_whole_minibatch_gradient(tmp_path, jagg_c
             lasts.append(last)
             out.backward(grad)
 
-        stats = update_mod.backward_minibatch(trainer.policy.model_fn(), batch, cond, loss, trainer.steps,
+        stats = grpo_backward(trainer.policy.model_fn(), batch, cond, loss, trainer.algorithm.steps,
                                               **plan_of(**jagg_cfg), on_policy=True, backward=backward,
                                               micro_batch_size=size)
         grads[size] = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
@@ -275,7 +275,8 @@ def test_the_rollout_runs_the_reference_at_the_trained_steps_only(tmp_path):
         m = t.train_step(0)
     finally:
         t.close()
-    assert t.steps == [0, 1, 2] and sigmas == [float(t.policy.sigmas[k]) for k in t.steps]
+    steps = t.algorithm.steps
+    assert steps == [0, 1, 2] and sigmas == [float(t.policy.sigmas[k]) for k in steps]
     assert m["optimizer_steps"] == 1 and torch.isfinite(torch.tensor(m["loss"]))
 
 
@@ -292,8 +293,9 @@ def test_ref_at_knots_runs_the_reference_at_the_knots_and_fills_the_rest(tmp_pat
         inner = t.policy.reference_fn
         t.policy.reference_fn = lambda: (lambda f: (lambda x, s, c: calls.append(float(s[0])) or f(x, s, c)))(
             inner())
-        traj = t.policy.rollout(t.policy.encode(["a", "b"] * 3), torch.arange(6), 0, ref_steps=set(
-            t.steps[q] for q in plan_knots(t.updater.ref_plan(6))), ref_plan=t.updater.ref_plan(6), trained=t.steps)
+        spec = t.algorithm.rollout_spec(0)  # the trained steps 0-5 and the reference's knots among them
+        assert spec.ref_steps == {spec.trained[q] for q in plan_knots(spec.ref_plan)}
+        traj = t.policy.rollout(t.policy.encode(["a", "b"] * 3), torch.arange(6), 0, spec=spec)
         seen = list(calls)
         m = t.train_step(0)  # the trainer's own rollout makes the same calls
         t.close()
@@ -306,7 +308,7 @@ def test_ref_at_knots_runs_the_reference_at_the_knots_and_fills_the_rest(tmp_pat
     assert calls_all == sig[:6] and calls == [sig[k] for k in knots]
     assert torch.equal(part.latents, full.latents) and torch.equal(part.log_probs, full.log_probs)
     assert torch.equal(part.ref_velocities[knots], full.ref_velocities[knots])
-    plan = t_knots.updater.ref_plan(6)
+    plan = t_knots.algorithm.rollout_spec(0).ref_plan
     assert plan_knots(plan) == knots
     assert torch.allclose(part.ref_velocities[:6], fill_interior(plan, full.ref_velocities[:6], full.sigmas[:6]))
     inner = [k for k in range(6) if k not in knots]

@@ -6,11 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import jagg_scale.train.update as update_mod
 from jagg_scale.grpo import GRPOStepLoss
 from jagg_scale.jagg import Planned, SharedKnotPlanner, plan_uniform
 from jagg_scale.train import ConfigError, Trainer, load_config
-from minibatch import plan_of, rollout_minibatch
+from minibatch import grpo_backward, plan_of, rollout_minibatch
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -21,7 +20,7 @@ SMALL = ["model.dit.hidden_size=32", "model.dit.depth=2", "model.dit.image_size=
 def _setup(tmp_path):
     trainer = Trainer(load_config(TINY, SMALL + [f"run.output_dir={tmp_path}"]))
     cond, batch = rollout_minibatch(trainer)
-    loss = GRPOStepLoss(noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.steps))
+    loss = GRPOStepLoss(noise_level=0.7, clip_range=1e-4, scale=1 / len(trainer.algorithm.steps))
     return trainer, cond, batch, loss
 
 
@@ -34,22 +33,22 @@ def _grad(trainer, fn):
 def test_budget_at_speedup_one_is_the_exact_gradient(tmp_path):
     trainer, cond, batch, loss = _setup(tmp_path)
     policy = trainer.policy.velocity_fn()
-    exact, _ = _grad(trainer, lambda: update_mod.backward_minibatch(
-        policy, batch, cond, loss, trainer.steps, **plan_of(mode="exact"), on_policy=True))
-    full, stats = _grad(trainer, lambda: update_mod.backward_minibatch(
-        policy, batch, cond, loss, trainer.steps, **plan_of(plan="budget", speedup=1.0), on_policy=True))
-    assert stats.backward_passes == len(trainer.steps) == 8 and stats.knots == [list(range(8))]
+    exact, _ = _grad(trainer, lambda: grpo_backward(
+        policy, batch, cond, loss, trainer.algorithm.steps, **plan_of(mode="exact"), on_policy=True))
+    full, stats = _grad(trainer, lambda: grpo_backward(
+        policy, batch, cond, loss, trainer.algorithm.steps, **plan_of(plan="budget", speedup=1.0), on_policy=True))
+    assert stats.backward_passes == len(trainer.algorithm.steps) == 8 and stats.knots == [list(range(8))]
     assert torch.allclose(full, exact, rtol=1e-5, atol=1e-8)
 
 
 def test_uniform_windows_as_knots_match_the_window_path(tmp_path):
     trainer, cond, batch, loss = _setup(tmp_path)
     policy = trainer.policy.velocity_fn()
-    windows, _ = _grad(trainer, lambda: update_mod.backward_minibatch(
-        policy, batch, cond, loss, trainer.steps, **plan_of(window=4, intermediate="cached"), on_policy=True))
+    windows, _ = _grad(trainer, lambda: grpo_backward(
+        policy, batch, cond, loss, trainer.algorithm.steps, **plan_of(window=4, intermediate="cached"), on_policy=True))
     # the same knots through the shared-knot planner's path: sorted knots two per pass
-    knots, stats = _grad(trainer, lambda: update_mod.backward_minibatch(
-        policy, batch, cond, loss, trainer.steps, SharedKnotPlanner(window=4, rows_per_pass=2),
+    knots, stats = _grad(trainer, lambda: grpo_backward(
+        policy, batch, cond, loss, trainer.algorithm.steps, SharedKnotPlanner(window=4, rows_per_pass=2),
         intermediate="cached", on_policy=True, planned=Planned(plan_uniform(8, 4))))
     assert stats.knots == [[0, 3, 4, 7]] and stats.backward_calls == 2
     assert torch.allclose(knots, windows, rtol=1e-5, atol=1e-8)

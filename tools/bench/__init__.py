@@ -1,10 +1,11 @@
 """jagg-bench: one command that measures what JAGG buys, side by side, on the machine it runs on.
 
-    python -m tools.bench --out docs/benchmarks            # the full run (< 15 min on a 2-core CPU)
+    python -m tools.bench                                  # the full run (< 15 min on a 2-core CPU)
     python -m tools.bench --quick --out /tmp/bench          # every part at toy sizes (< 1 min): a smoke test
     python -m tools.bench --parts window_speed,memory --out /tmp/bench
 
-Parts (one module each; every figure is a ratio of two measurements from the same run):
+Parts (a module each, window_speed, subsampling and cfg one together in window.py; every figure is a ratio of two
+measurements from the same run):
 
     window_speed  one window of W steps on an SD3-shaped DiT: per-step vs eff_grpo-style vs jagg_backward
     grpo_step     whole GRPO steps through jagg_scale.train.Trainer: exact vs JAGG W=4 (jagg_frac 1, 0.5)
@@ -16,15 +17,25 @@ Parts (one module each; every figure is a ratio of two measurements from the sam
 Studies (run only when named in --parts; they train for longer than the whole default run):
 
     time_to_reward  held-out reward vs wall-clock on digits: Flow-GRPO, JAGG, the planner, SDE windows, the
-                    compressed ODE rollout (python -m tools.bench --parts time_to_reward --merge --out docs/benchmarks)
+                    compressed ODE rollout (python -m tools.bench --parts time_to_reward --merge)
     whole_step      one rank's share of sd35m_pickscore's step at production proportions, phase by phase:
                     Flow-GRPO as its train_sd3.py runs it, the shipped recipe, SDE k4 + dpm2; the step-time model
-                    priced with passes measured here (python -m tools.bench --parts whole_step --merge
-                    --out docs/benchmarks)
+                    priced with passes measured here (python -m tools.bench --parts whole_step --merge)
 
-Outputs: OUT.md (generated report), OUT.json (every number), OUT_<part>.png (plots).
+Outputs (--out OUT, default docs/results/benchmarks): OUT.json (every number), OUT_<part>.png (plots) and the
+generated report (docs/benchmarks.md; OUT.md for an OUT outside a results/ folder).
 """
+
+import importlib
 
 DEFAULT_PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling", "cfg")
 STUDIES = ("time_to_reward", "whole_step")
 PARTS = DEFAULT_PARTS + STUDIES
+MODULES = {"window_speed": "window", "subsampling": "window", "cfg": "window"}  # parts that share one timing loop
+
+
+def part(name: str):
+    """A part's run / markdown / plot (and parse_settings where it takes --set): its module, or its class in a module
+    of several parts (window.PARTS)."""
+    module = importlib.import_module(f"tools.bench.{MODULES.get(name, name)}")
+    return getattr(module, "PARTS", {}).get(name, module)

@@ -1,13 +1,13 @@
-"""jagg-bench: `python -m tools.bench [--quick] [--parts a,b] [--out docs/benchmarks]` from the repository root.
+"""jagg-bench: `python -m tools.bench [--quick] [--parts a,b] [--out docs/results/benchmarks]` from the repository root.
 
-Writes OUT.md (report), OUT.json (every number) and OUT_<part>.png; prints each part's wall time. See
+Writes OUT.json (every number), OUT_<part>.png and the report (report.report_path: docs/benchmarks.md for
+docs/results/benchmarks); prints each part's wall time. See
 tools/bench/__init__.py for the parts and each part's module for what it measures and how.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import sys
@@ -16,11 +16,7 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python tools/bench/__main__.py`: make `tools.bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    __package__ = "tools.bench"
-
-from tools.bench import DEFAULT_PARTS, PARTS
+from tools.bench import DEFAULT_PARTS, PARTS, part as part_api
 from tools.bench.common import machine_info
 
 # Full-run sizes were chosen from quick runs and single-pass probes so that the whole run stays under 15 minutes
@@ -42,7 +38,8 @@ def _clean(x):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="docs/benchmarks", help="output prefix: OUT.md, OUT.json, OUT_<part>.png")
+    p.add_argument("--out", default="docs/results/benchmarks",
+                   help="prefix of OUT.json, OUT_<part>.png; the report OUT.md (docs/NAME.md for docs/results/NAME)")
     p.add_argument("--quick", action="store_true", help="toy sizes, one repeat (< 1 min): a smoke test only")
     p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                    help=f"comma-separated subset of {','.join(PARTS)} (default: all but the studies)")
@@ -73,7 +70,7 @@ def main(argv=None) -> int:
         p.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
     settings = dict(kv.split("=", 1) for kv in args.set if "=" in kv)
     if len(settings) != len(args.set) or (settings and (len(parts) != 1 or not hasattr(
-            importlib.import_module(f"tools.bench.{parts[0]}"), "parse_settings"))):
+            part_api(parts[0]), "parse_settings"))):
         p.error(f"--set {args.set}: KEY=VALUE pairs for one part that takes them (time_to_reward)")
     import torch
 
@@ -98,7 +95,7 @@ def main(argv=None) -> int:
         print(f"== {part}" + ("" if args.quick else f" (budget ~{BUDGET_S[part]} s)"), flush=True)
         t0 = time.perf_counter()
         try:
-            mod = importlib.import_module(f"tools.bench.{part}")
+            mod = part_api(part)
             res = mod.run(quick=args.quick, **(mod.parse_settings(settings) if settings else {}))
         except Exception as exc:
             traceback.print_exc()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,15 +13,14 @@ from typing import Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, str(ROOT))
 
 from jagg_scale.grpo.loss import GRPOStepLoss, StepBatch
 from jagg_scale.grpo.rollout import Trajectories, sample_sde
 from jagg_scale.grpo.schedule import sigma_schedule
 from jagg_scale.estimate.activations import cpu_model
 from jagg_scale.models.sd3 import SD3TransformerVelocity
+
+ROOT = Path(__file__).resolve().parents[2]
 
 NOISE_LEVEL, SHIFT, CLIP = 0.7, 3.0, 1e-4
 

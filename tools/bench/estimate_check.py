@@ -1,6 +1,6 @@
 """The memory estimator (jagg-estimate, jagg_scale/estimate/) against measured tensor peaks, on runs this CPU can do.
 
-    python -m tools.bench.estimate_check [--out docs/estimate_check.json] [--only bench|sd3|flux]
+    python -m tools.bench.estimate_check [--out docs/results/estimate_check.json] [--only bench|sd3|flux]
 
 Cases (each in a fresh process; two processes through torchrun with gloo):
 
@@ -33,8 +33,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 MB = 2**20
 MICRO = (2, 4, 8)
@@ -246,8 +244,7 @@ def predict_train(config: str, overrides: list[str], nproc: int) -> dict:
 # ------------------------------------------------------------------------------------------------ the study
 
 def run(only: str | None = None, out_json: str | None = None) -> list[dict]:
-    sys.path.insert(0, str(ROOT / "tools"))
-    import make_tiny_pipeline
+    from jagg_scale.models import tiny as make_tiny_pipeline
 
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="estimate_check_"))
@@ -349,7 +346,7 @@ def scale_tables(gpus=((8, 79.2), (32, 79.2), (8, 139.8), (32, 139.8)), headroom
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", default=None)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "estimate_check.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "estimate_check.json"))
     ap.add_argument("--only", choices=("bench", "sd3", "flux"), default=None)
     ap.add_argument("--scale-tables", action="store_true", help="print docs/scale.md's tables (no runs)")
     ap.add_argument("--table", action="store_true", help="print the table of an earlier --out JSON (no runs)")

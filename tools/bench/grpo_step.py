@@ -16,7 +16,6 @@ Reported: medians, and speedups as medians of paired per-round ratios exact / ar
 
 from __future__ import annotations
 
-import importlib
 import statistics
 import tempfile
 import time
@@ -42,12 +41,9 @@ QUICK = {
 
 
 def make_sd3_pipeline(out_dir: Path) -> Path:
-    tools = str(ROOT / "tools")
-    import sys
+    from jagg_scale.models.tiny import make_tiny_sd3
 
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    return importlib.import_module("make_tiny_pipeline").make_tiny_sd3(out_dir, seed=0)
+    return make_tiny_sd3(out_dir, seed=0)
 
 
 def bench_model(name: str, config: str, extra: list[str], work: Path, rounds: int, warmup: int,

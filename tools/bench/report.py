@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
+import os
 from pathlib import Path
 
-from . import PARTS
+from . import PARTS, part as _module
 
 TITLES = {
     "window_speed": "1. window_speed: one window of W steps on an SD3-shaped DiT",
@@ -90,10 +89,6 @@ WHAT = {
         "(`jagg_scale/estimate/steptime.py`) is priced with this model's passes measured in the same run and set "
         "beside the measured phases. A study, not in the default run."),
 }
-
-
-def _module(part: str):
-    return importlib.import_module(f"tools.bench.{part}")
 
 
 def write_plots(results: dict, out: Path) -> dict[str, str]:
@@ -200,6 +195,12 @@ def _merged_note(results: dict) -> str:
             "\n- Parts kept from an earlier run (`--merge`), measured at other times: " + ", ".join(old))
 
 
+def report_path(out: Path) -> Path:
+    """Where the report of prefix `out` goes: prose beside the results folder (docs/results/benchmarks ->
+    docs/benchmarks.md: generated json and png in docs/results/, pages in docs/), elsewhere OUT.md."""
+    return out.parent.parent / f"{out.name}.md" if out.parent.name == "results" else out.parent / f"{out.name}.md"
+
+
 def write_markdown(results: dict, out: Path, plots: dict[str, str]) -> Path:
     m = results["machine"]
     lines = [
@@ -242,15 +243,12 @@ def write_markdown(results: dict, out: Path, plots: dict[str, str]) -> Path:
             body = f"(could not render this part's results: {type(exc).__name__}: {exc}; re-run the part)"
         lines += [WHAT[part], "", body, ""]
         if part in plots:
-            lines += [f"![{part}]({plots[part]})", ""]
+            lines += [f"![{part}]({os.path.relpath(out.parent / plots[part], report_path(out).parent)})", ""]
     gpu = out.parent / "gpu_check.json"
     if gpu.exists():  # the device check's figures (tools/gpu_check.sh), kept across CPU re-runs
         import json
 
-        sys_path_tools = str(Path(__file__).resolve().parents[1])
-        if sys_path_tools not in sys.path:
-            sys.path.insert(0, sys_path_tools)
-        from gpu_check import markdown as gpu_markdown
+        from tools.gpu_check import markdown as gpu_markdown
 
         lines += ["## On a GPU: tools/gpu_check.sh", "", gpu_markdown(json.loads(gpu.read_text())["runs"]), ""]
     lines += [
@@ -261,9 +259,9 @@ def write_markdown(results: dict, out: Path, plots: dict[str, str]) -> Path:
         "- CPU results do not carry over to GPUs: a small batch does not saturate a GPU, so there the 2B-row pass "
         "can cost well under 2 B-row passes (speedups above W/2), and under FSDP/ZeRO-3 the saved all-gathers "
         "are network time that this CPU run only counts.",
-        "- Speed only: the quality of the JAGG gradient is in docs/parity.md and docs/algorithm.md.",
+        "- Speed only: the quality of the JAGG gradient is in docs/algorithm.md.",
         "",
     ]
-    path = out.parent / f"{out.name}.md"
+    path = report_path(out)
     path.write_text("\n".join(lines))
     return path

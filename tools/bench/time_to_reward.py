@@ -58,7 +58,7 @@ from jagg_scale.train import Trainer, load_config
 
 # the study's report (its table, notes and plot: what tools/bench/report.py calls on this part) and the names both
 # halves read
-from .time_to_reward_report import (REFERENCE, TARGET_FINAL, TARGET_FRAC, TARGET_TIME, markdown,  # noqa: E402,F401
+from .time_to_reward_report import (REFERENCE, TARGET_FINAL, TARGET_FRAC, TARGET_TIME, markdown,  # noqa: F401
                                     notes, plot, value_at)
 
 ARMS = ("Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JAGG in SDE k4 + dpm2",

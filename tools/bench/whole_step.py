@@ -35,6 +35,7 @@ runs (the issue asks for 20%).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
@@ -50,7 +51,8 @@ from jagg_scale.estimate import memory as E
 from jagg_scale.estimate import steptime as T
 from jagg_scale.grpo.rollout import guide
 from jagg_scale.train import Trainer, load_config
-from jagg_scale.train.update import BackwardStats, Updater, UpdateTotals, micro_batches
+from jagg_scale.train.runner import BackwardStats, UpdateTotals, micro_batches
+from jagg_scale.train.update import GRPO
 
 PROD_ROWS, FG_BATCH_PROD = 144, 9  # a rank's rows on 8 GPUs; Flow-GRPO's per-GPU batch (config/grpo.py:118, :124)
 PHASES = ("sampling", "reference", "train", "train_nograd", "encode", "decode", "reward")
@@ -61,42 +63,47 @@ FULL = {"rows": 16, "shape": SD3_FULL, "t5": 16, "rounds": 3, "calib_rows": (1, 
 QUICK = {"rows": 4, "shape": SD3_QUICK, "t5": 4, "rounds": 1, "calib_rows": (1, 2), "reps": 1}
 
 
-class FlowGRPOUpdater(Updater):
+class FlowGRPOUpdater(GRPO):
     """Flow-GRPO's update phase as scripts/train_sd3.py runs it (see the module docstring): per training batch of
     train.micro_batch_size rows and per trained step, one forward of [uncond; cond] rows with grad, u detached, the
     guided velocity into the loss; the reference's guided velocity with the adapter off, no grad, at that point;
-    one backward per step; one optimizer step per minibatch. The rollout runs no reference (ref_plan None)."""
+    one backward per step; one optimizer step per minibatch. The rollout runs no reference."""
 
-    def ref_plan(self, T: int):
-        return None
+    def rollout_spec(self, step: int):
+        return dataclasses.replace(super().rollout_spec(step), ref_steps=frozenset(), ref_plan=None)
 
-    def __call__(self, traj, cond, adv, rows, step: int, steps: list[int]) -> dict:
+    def update(self, traj, cond, adv, rows, step: int) -> dict:
         cfg, g = self.cfg, self.policy.guidance
+        steps = self.trained_steps_at(step)
         predict, ref = self.policy.model_fn(), self.policy.reference_fn()
         c_all, u_all = self.policy.split_cond(cond)
+        minibatch = self._minibatches(traj, c_all, u_all, adv, rows, step, steps, guidance=1.0)  # first N: `steps`
         done = UpdateTotals()
-        for local, batch, loss, _ in self.minibatches(traj, adv, rows, step, steps, guidance=1.0):  # first N: `steps`
-            chunks = micro_batches(len(local), cfg.train.micro_batch_size)
-            total = []
-            for i, mrows in enumerate(chunks):
-                sub, idx = batch.rows(mrows), local[mrows]
-                c, u_cond = index_cond(c_all, idx), index_cond(u_all, idx)
-                n = sub.latents.shape[1]
-                for j, k in enumerate(steps):
-                    x, s = sub.latents[k], sub.sigmas[k].expand(n)
-                    if ref is not None:
-                        with torch.no_grad():
-                            sub.ref_velocities[k] = ref(x, s, (c, u_cond)).float()
-                    out = predict(torch.cat([x, x]), torch.cat([s, s]), cat_cond([u_cond, c]))
-                    v = guide(out[n:], out[:n].detach(), g).float()
-                    value = loss(sub, k, v)
-                    last = i == len(chunks) - 1 and j == len(steps) - 1
-                    self.engine.backward(value, torch.ones_like(value), last=last)
-                    total.append(value.detach())
-            stats = BackwardStats(windows=len(steps), backward_calls=len(steps) * len(chunks),
-                                  backward_passes=len(steps), per_step_equiv=len(steps),
-                                  loss=torch.stack(total).sum())
-            self._optimizer_step(done, stats, loss, step)
+        for epoch in range(cfg.grpo.inner_epochs):
+            for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
+                mb = minibatch(epoch, local, global_rows, done.applied == 0)
+                batch, loss = mb.batch, mb.loss
+                chunks = micro_batches(len(local), cfg.train.micro_batch_size)
+                total = []
+                for i, mrows in enumerate(chunks):
+                    sub, idx = batch.rows(mrows), local[mrows]
+                    c, u_cond = index_cond(c_all, idx), index_cond(u_all, idx)
+                    n = sub.latents.shape[1]
+                    for j, k in enumerate(steps):
+                        x, s = sub.latents[k], sub.sigmas[k].expand(n)
+                        if ref is not None:
+                            with torch.no_grad():
+                                sub.ref_velocities[k] = ref(x, s, (c, u_cond)).float()
+                        out = predict(torch.cat([x, x]), torch.cat([s, s]), cat_cond([u_cond, c]))
+                        v = guide(out[n:], out[:n].detach(), g).float()
+                        value = loss(sub, k, v)
+                        last = i == len(chunks) - 1 and j == len(steps) - 1
+                        self.engine.backward(value, torch.ones_like(value), last=last)
+                        total.append(value.detach())
+                stats = BackwardStats(windows=len(steps), backward_calls=len(steps) * len(chunks),
+                                      backward_passes=len(steps), per_step_equiv=len(steps),
+                                      loss=torch.stack(total).sum())
+                self.runner.optimizer_step(done, stats, loss, step)
         return done.metrics()
 
 
@@ -107,7 +114,7 @@ class PhaseClock:
     def __init__(self, trainer: Trainer, sync=None):
         self.t, self.where, self.in_ref = {}, "rollout", False
         done = sync or (lambda: None)
-        policy, model, updater = trainer.policy, trainer.model, trainer.updater
+        policy, model, algorithm = trainer.policy, trainer.model, trainer.algorithm
         model_fn, reference_fn, encode = policy.model_fn, policy.reference_fn, policy.encode
         decode, score = model.decode, trainer.reward.score_components
 
@@ -144,7 +151,7 @@ class PhaseClock:
         policy.encode = timed(encode, "encode")
         model.decode = timed(decode, "decode")
         trainer.reward.score_components = timed(score, "reward")
-        call = updater.__call__
+        call = algorithm.update
 
         def in_train(*a, **k):
             self.where = "train"
@@ -153,7 +160,7 @@ class PhaseClock:
             finally:
                 self.where = "rollout"
 
-        trainer.updater = _Bound(updater, in_train)
+        algorithm.update = in_train
 
     def step(self, trainer: Trainer, step: int) -> dict:
         self.t = {}
@@ -167,19 +174,6 @@ class PhaseClock:
                 "decode": t.get("decode", 0.0), "reward": t.get("reward", 0.0) + m["time_reward"],
                 "step": m["time_rollout"] + m["time_reward"] + m["time_train"],
                 "backward_passes": float(m["backward_passes"]), "per_step_equiv": float(m["per_step_equiv"])}
-
-
-class _Bound:
-    """The updater with its call replaced (a class's __call__ is looked up on the type, not the instance)."""
-
-    def __init__(self, updater, call):
-        self._updater, self._call = updater, call
-
-    def __call__(self, *a, **k):
-        return self._call(*a, **k)
-
-    def __getattr__(self, name):
-        return getattr(self._updater, name)
 
 
 def fg_batch(rows: int) -> int:
@@ -218,7 +212,7 @@ def build(arm: str, size: dict, pipe: Path, out: Path) -> Trainer:
     cfg = load_config(str(ROOT / "configs" / "sd35m_pickscore.yaml"), arm_overrides(arm, size, pipe, out))
     trainer = Trainer(cfg)
     if arm == "Flow-GRPO":
-        trainer.updater = FlowGRPOUpdater(cfg, trainer.policy, trainer.engine, trainer.dist)
+        trainer.algorithm = FlowGRPOUpdater(cfg, trainer.policy, trainer.engine, trainer.dist)
     return trainer
 
 
@@ -257,12 +251,9 @@ def calibrate(trainer: Trainer, F: float, size: dict) -> dict:
 
 
 def run(quick: bool) -> dict:
-    import sys
-
     size = QUICK if quick else FULL
     _quiet()
-    sys.path.insert(0, str(ROOT / "tools"))
-    from make_tiny_pipeline import make_tiny_sd3
+    from jagg_scale.models.tiny import make_tiny_sd3
 
     with tempfile.TemporaryDirectory(prefix="jagg_bench_whole_") as tmp:
         work = Path(tmp)

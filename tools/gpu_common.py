@@ -1,10 +1,12 @@
-"""The device check's timing helpers (tools/gpu_check.py and its sections in gpu_step.py and gpu_families.py): device
-syncs, peak memory, host-sync counters, a timed case, and one window trained per step and by JAGG."""
+"""What the device check's sections share (tools/gpu_check.py and its sections in gpu_step.py and gpu_families.py,
+which import this module and never each other): the SD3.5-medium-shaped policy, device syncs, peak memory, host-sync
+counters, a timed case, and one window trained per step and by JAGG."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -14,7 +16,77 @@ from jagg_scale.grpo.schedule import sigma_schedule
 from jagg_scale.jagg import exact_backward, jagg_backward
 from jagg_scale.train.host_syncs import CudaSyncs, HostSyncs
 
+ROOT = Path(__file__).resolve().parents[1]
 NOISE_LEVEL, SHIFT, CLIP, NUM_STEPS = 0.7, 3.0, 1e-4, 10
+# CLIP 77 + sd35m_pickscore's model.max_sequence_length T5 tokens (Flow-GRPO's 128), as the SD3 adapter encodes them
+TEXT_TOKENS = 77 + 128
+TINY_CFG = dict(sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+                num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
+                pos_embed_max_size=8, qk_norm="rms_norm", dual_attention_layers=(0,))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the SD3.5-medium-shaped policy
+# ------------------------------------------------------------------------------------------------------------------
+
+def make_policy(cfg: dict, device: torch.device, lora_rank: int) -> torch.nn.Module:
+    """The SD3 transformer of `cfg` as a velocity model (models/sd3.py SD3TransformerVelocity) with LoRA on the
+    library's targets and per-block checkpointing, randomly initialised on the device (seconds, not minutes, for
+    2.5B parameters), called under bf16 autocast."""
+    from diffusers import SD3Transformer2DModel
+
+    from jagg_scale.models.lora import add_lora, lora_targets
+    from jagg_scale.models.sd3 import SD3TransformerVelocity
+
+    with torch.device(device):
+        transformer = SD3Transformer2DModel(**cfg)
+    add_lora(transformer, rank=lora_rank, alpha=2 * lora_rank, targets=lora_targets("sd3"))
+    transformer.enable_gradient_checkpointing()
+    return SD3TransformerVelocity(transformer, autocast=torch.bfloat16)
+
+
+def model_config(tiny: bool) -> dict:
+    if tiny:
+        return dict(TINY_CFG)
+    from jagg_scale.estimate.shapes import pipeline_shapes
+
+    shapes = pipeline_shapes(None, "sd35_medium")
+    cfg = dict(shapes["components"]["transformer"]["config"])
+    cfg["sample_size"] = 64  # 512 px / VAE factor 8
+    return cfg
+
+
+def random_cond(cfg: dict, rows: int, tokens: int, device: torch.device, gen: torch.Generator):
+    embeds = torch.randn(rows, tokens, cfg["joint_attention_dim"], generator=gen, device=device)
+    pooled = torch.randn(rows, cfg["pooled_projection_dim"], generator=gen, device=device)
+    return embeds, pooled
+
+
+def build_policy(args, device):
+    cfg = model_config(args.tiny)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    policy = make_policy(cfg, device, lora_rank=args.lora_rank).train()
+    sync(device)
+    built = time.perf_counter() - t0
+    n_all = sum(p.numel() for p in policy.parameters())
+    n_lora = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    for p in policy.parameters():  # gradients allocated once: every case accumulates into existing buffers
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    return policy, cfg, {"parameters": n_all, "lora_parameters": n_lora, "build_seconds": round(built, 1),
+                         "latent": [cfg["in_channels"], cfg["sample_size"], cfg["sample_size"]],
+                         "tokens_per_row": (cfg["sample_size"] // cfg["patch_size"]) ** 2 + args.text_tokens}
+
+
+def micro_batch_inputs(args, device, state, seed: int):
+    """(policy, its config, B = the production micro-batch's rows, a seeded generator, their conditioning): the
+    window section's policy when it ran, else a new one."""
+    policy, cfg = state.get("policy"), state.get("cfg")
+    if policy is None:
+        policy, cfg, _ = build_policy(args, device)
+    gen = torch.Generator(device).manual_seed(seed)
+    return policy, cfg, args.micro_rows, gen, random_cond(cfg, args.micro_rows, args.text_tokens, device, gen)
 
 
 def sync(device: torch.device) -> None:
