@@ -67,7 +67,7 @@ def test_each_inner_epoch_trains_on_fresh_timesteps_and_noise_and_its_adv_mode(t
 @pytest.mark.parametrize("timesteps", ["per_row", "per_batch"])
 def test_the_draws_of_every_epoch_are_the_same_on_any_ranks_and_after_a_resume(tmp_path, timesteps):
     """The training draws of each (epoch, row) over the minibatches of 1, 2 and 4 ranks (the rows each rank holds,
-    rows.py) and from a second updater (a resumed run's) are the same; per_batch gives a whole minibatch, on every
+    rows.py) and from a second NFT unit (a resumed run's) are the same; per_batch gives a whole minibatch, on every
     rank, the draw of its first row, and a fresh one each epoch. (A later inner epoch's minibatches differ with the
     world size, rows.py keeping rows on their rank: per_batch's draws are then the same per minibatch, not per row.)"""
     over = NFT + [f"nft.timesteps={timesteps}", "nft.noise=per_window", "jagg.mode=jagg", "jagg.window=3"]
@@ -87,7 +87,7 @@ def test_the_draws_of_every_epoch_are_the_same_on_any_ranks_and_after_a_resume(t
                         got[epoch, row] = (t[:, i], e[:, i], minibatch[0].item())
         assert len(got) == 3 * 8
         layouts.append(got)
-    one, resumed = layouts[0], layouts[3]  # one process; the second updater's, on one process too
+    one, resumed = layouts[0], layouts[3]  # one process; the second unit's, on one process too
     for got in layouts[1:]:
         for (epoch, row), (t, e, _) in one.items():
             assert torch.equal(got[epoch, row][1], e), (epoch, row)

@@ -87,7 +87,7 @@ def test_nft_old_at_knots_runs_the_frozen_models_at_the_knots_only(tmp_path):
     (K = 4 in windows [0-2] [3]: positions 0, 2, 3) and are linear in each row's t inside a window, which is the
     true value when the velocity is affine along a shared-noise line."""
     over = NFT + ["jagg.window=3", "nft.noise=per_sample", "nft.old_at=knots", f"run.output_dir={tmp_path}"]
-    updater = Trainer(load_config(TINY, over)).algorithm
+    nft = Trainer(load_config(TINY, over)).algorithm
     K, B = 4, 3
     d, e = torch.randn(B, 4, dtype=torch.float64), torch.randn(B, 4, dtype=torch.float64)
     t = torch.sort(torch.rand(K, B, dtype=torch.float64), dim=0, descending=True).values
@@ -100,13 +100,13 @@ def test_nft_old_at_knots_runs_the_frozen_models_at_the_knots_only(tmp_path):
         return x_k @ A + 2.0 * t_k[:, None] + cond
 
     cond = torch.randn(B, 4, dtype=torch.float64)
-    got = updater._predict(affine, x, t, cond)
+    got = nft._predict(affine, x, t, cond)
     assert len(seen) == 3  # three knots, one micro-batch of B rows each, instead of K forwards
     expect = torch.stack([x[k] @ A + 2.0 * t[k][:, None] + cond for k in range(K)])
     assert torch.allclose(got.double(), expect, atol=1e-5)
     seen.clear()
     x_fresh = (1 - t[..., None]) * d + t[..., None] * torch.randn(K, B, 4, dtype=torch.float64)  # off the line
-    assert not torch.allclose(updater._predict(affine, x_fresh, t, cond)[1].double(),
+    assert not torch.allclose(nft._predict(affine, x_fresh, t, cond)[1].double(),
                               x_fresh[1] @ A + 2.0 * t[1][:, None] + cond, atol=1e-3)
 
 

@@ -1,4 +1,4 @@
-"""tools/knot_fidelity.py at toy size: both measurements run through the trainer's own updater and report cosines
+"""tools/knot_fidelity.py at toy size: both measurements run through the trainer's own algorithm unit and report cosines
 that could fail (in [-1, 1], the reference-at-knots gradient close to the reference-everywhere one)."""
 
 from __future__ import annotations
