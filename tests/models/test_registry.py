@@ -20,7 +20,8 @@ PIPELINES = [k for k, f in families().items() if f.is_pipeline]
 
 
 def test_the_registry_holds_the_dit_and_every_pipeline_family():
-    assert set(families()) >= {"dit", "sd3", "flux", "flux_kontext", "flux2", "qwenimage", "zimage", "wan"}
+    assert set(families()) >= {"dit", "sd3", "flux", "flux_kontext", "flux2", "qwenimage", "qwenimage_edit", "zimage",
+                               "wan"}
     assert not family("dit").is_pipeline and family("dit").geometry is None
 
 
@@ -103,3 +104,16 @@ def test_adding_a_family_is_one_registration(tmp_path):
         del _FAMILIES["toy"]
     with pytest.raises(ConfigError, match="unknown model family 'toy'"):
         family("toy")
+
+
+@pytest.mark.parametrize("name, kind", [("Qwen-Image", "qwenimage"), ("Qwen-Image-Edit-2509", "qwenimage_edit"),
+                                        ("FLUX.1-Kontext-dev", "flux_kontext"), ("FLUX.1-dev", "flux")])
+def test_a_checkpoint_name_picks_its_familys_shapes(name, kind):
+    """The estimator's shape file of a model.pretrained not on this machine, by the families' checkpoint names: the
+    longest name found wins (Qwen-Image-Edit-2509 holds Qwen-Image)."""
+    from types import SimpleNamespace
+
+    from jagg_scale.estimate.shapes import pipeline_shapes
+
+    cfg = SimpleNamespace(model=SimpleNamespace(kind=kind, pretrained=f"/nowhere/{name}"))
+    assert pipeline_shapes(cfg)["kind"] == kind
