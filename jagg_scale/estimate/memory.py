@@ -111,7 +111,7 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     tokens, fam, prompt = dict(shapes["text_tokens"]), family(kind), None
     qwen = fam.text in ("qwen", "qwen_lm")  # a Qwen LM's prompt tokens, every prompt padded to them (models/<kind>.py)
     if qwen:
-        prompt = min(cfg.model.max_sequence_length or tokens["prompt"], tokens["prompt_limit"])
+        prompt = min(cfg.model.max_sequence_length or fam.prompt_tokens, fam.prompt_limit)
     elif cfg.model.max_sequence_length:  # the T5 length (models/diffusers_common.t5_length)
         tokens["t5"] = min(cfg.model.max_sequence_length, tokens.get("t5_limit", 512))
     # the family's geometry (its Family.geometry): the VAE's scale, the latents, the patch of a token, the

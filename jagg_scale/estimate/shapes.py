@@ -86,9 +86,8 @@ def _from_directory(path: Path, kind: str) -> dict:
         f = path / tok / "tokenizer_config.json"
         return min(cap, int(json.loads(f.read_text()).get("model_max_length", cap)) if f.is_file() else cap)
 
-    if fam.text in ("qwen", "qwen_lm"):  # the Qwen prompt tokens every prompt is padded to (models/<kind>.py)
-        text = {"prompt": fam.prompt_tokens, "prompt_limit": fam.prompt_limit}
-        return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
+    if fam.text in ("qwen", "qwen_lm"):  # its prompt tokens: the family's (Family.prompt_tokens)
+        return {"name": path.name, "kind": kind, "components": comps, "text_tokens": {}}
     # the T5 tokens (its tokenizer's limit: what model.max_sequence_length can reach); Wan's UMT5 alone, every prompt
     # padded to WanPipeline's 512; CLIP's beside it for SD3 and FLUX.1
     t5 = limit(fam.frozen[-1].replace("text_encoder", "tokenizer"), 512)

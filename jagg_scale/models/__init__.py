@@ -1,11 +1,15 @@
 """Velocity models behind one interface (base.py): v = model(x, sigma, cond), encode_prompts, decode.
 
+    registry.py           a model family (model.kind) is one module ending with its Family record: what the
+                          config, the estimator, sequence parallelism and build_model read; an unknown kind is refused
     dit.py                the built-in DiT (one readable file), with its hash tokenizer
     sd3.py, flux.py,      diffusers SD3/SD3.5, FLUX.1, Qwen-Image, FLUX.2 [dev, klein] and Z-Image pipelines as
-    qwenimage.py,         velocity models (diffusers_common.py: what they share); kontext.py: FLUX.1-Kontext
-    flux2.py, zimage.py,  instruction editing (the input image's latents as conditioning tokens); wan.py: Wan2.1/2.2
-    kontext.py, wan.py    text-to-video, latents [N, C, F, H, W]
+    qwenimage.py,         velocity models (diffusers_common.py: what they share); kontext.py and qwenimage_edit.py:
+    flux2.py, zimage.py,  FLUX.1-Kontext and Qwen-Image-Edit instruction editing (the input image's latents as
+    kontext.py, wan.py,   conditioning tokens); wan.py: Wan2.1/2.2 text-to-video, latents [N, C, F, H, W]
+    qwenimage_edit.py
     lora.py               peft LoRA on the diffusers transformers; adapter off is the KL reference
+    tiny.py               each family's tiny random pipeline, built locally (tests, smoke runs)
 
 `build_model(cfg.model)` is the one way the trainer and jagg-eval make a model, on the host. The trainer asks for
 `keep_stored_dtype=True` and leaves placement to the training engine (docs/loading.md): a bf16 checkpoint's

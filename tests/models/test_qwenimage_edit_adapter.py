@@ -134,3 +134,23 @@ def test_rollout_logprobs_recomputed_in_training(model, prompts):
 def test_jagg_w2_equals_per_step_on_the_transformer(qwenimage_edit_dir, prompts):
     m = QwenImageEditVelocity.from_pretrained(qwenimage_edit_dir, dtype=torch.float32, resolution=16).double()
     check_jagg_w2_equals_per_step(m, m.pipeline_sigmas(4).double()[1:3], 1.0, prompts)
+
+
+@pytest.mark.slow
+def test_jagg_train_two_steps_and_the_lora_loads_into_a_plain_pipeline(qwenimage_edit_dir, prompts, tmp_path):
+    """configs/qwenimage_edit_tiny_cpu.yaml trains (the rollout rescored, JAGG's backwards) and its exported LoRA,
+    loaded into a plain QwenImageEditPlusPipeline, gives the trained velocities."""
+    from adapter_checks import check_trains_and_the_lora_loads
+    from diffusers import QwenImageEditPlusPipeline
+
+    from jagg_scale.models.qwenimage_edit import image_processor
+
+    def load_plain(lora_dir):
+        fresh = QwenImageEditPlusPipeline.from_pretrained(qwenimage_edit_dir, processor=image_processor(
+            qwenimage_edit_dir), local_files_only=True)
+        fresh.load_lora_weights(str(lora_dir))
+        return QwenImageEditVelocity(fresh, latent_size=8)
+
+    check_trains_and_the_lora_loads(ROOT / "configs" / "qwenimage_edit_tiny_cpu.yaml",
+                                    [f"model.pretrained={qwenimage_edit_dir}"], tmp_path / "run", "jagg", load_plain,
+                                    prompts)
