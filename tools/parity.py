@@ -31,7 +31,7 @@ from jagg_scale.jagg import split_windows, trained_steps
 from jagg_scale.train import Trainer, load_config
 
 ARMS = {
-    "exact": ["jagg.mode=exact"],
+    "exact": ["jagg=null", "jagg.mode=exact"],
     "W4": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"],
     "W4 frac0.75 vcos": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=0.75", "jagg.route_by=vcos"],
     "W4 frac0.75 weighted": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=0.75", "jagg.route_by=weighted"],
