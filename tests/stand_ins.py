@@ -14,7 +14,8 @@ def stand_in_paths(tmp_path: Path, prompts: str = "a red apple\na dog\n") -> lis
     (pipe / "model_index.json").write_text("{}")
     prompt_file = tmp_path / "prompts.txt"
     prompt_file.write_text(prompts)
-    return [f"model.pretrained={pipe}", f"data.prompt_file={prompt_file}", f"eval.prompt_file={prompt_file}"]
+    return [f"model.pretrained={pipe}", f"data.prompt_file={prompt_file}", f"eval.prompt_file={prompt_file}",
+            "data.prompts=null", "eval.prompts=null"]  # the file replaces any inline list (one prompt source)
 
 
 def sigterm_at_step(trainer, at: int) -> None:

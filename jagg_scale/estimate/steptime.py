@@ -232,10 +232,11 @@ def flow_grpo_overrides(cfg) -> list[str]:
     batch per GPU, no activation checkpointing, no SDE window (yifan123/flow_grpo config/grpo.py pickscore_sd3,
     commit ac4c86e: lines 118 sample.train_batch_size 9, 124 train.batch_size = it, 127 train.timestep_fraction
     0.99)."""
-    return ["jagg.mode=exact", "grpo.ref_at=steps", "sampling.batch_size=9", "train.micro_batch_size=9",
+    return ["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps", "sampling.batch_size=9", "train.micro_batch_size=9",
             "grpo.timestep_fraction=0.99",
             "parallel.activation_checkpointing=false", "sampling.sde_window=0", "sampling.ode_steps=0",
-            "sampling.ode_solver=euler", "sampling.sde_window_range=[]"]
+            "sampling.ode_solver=euler", "sampling.sde_window_range=null", "sampling.sde_window_mode=null",
+            "sampling.sde_window_every=null"]
 
 
 def report(t: dict, flow_grpo: dict | None = None) -> str:

@@ -22,7 +22,7 @@ from ..paths import resolve_path
 from .config_sections import *  # noqa: F403 - the sections, their choices and ConfigError are this module's API
 from .config_sections import (ConfigError, DataConfig, EvalConfig, GRPOConfig, JAGGConfig, LogConfig, ModelConfig,
                               NFTConfig, ParallelConfig, RewardConfig, RunConfig, SamplingConfig, TrainConfig,
-                              _require)
+                              _require, refuse_set)
 from .config_sections import __all__ as _sections_all
 from .config_build import MAX_YAML_BYTES, RENAMED, _build, _plain, _set_dotted, _yaml, parse_override
 
@@ -218,6 +218,13 @@ def _check_algorithm(cfg: Config) -> None:
     """What each train.algorithm reads: a key only the other one uses, set away from its default, is refused."""
     s, g = cfg.sampling, cfg.grpo
     nft = cfg.train.algorithm == "nft"
+    _refuse_other_algorithm(cfg)
+    window_keys = ("sde_window_range", "sde_window_mode", "sde_window_every")  # they place the SDE window
+    if nft:
+        refuse_set(s, "sampling", window_keys, "train.algorithm is nft (DiffusionNFT's rollout is the ODE: no SDE "
+                   "window to place)")
+    elif s.sde_window == 0:
+        refuse_set(s, "sampling", window_keys, "sampling.sde_window is 0 (every step is SDE: no window to place)")
     for key, default in (("ode_solver", "euler"), ("ode_steps", 0)):  # MixGRPO-Flash's compressed ODE, or NFT's
         _require(nft or s.sde_window > 0 or getattr(s, key) == default, f"sampling.{key}",
                  "acts on the ODE steps outside the SDE window: it needs sampling.sde_window > 0 (with sde_window 0 "
@@ -228,10 +235,6 @@ def _check_algorithm(cfg: Config) -> None:
             _require(g.beta > 0, "grpo.ref_at", "knots places the KL reference's forwards, but grpo.beta is 0 (no "
                      "reference runs): leave it out")
             _require(_fixed_windows(cfg), "grpo.ref_at", _FIXED_WINDOWS)
-        unused = [f.name for f in dataclasses.fields(NFTConfig)
-                  if getattr(cfg.nft, f.name) != getattr(NFTConfig(), f.name)]
-        _require(not unused, f"nft.{unused[0] if unused else ''}",
-                 "is a DiffusionNFT setting: it needs train.algorithm nft (this run is grpo)")
         if s.sde == "cps":  # CPS's last step (to s_T = 0) injects no noise: no density to train on, a KL term of 1 / 0
             if s.sde_window:
                 hi = (s.sde_window_range or [0, s.num_steps])[1]
@@ -252,16 +255,30 @@ def _check_algorithm(cfg: Config) -> None:
                  "shapes the SDE of a GRPO rollout; DiffusionNFT's is the ODE (train.algorithm nft): leave it out")
     _require(s.guidance == 1.0, "sampling.guidance",
              "must be 1 with train.algorithm nft (DiffusionNFT samples and trains CFG-free)")
-    for key in ("clip_range", "beta", "ref_at"):
-        _require(getattr(g, key) == getattr(GRPOConfig(), key), f"grpo.{key}",
-                 "is Flow-GRPO's; DiffusionNFT (train.algorithm nft) does not use it"
-                 + {"beta": " (its KL weight is nft.kl_beta)", "ref_at": " (its reference runs where nft.old_at says)"
-                    }.get(key, ""))
     kind = cfg.jagg.planner_kind
     _require(cfg.nft.noise != "per_window" or kind == "window", "nft.noise",
              f"per_window draws one noise per JAGG window: it needs the window planner (jagg.mode jagg, jagg.plan "
              f"uniform, jagg.share_knots false), this run has the {kind} planner")
     _require(cfg.nft.old_at != "knots" or _fixed_windows(cfg), "nft.old_at", _FIXED_WINDOWS)
+
+
+# Flow-GRPO's own keys of the grpo section; its others (group_size, adv_clip_max, global_std, timestep_fraction,
+# inner_epochs: the group advantages and the trained steps) are read by DiffusionNFT too
+GRPO_ONLY = {"clip_range": "", "beta": " (its KL weight is nft.kl_beta)", "ref_at": " (its reference runs where "
+             "nft.old_at says)", "step_selection": " (it draws each sample's timesteps itself)",
+             "onpolicy_tolerance": " (its update has no log-ratio to check)"}
+
+
+def _refuse_other_algorithm(cfg: Config) -> None:
+    """A key of the algorithm this run does not use, set, is refused naming the algorithm it belongs to."""
+    if cfg.train.algorithm == "nft":
+        owned = [(cfg.grpo, "grpo", key, why) for key, why in GRPO_ONLY.items()]
+    else:
+        owned = [(cfg.nft, "nft", f.name, "") for f in dataclasses.fields(NFTConfig)]
+    for section, prefix, key, why in owned:
+        if section.is_set(key):
+            raise ConfigError(f"config key '{prefix}.{key}' belongs to train.algorithm {prefix}; this run is "
+                              f"{cfg.train.algorithm}{why}: unset it ({prefix}.{key}=null)")
 
 
 # what grpo.ref_at knots and nft.old_at knots need: JAGG windows known before the rollout (the frozen models run at
@@ -289,6 +306,9 @@ def validate_world(cfg: Config, world_size: int) -> None:
     _require(world_size % sp == 0, "parallel.sequence_parallel",
              f"{sp} must divide the world size {world_size} (groups of {sp} ranks hold the same rows)")
     groups = world_size // sp
+    if cfg.reward.shard and world_size > 1:  # sharded scoring runs inline on every rank (trainer: background)
+        refuse_set(cfg.reward, "reward", ("deadline_s",), f"reward.shard on {world_size} ranks scores inside the "
+                   "rollout (no background scorer), which no deadline cuts off")
     _require(cfg.train.batch_size % groups == 0, "train.batch_size",
              f"{cfg.train.batch_size} must be divisible by the {groups} data-parallel groups of the world size "
              f"{world_size} (each trains its share)")

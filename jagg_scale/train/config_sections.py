@@ -13,21 +13,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args
+from typing import Any, Literal, Optional, Union
 
 from ..grpo.sde import SdeKind
 from ..grpo.solver import OdeSolver
 from ..grpo.steps import StepSelection
 from ..jagg.backward import IntermediateMode
+from ..jagg.config import Intermediate, JAGGConfig, JaggMode, PlanKind
 from ..jagg.knots import ErrorModel
-from ..jagg.planners import ExactPlanner, Planner, PlannerSettingError, build_planner
 from ..jagg.planners import RouteBy
 from ..models.dit import DiTConfig
 from ..models.registry import families, family
 from ..nft import AdvMode
 from ..parallel.config import ParallelConfig
 from ..parallel.types import EngineName, GradSync
-from ..sections import ConfigError, require as _require
+from ..sections import ConfigError, refuse_set, require as _require
 from ..sections import Section as _Section
 
 # autocast dtype of the model; the SDE math stays float32. float16: fp16 mixed precision with dynamic loss scaling
@@ -35,14 +35,11 @@ from ..sections import Section as _Section
 DType = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
 SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
-JaggMode = Literal["jagg", "exact"]  # exact: Flow-GRPO's per-step backward
 Algorithm = Literal["grpo", "nft"]  # train.algorithm: Flow-GRPO on the SDE | DiffusionNFT on the forward process
 NFTTimesteps = Literal["per_row", "per_batch"]  # nft.timesteps: each sample its own training timesteps | one draw
 NFTNoise = Literal["per_timestep", "per_sample", "per_window"]  # nft.noise: which training timesteps share a draw
 NFTOldAt = Literal["timesteps", "knots"]  # nft.old_at: where the old policy's and the reference's velocities are run
 RefAt = Literal["steps", "knots"]  # grpo.ref_at: where the rollout runs the KL reference
-PlanKind = Literal["uniform", "budget"]  # jagg.plan: windows of jagg.window (shared knots or not) | the DP planner
-Intermediate = Literal[("auto", *get_args(IntermediateMode))]  # auto: chosen per update (train.update)
 DataSource = Literal["list", "wds"]  # prompt_file / prompts in memory | webdataset shards streamed per rank
 RewardAggregate = Literal["sum", "advantage", "gdpo"]  # rewards/multi.py: GRPO on sum w r | MixGRPO's | Flow-Factory's
 WandbMode = Literal["offline", "online", "disabled"]
@@ -250,70 +247,6 @@ class GRPOConfig(_Section):
         _require(self.onpolicy_tolerance > 0, f"{prefix}.onpolicy_tolerance", "must be > 0")
 
 
-# jagg: the planner settings (jagg/planners.py) a config section may carry; null = the chosen planner's default
-PLANNER_SETTINGS = ("window", "jagg_frac", "route_by", "min_cos", "speedup", "rows_per_pass", "error_model")
-PLANNER_CHOICE = {"window": "jagg.plan uniform", "shared": "jagg.plan uniform with jagg.share_knots true",
-                  "budget": "jagg.plan budget"}
-
-
-@dataclass
-class JAGGConfig(_Section):
-    # Which planner (jagg/planners.py) plans each minibatch's knots: mode exact is JAGG off (Flow-GRPO's per-step
-    # backward; the plan keys below are then not used, as lora's are with lora.enabled false); with mode jagg,
-    # plan uniform is the window planner (share_knots true: the shared-knot planner) and plan budget the DP planner
-    mode: JaggMode = "jagg"
-    plan: PlanKind = "uniform"
-    share_knots: bool = False
-    # The chosen planner's settings; null (unset) = its default. A key the chosen planner does not take is an error
-    window: Optional[int] = None  # window, shared: trained steps per window (4)
-    jagg_frac: Optional[float] = None  # window: the fraction of windows routed to JAGG (1.0; 0 = Flow-GRPO)
-    route_by: Optional[RouteBy] = None  # window: how windows are ranked for routing, vcos | weighted (vcos)
-    min_cos: Optional[float] = None  # window: no JAGG for a window whose endpoint cosine is below this (none)
-    speedup: Optional[float] = None  # budget: transformer rows per sample <= trained steps / speedup (2.0)
-    rows_per_pass: Optional[int] = None  # shared, budget: knots per joint forward+backward (2)
-    error_model: Optional[ErrorModel] = None  # budget: residual | cosine (residual)
-    # the interpolated steps' velocity values: auto | cached | interpolate | forward
-    intermediate: Intermediate = "auto"
-    probe_every: int = 0  # every N steps log the exact-vs-plan gradient cosine (extra passes); 0 = off
-
-    @property
-    def planner_kind(self) -> str:
-        """exact | window | shared | budget (jagg/planners.py PLANNERS)."""
-        if self.mode == "exact":
-            return "exact"
-        if self.plan == "budget":
-            return "budget"
-        return "shared" if self.share_knots else "window"
-
-    def planner(self) -> Planner:
-        """The planner this section chooses, with the settings it sets (the one place planners are built)."""
-        if self.mode == "exact":
-            return ExactPlanner()
-        settings = {k: getattr(self, k) for k in PLANNER_SETTINGS if getattr(self, k) is not None}
-        return build_planner(self.planner_kind, **settings)
-
-    def check(self, prefix: str) -> None:
-        _require(self.probe_every >= 0, f"{prefix}.probe_every", "must be >= 0 (0 disables the probe)")
-        _require(self.mode == "jagg" or self.probe_every == 0, f"{prefix}.probe_every",
-                 f"compares a plan's gradient with the exact one: with {prefix}.mode exact there is no plan to probe "
-                 "(set it to 0)")
-        _require(not (self.share_knots and self.plan == "budget"), f"{prefix}.share_knots",
-                 f"is a setting of {prefix}.plan uniform (the budget planner's knots are always shared)")
-        if self.mode == "exact":
-            return
-        try:
-            self.planner()
-        except PlannerSettingError as err:
-            keys = [f"{prefix}.{k}" for k in err.keys]
-            named = ", ".join(f"'{k}'" for k in keys)
-            if err.owners is None:  # a value out of range
-                raise ConfigError(f"config key {named} {err}") from None
-            kind, many = self.planner_kind, len(keys) > 1
-            raise ConfigError(f"config key{'s' * many} {named} {'are' if many else 'is'} set, but {err} "
-                              f"[{PLANNER_CHOICE[kind]} chose the {kind} planner]: remove {'them' if many else 'it'}, "
-                              f"or on the command line {' '.join(k + '=null' for k in keys)}") from None
-
-
 @dataclass
 class NFTConfig(_Section):
     """DiffusionNFT (train.algorithm nft; NVlabs/DiffusionNFT config/nft.py and scripts/train_nft_sd3.py): its own
@@ -409,6 +342,12 @@ class TrainConfig(_Section):
                  f"must be >= 1, got {self.max_nonfinite_steps}")
 
 
+def _one_prompt_source(section, prefix: str) -> None:
+    """A prompt file and an inline list are two sources: the file wins, so the list would be dropped unread."""
+    if section.prompt_file:
+        refuse_set(section, prefix, ("prompts",), f"{prefix}.prompt_file is set too (its prompts are the ones read)")
+
+
 @dataclass
 class DataConfig(_Section):
     source: DataSource = "list"
@@ -421,6 +360,13 @@ class DataConfig(_Section):
     allow_pipe: bool = False
 
     def check(self, prefix: str) -> None:
+        if self.source == "wds":
+            refuse_set(self, prefix, ("prompt_file", "prompts"), f"{prefix}.source is wds (the prompts stream from "
+                       f"{prefix}.shards)")
+        else:
+            refuse_set(self, prefix, ("shards", "num_workers", "allow_pipe"), f"{prefix}.source is list (the prompts "
+                       f"come from {prefix}.prompt_file or {prefix}.prompts; shards are read with {prefix}.source wds)")
+        _one_prompt_source(self, prefix)
         _require(self.source != "list" or bool(self.prompt_file) or len(self.prompts) > 0, f"{prefix}.prompt_file",
                  f"is required when {prefix}.prompts is empty")
         _require(self.source != "wds" or bool(self.shards), f"{prefix}.shards",
@@ -452,6 +398,15 @@ class RewardConfig(_Section):
     shard: bool = False  # split reward-model weights across ranks (FSDP2, inference); each rank scores its images
 
     def check(self, prefix: str) -> None:
+        if self.components:
+            refuse_set(self, prefix, ("name", "options"), f"{prefix}.components names the rewards, each with its own "
+                       "options ({name: {weight: w, option: value}})")
+        _require(self.aggregate != "advantage" or len(self.components) > 1, f"{prefix}.aggregate",
+                 f"is advantage (the sum of each reward's own group advantages), which needs two or more "
+                 f"{prefix}.components; with one reward it is sum: unset it ({prefix}.aggregate=null)")
+        if not self.background:
+            refuse_set(self, prefix, ("deadline_s",), f"{prefix}.background is false (scoring runs inside the "
+                       "rollout, which no deadline cuts off)")
         _require(0.0 <= self.max_fail_frac <= 1.0, f"{prefix}.max_fail_frac", "must be in [0, 1]")
         _require(self.deadline_s is None or self.deadline_s > 0, f"{prefix}.deadline_s",
                  f"must be > 0 seconds (null: half of parallel.collective_timeout_s), got {self.deadline_s}")
@@ -485,6 +440,7 @@ class EvalConfig(_Section):
     def check(self, prefix: str) -> None:
         _require(not self.enabled or bool(self.prompt_file) or len(self.prompts) > 0, f"{prefix}.prompt_file",
                  f"is required when {prefix}.enabled and {prefix}.prompts is empty")
+        _one_prompt_source(self, prefix)
         _require(self.num_per_prompt >= 1, f"{prefix}.num_per_prompt", "must be >= 1")
         _require(self.every >= 0, f"{prefix}.every", "must be >= 0")
         _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")

@@ -189,7 +189,8 @@ def test_a_prompt_file_without_prompts_is_exit_2(tmp_path, capsys, content, mess
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(content)
     out = tmp_path / "run"
-    assert train_main([TINY, *SMALL, f"data.prompt_file={prompts}", f"run.output_dir={out}"]) == 2
+    assert train_main([TINY, *SMALL, f"data.prompt_file={prompts}", "data.prompts=null",
+                       f"run.output_dir={out}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jagg-train: config key 'data.prompt_file'") and message in err
     assert "Traceback" not in err and not (out / "metrics.jsonl").exists()

@@ -50,18 +50,20 @@ def test_deep_yaml_is_one_line(tmp_path, capsys):
                                            ("data.shards='pipe:touch PWNED'", "data.shards")])
 def test_bad_values_name_their_key_and_leave_no_run_dir(tmp_path, capsys, override, key):
     run = tmp_path / "run"
-    extra = ["data.source=wds"] if key == "data.shards" else []
+    extra = ["data.source=wds", "data.prompts=null"] if key == "data.shards" else []
     line = refused(capsys, TINY, f"run.output_dir={run}", override, *extra)
     assert f"'{key}'" in line
     assert not run.exists() and not (tmp_path / "PWNED").exists()
 
 
 def test_pipe_urls_need_allow_pipe():
-    cfg = load_config(TINY, ["data.source=wds", "data.shards=pipe:cat shard.tar", "data.allow_pipe=true"],
+    cfg = load_config(TINY, ["data.source=wds", "data.prompts=null", "data.shards=pipe:cat shard.tar",
+                            "data.allow_pipe=true"],
                       check_files=False)
     assert cfg.data.shards.startswith("pipe:")
     with pytest.raises(ConfigError, match="data.allow_pipe=true"):
-        load_config(TINY, ["data.source=wds", "data.shards= pipe:cat shard.tar"], check_files=False)
+        load_config(TINY, ["data.source=wds", "data.prompts=null", "data.shards= pipe:cat shard.tar"],
+                    check_files=False)
 
 
 def test_an_output_dir_that_is_a_file(tmp_path, capsys):

@@ -234,7 +234,7 @@ def test_a_config_that_does_not_fit_exits_1_and_a_bad_one_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("overrides,knots", [
     ([], 2),  # the window planner: a joint pass over a window's two endpoints
-    (["jagg.mode=exact", "grpo.ref_at=steps"], 1),
+    (["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps"], 1),
     (["jagg.share_knots=true", "jagg.jagg_frac=null", "jagg.route_by=null", "jagg.rows_per_pass=3"], 3),
     (["jagg.plan=budget", "jagg.window=null", "jagg.jagg_frac=null", "jagg.route_by=null", "jagg.rows_per_pass=4",
       "grpo.ref_at=steps"], 4),

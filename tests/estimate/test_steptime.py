@@ -52,7 +52,7 @@ def test_each_knob_moves_its_phase():
     phases = ("rollout", "reference", "train", "train_nograd", "encode", "decode", "eval")
     assert shipped["step"] == pytest.approx(sum(shipped[p] for p in phases))
     assert all(shipped[p] > 0 for p in ("rollout", "reference", "train", "decode"))
-    exact = seconds("jagg.mode=exact", "grpo.ref_at=steps")
+    exact = seconds("jagg=null", "jagg.mode=exact", "grpo.ref_at=steps")
     assert exact["train"] > 1.5 * shipped["train"] and exact["rollout"] == shipped["rollout"]  # 9 passes, not 5
     small = seconds("sampling.batch_size=9")
     assert small["rollout"] > shipped["rollout"] and small["train"] == shipped["train"]

@@ -59,7 +59,10 @@ def test_the_section_chooses_one_planner_with_the_keys_it_sets():
     assert JAGGConfig(plan="budget", speedup=2.67).planner() == BudgetPlanner(speedup=2.67)
     # mode exact is JAGG off: the plan keys are not used (as lora's are with lora.enabled false)
     assert JAGGConfig(mode="exact", window=8, speedup=3.0).planner() == ExactPlanner()
-    assert load_config(TINY, ["jagg.mode=exact", "jagg.window=8"]).jagg.planner() == ExactPlanner()
+    # ... and a config that sets one with mode exact is refused naming it (a choice owns its keys)
+    with pytest.raises(ConfigError, match=r"'jagg.window' is set, but jagg.mode is exact .*\(jagg.window=null\)"):
+        load_config(TINY, ["jagg.mode=exact", "jagg.window=8"])
+    assert load_config(TINY, ["jagg.window=8", "jagg=null", "jagg.mode=exact"]).jagg.planner() == ExactPlanner()
     with pytest.raises(ConfigError, match="'jagg.probe_every' compares a plan's gradient with the exact one"):
         load_config(TINY, ["jagg.mode=exact", "jagg.probe_every=1"])
 

@@ -21,7 +21,8 @@ from jagg_scale.train import Trainer, load_config  # noqa: E402
 
 COMMON = ["grpo.beta=0.04", "sampling.num_steps=4", "train.prompts_per_step=2", "grpo.group_size=4",
           "train.batch_size=4", "sampling.batch_size=2", "train.micro_batch_size=2", "log.progress=false",
-          "run.checkpoint_every=0", "parallel.activation_checkpointing=false", "jagg.mode=exact", "train.lr=1e-3"]
+          "run.checkpoint_every=0", "parallel.activation_checkpointing=false", "jagg=null", "jagg.mode=exact",
+          "train.lr=1e-3"]
 
 
 def test_the_flow_grpo_arm_trains_flow_grpos_update(tmp_path, sd3_dir):

@@ -130,7 +130,8 @@ def test_every_shipped_config_loads_and_round_trips(path, tmp_path):
 
 
 def test_to_dict_is_plain_lists_and_dicts():
-    data = load_config(TINY, ["train.adam_betas=[0.8, 0.99]", "sampling.sde_window_range=[1, 9]"]).to_dict()
+    data = load_config(TINY, ["train.adam_betas=[0.8, 0.99]", "sampling.sde_window=2",
+                              "sampling.sde_window_range=[1, 9]"]).to_dict()
     assert data["train"]["adam_betas"] == [0.8, 0.99] and data["sampling"]["sde_window_range"] == [1, 9]
     assert type(data["model"]["dit"]) is dict and type(data["model"]["lora"]["targets"]) is list
 
@@ -202,7 +203,8 @@ def test_reward_names_and_options_are_checked_with_the_config(tmp_path, override
 
 @pytest.mark.parametrize("key", ["data.prompt_file", "eval.prompt_file"])
 def test_a_csv_or_blank_prompt_file_is_named(tmp_path, key):
-    extra = ["eval.enabled=true"] if key.startswith("eval") else []
+    section = key.split(".")[0]
+    extra = ["eval.enabled=true"] * (section == "eval") + [f"{section}.prompts=null"]  # the file is the one source
     csv = tmp_path / "prompts.csv"
     csv.write_text("prompt,category\na cat,animals\n")
     assert _err(f"{key}={csv}", *extra).startswith(f"config key '{key}' has the unsupported extension '.csv'")

@@ -50,3 +50,111 @@ def test_null_for_a_key_of_a_mapping_keeps_the_mapping():
 def test_a_section_given_a_scalar_is_refused():
     with pytest.raises(ConfigError, match="cannot set 'jagg.mode': 'jagg' is not a section"):
         _load("jagg=3", "jagg.mode=exact")
+
+
+def _refused(*overrides, path=TINY):
+    with pytest.raises(ConfigError) as info:
+        _load(*overrides, path=path)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("key", ["jagg.window", "jagg.plan", "jagg.speedup", "jagg.share_knots", "jagg.jagg_frac"])
+def test_jagg_mode_exact_refuses_the_planner_keys(key):
+    value = {"jagg.plan": "budget", "jagg.speedup": "2", "jagg.share_knots": "true", "jagg.jagg_frac": "0.5"}
+    msg = _refused("jagg.mode=exact", f"{key}={value.get(key, '3')}")
+    assert msg.startswith(f"config key '{key}' is set, but jagg.mode is exact") and msg.endswith(f"({key}=null)")
+
+
+def test_jagg_intermediate_with_exact_is_refused():
+    msg = _refused("jagg.mode=exact", "jagg.intermediate=forward")
+    assert msg.startswith("config key 'jagg.intermediate' is set, but jagg.mode is exact") and "interpolated" in msg
+    assert _load("jagg.mode=exact", "jagg.intermediate=null").jagg.intermediate == "auto"
+
+
+def test_a_prompt_file_with_inline_prompts_is_refused(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    for section in ("data", "eval"):  # eval's two prompt sources are the same choice
+        msg = _refused(f"{section}.prompt_file={prompts}", f"{section}.prompts=[a dog]")
+        assert msg.startswith(f"config key '{section}.prompts' is set, but {section}.prompt_file is set too")
+    assert _load(f"data.prompt_file={prompts}", "data.prompts=null").data.prompts == []
+
+
+@pytest.mark.parametrize("key,value", [("prompts", "[a dog]"), ("prompt_file", "p.txt")])
+def test_source_wds_refuses_the_prompt_list_keys(key, value):
+    msg = _refused("data.source=wds", "data.shards=s-{0..1}.tar", "data.prompts=null", f"data.{key}={value}")
+    assert msg.startswith(f"config key 'data.{key}' is set, but data.source is wds")
+
+
+@pytest.mark.parametrize("key,value", [("shards", "s-{0..1}.tar"), ("num_workers", "2"), ("allow_pipe", "true")])
+def test_source_list_refuses_the_shard_keys(key, value):
+    msg = _refused(f"data.{key}={value}")
+    assert msg.startswith(f"config key 'data.{key}' is set, but data.source is list")
+
+
+@pytest.mark.parametrize("key,value", [("options", "{bogus: 1}"), ("name", "aesthetic")])
+def test_reward_components_refuse_the_single_reward_keys(key, value):
+    msg = _refused("reward.components={jpeg_compressibility: {weight: 1}}", f"reward.{key}={value}")
+    assert msg.startswith(f"config key 'reward.{key}' is set, but reward.components names the rewards")
+
+
+def test_aggregate_advantage_needs_two_components():
+    one = "reward.components={jpeg_compressibility: {weight: 1}}"
+    for overrides in ([one], []):  # one component, or the single reward.name
+        msg = _refused(*overrides, "reward.aggregate=advantage")
+        assert msg.startswith("config key 'reward.aggregate' is advantage") and "two or more" in msg
+    two = "reward.components={jpeg_compressibility: {weight: 1}, jpeg_incompressibility: {weight: 1}}"
+    assert _load(two, "reward.aggregate=advantage").reward.aggregate == "advantage"
+
+
+def test_a_reward_deadline_without_the_background_scorer_is_refused():
+    msg = _refused("reward.background=false", "reward.deadline_s=60")
+    assert msg.startswith("config key 'reward.deadline_s' is set, but reward.background is false")
+    # sharded scoring on several ranks runs inline too: refused once the world size is known
+    from jagg_scale.train.config import validate_world
+
+    cfg = _load("reward.shard=true", "reward.deadline_s=60", "parallel.engine=fsdp2", "jagg.probe_every=0")
+    validate_world(cfg, 1)
+    with pytest.raises(ConfigError, match="'reward.deadline_s' is set, but reward.shard on 2 ranks"):
+        validate_world(cfg, 2)
+
+
+@pytest.mark.parametrize("key,value", [("sde_window_range", "[1, 5]"), ("sde_window_mode", "sliding"),
+                                       ("sde_window_every", "2")])
+def test_sde_window_keys_need_a_window(key, value):
+    msg = _refused(f"sampling.{key}={value}")
+    assert msg.startswith(f"config key 'sampling.{key}' is set, but sampling.sde_window is 0")
+    assert _load("sampling.sde_window=2", f"sampling.{key}={value}").sampling.sde_window == 2
+
+
+@pytest.mark.parametrize("key,value", [("sde_window_range", "[1, 5]"), ("sde_window_mode", "sliding"),
+                                       ("sde_window_every", "2")])
+def test_sde_window_keys_under_nft_are_refused(key, value):
+    msg = _refused("train.algorithm=nft", "grpo.beta=null", f"sampling.{key}={value}")
+    assert msg.startswith(f"config key 'sampling.{key}' is set, but train.algorithm is nft")
+
+
+def test_every_shipped_config_sets_no_idle_key():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        assert _load(path=path).train.steps >= 1  # loads: none of the refusals above fires on a shipped config
+
+
+@pytest.mark.parametrize("key,value", [("nft.beta", "0.5"), ("nft.kl_beta", "0"), ("nft.noise", "per_sample")])
+def test_an_nft_key_on_a_grpo_run_is_refused(key, value):
+    assert _refused(f"{key}={value}") == (f"config key '{key}' belongs to train.algorithm nft; this run is grpo: "
+                                          f"unset it ({key}=null)")
+
+
+@pytest.mark.parametrize("key,value", [("grpo.clip_range", "0.2"), ("grpo.beta", "0.01"), ("grpo.ref_at", "knots"),
+                                       ("grpo.onpolicy_tolerance", "0.1")])
+def test_a_grpo_only_key_on_an_nft_run_is_refused(key, value):
+    msg = _refused("train.algorithm=nft", f"{key}={value}")
+    assert msg.startswith(f"config key '{key}' belongs to train.algorithm grpo; this run is nft")
+    assert msg.endswith(f"unset it ({key}=null)")
+
+
+def test_nft_reads_the_shared_grpo_keys():
+    shared = ["grpo.group_size=8", "grpo.adv_clip_max=3", "grpo.global_std=true", "grpo.timestep_fraction=0.8",
+              "grpo.inner_epochs=2"]  # the group advantages and the trained steps: both algorithms read them
+    cfg = _load("train.algorithm=nft", "train.batch_size=32", *shared)
+    assert cfg.grpo.group_size == 8 and cfg.grpo.inner_epochs == 2

@@ -109,7 +109,7 @@ def test_wds_prompt_stream_trains_and_resumes_exactly(tmp_path):
     records = [PromptRecord(f"prompt number {i}", {"i": i}) for i in range(40)]
     shards = write_prompt_shards(records, tmp_path / "shards", shard_size=10)
     pattern = shard_pattern(tmp_path / "shards", "prompts", len(shards))
-    wds = ["data.source=wds", f"data.shards={pattern}", "run.checkpoint_every=2"]
+    wds = ["data.source=wds", "data.prompts=null", f"data.shards={pattern}", "run.checkpoint_every=2"]
     full = Trainer(cfg(tmp_path / "full", "train.steps=4", *wds)).fit()
     Trainer(cfg(tmp_path / "cut", "train.steps=2", *wds)).fit()
     resumed = Trainer(cfg(tmp_path / "cut", "train.steps=4", "run.resume=auto", *wds))

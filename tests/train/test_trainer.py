@@ -40,7 +40,7 @@ def strip_timing(rows):
 
 @pytest.mark.parametrize("mode", ["exact", "jagg"])
 def test_two_steps_each_mode(tmp_path, mode):
-    cfg = small_cfg(tmp_path, "train.steps=2", f"jagg.mode={mode}", "jagg.window=3")
+    cfg = small_cfg(tmp_path, "train.steps=2", f"jagg.mode={mode}", *["jagg.window=3"] * (mode == "jagg"))
     history = Trainer(cfg).fit()
     rows = read_metrics(tmp_path)
     assert len(rows) == 2 == len(history)
@@ -74,7 +74,7 @@ def test_cli_console_script_writes_metrics(tmp_path):
     ("grpo.clip_range=[1]", "grpo.clip_range"),
     ("jagg.intermediate=sometimes", "jagg.intermediate"),
     ("train.batch_size=5", "train.batch_size"),
-    ("data.prompt_file=/no/such/prompts.txt", "data.prompt_file"),
+    ("data={prompt_file: /no/such/prompts.txt}", "data.prompt_file"),  # the section: the file its one source
     ("model.pretrained=assets:nothing.safetensors", "model.pretrained"),
     ("model.kind=sd3", "model.pretrained"),
     ("model.kind=flux", "model.kind"),

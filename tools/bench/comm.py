@@ -29,7 +29,7 @@ from jagg_scale.parallel.ranks import free_port, launcher_env
 from .common import ROOT
 
 ARMS = {
-    "exact": ["jagg.mode=exact"],
+    "exact": ["jagg=null", "jagg.mode=exact"],
     "JAGG cached": ["jagg.mode=jagg", "jagg.intermediate=cached"],
     "JAGG auto": ["jagg.mode=jagg", "jagg.intermediate=auto"],
 }

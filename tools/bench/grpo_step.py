@@ -26,7 +26,7 @@ from .common import ROOT, median, ops_table, paired_speedup, top_ops
 from jagg_scale.train import Trainer, load_config
 
 ARMS = {
-    "exact": ["jagg.mode=exact"],
+    "exact": ["jagg=null", "jagg.mode=exact"],
     "W4 frac1.0": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"],
     "W4 frac0.5": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=0.5"],
 }

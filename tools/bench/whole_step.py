@@ -185,7 +185,7 @@ def own_overrides(arm: str, rows: int) -> list[str]:
     """What an arm changes in the shipped config (beyond the scale)."""
     fg = fg_batch(rows)
     return {
-        "Flow-GRPO": ["jagg.mode=exact", "grpo.ref_at=steps", f"sampling.batch_size={fg}",
+        "Flow-GRPO": ["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps", f"sampling.batch_size={fg}",
                       f"train.micro_batch_size={fg}", "parallel.activation_checkpointing=false"],
         "shipped": [],
         "SDE k4 + dpm2": ["sampling.sde_window=4", "sampling.sde_window_range=[0, 5]", "grpo.timestep_fraction=1.0",
