@@ -8,7 +8,6 @@ Parts (a module each, window_speed, subsampling and cfg one together in window.p
 measurements from the same run):
 
     window_speed  one window of W steps on an SD3-shaped DiT: per-step vs eff_grpo-style vs jagg_backward
-    grpo_step     whole GRPO steps through jagg_scale.train.Trainer: exact vs JAGG W=4 (jagg_frac 1, 0.5)
     memory        peak memory of the joint 2B-row pass vs a per-step B-row pass, +- activation checkpointing
     comm          collectives and bytes per training step under fsdp2 (2 processes, gloo, torchrun)
     subsampling   JAGG composed with SDE-window subsampling (Flow-GRPO-Fast, MixGRPO), backward cost per sample
@@ -28,7 +27,7 @@ generated report (docs/benchmarks.md; OUT.md for an OUT outside a results/ folde
 
 import importlib
 
-DEFAULT_PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling", "cfg")
+DEFAULT_PARTS = ("window_speed", "memory", "comm", "subsampling", "cfg")
 STUDIES = ("time_to_reward", "whole_step")
 PARTS = DEFAULT_PARTS + STUDIES
 MODULES = {"window_speed": "window", "subsampling": "window", "cfg": "window"}  # parts that share one timing loop
