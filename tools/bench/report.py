@@ -11,10 +11,9 @@ TITLES = {
     "window_speed": "1. window_speed: one window of W steps on an SD3-shaped DiT",
     "memory": "2. memory: the joint 2B-row pass vs a per-step pass",
     "comm": "3. comm: FSDP2 collectives per training step and per window",
-    "subsampling": "4. subsampling: JAGG composed with SDE-window subsampling",
-    "cfg": "5. cfg: training under classifier-free guidance",
-    "time_to_reward": "6. time_to_reward: held-out reward against wall-clock (a study)",
-    "whole_step": "7. whole_step: one rank's production step, phase by phase, beside Flow-GRPO's (a study)",
+    "cfg": "4. cfg: training under classifier-free guidance",
+    "time_to_reward": "5. time_to_reward: held-out reward against wall-clock (a study)",
+    "whole_step": "6. whole_step: one rank's production step, phase by phase, beside Flow-GRPO's (a study)",
 }
 
 WHAT = {
@@ -43,13 +42,6 @@ WHAT = {
         "(`torchrun --nproc_per_node 2 jagg-train configs/tiny_cpu.yaml parallel.engine=fsdp2 ...`, gloo on "
         "CPU), counted by the engine's `CommCounter` (`engine.comm`) per phase. A gather cycle is every FSDP "
         "unit all-gathered for the forward and again for the backward (reshard after forward)."),
-    "subsampling": (
-        "Composition with step subsampling, measured at the backward level on the SD3-shaped model (the trainer "
-        "cannot sample mixed ODE/SDE trajectories yet): the training-phase cost of one minibatch for (a) "
-        "per-step on all T steps, (b) per-step on a k-step SDE window (Flow-GRPO-Fast; MixGRPO slides that "
-        "window, so it is timed at the start and at the end of the trajectory), (c) JAGG with W = k on that "
-        "window, (d) JAGG (W = 4) on all T steps. Each computes the gradient of its trained subset with "
-        "`exact_backward` / `jagg_backward` (cached) on that subset of one SDE rollout."),
     "cfg": (
         "Training of one window of W = 4 steps of an on-policy rollout under CFG 4.5 on the SD3-shaped model. "
         "Flow-GRPO detaches the unconditional prediction, so it needs no backward: (a) is Flow-GRPO's own step "
@@ -148,10 +140,10 @@ def _target_rows(parts: dict, rows: list[str]) -> None:
         frac = "never" if t["t95_frac"] is None else f"{t['t95_frac']:.2f}x"
         rows.append(f"| {t['name']} | best arm {t['best_arm']}: 95% of the gain at {frac} the wall-clock, final gain "
                     f"{t['gain_frac'][0]:.2f} +- {t['gain_frac'][1]:.2f}x | "
-                    f"{'met' if t['met'] else 'MISSED: see section 6'} |")
+                    f"{'met' if t['met'] else 'MISSED: see section 5'} |")
         if {"Flow-GRPO", "JAGG W4"} <= set(tr["rows"]):  # the same trainer and steps, only the backward differs
             e, j = (tr["rows"][a]["phases"][2] for a in ("Flow-GRPO", "JAGG W4"))
-            rows.append(f"| training phase >= 1.8x faster at W = 4 (section 6: JAGG W4 vs Flow-GRPO, median seconds "
+            rows.append(f"| training phase >= 1.8x faster at W = 4 (section 5: JAGG W4 vs Flow-GRPO, median seconds "
                         f"per step) | {e / j:.2f}x ({e:.2f} s vs {j:.2f} s) | {'met' if e >= 1.8 * j else 'MISSED'} |")
     cm = parts.get("comm")
     if cm and "error" not in cm:
