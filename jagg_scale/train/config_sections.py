@@ -353,7 +353,7 @@ class DataConfig(_Section):
     source: DataSource = "list"
     prompt_file: Optional[str] = None  # .txt or .jsonl; when unset, `prompts` is used
     prompts: list[str] = field(default_factory=list)
-    shards: Optional[str] = None  # wds: brace pattern of tar shards (tools/make_prompt_shards.py)
+    shards: Optional[str] = None  # wds: brace pattern of tar shards (python -m jagg_scale.data.make_shards)
     num_workers: int = 0  # wds: DataLoader workers per rank
     # webdataset runs `pipe:CMD` shard URLs as shell commands: a config file would run code. Refused unless this is
     # true (the user's own config, e.g. pipe:aws s3 cp ...); plain paths and http(s) URLs need nothing.

@@ -81,16 +81,29 @@ def test_cli(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     lines = [json.dumps({"prompt": f"p{i}", "tag": i}) for i in range(7)] + ["{not json", '{"prompt": ""}']
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    from tools import make_prompt_shards
+    from jagg_scale.data import make_shards
 
     out = tmp_path / "out"
-    summary = make_prompt_shards.main([str(src), str(out), "--shard-size", "3"])
+    summary = make_shards.main([str(src), str(out), "--shard-size", "3"])
     assert (summary["written"], summary["skipped"], summary["shards"], summary["format"]) == (7, 2, 3, "jsonl")
     assert summary["pattern"] == f"{out}/prompts-{{000000..000002}}.tar"
     assert summary["pattern"] in capsys.readouterr().out
     assert json.loads((out / "prompts.json").read_text())["written"] == 7
     stream = ShardPromptStream(summary["pattern"])
     assert {r.prompt: r.metadata for r in stream.next_records(30)} == {f"p{i}": {"tag": i} for i in range(7)}
+
+
+@pytest.mark.parametrize("name, error", [("missing.txt", "missing.txt: no such file"),
+                                         ("prompts.xyz", "cannot tell the format of")])
+def test_cli_refuses_bad_input_naming_it(tmp_path, capsys, name, error):
+    from jagg_scale.data import make_shards
+
+    if name.endswith(".xyz"):
+        (tmp_path / name).write_text("a prompt\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as exc:
+        make_shards.main([str(tmp_path / name), str(tmp_path / "out")])
+    assert exc.value.code == 2 and error in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------------------------------- split/order

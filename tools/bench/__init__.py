@@ -4,14 +4,12 @@
     python -m tools.bench --quick --out /tmp/bench          # every part at toy sizes (< 1 min): a smoke test
     python -m tools.bench --parts window_speed,memory --out /tmp/bench
 
-Parts (a module each, window_speed, subsampling and cfg one together in window.py; every figure is a ratio of two
+Parts (a module each, window_speed and cfg one together in window.py; every figure is a ratio of two
 measurements from the same run):
 
     window_speed  one window of W steps on an SD3-shaped DiT: per-step vs eff_grpo-style vs jagg_backward
-    grpo_step     whole GRPO steps through jagg_scale.train.Trainer: exact vs JAGG W=4 (jagg_frac 1, 0.5)
     memory        peak memory of the joint 2B-row pass vs a per-step B-row pass, +- activation checkpointing
     comm          collectives and bytes per training step under fsdp2 (2 processes, gloo, torchrun)
-    subsampling   JAGG composed with SDE-window subsampling (Flow-GRPO-Fast, MixGRPO), backward cost per sample
     cfg           training under CFG 4.5: Flow-GRPO's batched cond+uncond step vs the cached uncond, per-step and JAGG
 
 Studies (run only when named in --parts; they train for longer than the whole default run):
@@ -28,10 +26,10 @@ generated report (docs/benchmarks.md; OUT.md for an OUT outside a results/ folde
 
 import importlib
 
-DEFAULT_PARTS = ("window_speed", "grpo_step", "memory", "comm", "subsampling", "cfg")
+DEFAULT_PARTS = ("window_speed", "memory", "comm", "cfg")
 STUDIES = ("time_to_reward", "whole_step")
 PARTS = DEFAULT_PARTS + STUDIES
-MODULES = {"window_speed": "window", "subsampling": "window", "cfg": "window"}  # parts that share one timing loop
+MODULES = {"window_speed": "window", "cfg": "window"}  # parts that share one timing loop
 
 
 def part(name: str):

@@ -40,6 +40,21 @@ TEXT_TOKENS = {"full": 32, "quick": 8}
 # machine
 # ------------------------------------------------------------------------------------------------------------------
 
+def quiet() -> None:
+    """No progress bars from diffusers / transformers when the trainers load a pipeline."""
+    try:
+        from diffusers.utils import logging as dlog
+
+        dlog.disable_progress_bar()
+        dlog.set_verbosity_error()
+        from transformers.utils import logging as tlog
+
+        tlog.disable_progress_bar()
+        tlog.set_verbosity_error()
+    except Exception:
+        pass
+
+
 def cpu_mhz() -> float | None:
     try:
         vals = [float(line.split(":", 1)[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()

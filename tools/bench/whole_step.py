@@ -43,8 +43,7 @@ from pathlib import Path
 
 import torch
 
-from .common import ROOT, SD3_FULL, SD3_QUICK, median, paired_speedup
-from .grpo_step import _quiet
+from .common import ROOT, SD3_FULL, SD3_QUICK, median, paired_speedup, quiet
 
 from jagg_scale.cond import cat_cond, index_cond
 from jagg_scale.estimate import memory as E
@@ -252,7 +251,7 @@ def calibrate(trainer: Trainer, F: float, size: dict) -> dict:
 
 def run(quick: bool) -> dict:
     size = QUICK if quick else FULL
-    _quiet()
+    quiet()
     from jagg_scale.models.tiny import make_tiny_sd3
 
     with tempfile.TemporaryDirectory(prefix="jagg_bench_whole_") as tmp:

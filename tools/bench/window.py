@@ -1,6 +1,6 @@
-"""Parts window_speed, subsampling and cfg: the training of one window on the SD3-shaped DiT of common.py.
+"""Parts window_speed and cfg: the training of one window on the SD3-shaped DiT of common.py.
 
-All three share one loop: a real on-policy GRPO minibatch (Flow-GRPO SDE rollout, random advantages, the real
+Both share one loop: a real on-policy GRPO minibatch (Flow-GRPO SDE rollout, random advantages, the real
 GRPOStepLoss, clip 1e-4), a set of cases that each accumulate a gradient into .grad, every case warmed up, then
 paired rounds (common.paired_rounds: order rotated, gradients zeroed outside the timed region) and speedups as medians
 of per-round ratios. Cost models (F forward, B backward, B rows):
@@ -10,9 +10,6 @@ of per-round ratios. Cost models (F forward, B backward, B rows):
                   k / (W - 1), two separate with-grad endpoint passes, W F + 2 (F + B)); `jagg_backward` with
                   intermediate cached / interpolate (one pass of 2B rows, 2 (F + B)) / forward (plus a no-grad
                   forward of (W - 2) B rows). Target: cached >= 0.9 W/2.
-    subsampling   JAGG composed with Flow-GRPO-Fast / MixGRPO's k-step SDE window out of T steps: (a) per-step on all
-                  T, (b) per-step on the window, (c) JAGG W = k on it, (d) JAGG W = 4 on all T; (b) and (c) at the
-                  start of the trajectory and at its end (MixGRPO's last slide): the cost should not move with it.
     cfg           CFG 4.5, W = 4: (a) Flow-GRPO's per-step forward of [uncond; cond] (2B rows) with grad, u detached;
                   (b) per-step on the cond rows, u from the rollout; (c) JAGG on them (2B rows); (d) the guided
                   velocity through the joint pass (4B rows, u with grad: a different gradient). Plus each arm's tensor
@@ -25,7 +22,7 @@ import torch
 
 from jagg_scale.cond import cat_cond
 from jagg_scale.grpo.rollout import cfg_predictions, guide
-from jagg_scale.jagg import exact_backward, jagg_backward, split_windows
+from jagg_scale.jagg import exact_backward, jagg_backward
 
 from .common import median, ops_table, paired_rounds, paired_speedup, sd3_problem, top_ops
 
@@ -188,110 +185,6 @@ class WindowSpeed:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# subsampling
-# ------------------------------------------------------------------------------------------------------------------
-
-class Subsampling:
-    # name: (label in the table, label in the plot)
-    LABELS = {
-        "a_perstep_all": ("(a) per-step, all T steps (Flow-GRPO)", "(a) per-step, all T"),
-        "b_perstep_window_first": ("(b) per-step, k-step window at the start (Flow-GRPO-Fast)",
-                                   "(b) per-step, window start"),
-        "c_jagg_window_first": ("(c) JAGG W=k on that window", "(c) JAGG, window start"),
-        "b_perstep_window_last": ("(b') per-step, k-step window at the end (MixGRPO, last slide)",
-                                  "(b') per-step, window end"),
-        "c_jagg_window_last": ("(c') JAGG W=k on that window", "(c') JAGG, window end"),
-        "d_jagg_all": ("(d) JAGG W={W}, all T steps", "(d) JAGG, all T"),
-    }
-
-    @staticmethod
-    def subset_backward(problem, steps: list[int], how: str, window: int) -> None:
-        """The gradient of the trained subset `steps` of the rollout (losses scaled by 1 / its size, as the trainer
-        does): per-step, JAGG in windows of `window`, or one JAGG window of all of them."""
-        model, cond, traj = problem.model, problem.cond, problem.traj
-        loss = problem.loss(len(steps))
-        for group in ([steps] if how == "jagg_window" else split_windows(steps, window)):
-            idx = list(group)
-            latents, sigmas = traj.latents[idx], traj.sigmas[idx]
-
-            def step_loss(j, v, idx=idx):
-                return loss(idx[j], v)
-
-            if how == "per-step":
-                exact_backward(model, latents, sigmas, cond, step_loss)
-            else:
-                jagg_backward(model, latents, sigmas, cond, step_loss, cached_velocities=traj.velocities[idx],
-                              intermediate="cached")
-
-    @classmethod
-    def run(cls, quick: bool, repeats: int | None = None) -> dict:
-        T, k, W = (6, 3, 3) if quick else (12, 4, 4)
-        repeats = repeats or (1 if quick else 3)  # full: ~20 s per round on a 2-core CPU
-        problem = sd3_problem(quick, BATCH, num_steps=T)
-        all_steps, first, last = list(range(T)), list(range(k)), list(range(T - k, T))
-        sub = cls.subset_backward
-        cases = {
-            "a_perstep_all": lambda: sub(problem, all_steps, "per-step", W),
-            "b_perstep_window_first": lambda: sub(problem, first, "per-step", W),
-            "c_jagg_window_first": lambda: sub(problem, first, "jagg_window", W),
-            "b_perstep_window_last": lambda: sub(problem, last, "per-step", W),
-            "c_jagg_window_last": lambda: sub(problem, last, "jagg_window", W),
-            "d_jagg_all": lambda: sub(problem, all_steps, "jagg", W),
-        }
-        # warm-up: the per-step B-row and the joint 2B-row shapes (window_speed may have warmed this model up already)
-        times, gflops = _time(problem, cases, repeats, "subsampling", ["b_perstep_window_first", "c_jagg_window_first"])
-        base = times["a_perstep_all"]
-        passes = {"a_perstep_all": T, "b_perstep_window_first": k, "c_jagg_window_first": 2,
-                  "b_perstep_window_last": k, "c_jagg_window_last": 2,
-                  "d_jagg_all": 2 * len(split_windows(all_steps, W))}
-        rows = {name: {"seconds": median(ts), "seconds_per_sample": median(ts) / BATCH, "all_seconds": ts,
-                       "speedup_vs_a": paired_speedup(base, ts) if name != "a_perstep_all" else 1.0,
-                       "trained_steps": T if name.endswith("_all") else k, "row_passes": passes[name]}
-                for name, ts in times.items()}
-        c_over_b = {pos: paired_speedup(times[f"b_perstep_window_{pos}"], times[f"c_jagg_window_{pos}"])
-                    for pos in ("first", "last")}
-        return {
-            "model": problem.describe(), "T": T, "k": k, "W_all": W, "repeats": repeats, "rows": rows,
-            "jagg_over_perstep_on_window": c_over_b, "matmul_gflops_per_round": gflops,
-            "sigmas": [round(float(s), 4) for s in problem.traj.sigmas],
-            "summary": {"seconds_per_sample_a": rows["a_perstep_all"]["seconds_per_sample"],
-                        "seconds_per_sample_c_first": rows["c_jagg_window_first"]["seconds_per_sample"],
-                        "speedup_c_over_b_first": c_over_b["first"], "speedup_c_over_b_last": c_over_b["last"],
-                        "speedup_d_over_a": rows["d_jagg_all"]["speedup_vs_a"],
-                        "speedup_c_over_a": rows["c_jagg_window_first"]["speedup_vs_a"]},
-        }
-
-    @classmethod
-    def markdown(cls, res: dict) -> str:
-        T, k, s = res["T"], res["k"], res["sigmas"]
-        lines = ["| configuration | trained steps | transformer passes (B-row units) | s per minibatch | "
-                 "s per sample | speedup vs (a) |", "|---|---|---|---|---|---|"]
-        for name, (label, _) in cls.LABELS.items():
-            r = res["rows"][name]
-            lines.append(f"| {label.format(W=res['W_all'])} | {r['trained_steps']} | {r['row_passes']} | "
-                         f"{r['seconds']:.3f} | {r['seconds_per_sample']:.3f} | {r['speedup_vs_a']:.2f}x |")
-        c = res["jagg_over_perstep_on_window"]
-        return "\n".join([
-            f"Same SD3-shaped model as window_speed, batch {res['model']['batch']}; an SDE rollout of T = {T} steps "
-            f"(sigmas {s[0]:.2f} .. {s[T - 1]:.3f}); SDE window of k = {k} steps at the start (steps 0..{k - 1}, "
-            f"sigma {s[0]:.2f}..{s[k - 1]:.2f}) and at the end (steps {T - k}..{T - 1}, sigma {s[T - k]:.2f}.."
-            f"{s[T - 1]:.3f}). Medians of {res['repeats']} rounds, paired ratios.",
-            "",
-            "\n".join(lines),
-            "",
-            f"JAGG on the SDE window vs per-step on the same window: **{c['first']:.2f}x** (start), "
-            f"**{c['last']:.2f}x** (end); limit k/2 = {k / 2:.1f}. The savings multiply: subsampling cuts the trained "
-            f"steps from T to k, JAGG cuts the passes per trained window from k to 2.",
-        ])
-
-    @classmethod
-    def plot(cls, res: dict, ax) -> None:
-        _barh(ax, [short for _, short in cls.LABELS.values()],
-              [res["rows"][n]["seconds_per_sample"] for n in cls.LABELS], "training-phase seconds per sample",
-              f"subsampling: T={res['T']}, SDE window k={res['k']}", [0, 1, 2, 1, 2, 3])
-
-
-# ------------------------------------------------------------------------------------------------------------------
 # cfg
 # ------------------------------------------------------------------------------------------------------------------
 
@@ -395,4 +288,4 @@ class Cfg:
               f"CFG {res['guidance']}: training one window", [0, 1, 2, 3])
 
 
-PARTS = {"window_speed": WindowSpeed, "subsampling": Subsampling, "cfg": Cfg}
+PARTS = {"window_speed": WindowSpeed, "cfg": Cfg}

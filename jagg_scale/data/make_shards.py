@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Turn a prompt file into webdataset prompt shards for `ShardPromptStream` (`data.source: wds`).
 
-    python -m tools.make_prompt_shards INPUT OUT_DIR [--format auto] [--shard-size 1000] [--prefix prompts]
+    python -m jagg_scale.data.make_shards INPUT OUT_DIR [--format auto] [--shard-size 1000] [--prefix prompts]
 
 Writes OUT_DIR/{prefix}-000000.tar, ... (sample = `<key>.txt` prompt + `<key>.json` metadata, see
 `jagg_scale.data.shards`), then prints the brace pattern to pass as the stream's urls and the counts, and writes
@@ -22,9 +21,9 @@ import logging
 from pathlib import Path
 
 
-from jagg_scale.data.prompt_sets import read_drawbench, read_geneval, read_ocr, read_parti, read_pickapic
-from jagg_scale.data.prompts import LineReader, PromptRecord, PromptSet, parse_jsonl_record
-from jagg_scale.data.shards import shard_pattern, write_prompt_shards
+from .prompt_sets import read_drawbench, read_geneval, read_ocr, read_parti, read_pickapic
+from .prompts import LineReader, PromptRecord, PromptSet, parse_jsonl_record
+from .shards import shard_pattern, write_prompt_shards
 
 
 def _read_lines(parse):
@@ -51,13 +50,13 @@ def resolve_format(path: Path, fmt: str) -> str:
     if fmt != "auto":
         return fmt
     if path.suffix.lower() not in AUTO:
-        raise SystemExit(f"--format auto: cannot tell the format of {path} from its extension; "
+        raise ValueError(f"--format auto: cannot tell the format of {path} from its extension; "
                          f"pass one of {sorted(READERS)}")
     return AUTO[path.suffix.lower()]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jagg_scale.data.make_shards", description=__doc__.split("\n\n")[0])
     ap.add_argument("input", type=Path)
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--format", default="auto", choices=["auto", *READERS])
@@ -67,7 +66,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 
-    fmt = resolve_format(args.input, args.format)
+    if not args.input.is_file():
+        ap.error(f"{args.input}: no such file")
+    try:
+        fmt = resolve_format(args.input, args.format)
+    except ValueError as err:
+        ap.error(str(err))
     prompts = READERS[fmt](args.input)
     paths = write_prompt_shards(prompts.records, args.out_dir, args.shard_size, args.prefix, overwrite=args.overwrite)
     summary = {
