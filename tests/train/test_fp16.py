@@ -59,7 +59,7 @@ def test_a_tiny_sd3_lora_run_trains_in_float16_and_resumes_bit_for_bit(sd3_dir, 
     """Three steps, a checkpoint, the third resumed: the uninterrupted run's metrics bit for bit. The scaler grows
     after every clean step here (growth interval 1), so a resume that lost its state would scale the third step by
     2^16 instead of its grown scale and log it."""
-    import jagg_scale.parallel.engine as engines
+    import jagg_scale.parallel.local_engine as engines
 
     make = engines.make_scaler
 

@@ -90,7 +90,7 @@ def test_an_engine_refuses_to_save_non_finite_weights(ctx, backend, tmp_path):
 
 @pytest.mark.parametrize("chained", [False, True])
 def test_a_full_disk_during_a_save_names_the_directory_and_the_free_space(ctx, tmp_path, monkeypatch, chained):
-    import jagg_scale.parallel.engine as local  # where the engine's writers are looked up
+    import jagg_scale.parallel.local_engine as local  # where the engine's writers are looked up
 
     def full(path, obj):
         if not chained:
@@ -159,7 +159,7 @@ def test_max_nonfinite_steps_in_a_row_stop_the_run_with_exit_1(tmp_path, monkeyp
 
 def _initial_loss_scale(monkeypatch, scale: float) -> None:
     """model.dtype float16's loss scaler starting at `scale` instead of 2^16."""
-    import jagg_scale.parallel.engine as engines
+    import jagg_scale.parallel.local_engine as engines
 
     make = engines.make_scaler
 
