@@ -83,13 +83,16 @@ def register(fam: Family) -> Family:
 
 
 def families() -> dict[str, Family]:
-    """{kind: Family} of every registered family (their modules imported on first use)."""
+    """{kind: Family} of every registered family (their modules imported on first use), in MODULES' order whatever
+    order they were imported in (a family registered from elsewhere, a test's, after them)."""
     global _loaded
     if not _loaded:
         _loaded = True
         for module in MODULES:
             importlib.import_module(f".{module}", __package__)
-    return _FAMILIES
+    rank = {f"{__package__}.{m}": i for i, m in enumerate(MODULES)}
+    order = sorted(_FAMILIES.values(), key=lambda f: rank.get(f.velocity.__module__, len(MODULES)))
+    return {f.name: f for f in order}
 
 
 def family(kind: str, key: str = "model.kind") -> Family:

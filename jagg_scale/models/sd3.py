@@ -52,7 +52,7 @@ class SD3Velocity(DiffusersVelocity):
     lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
 
-    def __init__(self, pipe, max_sequence_length: int = 256, latent_size: int | None = None):
+    def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS, latent_size: int | None = None):
         super().__init__(pipe, max_sequence_length)
         cfg = self.transformer.config
         vae_scale = pipe.vae_scale_factor

@@ -129,7 +129,7 @@ class ModelConfig(_Section):
         _require(self.resolution is None or self.resolution >= 16, f"{prefix}.resolution",
                  f"must be >= 16 pixels, got {self.resolution}")
         _require(self.distilled_guidance is None or "distilled_guidance" in fam.keys, f"{prefix}.distilled_guidance",
-                 f"is for the guidance-distilled FLUX kinds ({takes('distilled_guidance')}), not {self.kind}")
+                 f"is for the guidance-distilled FLUX kinds, not {self.kind} ({takes('distilled_guidance')})")
         _require(self.distilled_guidance is None or self.distilled_guidance > 0, f"{prefix}.distilled_guidance",
                  "must be > 0")
         _require(self.attention == "sdpa" or "attention" in fam.keys, f"{prefix}.attention",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from jagg_scale.models import build_model, tiny
-from jagg_scale.models.registry import _FAMILIES, Family, families, family, family_of_transformer, register
+from jagg_scale.models.registry import _FAMILIES, MODULES, Family, families, family, family_of_transformer, register
 from jagg_scale.sections import ConfigError
 from jagg_scale.train.config import config_from_dict as _from_dict
 from jagg_scale.train.config_sections import ModelConfig
@@ -23,6 +23,8 @@ def test_the_registry_holds_the_dit_and_every_pipeline_family():
     assert set(families()) >= {"dit", "sd3", "flux", "flux_kontext", "flux2", "qwenimage", "qwenimage_edit", "zimage",
                                "wan"}
     assert not family("dit").is_pipeline and family("dit").geometry is None
+    # in MODULES' order whatever imported a family module first (error messages and first-registered lookups read it)
+    assert [f.velocity.__module__.rsplit(".", 1)[1] for f in families().values()] == list(MODULES)
 
 
 @pytest.mark.parametrize("kind", PIPELINES)

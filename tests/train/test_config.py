@@ -28,7 +28,6 @@ def _err(*overrides):
 
 
 @pytest.mark.parametrize("key,choices", [
-    ("model.kind", "dit, sd3, flux, qwenimage, flux2, zimage, flux_kontext, wan"),
     ("model.dtype", "float32, bfloat16, float16"),
     ("model.attention", "sdpa, xformers"),
     ("model.text_encoders", "all, no_t5"),
