@@ -37,7 +37,7 @@ def resolution(config: str, overrides: list[str], dtype: str) -> tuple[float, fl
         try:
             g = cfg.grpo.group_size
             records = [r for r in trainer.source.next_prompts() for _ in range(g)]
-            rows = StepRows.draw(len(records), cfg.train.batch_size, cfg.run.seed, 0, 0, 1, 1).mine
+            rows = StepRows.draw(len(records), cfg.train.minibatch_size, cfg.run.seed, 0, 0, 1, 1).mine
             cond = trainer.policy.encode([records[i].prompt for i in rows.tolist()])
             trainer.model.eval()
             traj = trainer.policy.rollout(cond, rows, 0)

@@ -36,7 +36,7 @@ KNOWN = {"stable-diffusion-3.5-medium": "sd35_medium", "stable-diffusion-3.5-lar
          "flux.1-dev": "flux1_dev", "flux1-dev": "flux1_dev", "qwen-image": "qwen_image",
          "flux.2-klein-4b": "flux2_klein", "flux.2-klein-base-4b": "flux2_klein", "z-image": "z_image",
          "flux.1-kontext-dev": "flux1_kontext_dev", "wan2.1-t2v-14b": "wan21_t2v_14b"}
-# a family's frozen components, the VAE first and the large (shardable: model.shard_t5) text encoder last
+# a family's frozen components, the VAE first and the large (shardable: model.shard_text_encoder) text encoder last
 FROZEN = {"sd3": ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"),
           "flux": ("vae", "text_encoder", "text_encoder_2"), "flux_kontext": ("vae", "text_encoder", "text_encoder_2"),
           "qwenimage": ("vae", "text_encoder"), "flux2": ("vae", "text_encoder"), "zimage": ("vae", "text_encoder"),

@@ -141,7 +141,7 @@ class NFTUpdater(Updater):
                 local_d = to_device(local, device)
                 mb_cond = index_cond(cond, local)  # a host index (cond.py)
                 batch = self._batch(traj, mb_cond, r, local_d, rows.mine[local], global_rows, step, epoch)
-                loss = NFTStepLoss(beta=nft.beta, kl_beta=nft.kl_beta, adv_clip_max=cfg.grpo.adv_clip_max,
+                loss = NFTStepLoss(beta=nft.mix, kl_beta=nft.kl_beta, adv_clip_max=cfg.grpo.adv_clip_max,
                                    scale=1.0 / self.K,
                                    denominator=float(adv.mask[global_rows].sum()) / rows.world_size)
                 planned = self.planner.plan(batch.old, batch.t.mean(1), reduce=self._reduce,

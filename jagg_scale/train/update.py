@@ -312,7 +312,7 @@ class Updater:
             for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
                 # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
                 loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=g.clip_range,
-                                    beta=g.beta, scale=1.0 / K,
+                                    beta=g.kl_beta, scale=1.0 / K,
                                     denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
                                     guidance=guidance, guidance_rule=self.policy.guidance_rule,
                                     sde=cfg.sampling.sde)

@@ -37,7 +37,7 @@ COMMON = ["eval.enabled=false", "run.checkpoint_every=0", "log.progress=false", 
           "jagg.probe_every=0", "train.steps=1000", "run.resume=none"]
 QUICK = {
     "sd3_tiny": ["train.prompts_per_step=2", "sampling.num_steps=8"],
-    "digits": ["sampling.num_steps=8", "train.prompts_per_step=1", "train.batch_size=8", "sampling.batch_size=8"],
+    "digits": ["sampling.num_steps=8", "train.prompts_per_step=1", "train.minibatch_size=8", "sampling.chunk_size=8"],
 }
 
 
@@ -77,7 +77,8 @@ def bench_model(name: str, config: str, extra: list[str], work: Path, rounds: in
     cfg0 = trainers["exact"].cfg
     out = {"config": config, "overrides": extra, "rounds": rounds, "warmup_steps": warmup, "arms": {},
            "setup": {"num_steps": cfg0.sampling.num_steps, "rows_per_step": cfg0.train.prompts_per_step
-                     * cfg0.grpo.group_size, "train_batch": cfg0.train.batch_size, "guidance": cfg0.sampling.guidance,
+                     * cfg0.grpo.group_size, "train_batch": cfg0.train.minibatch_size,
+                     "guidance": cfg0.sampling.guidance,
                      "model_kind": cfg0.model.kind,
                      "parameters": sum(p.numel() for p in trainers["exact"].model.parameters())}}
     base = records["exact"]
