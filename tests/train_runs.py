@@ -53,4 +53,4 @@ def small_dit(num_steps: int, batch_size: int) -> list[str]:
     steps and minibatches of `batch_size` samples, no progress bar, no checkpoints."""
     return ["model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
             "model.dit.num_heads=2", f"sampling.num_steps={num_steps}", "train.prompts_per_step=2",
-            "grpo.group_size=3", f"train.batch_size={batch_size}", "log.progress=false", "run.checkpoint_every=0"]
+            "grpo.group_size=3", f"train.minibatch_size={batch_size}", "log.progress=false", "run.checkpoint_every=0"]

@@ -163,7 +163,7 @@ def section_syncs(args, device, state) -> dict:
               "model.lora.rank=4", "model.lora.alpha=8", "run.resume=none"]
 
     work = Path(state["work"])
-    shrink = ["train.prompts_per_step=1", "train.batch_size=12", "train.micro_batch_size=12"] if args.tiny else []
+    shrink = ["train.prompts_per_step=1", "train.minibatch_size=12", "train.micro_batch_size=12"] if args.tiny else []
     cfg = load_config(ROOT / "configs" / "sd3_tiny_cpu.yaml",  # --tiny: the same loop on 24 rows, not 144
                       [*layout, *shrink, *train_overrides(tiny_pipeline(work), work / "syncs_run", device)])
     trainer = Trainer(cfg)

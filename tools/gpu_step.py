@@ -113,15 +113,15 @@ def arm_config(arm: str, args, pipe: Path, reward: Path, out: Path):
     config = ROOT / "configs" / "sd35m_pickscore.yaml"
     world = args.step_world
     share = rank_share(load_config(config, check_files=False), world)
-    tiny = ["train.prompts_per_step=1", "train.batch_size=12", "train.micro_batch_size=12", "grpo.group_size=24",
+    tiny = ["train.prompts_per_step=1", "train.minibatch_size=12", "train.micro_batch_size=12", "grpo.group_size=24",
             "model.max_sequence_length=16", "model.resolution=16", "model.lora.rank=4",
             "model.lora.alpha=8"] if args.tiny else []
     rows = 24 if args.tiny else 48 // world * 24
     own = own_overrides(arm, rows)
     if arm == "Flow-GRPO":  # its own 9-row batch, not a scaled one (or the whole share when smaller)
         fg = min(9, rows // 2)
-        own = [o for o in own if not o.startswith(("sampling.batch_size", "train.micro_batch_size"))]
-        own += [f"sampling.batch_size={fg}", f"train.micro_batch_size={fg}"]
+        own = [o for o in own if not o.startswith(("sampling.chunk_size", "train.micro_batch_size"))]
+        own += [f"sampling.chunk_size={fg}", f"train.micro_batch_size={fg}"]
     # model.lora.expect_modules: the recipe's count is its real model's, not the bench model's
     return load_config(config, [*share, *tiny, f"model.pretrained={pipe}", "model.lora.expect_modules=null",
                                 f"reward.options.path={reward}",

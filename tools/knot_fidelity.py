@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "digits_cpu.yaml"
 COMMON = ["eval.enabled=false", "log.progress=false", "log.wandb=false", "run.checkpoint_every=0",
           "run.overwrite=true"]
-QUICK = ["sampling.num_steps=8", "sampling.eval_num_steps=8", "train.prompts_per_step=1", "train.batch_size=8",
-         "sampling.batch_size=8"]
+QUICK = ["sampling.num_steps=8", "sampling.eval_num_steps=8", "train.prompts_per_step=1", "train.minibatch_size=8",
+         "sampling.chunk_size=8"]
 # (name, nft.noise, window or None for per-timestep backwards, nft.old_at)
 NFT_SCHEMES = [("NFT (per-timestep noise, exact)", "per_timestep", None, "timesteps"),
                ("shared noise, exact", "per_sample", None, "timesteps"),
@@ -91,7 +91,7 @@ def rollout(trainer: Trainer, step: int):
     every trained step."""
     cfg, g = trainer.cfg, trainer.cfg.grpo.group_size
     records = [r for r in trainer.source.next_prompts() for _ in range(g)]
-    rows = StepRows.draw(len(records), cfg.train.batch_size, cfg.run.seed, step, 0, 1)
+    rows = StepRows.draw(len(records), cfg.train.minibatch_size, cfg.run.seed, step, 0, 1)
     prompts, meta = [records[i].prompt for i in rows.mine.tolist()], [records[i].metadata for i in rows.mine.tolist()]
     spec = trainer.algorithm.rollout_spec(step)
     cond, steps = trainer.policy.encode(prompts), list(spec.trained or ())
@@ -110,7 +110,7 @@ def rollout(trainer: Trainer, step: int):
 def ref_at(beta: float, window: int, steps: int, quick: bool, work: Path) -> dict:
     """cos(JAGG with the reference at knots, JAGG with it everywhere), and each against Flow-GRPO's gradient."""
     trainer = Trainer(load_config(CONFIG, COMMON + (QUICK if quick else []) + [
-        f"grpo.beta={beta}", f"jagg.window={window}", f"run.output_dir={work / f'ref_{beta}_{window}'}"]))
+        f"grpo.kl_beta={beta}", f"jagg.window={window}", f"run.output_dir={work / f'ref_{beta}_{window}'}"]))
     out = []
     for step in range(steps):
         traj, cond, adv, rows, trained = rollout(trainer, step)

@@ -8,7 +8,7 @@
     shapes.py       model shapes: a pipeline directory's configs or the committed shapes/*.json, on the meta device
     activations.py  measured activation coefficients (coefficients.json) and their composition over the depth
     measure.py      the CPU measurement of those coefficients (--measure)
-    memory.py       the per-rank, per-phase memory model (docs/scale.md); sampling.batch_size auto
+    memory.py       the per-rank, per-phase memory model (docs/scale.md); sampling.chunk_size auto
     steptime.py     the step-time model: each phase's passes at rates measured on a GPU (passes.json)
     cli.py          the command
 

@@ -1,6 +1,6 @@
 """One rank's share of a production config, as overrides that make a single process run it.
 
-    rank_share(cfg, world_size) -> ["train.prompts_per_step=6", "train.batch_size=72", "sampling.num_steps=10", ...]
+    rank_share(cfg, world_size) -> ["train.prompts_per_step=6", "train.minibatch_size=72", "sampling.num_steps=10", ...]
 
 A rank of `world_size` samples prompts_per_step / world_size groups and trains batch_size / world_size rows of every
 minibatch (train/rows.py), through the same sampler, loss and planner. The overrides carry the config's whole
@@ -24,11 +24,12 @@ def _value(v) -> str:
 
 def rank_share(cfg, world_size: int) -> list[str]:
     t = cfg.train
-    if t.prompts_per_step % world_size or t.batch_size % world_size:
-        raise ValueError(f"train.prompts_per_step {t.prompts_per_step} and train.batch_size {t.batch_size} must be "
+    if t.prompts_per_step % world_size or t.minibatch_size % world_size:
+        raise ValueError(f"train.prompts_per_step {t.prompts_per_step} and train.minibatch_size {t.minibatch_size} "
+                         "must be "
                          f"multiples of the world size {world_size} for a rank's share to be a whole config")
     out = [f"train.prompts_per_step={t.prompts_per_step // world_size}",
-           f"train.batch_size={t.batch_size // world_size}", f"train.micro_batch_size={t.micro_batch_size}",
+           f"train.minibatch_size={t.minibatch_size // world_size}", f"train.micro_batch_size={t.micro_batch_size}",
            f"model.dtype={cfg.model.dtype}", f"model.lora.enabled={str(cfg.model.lora.enabled).lower()}"]
     for section in ("sampling", "grpo", "jagg"):
         data = dataclasses.asdict(getattr(cfg, section))

@@ -204,7 +204,7 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     e = cfg.eval
     if e.enabled and e.every > 0:
         per = math.ceil(s["eval_images"] / (s["world"] // s["sp"]))  # an sp group evaluates the same images
-        ev = [min(e.batch_size, per - i) for i in range(0, per, e.batch_size)]
+        ev = [min(e.chunk_size, per - i) for i in range(0, per, e.chunk_size)]
         eval_draw = {"group": e.num_per_prompt, "prompts": -(-per // e.num_per_prompt)}  # its own prompts
         out["eval"] = (smp.eval_num_steps * fwd(ev, x=cfgg, **eval_draw) + fwd(ev, vae)) / e.every
         eval_rows = smp.eval_num_steps * per * cfgg / e.every
@@ -232,7 +232,7 @@ def flow_grpo_overrides(cfg) -> list[str]:
     batch per GPU, no activation checkpointing, no SDE window (yifan123/flow_grpo config/grpo.py pickscore_sd3,
     commit ac4c86e: lines 118 sample.train_batch_size 9, 124 train.batch_size = it, 127 train.timestep_fraction
     0.99)."""
-    return ["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps", "sampling.batch_size=9", "train.micro_batch_size=9",
+    return ["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps", "sampling.chunk_size=9", "train.micro_batch_size=9",
             "grpo.timestep_fraction=0.99",
             "parallel.activation_checkpointing=false", "sampling.sde_window=0", "sampling.ode_steps=0",
             "sampling.ode_solver=euler", "sampling.sde_window_range=null", "sampling.sde_window_mode=null",

@@ -7,7 +7,7 @@ adapter through `.to()` / `.double()` / `.cuda()` (`_apply` is overridden). The 
 
 Placement (train/trainer.py): the training engine shards and places the transformer (the registered parameters);
 `place_frozen(device, shard_t5=)` moves the VAE and text encoders to the device in their own dtype, the T5 encoder
-sharded for inference when asked (model.shard_t5). `reference_copy()` is the KL reference of a full fine-tune:
+sharded for inference when asked (model.shard_text_encoder). `reference_copy()` is the KL reference of a full fine-tune:
 `with_transformer(copy of the transformer)`, an adapter around the copy that shares this one's pipeline, VAE,
 encoders and settings by reference, so the reference velocity is the policy's latent and prompt handling around
 the frozen starting weights, at the cost of one transformer.

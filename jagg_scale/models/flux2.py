@@ -22,7 +22,7 @@ guidance-distilled; its CFG is the plain combination with the empty negative pro
 `guidance_rule` stays plain. FLUX.2 [dev] is guidance-distilled: no CFG pair (sampling.guidance 1), its guidance
 embedding fed on every row as Flux2Pipeline does. Sign: v = e - d, Euler steps x_next = x + (s_next - s) v, as
 FLUX.1 (tested against the pipeline's own loop in tests/models/test_flux2_adapter.py). The text encoder is
-`t5_name`: `model.shard_t5` shards it for inference (Mistral-Small-3.1 24B for [dev]).
+`t5_name`: `model.shard_text_encoder` shards it for inference (Mistral-Small-3.1 24B for [dev]).
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ to the conditional prediction's norm there, with the negative prompt " " (its do
 used by rollout, evaluation and the GRPO loss alike. (eff_grpo's Qwen-Image recipe trains without CFG:
 fastvideo/train_grpo_qwenimage_jagg.py:244 passes guidance=None and the conditional prompt alone.)
 
-The text encoder (Qwen2.5-VL, 7B in the published model) is `t5_name`: `model.shard_t5` shards it for inference
-like SD3's and FLUX's T5.
+The text encoder (Qwen2.5-VL, 7B in the published model) is `t5_name`: `model.shard_text_encoder` shards it for
+inference like SD3's and FLUX's T5.
 """
 
 from __future__ import annotations

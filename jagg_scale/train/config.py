@@ -49,9 +49,9 @@ class Config:
 
     @property
     def uses_reference(self) -> bool:
-        """Whether the run needs the KL reference (the starting model): grpo.beta > 0, or nft.kl_beta > 0 under
+        """Whether the run needs the KL reference (the starting model): grpo.kl_beta > 0, or nft.kl_beta > 0 under
         DiffusionNFT. Without it no reference is built and none is evaluated."""
-        return (self.nft.kl_beta if self.train.algorithm == "nft" else self.grpo.beta) > 0
+        return (self.nft.kl_beta if self.train.algorithm == "nft" else self.grpo.kl_beta) > 0
 
     @property
     def trained_per_sample(self) -> int:
@@ -82,9 +82,9 @@ class Config:
 
     @property
     def optimizer_steps_per_step(self) -> int:
-        """Optimizer steps per training step: one per minibatch of train.batch_size rows, every inner epoch. The
+        """Optimizer steps per training step: one per minibatch of train.minibatch_size rows, every inner epoch. The
         same every step, so the count so far is a function of the step: what a resumed run continues from."""
-        return self.grpo.inner_epochs * self.train.prompts_per_step * self.grpo.group_size // self.train.batch_size
+        return self.grpo.inner_epochs * self.train.prompts_per_step * self.grpo.group_size // self.train.minibatch_size
 
     @property
     def reward_deadline_s(self) -> float:
@@ -163,7 +163,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     _check_video_rewards(cfg)
     _require(s.sde_window == 0 or g.timestep_fraction == 1.0, "grpo.timestep_fraction",
              "must be 1.0 with sampling.sde_window (the window decides which steps are trained)")
-    _require((t.prompts_per_step * g.group_size) % t.batch_size == 0, "train.batch_size",
+    _require((t.prompts_per_step * g.group_size) % t.minibatch_size == 0, "train.minibatch_size",
              f"must divide train.prompts_per_step * grpo.group_size = {t.prompts_per_step * g.group_size}")
     _check_algorithm(cfg)
     if cfg.parallel.engine == "deepspeed":  # its 16-bit modes follow model.dtype (build_ds_config)
@@ -232,8 +232,8 @@ def _check_algorithm(cfg: Config) -> None:
     _check_step_selection(cfg)
     if not nft:
         if g.ref_at == "knots":
-            _require(g.beta > 0, "grpo.ref_at", "knots places the KL reference's forwards, but grpo.beta is 0 (no "
-                     "reference runs): leave it out")
+            _require(g.kl_beta > 0, "grpo.ref_at", "knots places the KL reference's forwards, but grpo.kl_beta is 0 "
+                     "(no reference runs): leave it out")
             _require(_fixed_windows(cfg), "grpo.ref_at", _FIXED_WINDOWS)
         if s.sde == "cps":  # CPS's last step (to s_T = 0) injects no noise: no density to train on, a KL term of 1 / 0
             if s.sde_window:
@@ -264,7 +264,7 @@ def _check_algorithm(cfg: Config) -> None:
 
 # Flow-GRPO's own keys of the grpo section; its others (group_size, adv_clip_max, global_std, timestep_fraction,
 # inner_epochs: the group advantages and the trained steps) are read by DiffusionNFT too
-GRPO_ONLY = {"clip_range": "", "beta": " (its KL weight is nft.kl_beta)", "ref_at": " (its reference runs where "
+GRPO_ONLY = {"clip_range": "", "kl_beta": " (its KL weight is nft.kl_beta)", "ref_at": " (its reference runs where "
              "nft.old_at says)", "step_selection": " (it draws each sample's timesteps itself)",
              "onpolicy_tolerance": " (its update has no log-ratio to check)"}
 
@@ -309,8 +309,8 @@ def validate_world(cfg: Config, world_size: int) -> None:
     if cfg.reward.shard and world_size > 1:  # sharded scoring runs inline on every rank (trainer: background)
         refuse_set(cfg.reward, "reward", ("deadline_s",), f"reward.shard on {world_size} ranks scores inside the "
                    "rollout (no background scorer), which no deadline cuts off")
-    _require(cfg.train.batch_size % groups == 0, "train.batch_size",
-             f"{cfg.train.batch_size} must be divisible by the {groups} data-parallel groups of the world size "
+    _require(cfg.train.minibatch_size % groups == 0, "train.minibatch_size",
+             f"{cfg.train.minibatch_size} must be divisible by the {groups} data-parallel groups of the world size "
              f"{world_size} (each trains its share)")
     _require(p.engine != "fsdp2" or world_size % p.replicate == 0, "parallel.replicate",
              f"{p.replicate} must divide the world size {world_size} (HSDP: replicas x shards; the node count on "

@@ -120,7 +120,18 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
 
 
 # keys that were renamed: their old name gets an error naming the new one
-RENAMED = {"parallel.backend": "parallel.engine", "model.gradient_checkpointing": "parallel.activation_checkpointing"}
+# (one meaning per name: each line names the old key and the new one together, which
+# a rename script leaves as it is)
+RENAMED = {
+    "parallel.backend": "parallel.engine",
+    "model.gradient_checkpointing": "parallel.activation_checkpointing",
+    "grpo.beta": "grpo.kl_beta",  # GRPO's KL weight (beside nft.kl_beta)
+    "nft.beta": "nft.mix",  # the implicit policies' mixing weight, not a KL weight
+    "model.shard_t5": "model.shard_text_encoder",  # shards Qwen2.5-VL, Mistral and UMT5 encoders too
+    "train.batch_size": "train.minibatch_size",  # samples per optimizer step, over all ranks
+    "sampling.batch_size": "sampling.chunk_size",  # rollout rows per forward on one rank
+    "eval.batch_size": "eval.chunk_size",  # evaluation images per forward on one rank
+}
 
 
 def _unset_by_null(tp: Any, default: Any) -> bool:

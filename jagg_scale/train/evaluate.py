@@ -6,13 +6,13 @@ differ only by the weights: a reward difference is the model's, not the sampler'
 At scale (thousands of held-out images, several ranks):
 
     split      image i of the N eval images (prompt-major, num_per_prompt each) belongs to rank i // S, S = ceil(N /
-               world size): a contiguous share. Every rank runs ceil(S / eval.batch_size) batches of the same sizes
+               world size): a contiguous share. Every rank runs ceil(S / eval.chunk_size) batches of the same sizes
                (a sharded model needs every rank in each forward, a sharded reward in each call): a rank short of S
                images pads its share with copies of the last image, sampled, decoded, scored and dropped
-    bounded    per rank, eval.batch_size images at a time are encoded, sampled, decoded and scored: memory does not
+    bounded    per rank, eval.chunk_size images at a time are encoded, sampled, decoded and scored: memory does not
                grow with N (only the scores, a feature row per image and the first eval.grid_images images are kept)
     noise      image i starts from row i of torch.randn(N, *latent_shape) drawn from a generator seeded by
-               eval.seed (the tensor this evaluation has always used), produced in chunks of about eval.batch_size
+               eval.seed (the tensor this evaluation has always used), produced in chunks of about eval.chunk_size
                rows (`EvalNoise`): the same noise for image i whatever the rank or the world size, never the whole
                tensor at once
     gather     the scores are all-gathered (every rank returns the same result); the grid's images are gathered to
@@ -151,7 +151,7 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
     n = len(records)
     index, real = eval_share(n, rank, world)
     device = next(model.parameters()).device
-    noise = EvalNoise(e.seed, model.latent_shape, n, e.batch_size)
+    noise = EvalNoise(e.seed, model.latent_shape, n, e.chunk_size)
     sigmas = model_schedule(model, cfg.sampling.eval_num_steps, cfg.sampling.shift).to(device)
     grid_n = min(e.grid_images, n)
     scores, valid, feats, grid = [], [], [], []
@@ -165,7 +165,7 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
     was_training = model.training
     model.eval()
     try:
-        for b, (rows, mine) in enumerate(zip(index.split(e.batch_size), real.split(e.batch_size))):
+        for b, (rows, mine) in enumerate(zip(index.split(e.chunk_size), real.split(e.chunk_size))):
             if b < done:
                 continue
             if stop is not None and stop():

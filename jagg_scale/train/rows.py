@@ -2,7 +2,7 @@
 
 A step's batch is N = prompts_per_step x group_size rows (row i belongs to group i // group_size). The rows are
 shuffled once per step with a seeded permutation (Flow-GRPO shuffles its samples too) and cut into minibatches
-of train.batch_size; each rank takes an equal, contiguous slice of every minibatch. So every rank trains on a
+of train.minibatch_size; each rank takes an equal, contiguous slice of every minibatch. So every rank trains on a
 slice of the same global minibatches, whatever the world size, and an optimizer step on N ranks sees the rows
 one process would have seen.
 
@@ -75,8 +75,8 @@ class StepRows:
              sp: int = 1) -> "StepRows":
         if batch_size % (world_size // sp) or n % batch_size:
             groups = f"world size {world_size}" if sp == 1 else f"{world_size // sp} sequence-parallel groups"
-            raise ValueError(f"train.batch_size={batch_size} must be divisible by the {groups} and divide the step's "
-                             f"{n} rows")
+            raise ValueError(f"train.minibatch_size={batch_size} must be divisible by the {groups} and divide the "
+                             f"step's {n} rows")
         gen = torch.Generator().manual_seed(step_seed(seed, step, 1))
         return cls(torch.randperm(n, generator=gen), batch_size, world_size, rank, sp)
 

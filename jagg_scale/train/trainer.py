@@ -99,7 +99,7 @@ class Trainer:
             self._sequence_parallel(*[m for m in (model, ref) if m is not None])
         self.engine = build_engine(model, cfg.parallel, cfg.train, self.dist)
         self.model = self.engine.model
-        model.place_frozen(self.device, shard_t5=self._t5_sharder() if cfg.model.shard_t5 else None)
+        model.place_frozen(self.device, shard_t5=self._t5_sharder() if cfg.model.shard_text_encoder else None)
         self.policy = Policy(self.model, cfg, self.device,
                              ref_model=self.engine.shard_frozen(ref) if ref is not None else None,
                              rollout_batch=agreed_rollout_batch(cfg, self.dist, self.device))
@@ -140,8 +140,9 @@ class Trainer:
                                   f"config key 'parallel.sequence_parallel' {sp}: {err}") from err
 
     def _t5_sharder(self):
-        """model.shard_t5: the T5 encoder fully_shard-ed for inference over a 1-D mesh of every rank (a trivial
-        process group in one process), each rank's shard placed on its device (parallel.fsdp.shard_for_inference)."""
+        """model.shard_text_encoder: the T5 encoder fully_shard-ed for inference over a 1-D mesh of every rank (a
+        trivial process group in one process), each rank's shard placed on its device
+        (parallel.fsdp.shard_for_inference)."""
         from ..parallel.fsdp import build_mesh, shard_for_inference
 
         self.dist.ensure_group()
@@ -169,7 +170,7 @@ class Trainer:
         spec = algorithm.rollout_spec(step)
         # 1. rollout: the step's prompts (the same on every rank), this rank's rows, scored chunk by chunk
         records = [r for r in self.source.next_prompts() for _ in range(g)]
-        rows = StepRows.draw(len(records), cfg.train.batch_size, cfg.run.seed, step, self.dist.rank,
+        rows = StepRows.draw(len(records), cfg.train.minibatch_size, cfg.run.seed, step, self.dist.rank,
                              self.dist.world_size, cfg.parallel.sequence_parallel)
         mine = rows.mine.tolist()
         prompts, metadata = [records[i].prompt for i in mine], [records[i].metadata for i in mine]
@@ -307,7 +308,7 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict:
         """ODE samples on the held-out prompts after `step` updates -> out/eval/step_XXXXXXXX/{eval.json,grid.png}.
-        Each rank samples its share of the images, eval.batch_size at a time, in the same number of forwards (a
+        Each rank samples its share of the images, eval.chunk_size at a time, in the same number of forwards (a
         sharded model needs all ranks in each); the scores are gathered to every rank, rank 0 writes. After step 0
         the step-0 evaluation (the base model; read back from its eval.json in a resumed run) is reported beside it."""
         out_dir = self.eval_dir(step)

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
          "model.dit.num_heads=2", "sampling.num_steps=4", "train.prompts_per_step=2", "grpo.group_size=2",
-         "train.batch_size=4", "log.progress=false", "run.checkpoint_every=0", "train.steps=1", "jagg.window=2",
+         "train.minibatch_size=4", "log.progress=false", "run.checkpoint_every=0", "train.steps=1", "jagg.window=2",
          "eval.prompts=[a red apple]", "eval.num_per_prompt=1"]
 STEP = "checkpoints/step_00000001"
 

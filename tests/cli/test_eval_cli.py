@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
          "model.dit.num_heads=2", "sampling.num_steps=4", "train.prompts_per_step=2", "grpo.group_size=3",
-         "train.batch_size=6", "log.progress=false", "run.checkpoint_every=0", "train.steps=2", "jagg.window=2"]
+         "train.minibatch_size=6", "log.progress=false", "run.checkpoint_every=0", "train.steps=2", "jagg.window=2"]
 EVAL = ["eval.enabled=true", "eval.prompts=[a red apple, a blue sky]", "eval.num_per_prompt=2"]
 
 pytestmark = pytest.mark.slow  # each test trains a run and evaluates it twice (~2-6 s): outside make test-fast

@@ -23,7 +23,7 @@ README = ROOT / "README.md"
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
          "model.dit.num_heads=2", "sampling.num_steps=4", "train.prompts_per_step=2", "grpo.group_size=2",
-         "train.batch_size=4", "log.progress=false", "jagg.window=2"]
+         "train.minibatch_size=4", "log.progress=false", "jagg.window=2"]
 
 # programs that exist only inside the venv `make` creates: called bare, they are not found (or are another
 # Python's, without torch) unless the venv is activated, which the README never asks for

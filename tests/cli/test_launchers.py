@@ -210,8 +210,8 @@ def test_launcher_starts_two_ranks(script, tool, stubs, stub_train):
 
 
 TINY = ["train.steps=1", "model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=8",
-        "model.dit.patch_size=2", "sampling.num_steps=4", "train.prompts_per_step=2", "train.batch_size=8",
-        "sampling.batch_size=8", "run.checkpoint_every=1", "log.progress=false"]
+        "model.dit.patch_size=2", "sampling.num_steps=4", "train.prompts_per_step=2", "train.minibatch_size=8",
+        "sampling.chunk_size=8", "run.checkpoint_every=1", "log.progress=false"]
 
 
 @pytest.mark.dist

@@ -1,4 +1,4 @@
-"""Run by tests/train/test_rollout_batch_ranks.py under `torchrun --nproc_per_node 2` (gloo on CPU): sampling.batch_size
+"""Run by tests/train/test_rollout_batch_ranks.py under `torchrun --nproc_per_node 2` (gloo on CPU): sampling.chunk_size
 auto resolved by ranks whose GPUs differ (rank 0 given 79.2 GiB, rank 1 40 GiB: a mixed partition), on
 configs/sd35m_pickscore.yaml's estimate. Each rank's own figure (train/policy.rollout_batch) and the agreed one
 (agreed_rollout_batch: one all-gather, the smallest) go to <out>/rank<r>.json: {"gib", "local", "agreed"}.

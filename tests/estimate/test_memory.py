@@ -71,7 +71,7 @@ def test_float16_costs_bf16s_bytes_with_a_float32_vae_and_the_sd35_recipes_still
     est = E.estimate(s)
     assert (half["precision"], half["act"], half["encoders"]) == (s["precision"], s["act"], s["encoders"])
     assert half["decode"][0] == pytest.approx(2 * s["decode"][0], rel=0.01)
-    for phase in ("update", "optimizer"):  # the rollout's chunk (sampling.batch_size auto) follows the decode
+    for phase in ("update", "optimizer"):  # the rollout's chunk (sampling.chunk_size auto) follows the decode
         a, b = got["phases"][phase]["components"], est["phases"][phase]["components"]
         frozen = "frozen encoders + VAE"
         assert a[frozen] - b[frozen] == pytest.approx(2 * s["frozen"]["vae"])  # 4 bytes a weight instead of 2
@@ -271,11 +271,11 @@ def test_the_t5_length_is_the_configs():
 
 
 def test_rollout_batch_auto_is_the_largest_chunk_that_fits_in_two_chunks_or_more():
-    """sampling.batch_size auto: half a rank's rows when they fit (the reward of one chunk overlaps the next
+    """sampling.chunk_size auto: half a rank's rows when they fit (the reward of one chunk overlaps the next
     chunk's sampling), fewer on a smaller GPU, each the largest whose rollout phase fits; the trainer's resolver
     gives the estimator's number."""
     cfg = load(ROOT / "configs" / "sd35m_pickscore.yaml")
-    assert cfg.sampling.batch_size == "auto"
+    assert cfg.sampling.chunk_size == "auto"
     s = E.prepare(cfg, 8)
     big, small = E.rollout_batch(s, GPU_80GB), E.rollout_batch(s, 40.0)
     # 144 rows per rank: at most two chunks of 72 (57 a chunk under float16's float32 VAE decode)
@@ -291,5 +291,5 @@ def test_rollout_batch_auto_off_a_gpu_is_half_a_ranks_rows(tmp_path):
 
     cfg = load(ROOT / "configs" / "sd35m_pickscore.yaml")
     assert rollout_batch(cfg, 8, torch.device("cpu")) == 72 and rollout_batch(cfg, 16, torch.device("cpu")) == 36
-    assert rollout_batch(load(ROOT / "configs" / "sd35m_pickscore.yaml", ["sampling.batch_size=9"]), 8,
+    assert rollout_batch(load(ROOT / "configs" / "sd35m_pickscore.yaml", ["sampling.chunk_size=9"]), 8,
                          torch.device("cpu")) == 9

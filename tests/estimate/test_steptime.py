@@ -54,13 +54,13 @@ def test_each_knob_moves_its_phase():
     assert all(shipped[p] > 0 for p in ("rollout", "reference", "train", "decode"))
     exact = seconds("jagg=null", "jagg.mode=exact", "grpo.ref_at=steps")
     assert exact["train"] > 1.5 * shipped["train"] and exact["rollout"] == shipped["rollout"]  # 9 passes, not 5
-    small = seconds("sampling.batch_size=9")
+    small = seconds("sampling.chunk_size=9")
     assert small["rollout"] > shipped["rollout"] and small["train"] == shipped["train"]
     window = seconds("sampling.sde_window=4", "sampling.sde_window_range=[0, 5]", "grpo.timestep_fraction=1.0",
                      "sampling.ode_solver=dpm2", "sampling.ode_steps=3")
     assert window["rollout"] < 0.8 * shipped["rollout"] and window["train"] < shipped["train"]
     assert window["reference"] < 0.5 * shipped["reference"]  # 2 knots of a 4-step window, not 5 of 9 steps
-    assert seconds("grpo.beta=0", "grpo.ref_at=steps")["reference"] == 0
+    assert seconds("grpo.kl_beta=0", "grpo.ref_at=steps")["reference"] == 0
     steps = seconds("grpo.ref_at=steps")  # shipped: windows [0-3] [4-7] [8], the reference on 5 of the 9 steps
     assert shipped["reference"] == pytest.approx(steps["reference"] * 5 / 9)
     assert {p: steps[p] for p in phases if p != "reference"} == {p: shipped[p] for p in phases if p != "reference"}

@@ -88,7 +88,7 @@ def test_sequence_parallel_2_halves_a_ranks_tokens_activations_and_flops_and_dou
     token-proportional activations of a with-grad pass and half the FLOPs a row, within what stays whole (Wan: its
     prompt's cross-attention keys; both: the per-row embeddings, the gathered output and the all-to-all buffers)."""
     world = 32 if path == WAN else 8
-    one, two = (prepare(path, [f"parallel.sequence_parallel={sp}", "sampling.batch_size=2"], world) for sp in (1, 2))
+    one, two = (prepare(path, [f"parallel.sequence_parallel={sp}", "sampling.chunk_size=2"], world) for sp in (1, 2))
     cfg1, cfg2 = one["cfg"], two["cfg"]
     assert E.local_rows(cfg2, world) == tuple(2 * n for n in E.local_rows(cfg1, world))
     img, txt = one["image_tokens"], one["text_tokens"]
@@ -111,7 +111,7 @@ def test_the_all_to_alls_are_priced_and_the_decode_is_redundant_on_every_rank():
     in bf16, once per forward (three times in a checkpointed with-grad pass), at the bandwidth given; sp 1 sends
     nothing. The VAE decodes and the reward scores the group's rows on every rank: a rank's decode seconds double
     with its rows."""
-    one, two = (prepare(WAN, [f"parallel.sequence_parallel={sp}", "sampling.batch_size=3"]) for sp in (1, 2))
+    one, two = (prepare(WAN, [f"parallel.sequence_parallel={sp}", "sampling.chunk_size=3"]) for sp in (1, 2))
     assert two["a2a_row"] == 40 * 4 * (33600 // 2) * 5120 * 2 * (2 - 1) / 2 and one["a2a_row"] == 0
     t1, t2 = (T.step_seconds(s, E.estimate(s)) for s in (one, two))
     assert t1["sp_all_to_all"] == 0 and t2["sp_all_to_all"] > 0
@@ -140,11 +140,11 @@ def test_sequence_parallel_refuses_what_the_trainer_refuses(overrides, world, er
 def test_a_video_reward_scores_every_kth_frame_of_the_decoded_videos():
     """video_frames over HPS every 4th of 81 frames: the reward sized is HPS's CLIP, 21 frames a video scored; the
     rollout's decode and scoring cost more the more frames are scored (a copy of them beside the videos)."""
-    s = prepare(WAN, ["sampling.batch_size=2"])
+    s = prepare(WAN, ["sampling.chunk_size=2"])
     assert list(s["rewards"]) == ["hps"] and s["rewards"]["hps"]["every"] == 4
     rollout = {}
     for every in (1, 4, 81):
-        t = prepare(WAN, ["sampling.batch_size=2", f"reward.options.every={every}"])
+        t = prepare(WAN, ["sampling.chunk_size=2", f"reward.options.every={every}"])
         rollout[every] = E.estimate(t)["phases"]["rollout"]["components"][
             "encoder / sampling / decode / reward transients"]
     frame = 3 * 640 * 640 * 4  # a float32 frame

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
          "model.dit.num_heads=2", "sampling.num_steps=4", "train.prompts_per_step=2", "grpo.group_size=3",
-         "train.batch_size=6", "log.progress=false", "run.checkpoint_every=0"]
+         "train.minibatch_size=6", "log.progress=false", "run.checkpoint_every=0"]
 LOSS = dict(noise_level=0.7, clip_range=1e-4)
 
 
@@ -112,7 +112,7 @@ def test_cfg_training_runs_conditional_rows_only_and_reuses_the_rollouts_uncond(
     """W = 4 windows with CFG: every with-grad forward has at most 2B rows (the joint pass; 4B if the unconditional
     rows rode along), no unconditional forward before the first optimizer step, one per trained step after it."""
     cfg = load_config(TINY, SMALL + [f"run.output_dir={tmp_path}", "sampling.guidance=4.5", "jagg.window=4",
-                                     "train.batch_size=3", "train.steps=1"])
+                                     "train.minibatch_size=3", "train.steps=1"])
     trainer = Trainer(cfg)
     rows = []
     trainer.model.register_forward_pre_hook(lambda m, args: rows.append((args[0].shape[0], torch.is_grad_enabled())))

@@ -87,7 +87,7 @@ def test_jagg_trains_on_cps_rollouts(tmp_path):
     """The JAGG joint pass needs only that the loss depends on theta through v_k: the same with CPS. On-policy the
     ratio is 1, and JAGG windows of 2 (exact for W <= 2) give the per-step gradient's update."""
     small = ["model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=16", "sampling.num_steps=4",
-             "train.prompts_per_step=2", "train.batch_size=8", "sampling.batch_size=8", "train.steps=1",
+             "train.prompts_per_step=2", "train.minibatch_size=8", "sampling.chunk_size=8", "train.steps=1",
              "sampling.sde=cps", "sampling.noise_level=0.8", "grpo.timestep_fraction=0.8", "log.progress=false",
              "run.checkpoint_every=0"]
     rows = {}

@@ -20,7 +20,7 @@ from extras import need
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=16", "sampling.num_steps=8",
-         "sampling.batch_size=8", "train.prompts_per_step=2", "train.batch_size=8", "log.progress=false",
+         "sampling.chunk_size=8", "train.prompts_per_step=2", "train.minibatch_size=8", "log.progress=false",
          "run.checkpoint_every=0"]
 
 # Gaussian data N(MU, C^2) under rectified flow x_s = (1 - s) d + s e: the marginal velocity is linear in x and
@@ -177,7 +177,7 @@ def _cfg(tmp_path, *extra):
 
 @pytest.mark.slow
 def test_training_with_a_compressed_rollout_is_on_policy_and_resumes_exactly(tmp_path):
-    common = ["train.steps=4", "grpo.beta=0.01"]
+    common = ["train.steps=4", "grpo.kl_beta=0.01"]
     Trainer(_cfg(tmp_path / "whole", *common)).fit()
     Trainer(_cfg(tmp_path / "cut", *common, "train.steps=2", "run.checkpoint_every=2")).fit()
     Trainer(_cfg(tmp_path / "cut", *common, "run.checkpoint_every=2", "run.resume=auto")).fit()

@@ -13,7 +13,7 @@ from jagg_scale.train import ConfigError, Trainer, load_config
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=16", "sampling.num_steps=8",
-         "sampling.batch_size=8", "train.prompts_per_step=2", "train.batch_size=8", "log.progress=false"]
+         "sampling.chunk_size=8", "train.prompts_per_step=2", "train.minibatch_size=8", "log.progress=false"]
 
 
 def test_steps_outside_the_window_are_exactly_the_ode():

@@ -106,7 +106,7 @@ def test_a_run_trains_each_rows_own_steps(tmp_path, selection, window, trained):
     # 9 steps: random trains int(8 x 0.5) = 4 of the first 8; windows 1 of 2 blocks of 4
     cfg = load_config(TINY, SMALL + [f"run.output_dir={tmp_path}", "train.steps=2", f"jagg.window={window}",
                                      f"grpo.step_selection={selection}", "grpo.timestep_fraction=0.5",
-                                     "grpo.beta=0.01"])
+                                     "grpo.kl_beta=0.01"])
     Trainer(cfg).fit()
     rows = read_metrics(tmp_path)
     assert [r["per_step_equiv"] for r in rows] == [trained] * 2
@@ -118,7 +118,7 @@ def test_a_run_trains_each_rows_own_steps(tmp_path, selection, window, trained):
 @pytest.mark.parametrize("override, key", [
     (["train.algorithm=nft"], "grpo.step_selection"),
     (["sampling.sde_window=3"], "sampling.sde_window"),
-    (["grpo.beta=0.01", "grpo.ref_at=knots"], "grpo.ref_at"),
+    (["grpo.kl_beta=0.01", "grpo.ref_at=knots"], "grpo.ref_at"),
     (["jagg.plan=budget"], "jagg.plan"),
     (["jagg.window=3", "grpo.step_selection=windows"], "jagg.window"),  # 8 candidates in blocks of 3
 ])

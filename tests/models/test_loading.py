@@ -11,7 +11,8 @@ tiny offline SD3 pipeline (jagg_scale/models/tiny.py):
 - the KL reference of a full fine-tune is the transformer alone (the VAE and encoders are the policy's objects),
   and a run's metrics are those of the old whole-model deepcopy;
 - model.text_encoders no_t5 builds no T5, encodes zero T5 embeddings of the same shapes, trains;
-- model.shard_t5 shards the T5 encoder with FSDP2 (DTensor parameters) and encodes what the unsharded one does.
+- model.shard_text_encoder shards the T5 encoder with FSDP2 (DTensor parameters) and encodes what the unsharded one
+  does.
 
 The 2-process ZeRO-3 reference (1/world of its bytes per rank) is checked in tests/dist_workers/deepspeed_worker.py.
 """
@@ -167,7 +168,7 @@ def test_fsdp2_upcasts_and_places_one_unit_at_a_time(bf16_dir, monkeypatch):
 
 
 def test_a_bf16_checkpoint_trains_exactly_as_the_float32_load(bf16_dir, tmp_path, monkeypatch):
-    over = ["model.dtype=bfloat16", "grpo.beta=0.04", "train.steps=2"]
+    over = ["model.dtype=bfloat16", "grpo.kl_beta=0.04", "train.steps=2"]
     _, new = _fit(_cfg(bf16_dir, tmp_path / "new", *over))
     import jagg_scale.train.trainer as trainer_module
 
@@ -213,7 +214,7 @@ def test_the_engine_places_the_transformer_before_anything_reaches_the_device(sd
 
     monkeypatch.setattr(trainer_module, "build_engine", spy)
     with pytest.raises(_Stop):
-        Trainer(_cfg(sd3_dir, tmp_path, "grpo.beta=0.04"))
+        Trainer(_cfg(sd3_dir, tmp_path, "grpo.kl_beta=0.04"))
     assert seen == {"engine_gets": {"cpu"}, "frozen_at_engine": {"cpu"}, "engine_placed": {"meta"},
                     "reference_gets": {"cpu"}, "frozen_after_engine": {"meta"}, "frozen_shared": True}
 
@@ -222,7 +223,7 @@ def test_the_engine_places_the_transformer_before_anything_reaches_the_device(sd
 
 
 def test_the_reference_is_the_transformer_alone_with_the_policys_frozen_parts(sd3_dir, tmp_path, monkeypatch):
-    trainer, rows = _fit(_cfg(sd3_dir, tmp_path / "new", "grpo.beta=0.04", "train.steps=2"))
+    trainer, rows = _fit(_cfg(sd3_dir, tmp_path / "new", "grpo.kl_beta=0.04", "train.steps=2"))
     model, ref = trainer.model, trainer.policy.ref_model
     count = lambda m: sum(p.numel() for p in m.parameters())
     assert count(ref) == count(model.transformer) == count(model)  # a transformer's worth, no VAE / encoders
@@ -238,7 +239,7 @@ def test_the_reference_is_the_transformer_alone_with_the_policys_frozen_parts(sd
 
     monkeypatch.setattr(DiffusersVelocity, "reference_copy",
                         lambda self: copy.deepcopy(self).requires_grad_(False).eval())
-    old_trainer, old = _fit(_cfg(sd3_dir, tmp_path / "old", "grpo.beta=0.04", "train.steps=2"))
+    old_trainer, old = _fit(_cfg(sd3_dir, tmp_path / "old", "grpo.kl_beta=0.04", "train.steps=2"))
     assert old_trainer.policy.ref_model.frozen["vae"] is not model.frozen["vae"]  # the monkeypatch took
     assert len(old) == len(rows)
     for a, b in zip(rows, old):
@@ -313,8 +314,8 @@ def test_a_text_encoder_sharded_at_its_root_still_returns_its_hidden_states(zima
 
 
 def test_trainer_with_shard_t5_and_a_sharded_reference_under_fsdp2(sd3_dir, tmp_path):
-    over = ["grpo.beta=0.04", "train.steps=1", "parallel.engine=fsdp2"]
-    trainer, rows = _fit(_cfg(sd3_dir, tmp_path / "sharded", "model.shard_t5=true", *over))
+    over = ["grpo.kl_beta=0.04", "train.steps=1", "parallel.engine=fsdp2"]
+    trainer, rows = _fit(_cfg(sd3_dir, tmp_path / "sharded", "model.shard_text_encoder=true", *over))
     assert all(isinstance(p, DTensor) for p in trainer.model.frozen["text_encoder_3"].parameters())
     ref = trainer.policy.ref_model
     assert all(isinstance(p, DTensor) for p in ref.parameters()) and ref.frozen is trainer.model.frozen
@@ -325,12 +326,12 @@ def test_trainer_with_shard_t5_and_a_sharded_reference_under_fsdp2(sd3_dir, tmp_
 def test_text_encoder_options_are_checked():
     with pytest.raises(ConfigError, match="model.text_encoders"):
         ModelConfig(kind="flux", pretrained="x", text_encoders="no_t5").check("model")
-    with pytest.raises(ConfigError, match="model.shard_t5"):
-        ModelConfig(kind="dit", shard_t5=True).check("model")
-    with pytest.raises(ConfigError, match="model.shard_t5"):
-        ModelConfig(kind="sd3", pretrained="x", text_encoders="no_t5", shard_t5=True).check("model")
+    with pytest.raises(ConfigError, match="model.shard_text_encoder"):
+        ModelConfig(kind="dit", shard_text_encoder=True).check("model")
+    with pytest.raises(ConfigError, match="model.shard_text_encoder"):
+        ModelConfig(kind="sd3", pretrained="x", text_encoders="no_t5", shard_text_encoder=True).check("model")
     ModelConfig(kind="sd3", pretrained="x", text_encoders="no_t5").check("model")
-    ModelConfig(kind="flux", pretrained="x", shard_t5=True).check("model")
+    ModelConfig(kind="flux", pretrained="x", shard_text_encoder=True).check("model")
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])

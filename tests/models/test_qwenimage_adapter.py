@@ -238,7 +238,7 @@ def test_no_all_padding_text_column_reaches_the_blocks_in_a_training_step(qwenim
     prompts = "[a cat, two dogs on a photo in the park at sunset]"
     cfg = load_config(ROOT / "configs" / "qwenimage_tiny_cpu.yaml", [
         f"model.pretrained={qwenimage_dir}", "model.resolution=16", f"data.prompts={prompts}", "sampling.guidance=3.0",
-        "sampling.num_steps=4", "sampling.batch_size=4", "train.batch_size=4", "train.micro_batch_size=2",
+        "sampling.num_steps=4", "sampling.chunk_size=4", "train.minibatch_size=4", "train.micro_batch_size=2",
         "train.steps=1", "run.checkpoint_every=0", "log.progress=false", "eval.enabled=false",
         f"run.output_dir={tmp_path}"])
     trainer = Trainer(cfg)

@@ -146,7 +146,7 @@ def test_lora_run_with_kl_to_the_adapter_off_reference_and_checkpointing(sd3_dir
 
     config = Path(__file__).resolve().parents[2] / "configs" / "sd3_tiny_cpu.yaml"
     common = [f"model.pretrained={sd3_dir}", "model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8",
-              "parallel.activation_checkpointing=true", "grpo.beta=0.04", "log.progress=false",
+              "parallel.activation_checkpointing=true", "grpo.kl_beta=0.04", "log.progress=false",
               "sampling.num_steps=4", "jagg.window=4", f"run.output_dir={tmp_path}"]
     trainer = Trainer(load_config(config, common + ["train.steps=2", "run.checkpoint_every=1"]))
     assert trainer.policy.ref_model is None

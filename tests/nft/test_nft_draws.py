@@ -15,7 +15,7 @@ from jagg_scale.train.rows import StepRows, row_seed
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 NFT = ["train.algorithm=nft", "model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=16",
-       "sampling.num_steps=6", "sampling.batch_size=8", "train.prompts_per_step=2", "train.batch_size=4",
+       "sampling.num_steps=6", "sampling.chunk_size=8", "train.prompts_per_step=2", "train.minibatch_size=4",
        "grpo.timestep_fraction=0.8", "log.progress=false", "nft.kl_beta=0", "jagg.mode=exact", "eval.enabled=false"]
 
 

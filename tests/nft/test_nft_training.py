@@ -16,7 +16,7 @@ from toy_velocity import LinearVelocity
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 NFT = ["train.algorithm=nft", "model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=16",
-       "sampling.num_steps=6", "sampling.batch_size=8", "train.prompts_per_step=2", "train.batch_size=4",
+       "sampling.num_steps=6", "sampling.chunk_size=8", "train.prompts_per_step=2", "train.minibatch_size=4",
        "grpo.timestep_fraction=0.8", "log.progress=false", "run.checkpoint_every=1", "nft.kl_beta=0.01"]
 
 
@@ -164,15 +164,15 @@ def test_nft_with_lora_keeps_the_old_adapter_and_exports_a_diffusers_lora(sd3_di
 
 
 @pytest.mark.parametrize("override,key", [
-    (["nft.beta=0.5"], "nft.beta"),  # a DiffusionNFT key on a GRPO run
+    (["nft.mix=0.5"], "nft.mix"),  # a DiffusionNFT key on a GRPO run
     (["train.algorithm=nft", "sampling.guidance=4.5"], "sampling.guidance"),
     (["train.algorithm=nft", "sampling.sde_window=2"], "sampling.sde_window"),
     (["train.algorithm=nft", "sampling.noise_level=0.9"], "sampling.noise_level"),
     (["train.algorithm=nft", "sampling.sde=cps"], "sampling.sde"),
     (["train.algorithm=nft", "grpo.clip_range=0.2"], "grpo.clip_range"),
-    (["train.algorithm=nft", "grpo.beta=0.01"], "grpo.beta"),
+    (["train.algorithm=nft", "grpo.kl_beta=0.01"], "grpo.kl_beta"),
     (["train.algorithm=nft", "nft.old_decay=[0, 0.1, 1.0]"], "nft.old_decay"),
-    (["train.algorithm=nft", "nft.beta=0"], "nft.beta"),
+    (["train.algorithm=nft", "nft.mix=0"], "nft.mix"),
     (["train.algorithm=nft", "nft.noise=per_window", "jagg.mode=exact"], "nft.noise"),  # windows need the planner
     (["train.algorithm=nft", "nft.noise=per_window", "jagg.share_knots=true"], "nft.noise"),
     (["train.algorithm=nft", "nft.old_at=knots", "jagg.jagg_frac=0.5"], "nft.old_at"),  # routed steps: no window

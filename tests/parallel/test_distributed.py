@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.hidden_size=64", "model.dit.depth=2", "sampling.num_steps=8", "train.prompts_per_step=2",
-         "train.batch_size=4", "log.progress=false", "jagg.window=4"]
+         "train.minibatch_size=4", "log.progress=false", "jagg.window=4"]
 TIMING = ("time_", "comm_")
 # the sharded EMA goes through the DCP checkpoints too, moved by Flow-GRPO's rule (parallel/ema.py): 2 optimizer steps
 # a training step, updates after optimizer steps 2 and 5, so a resumed run needs the count it derives from its step
@@ -377,7 +377,7 @@ def test_micro_batches_on_two_processes_give_the_whole_minibatch_gradient(fsdp2_
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     # the on-policy loss is a sum of +-A (ratio - 1) terms, ratio - 1 ~ 1e-6 of batch-size-dependent kernel rounding
     assert a["loss"] == pytest.approx(b["loss"], rel=TOLERANCE["loss"])
-    local_rows = 2  # train.batch_size 4 over 2 ranks
+    local_rows = 2  # train.minibatch_size 4 over 2 ranks
     assert a["backward_calls"] == b["backward_calls"] * local_rows
 
 

@@ -221,7 +221,7 @@ def test_the_sequence_parallel_size_must_divide_the_world_and_leave_a_batch_shar
     from jagg_scale.train import ConfigError, load_config
     from jagg_scale.train.config import validate_world
 
-    cfg = load_config(TINY, ["parallel.engine=fsdp2", "parallel.sequence_parallel=2", "train.batch_size=6",
+    cfg = load_config(TINY, ["parallel.engine=fsdp2", "parallel.sequence_parallel=2", "train.minibatch_size=6",
                              "train.prompts_per_step=3"])
     validate_world(cfg, 4)  # 2 data groups of 2 ranks: 3 rows each
     with pytest.raises(ConfigError, match=re.escape("'parallel.sequence_parallel' 2 must divide the world size 3")):

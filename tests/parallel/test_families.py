@@ -1,7 +1,7 @@
 """The newer diffusers model families under FSDP2 on 2 processes (gloo, torchrun) train like 1 process: the tiny
 Qwen-Image, FLUX.2 [klein] and Z-Image pipelines through `jagg-train`, their text encoders (Qwen2.5-VL, Qwen3)
-sharded for inference on the 2-process side (model.shard_t5). Float order is where they may differ: the tolerances are
-test_distributed.py's."""
+sharded for inference on the 2-process side (model.shard_text_encoder). Float order is where they may differ: the
+tolerances are test_distributed.py's."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_two_processes_with_a_sharded_text_encoder_match_one_process(kind, resol
     common = [f"model.pretrained={pipe}", f"model.resolution={resolution}", "train.steps=2", "log.progress=false",
               "run.checkpoint_every=0"]
     one = run(config, 1, tmp_path / "one", *common)
-    two = run(config, 2, tmp_path / "two", *common, "parallel.engine=fsdp2", "model.shard_t5=true")
+    two = run(config, 2, tmp_path / "two", *common, "parallel.engine=fsdp2", "model.shard_text_encoder=true")
     assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1]
     for a, b in zip(two, one):
         assert a["backward_passes"] == b["backward_passes"] and a["windows_jagg"] == b["windows_jagg"] > 0

@@ -46,8 +46,8 @@ def test_a_reward_host_that_stops_answering_costs_samples_not_the_job(tmp_path):
     out = tmp_path / "run"
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(BIN / "jagg-train"),
            str(TINY), "model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=8",
-           "model.dit.patch_size=2", "sampling.num_steps=4", "train.prompts_per_step=2", "train.batch_size=8",
-           "sampling.batch_size=2", "train.steps=1", "run.checkpoint_every=0", "log.progress=false",
+           "model.dit.patch_size=2", "sampling.num_steps=4", "train.prompts_per_step=2", "train.minibatch_size=8",
+           "sampling.chunk_size=2", "train.steps=1", "run.checkpoint_every=0", "log.progress=false",
            "parallel.engine=fsdp2", "parallel.collective_timeout_s=120", "reward.deadline_s=3",
            "reward.max_fail_frac=1.0", "reward.name=remote",
            f"reward.options={json.dumps(remote)}",

@@ -39,7 +39,7 @@ SP = ["parallel.engine=fsdp2", "parallel.sequence_parallel=2"]
 
 @pytest.mark.parametrize("kind, nproc, extra", [
     ("wan", 2, []), ("wan", 4, []),
-    ("sd3", 2, ["grpo.beta=0.04"]),  # this stack's own plan; a full fine-tune: its KL reference copy split too
+    ("sd3", 2, ["grpo.kl_beta=0.04"]),  # this stack's own plan; a full fine-tune: its KL reference copy split too
 ])
 def test_groups_of_two_ranks_splitting_the_tokens_train_as_one_process(kind, nproc, extra, request, tmp_path):
     pipe = request.getfixturevalue(f"{kind}_dir")

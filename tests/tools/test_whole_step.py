@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 from tools.bench import whole_step as W  # noqa: E402 - after the extras check
 from jagg_scale.train import Trainer, load_config  # noqa: E402
 
-COMMON = ["grpo.beta=0.04", "sampling.num_steps=4", "train.prompts_per_step=2", "grpo.group_size=4",
-          "train.batch_size=4", "sampling.batch_size=2", "train.micro_batch_size=2", "log.progress=false",
+COMMON = ["grpo.kl_beta=0.04", "sampling.num_steps=4", "train.prompts_per_step=2", "grpo.group_size=4",
+          "train.minibatch_size=4", "sampling.chunk_size=2", "train.micro_batch_size=2", "log.progress=false",
           "run.checkpoint_every=0", "parallel.activation_checkpointing=false", "jagg=null", "jagg.mode=exact",
           "train.lr=1e-3"]
 

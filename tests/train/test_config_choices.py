@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from jagg_scale.train.config import ConfigError, load_config
+from jagg_scale.train.config import RENAMED, ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
@@ -130,7 +130,7 @@ def test_sde_window_keys_need_a_window(key, value):
 @pytest.mark.parametrize("key,value", [("sde_window_range", "[1, 5]"), ("sde_window_mode", "sliding"),
                                        ("sde_window_every", "2")])
 def test_sde_window_keys_under_nft_are_refused(key, value):
-    msg = _refused("train.algorithm=nft", "grpo.beta=null", f"sampling.{key}={value}")
+    msg = _refused("train.algorithm=nft", "grpo.kl_beta=null", f"sampling.{key}={value}")
     assert msg.startswith(f"config key 'sampling.{key}' is set, but train.algorithm is nft")
 
 
@@ -139,13 +139,13 @@ def test_every_shipped_config_sets_no_idle_key():
         assert _load(path=path).train.steps >= 1  # loads: none of the refusals above fires on a shipped config
 
 
-@pytest.mark.parametrize("key,value", [("nft.beta", "0.5"), ("nft.kl_beta", "0"), ("nft.noise", "per_sample")])
+@pytest.mark.parametrize("key,value", [("nft.mix", "0.5"), ("nft.kl_beta", "0"), ("nft.noise", "per_sample")])
 def test_an_nft_key_on_a_grpo_run_is_refused(key, value):
     assert _refused(f"{key}={value}") == (f"config key '{key}' belongs to train.algorithm nft; this run is grpo: "
                                           f"unset it ({key}=null)")
 
 
-@pytest.mark.parametrize("key,value", [("grpo.clip_range", "0.2"), ("grpo.beta", "0.01"), ("grpo.ref_at", "knots"),
+@pytest.mark.parametrize("key,value", [("grpo.clip_range", "0.2"), ("grpo.kl_beta", "0.01"), ("grpo.ref_at", "knots"),
                                        ("grpo.onpolicy_tolerance", "0.1")])
 def test_a_grpo_only_key_on_an_nft_run_is_refused(key, value):
     msg = _refused("train.algorithm=nft", f"{key}={value}")
@@ -156,5 +156,11 @@ def test_a_grpo_only_key_on_an_nft_run_is_refused(key, value):
 def test_nft_reads_the_shared_grpo_keys():
     shared = ["grpo.group_size=8", "grpo.adv_clip_max=3", "grpo.global_std=true", "grpo.timestep_fraction=0.8",
               "grpo.inner_epochs=2"]  # the group advantages and the trained steps: both algorithms read them
-    cfg = _load("train.algorithm=nft", "train.batch_size=32", *shared)
+    cfg = _load("train.algorithm=nft", "train.minibatch_size=32", *shared)
     assert cfg.grpo.group_size == 8 and cfg.grpo.inner_epochs == 2
+
+
+@pytest.mark.parametrize("old,new", sorted(RENAMED.items()))
+def test_a_renamed_key_names_its_new_name(old, new):
+    assert _refused(f"{old}=1") == f"config key '{old}' is now '{new}' (same values): rename it"
+    assert load_config(TINY, [f"{new}=null"], check_files=False).is_set(new) is False  # the new name is live

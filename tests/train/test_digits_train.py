@@ -13,7 +13,7 @@ from jagg_scale.train.diversity import FEATURES
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "configs" / "digits_cpu.yaml")
-FAST = ["train.prompts_per_step=2", "grpo.group_size=4", "train.batch_size=8", "log.progress=false"]
+FAST = ["train.prompts_per_step=2", "grpo.group_size=4", "train.minibatch_size=8", "log.progress=false"]
 
 
 @pytest.mark.slow  # two GRPO steps with an exact-vs-JAGG probe, two evaluations, a re-evaluation

@@ -18,7 +18,7 @@ from jagg_scale.train.logging import read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=16", "sampling.num_steps=4",
-         "train.prompts_per_step=2", "train.batch_size=4", "log.progress=false", "train.ema_decay=0.5"]
+         "train.prompts_per_step=2", "train.minibatch_size=4", "log.progress=false", "train.ema_decay=0.5"]
 DIT = DiTConfig(image_size=8, in_channels=3, patch_size=4, hidden_size=32, depth=2, num_heads=2, vocab_size=64,
                 max_prompt_length=4)
 # Flow-GRPO's SD3.5 EMA (decay 0.9 every 8 optimizer steps with its warm-up, 2 moves per update: parallel/ema.py)

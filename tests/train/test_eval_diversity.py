@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
          "model.dit.num_heads=2", "sampling.num_steps=4", "sampling.eval_num_steps=3", "train.prompts_per_step=2",
-         "grpo.group_size=3", "train.batch_size=6", "log.progress=false", "run.checkpoint_every=0",
+         "grpo.group_size=3", "train.minibatch_size=6", "log.progress=false", "run.checkpoint_every=0",
          "jagg.window=2", "eval.enabled=true", "eval.prompts=[a red apple, a blue sky, a green field]",
          "eval.num_per_prompt=3"]
 

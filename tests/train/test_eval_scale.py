@@ -2,7 +2,7 @@
 
 - the chunked noise is the single seeded draw the evaluation always used, whatever the chunking or the ranks;
 - one process reproduces the unbatched evaluation (encode all, sample in batches, decode all, score all) exactly;
-- the model, the decoder, the encoder and the reward never see more than eval.batch_size images at once (2x for the
+- the model, the decoder, the encoder and the reward never see more than eval.chunk_size images at once (2x for the
   CFG pair), for 16 or 128 eval images alike: memory does not grow with the eval set;
 - eval.at_start=false skips the step-0 evaluation;
 - 2 processes (torchrun, gloo, fsdp2) write the eval.json and grid.png one process writes, and a 2-process
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
          "model.dit.num_heads=2", "sampling.num_steps=4", "sampling.eval_num_steps=3", "train.prompts_per_step=2",
-         "grpo.group_size=3", "train.batch_size=6", "log.progress=false", "run.checkpoint_every=0",
+         "grpo.group_size=3", "train.minibatch_size=6", "log.progress=false", "run.checkpoint_every=0",
          "jagg.window=2"]
 WORDS = ["apple", "sky", "cat", "dog", "tree", "lake", "car", "house"]
 
@@ -101,16 +101,16 @@ def _unbatched_reference(model, velocity_fn, encode, reward, cfg, prompts) -> li
     sigmas = model_schedule(model, cfg.sampling.eval_num_steps, cfg.sampling.shift)
     cond = encode(texts)
     finals = [sample_ode(velocity_fn, index_cond(cond, rows), noise[rows], sigmas)
-              for rows in torch.arange(len(records)).split(e.batch_size)]
+              for rows in torch.arange(len(records)).split(e.chunk_size)]
     images = model.decode(torch.cat(finals))
     scores, _, _ = score_safely(reward, images, texts, [r.metadata for r in records], max_fail_frac=1.0)
     return [float(s) for s in scores]
 
 
-@pytest.mark.parametrize("extra", [[], ["sampling.guidance=3.0"], ["eval.batch_size=4", "eval.seed=7"]],
+@pytest.mark.parametrize("extra", [[], ["sampling.guidance=3.0"], ["eval.chunk_size=4", "eval.seed=7"]],
                          ids=["plain", "cfg", "batch4"])
 def test_one_process_eval_equals_the_unbatched_evaluation(tmp_path, extra):
-    cfg, model, policy, reward = _setup(_prompts(5), "eval.num_per_prompt=3", "eval.batch_size=2", *extra)
+    cfg, model, policy, reward = _setup(_prompts(5), "eval.num_per_prompt=3", "eval.chunk_size=2", *extra)
     prompts = eval_prompts(cfg)
     result = evaluate(model, policy.velocity_fn(), policy.encode, reward, cfg, prompts, tmp_path)
     expected = _unbatched_reference(model, policy.velocity_fn(), policy.encode, reward, cfg, prompts)
@@ -120,7 +120,7 @@ def test_one_process_eval_equals_the_unbatched_evaluation(tmp_path, extra):
 
 
 def test_grid_shows_the_first_grid_images(tmp_path):
-    cfg, model, policy, reward = _setup(_prompts(6), "eval.num_per_prompt=2", "eval.batch_size=3",
+    cfg, model, policy, reward = _setup(_prompts(6), "eval.num_per_prompt=2", "eval.chunk_size=3",
                                         "eval.grid_images=5")
     evaluate(model, policy.velocity_fn(), policy.encode, reward, cfg, eval_prompts(cfg), tmp_path / "five")
     cfg0 = load_config(TINY, SMALL + ["eval.enabled=true", _prompts(6), "eval.num_per_prompt=2", "eval.grid_images=0"])
@@ -150,7 +150,7 @@ def test_no_call_sees_more_than_a_batch_whatever_the_number_of_prompts(tmp_path,
     batch = 4
     for n_prompts in (8, 64):
         seen.clear()
-        cfg, model, policy, reward = _setup(_prompts(n_prompts), "eval.num_per_prompt=2", f"eval.batch_size={batch}",
+        cfg, model, policy, reward = _setup(_prompts(n_prompts), "eval.num_per_prompt=2", f"eval.chunk_size={batch}",
                                             f"sampling.guidance={guidance}", "sampling.eval_num_steps=2")
         model.register_forward_hook(lambda mod, args, out: record("model", args[0].shape[0]))
         decode, encode_prompts = model.decode, model.encode_prompts
@@ -188,7 +188,7 @@ def test_at_start_false_skips_the_step_zero_evaluation(tmp_path):
 BIN = Path(sys.executable).parent
 # 5 images of 1 per prompt in batches of 2: rank 0 samples images 0 1 | 2, rank 1 images 3 4 | 4 (padding);
 # one process 0 1 | 2 3 | 4
-DIST_EVAL = [_prompts(5), "eval.enabled=true", "eval.num_per_prompt=1", "eval.batch_size=2", "train.steps=1",
+DIST_EVAL = [_prompts(5), "eval.enabled=true", "eval.num_per_prompt=1", "eval.chunk_size=2", "train.steps=1",
              "run.checkpoint_every=1"]
 
 

@@ -28,7 +28,7 @@ FP16 = ["model.dtype=float16", "model.lora.enabled=true"]
 
 
 def test_the_parts_take_the_peers_fp16_dtypes_and_the_transformer_runs_under_fp16_autocast(sd3_dir):
-    cfg = load_config(SD3, [f"model.pretrained={sd3_dir}", *FP16, "grpo.beta=0.04"])
+    cfg = load_config(SD3, [f"model.pretrained={sd3_dir}", *FP16, "grpo.kl_beta=0.04"])
     model = build_model(cfg.model, keep_stored_dtype=True)
     assert model.compute_dtype == torch.float16  # what the engines read: a loss scaler, fp16 gathers
     assert {n: next(m.parameters()).dtype for n, m in model.frozen.items()} == {
@@ -69,7 +69,7 @@ def test_a_tiny_sd3_lora_run_trains_in_float16_and_resumes_bit_for_bit(sd3_dir, 
         return scaler
 
     monkeypatch.setattr(engines, "make_scaler", growing)
-    run = [f"model.pretrained={sd3_dir}", *FP16, "grpo.beta=0.04", "sampling.num_steps=4", "jagg.window=2",
+    run = [f"model.pretrained={sd3_dir}", *FP16, "grpo.kl_beta=0.04", "sampling.num_steps=4", "jagg.window=2",
            "run.checkpoint_every=1"]
     whole = fit_metrics(SD3, [*run, "train.steps=3"], tmp_path / "whole")
     fit_metrics(SD3, [*run, "train.steps=2"], tmp_path / "split")

@@ -66,7 +66,8 @@ def test_what_each_config_asks_the_trainer_for(name, pipe_dirs, tmp_path):
     T = len(trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction))
     plan = planner.plan(torch.randn(T, 2, 4), torch.linspace(1.0, 0.1, T), grad_norms=lambda: [1.0] * T)
     assert plan.windows == [[0, 1, 2, 3], [4, 5, 6, 7], [8]] and plan.jagg_windows == round(3 * planner.jagg_frac)
-    rows = StepRows.draw(cfg.train.prompts_per_step * cfg.grpo.group_size, cfg.train.batch_size, cfg.run.seed, 0, 0, 8)
+    rows = StepRows.draw(cfg.train.prompts_per_step * cfg.grpo.group_size, cfg.train.minibatch_size, cfg.run.seed,
+                         0, 0, 8)
     assert rows.num_minibatches == 2  # two optimizer steps per rollout
     assert rows.local_batch == (72 if kind == "sd3" else 12)  # "a rank's minibatch share on 8 GPUs", as the header says
     # Flow-GRPO trains SD3.5 in fp16 (config/base.py:21), DanceGRPO FLUX in bf16
@@ -80,7 +81,7 @@ def test_what_each_config_asks_the_trainer_for(name, pipe_dirs, tmp_path):
 def test_the_recipe_trains_a_step_on_the_tiny_pipeline(name, pipe_dirs, tmp_path):
     kind = "flux" if name.startswith("flux") else "sd3"
     shrink = ["model.resolution=null", "grpo.group_size=4", "train.prompts_per_step=2",
-              "train.batch_size=4", "train.steps=1", "eval.enabled=false", "log.wandb=false", "log.progress=false",
+              "train.minibatch_size=4", "train.steps=1", "eval.enabled=false", "log.wandb=false", "log.progress=false",
               "reward.name=jpeg_compressibility", "reward.options={}", "run.resume=none",
               "model.lora.expect_modules=null"]  # the recipe's count is its real model's, not the tiny pipeline's
     # flux runs its production backend, FSDP2 (one process here): the sharded path on a real diffusers model
@@ -88,14 +89,14 @@ def test_the_recipe_trains_a_step_on_the_tiny_pipeline(name, pipe_dirs, tmp_path
     trainer = Trainer(cfg)
     try:
         # as shipped (auto); off a GPU half of the rank's 8 rows: two chunks
-        assert trainer.policy.rollout_batch == (4 if cfg.sampling.batch_size == "auto" else cfg.sampling.batch_size)
+        assert trainer.policy.rollout_batch == (4 if cfg.sampling.chunk_size == "auto" else cfg.sampling.chunk_size)
         rows = trainer.fit()
         trained = trainer.engine.full_state_dict()
     finally:
         trainer.close()  # FSDP2 in one process starts a trivial process group: leave none behind
     assert len(rows) == 1
     r = rows[0]
-    minibatches = cfg.train.prompts_per_step * cfg.grpo.group_size // cfg.train.batch_size
+    minibatches = cfg.train.prompts_per_step * cfg.grpo.group_size // cfg.train.minibatch_size
     big_jagg = 2 if cfg.jagg.jagg_frac == 1.0 else 1  # of the two 4-step windows; the 1-step window is exact anyway
     # per minibatch: 2 passes per JAGG window, 4 per exact 4-step window, 1 for the 1-step window
     assert r["backward_passes"] == (2 * big_jagg + 4 * (2 - big_jagg) + 1) * minibatches
@@ -169,7 +170,7 @@ def test_validates_as_shipped_under_torchrun(name, nodes, tmp_path, monkeypatch)
 @pytest.mark.parametrize("override,key", [
     ("parallel.engine=none", "parallel.engine"),
     ("parallel.replicate=3", "parallel.replicate"),  # 8 ranks are not 3 replicas
-    ("train.batch_size=12", "train.batch_size"),  # 12 rows do not split over 8 ranks
+    ("train.minibatch_size=12", "train.minibatch_size"),  # 12 rows do not split over 8 ranks
     ("jagg.probe_every=5", "jagg.probe_every"),
 ])
 def test_jagg_train_refuses_a_config_that_cannot_run_on_the_launched_ranks(override, key, tmp_path, monkeypatch,
@@ -193,7 +194,7 @@ def test_the_nft_recipe_trains_a_step_on_the_tiny_pipeline(sd3_dir, tmp_path):
     """configs/sd35m_nft_pickscore.yaml (DiffusionNFT's recipe) end to end on the tiny SD3 pipeline: the old policy's
     dpm2 ODE rollout, 9 of its 10 timesteps trained per sample, one backward each (mode exact), LoRA exported."""
     shrink = ["model.resolution=null", "grpo.group_size=4", "train.prompts_per_step=2",
-              "train.batch_size=8", "train.micro_batch_size=4", "train.steps=1", "eval.enabled=false",
+              "train.minibatch_size=8", "train.micro_batch_size=4", "train.steps=1", "eval.enabled=false",
               "log.wandb=false", "log.progress=false", "reward.name=jpeg_compressibility", "reward.options={}",
               "run.resume=none"]
     cfg = load_config(ROOT / "configs" / "sd35m_nft_pickscore.yaml", _paths("nft", sd3_dir, tmp_path) + shrink)
@@ -223,10 +224,11 @@ def test_the_qwenimage_recipe_trains_a_step_on_the_tiny_pipeline(qwenimage_dir, 
     T = len(trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction))
     plan = planner.plan(torch.randn(T, 2, 4), torch.linspace(1.0, 0.1, T), grad_norms=lambda: [1.0] * T)
     assert isinstance(planner, WindowPlanner) and plan.windows == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-    assert cfg.sampling.guidance == 1.0 and cfg.grpo.beta == 0 and not cfg.model.lora.enabled
-    assert cfg.model.shard_t5 and cfg.parallel.engine == "fsdp2" and cfg.reward.name == "hps"
-    shrink = ["model.resolution=null", "model.max_sequence_length=64", "model.shard_t5=false", "grpo.group_size=4",
-              "train.prompts_per_step=2", "train.batch_size=4", "train.steps=1", "eval.enabled=false",
+    assert cfg.sampling.guidance == 1.0 and cfg.grpo.kl_beta == 0 and not cfg.model.lora.enabled
+    assert cfg.model.shard_text_encoder and cfg.parallel.engine == "fsdp2" and cfg.reward.name == "hps"
+    shrink = ["model.resolution=null", "model.max_sequence_length=64", "model.shard_text_encoder=false",
+              "grpo.group_size=4",
+              "train.prompts_per_step=2", "train.minibatch_size=4", "train.steps=1", "eval.enabled=false",
               "log.wandb=false", "log.progress=false", "reward.name=jpeg_compressibility", "reward.options={}",
               "run.resume=none"]
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", _paths(name, qwenimage_dir, tmp_path) + shrink)
@@ -236,7 +238,7 @@ def test_the_qwenimage_recipe_trains_a_step_on_the_tiny_pipeline(qwenimage_dir, 
         trained = trainer.engine.full_state_dict()
     finally:
         trainer.close()
-    minibatches = cfg.train.prompts_per_step * cfg.grpo.group_size // cfg.train.batch_size
+    minibatches = cfg.train.prompts_per_step * cfg.grpo.group_size // cfg.train.minibatch_size
     assert row["backward_passes"] == 2 * 3 * minibatches and row["per_step_equiv"] == 12 * minibatches
     assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
     loaded = QwenImageTransformer2DModel.from_pretrained(tmp_path / "run" / "transformer", local_files_only=True)
@@ -269,10 +271,11 @@ def test_the_flow_factory_recipes_train_a_step_on_the_tiny_pipelines(name, reque
     planner = cfg.jagg.planner()
     assert isinstance(planner, WindowPlanner) and planner.window == 3 and planner.jagg_frac == 1.0
     assert (cfg.sampling.sde_window, cfg.sampling.sde_window_range) == (3, [1, 4])
-    rows = StepRows.draw(cfg.train.prompts_per_step * cfg.grpo.group_size, cfg.train.batch_size, cfg.run.seed, 0, 0, 8)
+    rows = StepRows.draw(cfg.train.prompts_per_step * cfg.grpo.group_size, cfg.train.minibatch_size, cfg.run.seed,
+                         0, 0, 8)
     assert rows.num_minibatches == 2 and cfg.parallel.engine == "fsdp2" and cfg.model.dtype == "bfloat16"
     shrink = [f"model.resolution={resolution}", "model.max_sequence_length=64", "grpo.group_size=4",
-              "train.prompts_per_step=2", "train.batch_size=4", "train.micro_batch_size=4", "train.steps=1",
+              "train.prompts_per_step=2", "train.minibatch_size=4", "train.micro_batch_size=4", "train.steps=1",
               "eval.enabled=false", "log.wandb=false", "log.progress=false", "reward.name=jpeg_compressibility",
               "reward.options={}", "run.resume=none"]
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", paths + shrink)
@@ -282,7 +285,7 @@ def test_the_flow_factory_recipes_train_a_step_on_the_tiny_pipelines(name, reque
         (row,) = trainer.fit()
     finally:
         trainer.close()
-    minibatches = cfg.train.prompts_per_step * cfg.grpo.group_size // cfg.train.batch_size
+    minibatches = cfg.train.prompts_per_step * cfg.grpo.group_size // cfg.train.minibatch_size
     assert row["backward_passes"] == 2 * minibatches and row["per_step_equiv"] == 3 * minibatches
     assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
     export = tmp_path / "run" / ("lora" if cfg.model.lora.enabled else "transformer")

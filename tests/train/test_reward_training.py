@@ -16,7 +16,7 @@ from extras import need
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=16", "sampling.num_steps=4",
-         "sampling.batch_size=4", "train.prompts_per_step=2", "train.batch_size=8", "log.progress=false"]
+         "sampling.chunk_size=4", "train.prompts_per_step=2", "train.minibatch_size=8", "log.progress=false"]
 TIMING = ("time_",)
 
 

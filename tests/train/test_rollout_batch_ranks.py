@@ -1,4 +1,4 @@
-"""sampling.batch_size auto agreed across ranks (train/policy.agreed_rollout_batch): two gloo processes whose GPUs
+"""sampling.chunk_size auto agreed across ranks (train/policy.agreed_rollout_batch): two gloo processes whose GPUs
 differ resolve different chunks from their own memory, and both run the smaller, logged once. Resolved per rank,
 they would run different numbers of rollout chunks, and every chunk runs collectives (the sharded transformer's
 gathers, a sharded reward's), which would stop matching."""
@@ -38,5 +38,5 @@ def test_two_ranks_given_different_memory_both_take_the_smaller_chunk(tmp_path):
     local = [r["local"] for r in ranks]
     assert local[0] > local[1] >= 1  # the 80 GB rank alone would take a larger chunk than the 40 GB one
     assert [r["agreed"] for r in ranks] == [local[1], local[1]]
-    line = f"sampling.batch_size auto: {local[1]} rows per rollout forward on every rank"
+    line = f"sampling.chunk_size auto: {local[1]} rows per rollout forward on every rank"
     assert (proc.stdout + proc.stderr).count(line) == 1  # logged once, by rank 0

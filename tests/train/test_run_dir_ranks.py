@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.hidden_size=32", "model.dit.depth=2", "sampling.num_steps=4", "train.prompts_per_step=2",
-         "train.batch_size=4", "log.progress=false", "jagg.window=2", "run.checkpoint_every=0"]
+         "train.minibatch_size=4", "log.progress=false", "jagg.window=2", "run.checkpoint_every=0"]
 HOLDER = """
 import sys
 from jagg_scale.train.run_lock import RunLock

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
          "model.dit.num_heads=2", "sampling.num_steps=4", "train.prompts_per_step=2", "grpo.group_size=2",
-         "train.batch_size=4", "log.progress=false", "run.checkpoint_every=0", "jagg.window=2"]
+         "train.minibatch_size=4", "log.progress=false", "run.checkpoint_every=0", "jagg.window=2"]
 
 
 class Source:
@@ -164,7 +164,7 @@ def test_a_preemption_during_an_evaluation_saves_the_step_and_the_resumed_run_fi
     first, then trains on: every evaluation and every step is the uninterrupted run's."""
     common = SMALL + ["train.steps=3", "eval.enabled=true", "eval.at_start=false", "eval.every=1",
                       "eval.prompts=[a red apple, a blue sky, a green field, a cat]", "eval.num_per_prompt=2",
-                      "eval.batch_size=2"]  # 8 images, 4 batches per evaluation
+                      "eval.chunk_size=2"]  # 8 images, 4 batches per evaluation
     full = Trainer(load_config(TINY, common + [f"run.output_dir={tmp_path / 'full'}"]))
     rows = full.fit()
 

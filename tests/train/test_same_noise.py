@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=1",
          "model.dit.num_heads=2", "sampling.num_steps=4", "train.prompts_per_step=3", "grpo.group_size=4",
-         "train.batch_size=12", "log.progress=false", "jagg.window=2"]
+         "train.minibatch_size=12", "log.progress=false", "jagg.window=2"]
 SHAPE = (3, 4, 4)
 G = 4
 

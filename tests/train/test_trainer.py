@@ -23,7 +23,7 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = [
     "model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
     "model.dit.num_heads=2",
-    "sampling.num_steps=6", "train.prompts_per_step=2", "grpo.group_size=3", "train.batch_size=6",
+    "sampling.num_steps=6", "train.prompts_per_step=2", "grpo.group_size=3", "train.minibatch_size=6",
     "log.progress=false", "run.checkpoint_every=0",
 ]
 
@@ -73,7 +73,7 @@ def test_cli_console_script_writes_metrics(tmp_path):
     ("jagg.window=0", "jagg.window"),
     ("grpo.clip_range=[1]", "grpo.clip_range"),
     ("jagg.intermediate=sometimes", "jagg.intermediate"),
-    ("train.batch_size=5", "train.batch_size"),
+    ("train.minibatch_size=5", "train.minibatch_size"),
     ("data={prompt_file: /no/such/prompts.txt}", "data.prompt_file"),  # the section: the file its one source
     ("model.pretrained=assets:nothing.safetensors", "model.pretrained"),
     ("model.kind=sd3", "model.pretrained"),
@@ -144,7 +144,7 @@ def test_auto_uses_cached_then_forward(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner_mod, "knot_backward", spy)
     # 6 samples, minibatches of 3: two optimizer steps per rollout, two windows of 3 steps each
-    cfg = small_cfg(tmp_path, "train.steps=1", "train.batch_size=3", "jagg.window=3", "jagg.intermediate=auto")
+    cfg = small_cfg(tmp_path, "train.steps=1", "train.minibatch_size=3", "jagg.window=3", "jagg.intermediate=auto")
     rows = Trainer(cfg).fit()
     assert seen == ["cached", "forward"]  # one engine call per minibatch (its two windows)
     assert rows[0]["intermediate_forward"] == 2 and rows[0]["nograd_forward_passes"] == 2
@@ -162,7 +162,7 @@ def test_inner_epochs_are_off_policy_after_the_first_update(tmp_path, monkeypatc
 
 
 def test_resume_auto_continues_exactly(tmp_path):
-    common = ["train.steps=4", "run.checkpoint_every=2", "grpo.beta=0.01", "jagg.window=3"]
+    common = ["train.steps=4", "run.checkpoint_every=2", "grpo.kl_beta=0.01", "jagg.window=3"]
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     Trainer(load_config(TINY, SMALL + common + [f"run.output_dir={full_dir}"])).fit()
     # "interrupted": the same run stopped after step 2 (its checkpoint at 2 is complete) ...
@@ -267,7 +267,7 @@ def test_micro_batched_gradient_is_the_whole_minibatch_gradient(tmp_path, jagg_c
 def test_the_rollout_runs_the_reference_at_the_trained_steps_only(tmp_path):
     """Flow-GRPO's timestep_fraction 0.5 trains 3 of the 6 steps: the KL reference is called there alone, once per
     rollout chunk, and the step trains as before."""
-    t = Trainer(small_cfg(tmp_path, "grpo.beta=0.04", "grpo.timestep_fraction=0.5", "sampling.batch_size=6"))
+    t = Trainer(small_cfg(tmp_path, "grpo.kl_beta=0.04", "grpo.timestep_fraction=0.5", "sampling.chunk_size=6"))
     try:
         inner, sigmas = t.policy.reference_fn, []
         t.policy.reference_fn = lambda: (lambda f: (lambda x, s, c: sigmas.append(float(s[0])) or f(x, s, c)))(
@@ -287,7 +287,7 @@ def test_ref_at_knots_runs_the_reference_at_the_knots_and_fills_the_rest(tmp_pat
     trained steps' reference velocities are the knots' blend in sigma, and the trajectory itself, the knots'
     reference velocities and the step's plan are those of ref_at steps."""
     def rollout(ref_at):
-        t = Trainer(small_cfg(tmp_path / ref_at, "grpo.beta=0.04", "sampling.batch_size=6", *extra,
+        t = Trainer(small_cfg(tmp_path / ref_at, "grpo.kl_beta=0.04", "sampling.chunk_size=6", *extra,
                               f"grpo.ref_at={ref_at}"))
         calls = []
         inner = t.policy.reference_fn
@@ -317,9 +317,9 @@ def test_ref_at_knots_runs_the_reference_at_the_knots_and_fills_the_rest(tmp_pat
 
 
 @pytest.mark.parametrize("override", [["jagg.mode=exact"], ["jagg.jagg_frac=0.5"], ["jagg.min_cos=0.5"],
-                                      ["jagg.plan=budget"], ["grpo.beta=0"]])
+                                      ["jagg.plan=budget"], ["grpo.kl_beta=0"]])
 def test_ref_at_knots_needs_a_reference_and_windows_known_before_the_rollout(tmp_path, override):
     with pytest.raises(ConfigError, match="config key 'grpo.ref_at'"):
-        small_cfg(tmp_path, "grpo.beta=0.04", "grpo.ref_at=knots", *override)
+        small_cfg(tmp_path, "grpo.kl_beta=0.04", "grpo.ref_at=knots", *override)
     with pytest.raises(ConfigError, match="config key 'grpo.ref_at'"):
         small_cfg(tmp_path, "train.algorithm=nft", "grpo.ref_at=knots")

@@ -14,7 +14,7 @@ from minibatch import grpo_backward, plan_of, rollout_minibatch
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["model.dit.hidden_size=32", "model.dit.depth=2", "model.dit.image_size=16", "sampling.num_steps=8",
-         "sampling.batch_size=8", "train.prompts_per_step=2", "train.batch_size=8", "log.progress=false"]
+         "sampling.chunk_size=8", "train.prompts_per_step=2", "train.minibatch_size=8", "log.progress=false"]
 
 
 def _setup(tmp_path):

@@ -33,7 +33,7 @@ ARMS = {
     "JAGG cached": ["jagg.mode=jagg", "jagg.intermediate=cached"],
     "JAGG auto": ["jagg.mode=jagg", "jagg.intermediate=auto"],
 }
-BASE = ["parallel.engine=fsdp2", "sampling.num_steps=8", "train.prompts_per_step=2", "train.batch_size=4",
+BASE = ["parallel.engine=fsdp2", "sampling.num_steps=8", "train.prompts_per_step=2", "train.minibatch_size=4",
         "jagg.window=4", "jagg.jagg_frac=1.0", "log.progress=false", "run.checkpoint_every=0", "eval.enabled=false"]
 QUICK = ["model.dit.hidden_size=64", "model.dit.depth=2"]
 NPROC = 2

@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[2]
 MB = 2**20
 MICRO = (2, 4, 8)
 EVAL_PROMPTS = "[a red apple, a blue sky, a green field, a cat]"
-COMMON = ["model.resolution=64", "sampling.num_steps=8", "sampling.eval_num_steps=4", "sampling.batch_size=8",
-          "grpo.group_size=4", "train.prompts_per_step=8", "train.batch_size=16", "train.steps=2",
-          "eval.enabled=true", f"eval.prompts={EVAL_PROMPTS}", "eval.num_per_prompt=2", "eval.batch_size=4",
+COMMON = ["model.resolution=64", "sampling.num_steps=8", "sampling.eval_num_steps=4", "sampling.chunk_size=8",
+          "grpo.group_size=4", "train.prompts_per_step=8", "train.minibatch_size=16", "train.steps=2",
+          "eval.enabled=true", f"eval.prompts={EVAL_PROMPTS}", "eval.num_per_prompt=2", "eval.chunk_size=4",
           "eval.at_start=false", "log.progress=false", "log.wandb=false", "run.checkpoint_every=0"]
 
 

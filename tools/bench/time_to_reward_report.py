@@ -39,7 +39,7 @@ def markdown(res: dict) -> str:
         "s to 95% of the best arm's gain | within-prompt diversity at the end / the base model's |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    beta = load_config(str(ROOT / s["config"]), s["overrides"]).grpo.beta  # the reference runs on SDE steps
+    beta = load_config(str(ROOT / s["config"]), s["overrides"]).grpo.kl_beta  # the reference runs on SDE steps
     for a, r in rows.items():
         nfe, sde = _forwards(s["arms"][a], s["num_steps"])
         nft = "train.algorithm=nft" in s["arms"][a]

@@ -16,7 +16,7 @@ configs/sd35m_pickscore.yaml itself and scaled by rows only:
                      DPM-Solver++(2M) on 3 ODE steps outside it (MixGRPO-Flash's compressed rollout)
 
 Proportions: a rank of the 8-GPU production step holds 144 rows (48 prompts x 24 / 8) in 2 minibatches of 72,
-samples in 72-row chunks (sampling.batch_size auto) where Flow-GRPO samples and trains 9 rows at a time; here a
+samples in 72-row chunks (sampling.chunk_size auto) where Flow-GRPO samples and trains 9 rows at a time; here a
 rank holds ROWS = 16 (2 prompts x 8) in 2 minibatches of 8, samples in 8-row chunks, Flow-GRPO in
 round(16 x 9 / 144) = 1. The schedule (10 steps, 9 trained), CFG 4.5, the noise level, the KL weight, LoRA r32 and
 the text length's share of the tokens (205 of 1229; here 48 of 304) are the config's. float32 on the CPU, inline
@@ -184,7 +184,7 @@ def own_overrides(arm: str, rows: int) -> list[str]:
     """What an arm changes in the shipped config (beyond the scale)."""
     fg = fg_batch(rows)
     return {
-        "Flow-GRPO": ["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps", f"sampling.batch_size={fg}",
+        "Flow-GRPO": ["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps", f"sampling.chunk_size={fg}",
                       f"train.micro_batch_size={fg}", "parallel.activation_checkpointing=false"],
         "shipped": [],
         "SDE k4 + dpm2": ["sampling.sde_window=4", "sampling.sde_window_range=[0, 5]", "grpo.timestep_fraction=1.0",
@@ -198,7 +198,7 @@ def arm_overrides(arm: str, size: dict, pipe: Path, out: Path) -> list[str]:
     scale = [f"model.pretrained={pipe}", "model.lora.expect_modules=null", "model.dtype=float32",
              f"model.max_sequence_length={size['t5']}",
              f"model.resolution={2 * size['shape']['sample_size']}", "parallel.engine=none",
-             "train.prompts_per_step=2", f"grpo.group_size={rows // 2}", f"train.batch_size={rows // 2}",
+             "train.prompts_per_step=2", f"grpo.group_size={rows // 2}", f"train.minibatch_size={rows // 2}",
              f"train.micro_batch_size={rows // 2}", "data.prompt_file=null",
              "data.prompts=[a red apple on a table, a blue sky over the sea]", "reward.name=jpeg_compressibility",
              "reward.options={}", "reward.background=false", "eval.enabled=false", "log.wandb=false",
@@ -217,7 +217,7 @@ def build(arm: str, size: dict, pipe: Path, out: Path) -> Trainer:
 
 def _shares(trainer: Trainer) -> dict:
     """What the step-time model reads of the memory estimate: the rank's rows, its minibatch share, the micro-batch
-    and the rollout chunk, here the ones the trainer resolved (sampling.batch_size auto off a GPU: half the rows)."""
+    and the rollout chunk, here the ones the trainer resolved (sampling.chunk_size auto off a GPU: half the rows)."""
     R, B = E.local_rows(trainer.cfg, 1)
     return {"local_rows": R, "local_batch": B, "micro_batch_size": min(trainer.cfg.train.micro_batch_size or B, B),
             "sampling_batch": trainer.policy.rollout_batch}
