@@ -21,7 +21,7 @@ Phases of a step (each a sum of components; the peak is the max):
                Trajectories.cat holding the chunks and their concatenation
     update     one with-grad pass of knots_per_pass x micro_batch_size rows (a JAGG joint pass: 2 x micro)
     optimizer  AdamW step (foreach temporaries) with gradients and states
-    eval       eval.batch_size images at a time (CFG: 2x rows): encode, ODE, decode, score in turn
+    eval       eval.chunk_size images at a time (CFG: 2x rows): encode, ODE, decode, score in turn
 
 Not tensors, added to every phase: the overhead (CUDA context, cuBLAS/NCCL workspaces; default 1.5 GiB). A config
 fits when total <= (1 - headroom) x GPU memory; the headroom covers the caching allocator's fragmentation.
@@ -63,7 +63,7 @@ def local_rows(cfg, world: int) -> tuple[int, int]:
     data-parallel group, the world / parallel.sequence_parallel groups whose ranks hold the same rows."""
     n = cfg.train.prompts_per_step * cfg.grpo.group_size
     try:
-        rows = StepRows.draw(n, cfg.train.batch_size, cfg.run.seed, 0, 0, world, cfg.parallel.sequence_parallel)
+        rows = StepRows.draw(n, cfg.train.minibatch_size, cfg.run.seed, 0, 0, world, cfg.parallel.sequence_parallel)
     except ValueError as err:
         raise DoesNotDivide(str(err)) from None
     return len(rows.mine), rows.local_batch
@@ -129,7 +129,7 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     label = f"{shapes.get('name', tcomp['class'])} transformer, {precision}, {'LoRA r%d' % rank if rank else 'full'}"
     act = cached(key(*t_key), label, lambda: M.measure_transformer(tcomp, precision, rank, targets), measure)
     fdt = torch.bfloat16 if bf16 else torch.float32
-    t5 = fam.frozen[-1]  # model.text_encoders no_t5: not loaded; model.shard_t5: 1/world of it per rank
+    t5 = fam.frozen[-1]  # model.text_encoders no_t5: not loaded; model.shard_text_encoder: 1/world of it per rank
     frozen = [n for n in fam.frozen if n in comps and not (n == t5 and cfg.model.text_encoders == "no_t5")]
     encoders = {}
     for name in frozen[1:]:
@@ -156,7 +156,7 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
             measure)}
     return {"cfg": cfg, "world": world, "kind": kind, "shapes": shapes.get("name"), "precision": precision,
             "sharded": sharded, "bf16": bf16, "lora_rank": rank, "stats": stats,
-            "frozen": {n: component_params(comps[n]) / (world if n == t5 and cfg.model.shard_t5 else 1)
+            "frozen": {n: component_params(comps[n]) / (world if n == t5 and cfg.model.shard_text_encoder else 1)
                        for n in frozen},
             "encoders": encoders, "ref_bytes": 2 if bf16 and tcomp.get("stored_dtype") == cfg.model.dtype else 4,
             "vae_bytes": vdt.itemsize,
@@ -165,7 +165,7 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
             **sequence_parallel(cfg, world, tcomp, n_img, text, math.prod(latent), 2 if bf16 else 4,
                                 len(stats["block_params"])),
             "overhead": overhead_gb * GiB, "vae_scale": scale, "eval_images": eval_images(cfg),
-            # gpu_gib: what sampling.batch_size auto is sized for (an 80 GB GPU unless told)
+            # gpu_gib: what sampling.chunk_size auto is sized for (an 80 GB GPU unless told)
             "gpu_gib": gpu_gib, "components": comps}
 
 
@@ -200,7 +200,7 @@ def sequence_parallel(cfg, world: int, tcomp: dict, n_img: int, text: int, lat: 
 
 def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = None) -> dict:
     """{phase: {component: bytes}} per rank; `micro` overrides train.micro_batch_size (0 / None: whole share),
-    `sampling_batch` sampling.batch_size (None: the config's; auto: rollout_batch on s["gpu_gib"])."""
+    `sampling_batch` sampling.chunk_size (None: the config's; auto: rollout_batch on s["gpu_gib"])."""
     cfg, W = s["cfg"], s["world"]
     st, shard = s["stats"], s["sharded"]
     div = shard_group(cfg, W) if shard else 1  # HSDP: the states are sharded within a replica group only
@@ -290,12 +290,12 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
             + sum(ev(r["coef"], k if nf == 1 else min(k, r["batch"]), 0, 1) for k, r in zip(frames, rewards)) \
             + (n * nf * px + max(frames) * px if frames else 0)
 
-    bs = sampling_batch or cfg.sampling.batch_size
+    bs = sampling_batch or cfg.sampling.chunk_size
     if bs == "auto":
         bs = rollout_batch(s, s["gpu_gib"])
     sample_rows = bs * (1 + cfgg)
     sampling = tact("nograd", sample_rows) + sample_rows * (3 * 4 * lat + cond) + score(bs)
-    e = cfg.eval.batch_size  # train/evaluate.py: per batch encode, ODE, decode, score in turn; a grid kept (uint8)
+    e = cfg.eval.chunk_size  # train/evaluate.py: per batch encode, ODE, decode, score in turn; a grid kept (uint8)
     e_rows = e * (1 + cfgg)
     grid = min(cfg.eval.grid_images, s["eval_images"]) * nf * px / 4  # uint8 frames
     eval_batch = (e * cond * (1 + cfgg) + 2 * e * lat * 4 + grid + max(encoders(e), score(e), tact(
@@ -332,12 +332,12 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
 
 
 def rollout_cap(cfg, world: int) -> int:
-    """The most rows sampling.batch_size auto gives a rollout chunk: half of a rank's rows (rounded up)."""
+    """The most rows sampling.chunk_size auto gives a rollout chunk: half of a rank's rows (rounded up)."""
     return -(-local_rows(cfg, world)[0] // 2)
 
 
 def rollout_batch(s: dict, gpu_gib: float, headroom: float = 0.10) -> int:
-    """sampling.batch_size auto: the largest rollout chunk (rows, before CFG doubles them) whose rollout phase fits
+    """sampling.chunk_size auto: the largest rollout chunk (rows, before CFG doubles them) whose rollout phase fits
     `gpu_gib` with `headroom`, at most half of a rank's rows (two chunks or more: the reward of one is scored while
     the next samples); 1 when none fits (the update phase then decides whether the config fits at all)."""
     limit = (1 - headroom) * gpu_gib * GiB
@@ -379,7 +379,7 @@ def report(s: dict, est: dict, gpu_gib: float | None = None, headroom: float = 0
             f"\nrows per rank: {est['local_rows']} sampled, {est['local_batch']} per minibatch, micro-batch "
             f"{est['micro_batch_size']} -> {est['pass_rows']} rows per with-grad pass ({s['image_tokens']} image + "
             f"{s['text_tokens']} text tokens each{at_most}); rollout {est['sampling_batch']} rows per forward"
-            + (" (sampling.batch_size auto)" if cfg.sampling.batch_size == "auto" else ""))
+            + (" (sampling.chunk_size auto)" if cfg.sampling.chunk_size == "auto" else ""))
     if s["sp"] > 1:
         img, txt = s["rank_tokens"]
         head += (f"\nsequence parallel {s['sp']}: {s['world'] // s['sp']} data-parallel groups of {s['sp']} ranks "

@@ -61,7 +61,7 @@ class Family:
 
     @property
     def frozen(self) -> tuple[str, ...]:
-        """Frozen components, the VAE first and the large (model.shard_t5) text encoder last (the adapter's)."""
+        """Frozen components (the adapter's): the VAE first, the large text encoder (model.shard_text_encoder) last."""
         return tuple(getattr(self.velocity, "frozen_names", ()))
 
     @property

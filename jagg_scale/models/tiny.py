@@ -1,17 +1,11 @@
 """Tiny, random, fully offline diffusers pipelines, one per model family (its Family.tiny names the builder here):
 the test fixtures of the adapters (tests/conftest.py) and smoke runs (configs/*_tiny_cpu.yaml).
 
-    python tools/make_tiny_pipeline.py OUT_DIR --kind sd3|flux|flux_kontext|qwenimage|flux2|zimage|wan [--seed 0]
+    python -m tools.make_tiny_pipeline OUT_DIR --kind sd3|flux|flux_kontext|qwenimage|flux2|zimage|wan [--seed 0]
 
 Nothing is downloaded: every component is built from a config with seeded random weights, and the tokenizers
-are built locally from a small vocabulary (no model hub). The result loads with
-
-    StableDiffusion3Pipeline.from_pretrained(OUT_DIR, local_files_only=True)     (--kind sd3)
-    FluxPipeline.from_pretrained(OUT_DIR, local_files_only=True)                 (--kind flux)
-    FluxKontextPipeline.from_pretrained(OUT_DIR, local_files_only=True)          (--kind flux_kontext)
-    QwenImagePipeline.from_pretrained(OUT_DIR, local_files_only=True)            (--kind qwenimage)
-    Flux2KleinPipeline.from_pretrained(OUT_DIR, local_files_only=True)           (--kind flux2)
-    ZImagePipeline.from_pretrained(OUT_DIR, local_files_only=True)                (--kind zimage)
+are built locally from a small vocabulary (no model hub). The result loads with its family's pipeline class
+(`<Pipeline>.from_pretrained(OUT_DIR, local_files_only=True)`, the class its Family record names).
 
 SD3 layout (sizes chosen so that the pipeline's shape bookkeeping holds):
 

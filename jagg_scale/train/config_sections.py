@@ -107,7 +107,7 @@ class ModelConfig(_Section):
     text_encoders: TextEncoders = "all"
     # sd3/flux: the T5 encoder sharded with FSDP2 across all ranks for inference (1/world of its weights per rank;
     # every rank must then encode the same number of times: the trainer does)
-    shard_t5: bool = False
+    shard_text_encoder: bool = False
     # wan: frames per video, 1 + a multiple of the VAE's temporal factor (4: 81 is Wan2.1's 5 s at 16 fps); null = 81
     num_frames: Optional[int] = None
     # sd3/flux: T5 prompt tokens; null = the pipeline's default (diffusers: SD3 256, FLUX 512). Recipes set their
@@ -136,7 +136,8 @@ class ModelConfig(_Section):
                  f"xformers is wired for {takes('attention')} only")
         _require(self.text_encoders == "all" or "text_encoders" in fam.keys, f"{prefix}.text_encoders",
                  f"no_t5 is supported for {prefix}.kind {takes('text_encoders')} (FLUX's prompt embeddings are T5's)")
-        _require(not self.shard_t5 or (fam.is_pipeline and self.text_encoders == "all"), f"{prefix}.shard_t5",
+        _require(not self.shard_text_encoder or (fam.is_pipeline and self.text_encoders == "all"),
+                 f"{prefix}.shard_text_encoder",
                  f"needs a large text encoder (T5; Qwen-Image's Qwen2.5-VL): {prefix}.kind "
                  f"{pipelines} with {prefix}.text_encoders all")
         n = self.max_sequence_length
@@ -165,7 +166,7 @@ class SamplingConfig(_Section):
     # rollout rows per forward (no grad), or auto: the largest chunk whose rollout phase fits the GPU beside
     # everything else by jagg-estimate's memory model (estimate/memory.rollout_batch), at most half a rank's rows so
     # the first chunk's reward is scored while the second samples; half a rank's rows off a GPU
-    batch_size: Union[int, Literal["auto"]] = 16
+    chunk_size: Union[int, Literal["auto"]] = 16
     eval_num_steps: int = 20
     # SDE window (Flow-GRPO-Fast / MixGRPO): only `sde_window` consecutive steps are sampled with the SDE and
     # trained, the others run the ODE; 0 = every step is SDE (Flow-GRPO). The window's start is drawn per step
@@ -197,8 +198,8 @@ class SamplingConfig(_Section):
         _require(1.0 <= self.guidance <= 100, f"{prefix}.guidance",
                  f"must be in [1, 100] (1 disables CFG), got {self.guidance}")
         _require(self.shift is None or self.shift > 0, f"{prefix}.shift", f"must be > 0, got {self.shift}")
-        _require(self.batch_size == "auto" or self.batch_size >= 1, f"{prefix}.batch_size",
-                 f"must be >= 1 or auto, got {self.batch_size}")
+        _require(self.chunk_size == "auto" or self.chunk_size >= 1, f"{prefix}.chunk_size",
+                 f"must be >= 1 or auto, got {self.chunk_size}")
         _require(0 <= self.sde_window <= self.num_steps, f"{prefix}.sde_window",
                  f"must be in [0, num_steps], got {self.sde_window}")
         rng = self.sde_window_range or [0, self.num_steps]
@@ -218,7 +219,7 @@ class GRPOConfig(_Section):
     group_size: int = 4
     clip_range: float = 1e-4
     adv_clip_max: float = 5.0
-    beta: float = 0.0  # KL weight; 0 skips the reference model entirely
+    kl_beta: float = 0.0  # KL weight; 0 skips the reference model entirely
     # where the rollout runs the KL reference: on every trained step (Flow-GRPO), or on the JAGG plan's knots only,
     # its velocity linear in sigma between them inside a window (the window's own assumption, applied to the frozen
     # model's values; exact for a velocity affine along the window's line): 5 of 9 reference forwards at W 4.
@@ -240,7 +241,7 @@ class GRPOConfig(_Section):
                  f"must be >= 2 for group-relative advantages, got {self.group_size}")
         _require(self.clip_range > 0, f"{prefix}.clip_range", "must be > 0")
         _require(self.adv_clip_max > 0, f"{prefix}.adv_clip_max", "must be > 0")
-        _require(self.beta >= 0, f"{prefix}.beta", "must be >= 0")
+        _require(self.kl_beta >= 0, f"{prefix}.kl_beta", "must be >= 0")
         _require(0 < self.timestep_fraction <= 1, f"{prefix}.timestep_fraction",
                  f"must be in (0, 1], got {self.timestep_fraction}")
         _require(self.inner_epochs >= 1, f"{prefix}.inner_epochs", "must be >= 1")
@@ -256,7 +257,7 @@ class NFTConfig(_Section):
     timesteps (mode exact: one backward per timestep, as DiffusionNFT). Each inner epoch (grpo.inner_epochs) draws
     the timesteps and noise afresh, as DiffusionNFT (scripts/train_nft_sd3.py:806-812, 868)."""
 
-    beta: float = 1.0  # the implicit policies' step: v_+ = beta v + (1 - beta) v_old (its config.beta)
+    mix: float = 1.0  # the implicit policies' step: v_+ = beta v + (1 - beta) v_old (its config.beta)
     kl_beta: float = 1e-4  # weight of ||v - v_ref||^2 to the starting model (its config.train.beta); 0: no reference
     # the old policy's soft update after every rollout, old = decay old + (1 - decay) trained, decay =
     # min(max(0, (optimizer steps - flat) x rate), max) as [flat, rate, max]; DiffusionNFT's decay_type 1 (its
@@ -280,7 +281,7 @@ class NFTConfig(_Section):
     adv_mode: AdvMode = "all"
 
     def check(self, prefix: str) -> None:
-        _require(self.beta > 0, f"{prefix}.beta", f"must be > 0 (the loss divides by it), got {self.beta}")
+        _require(self.mix > 0, f"{prefix}.mix", f"must be > 0 (the loss divides by it), got {self.mix}")
         _require(self.kl_beta >= 0, f"{prefix}.kl_beta", f"must be >= 0, got {self.kl_beta}")
         flat, rate, top = self.old_decay
         _require(flat >= 0 and rate >= 0 and 0 <= top < 1, f"{prefix}.old_decay",
@@ -294,7 +295,7 @@ class TrainConfig(_Section):
     algorithm: Algorithm = "grpo"
     steps: int = 20
     prompts_per_step: int = 4
-    batch_size: int = 8  # samples per optimizer step
+    minibatch_size: int = 8  # samples per optimizer step
     lr: float = 1e-4
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.999)
@@ -319,7 +320,7 @@ class TrainConfig(_Section):
         _require(self.micro_batch_size >= 0, f"{prefix}.micro_batch_size",
                  f"must be >= 0 (0: the whole minibatch share per chunk), got {self.micro_batch_size}")
         _require(self.prompts_per_step >= 1, f"{prefix}.prompts_per_step", "must be >= 1")
-        _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
+        _require(self.minibatch_size >= 1, f"{prefix}.minibatch_size", "must be >= 1")
         _require(0 < self.lr <= 1, f"{prefix}.lr", f"must be in (0, 1], got {self.lr}")
         _require(self.weight_decay >= 0, f"{prefix}.weight_decay", f"must be >= 0, got {self.weight_decay}")
         # AdamW's decoupled decay multiplies every weight by 1 - lr * weight_decay per step: at >= 1 it zeroes them
@@ -433,7 +434,7 @@ class EvalConfig(_Section):
     every: int = 0  # also evaluate every N steps; 0: only before and after training
     video_fps: int = 16  # a video model's eval GIFs (Wan2.1 generates at 16 fps)
     seed: int = 1234  # eval noise is fixed by this seed, so every evaluation sees the same starting noise
-    batch_size: int = 32  # images per rank encoded, sampled, decoded and scored at once (eval memory is per batch)
+    chunk_size: int = 32  # images per rank encoded, sampled, decoded and scored at once (eval memory is per batch)
     at_start: bool = True  # also evaluate before the first step (step 0) of a fresh run; false skips it
     grid_images: int = 64  # grid.png shows the first N images (all when fewer; 0: no grid), gathered to rank 0
 
@@ -443,7 +444,7 @@ class EvalConfig(_Section):
         _one_prompt_source(self, prefix)
         _require(self.num_per_prompt >= 1, f"{prefix}.num_per_prompt", "must be >= 1")
         _require(self.every >= 0, f"{prefix}.every", "must be >= 0")
-        _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
+        _require(self.chunk_size >= 1, f"{prefix}.chunk_size", "must be >= 1")
         _require(self.grid_images >= 0, f"{prefix}.grid_images", "must be >= 0 (0: no grid.png)")
         for i, p in enumerate(self.prompts):
             _require(isinstance(p, str) and bool(p.strip()), f"{prefix}.prompts",

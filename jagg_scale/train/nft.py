@@ -146,7 +146,7 @@ class NFT(Algorithm):
             mb_cond = index_cond(cond, local)  # a host index (cond.py)
             batch = self._batch(traj, mb_cond, r, to_device(local, device), rows.mine[local], global_rows, step,
                                 epoch)
-            loss = NFTStepLoss(beta=nft.beta, kl_beta=nft.kl_beta, adv_clip_max=cfg.grpo.adv_clip_max,
+            loss = NFTStepLoss(beta=nft.mix, kl_beta=nft.kl_beta, adv_clip_max=cfg.grpo.adv_clip_max,
                                scale=1.0 / self.K, denominator=float(adv.mask[global_rows].sum()) / rows.world_size)
             return Minibatch(batch=batch, cond=mb_cond, loss=loss, positions=positions,
                              inputs=lambda b: (b.noised, b.t, b.old), intermediate=intermediate,

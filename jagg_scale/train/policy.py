@@ -6,7 +6,7 @@
     policy.model_fn()        the model's own prediction, under the same autocast: what training differentiates.
                              With CFG it is called with the conditional rows only (the unconditional prediction
                              is a constant for the gradient, see grpo/loss.py), so a JAGG joint pass has 2B rows
-    policy.reference_fn()    the KL reference's velocity, or None when grpo.beta = 0
+    policy.reference_fn()    the KL reference's velocity, or None when grpo.kl_beta = 0
     policy.encode(prompts)   the conditioning; with guidance != 1 the pair (cond, uncond) of the prompts and of the
                              model's negative prompt (an edit prompt's on its own input image)
     policy.rollout(...)      the rollout an algorithm's RolloutSpec asks for (algorithm.py): trajectories of given
@@ -39,12 +39,12 @@ log = logging.getLogger(__name__)
 
 
 def rollout_batch(cfg: Config, world_size: int, device: torch.device, *, gpu_gib: float | None = None) -> int:
-    """sampling.batch_size, with auto resolved for this rank: on a GPU the largest chunk whose rollout fits its memory
+    """sampling.chunk_size, with auto resolved for this rank: on a GPU the largest chunk whose rollout fits its memory
     by the estimator (estimate/memory.rollout_batch, the same number `jagg-estimate` prints), off a GPU or for the
     built-in DiT (no estimator shapes) half of a rank's rows; a model the estimator cannot size (no shapes or
     coefficients for it) falls back to that, with a warning. `gpu_gib`: this rank's memory in GiB instead of its
     device's (a test gives each rank its own). Ranks must agree on it: agreed_rollout_batch."""
-    n = cfg.sampling.batch_size
+    n = cfg.sampling.chunk_size
     if n != "auto":
         return n
     from ..estimate import memory as M  # the estimator sits above the trainer: imported only for auto
@@ -56,7 +56,7 @@ def rollout_batch(cfg: Config, world_size: int, device: torch.device, *, gpu_gib
         gib = torch.cuda.get_device_properties(device).total_memory / M.GiB if gpu_gib is None else gpu_gib
         return M.rollout_batch(M.prepare(cfg, world_size, gpu_gib=gib), gib)
     except (LookupError, ValueError, OSError) as err:  # no shapes or coefficients for this model
-        log.warning("sampling.batch_size auto: the estimator cannot size this model (%s); %d rows per forward",
+        log.warning("sampling.chunk_size auto: the estimator cannot size this model (%s); %d rows per forward",
                     err, half)
         return half
 
@@ -67,12 +67,12 @@ def agreed_rollout_batch(cfg: Config, dist, device: torch.device, *, gpu_gib: fl
     MIG slices) would run different numbers of rollout chunks, and every chunk runs collectives (the sharded
     transformer's parameter gathers at each forward, a sharded reward's per chunk): they would stop matching."""
     local = rollout_batch(cfg, dist.world_size, device, gpu_gib=gpu_gib)
-    if cfg.sampling.batch_size != "auto":  # the config's number: the same on every rank
+    if cfg.sampling.chunk_size != "auto":  # the config's number: the same on every rank
         return local
     every = dist.all_gather_object(local)
     agreed = min(every)
     if dist.is_main:
-        log.info("sampling.batch_size auto: %d rows per rollout forward on every rank (the smallest of the ranks' "
+        log.info("sampling.chunk_size auto: %d rows per rollout forward on every rank (the smallest of the ranks' "
                  "%s)", agreed, sorted(set(every)))
     return agreed
 
@@ -82,9 +82,9 @@ class Policy:
                  ref_model: torch.nn.Module | None = None, rollout_batch: int | None = None):
         """`model` is what to call for velocities (an engine's wrapped module when sharded). The KL reference is
         `ref_model` (a frozen copy, full fine-tune) or, with LoRA, the same model with its adapter off.
-        `rollout_batch`: rows per rollout forward (sampling.batch_size, auto resolved by rollout_batch())."""
+        `rollout_batch`: rows per rollout forward (sampling.chunk_size, auto resolved by rollout_batch())."""
         self.model, self.ref_model, self.cfg, self.device = model, ref_model, cfg, device
-        self.rollout_batch = rollout_batch or cfg.sampling.batch_size
+        self.rollout_batch = rollout_batch or cfg.sampling.chunk_size
         sigmas = model_schedule(model, cfg.sampling.num_steps, cfg.sampling.shift)
         self.host_sigmas = sigmas.tolist()  # the rollout's ODE solver computes its coefficients from these
         self.sigmas = sigmas.to(device)
@@ -164,7 +164,7 @@ class Policy:
         goes up once per chunk, asynchronously."""
         cfg, spec = self.cfg, spec or RolloutSpec()
         if self.rollout_batch == "auto":
-            raise ValueError("sampling.batch_size auto: give Policy the resolved rollout_batch (rollout_batch())")
+            raise ValueError("sampling.chunk_size auto: give Policy the resolved rollout_batch (rollout_batch())")
         gens = row_generators(cfg.run.seed, step, rows)
         parts = []
         with spec.weights():

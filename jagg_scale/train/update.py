@@ -126,7 +126,7 @@ class GRPO(Algorithm):
 
         def minibatch(epoch: int, local: torch.Tensor, global_rows: torch.Tensor, on_policy: bool) -> Minibatch:
             # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
-            loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=g.clip_range, beta=g.beta,
+            loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=g.clip_range, beta=g.kl_beta,
                                 scale=1.0 / K, denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
                                 guidance=guidance, guidance_rule=self.policy.guidance_rule, sde=cfg.sampling.sde)
             batch, trained = traj.step_batch(to_device(local, device), adv_values, adv_mask), steps

@@ -150,7 +150,7 @@ def _check(trace: dict, unit: str) -> None:
 
 @pytest.mark.slow  # a whole step under the profiler: ~4 s of CPU alone
 def test_a_grpo_step_reads_in_at_most_four_orchestration_files(tmp_path):
-    trainer = _trainer(tmp_path, "grpo.beta=0.04", "train.micro_batch_size=2")
+    trainer = _trainer(tmp_path, "grpo.kl_beta=0.04", "train.micro_batch_size=2")
     try:
         trace = trace_step(trainer)
     finally:

@@ -20,7 +20,7 @@ computed differs:
                        to s = 0 injects no noise: timestep_fraction 0.99, Flow-GRPO's)
     NFT                DiffusionNFT (train.algorithm nft) scaled to digits: the old policy's dpm2 ODE rollout of the
                        schedule's 16 steps, 15 training timesteps per sample (timestep_fraction 0.99), one backward
-                       each, beta 1, KL 1e-4, decay_type 1, the study's lr; no SDE KL (grpo.beta 0)
+                       each, beta 1, KL 1e-4, decay_type 1, the study's lr; no SDE KL (grpo.kl_beta 0)
     NFT shared noise   the same with one noise draw per sample for its 15 timesteps
     JAGG-NFT           that with one JAGG window over the 15 timesteps: 2 backwards per sample instead of 15
     JAGG-NFT W5 lines  (a variant) windows of 5 timesteps, one noise draw per window (nft.noise per_window: each
@@ -64,7 +64,7 @@ from .time_to_reward_report import (REFERENCE, TARGET_FINAL, TARGET_FRAC, TARGET
 ARMS = ("Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JAGG in SDE k4 + dpm2",
         "per-step in SDE k4 + dpm2", "CPS", "JAGG W4 CPS", "NFT", "NFT shared noise", "JAGG-NFT")
 # Recipe variants, not in the default arms (the same code path as their base arm): JAGG-NFT with a stronger KL to
-# the reference, the lever our GRPO default recipe pulled to keep within-prompt diversity (grpo.beta 0.2).
+# the reference, the lever our GRPO default recipe pulled to keep within-prompt diversity (grpo.kl_beta 0.2).
 # JAGG-NFT W4: windows of 4 of the sorted timesteps instead of one window of all (docs/algorithm.md section 8:
 # gradient cosine 0.9996 vs 0.94 at K = 15), 8 backwards per sample instead of 2.
 # JAGG-NFT Wn lines: windows of n, a noise draw per window (its own line), the frozen models at the knots only: the
@@ -105,8 +105,8 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
     window4 = ["jagg.mode=jagg", "jagg.window=4", "sampling.sde_window=4", half]
     dpm2 = ["sampling.ode_solver=dpm2", f"sampling.ode_steps={num_steps // 4}"]
     cps = ["sampling.sde=cps", "sampling.noise_level=0.8", "grpo.timestep_fraction=0.99"]  # its last step: no noise
-    nft = ["train.algorithm=nft", "grpo.beta=0", "sampling.ode_solver=dpm2", "grpo.timestep_fraction=0.99",
-           "nft.beta=1.0", "nft.kl_beta=1e-4", "jagg=null", "jagg.mode=exact"]
+    nft = ["train.algorithm=nft", "grpo.kl_beta=0", "sampling.ode_solver=dpm2", "grpo.timestep_fraction=0.99",
+           "nft.mix=1.0", "nft.kl_beta=1e-4", "jagg=null", "jagg.mode=exact"]
     K = max(1, int(num_steps * 0.99))
     return {
         "Flow-GRPO": ["jagg=null", "jagg.mode=exact"],
@@ -130,14 +130,14 @@ COMMON = ["eval.enabled=true", "eval.every=0", "eval.at_start=false", "run.check
 # The study's recipe, pinned so that retuning the default job does not move it: the digits job's reward-seeking
 # setting (Flow-GRPO's KL beta, per-prompt advantage std, no EMA), which gains fastest per step and so gives the
 # comparison the most power for its wall-clock. Every arm trains it.
-RECIPE = ["grpo.beta=0.04", "grpo.global_std=false", "train.lr=2e-4", "train.ema_decay=0.0"]
+RECIPE = ["grpo.kl_beta=0.04", "grpo.global_std=false", "train.lr=2e-4", "train.ema_decay=0.0"]
 # Sized so that Flow-GRPO's held-out gain is >= 5x its seed std (docs/benchmarks.md section 5): 4 seeds x 6 arms
 # x 64 steps, two worker processes of 2 seeds each on a 2-core CPU, one torch thread each (~65 s per round of a
 # worker's 12 trainers, ~50 s per round of its evaluations: about 80 minutes).
 FULL = {"steps": 64, "eval_every": 8, "seeds": [0, 1, 2, 3], "num_steps": 16, "extra": RECIPE, "workers": 2}
 QUICK = {"steps": 1, "eval_every": 1, "seeds": [0, 1], "num_steps": 8,
          "extra": ["sampling.num_steps=8", "sampling.eval_num_steps=8", "train.prompts_per_step=1",
-                   "train.batch_size=8", "sampling.batch_size=8", "eval.num_per_prompt=2"], "workers": 2}
+                   "train.minibatch_size=8", "sampling.chunk_size=8", "eval.num_per_prompt=2"], "workers": 2}
 
 
 def parse_settings(settings: dict[str, str]) -> dict:
