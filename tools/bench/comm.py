@@ -1,18 +1,21 @@
-"""Part 4, comm: collectives and bytes per training step under FSDP2, 2 processes (torchrun, gloo, CPU).
+"""Part comm: collectives and bytes per training step under FSDP2, 2 processes (torchrun, gloo, CPU).
 
-Each arm is one `torchrun --nproc_per_node 2 jagg-train configs/tiny_cpu.yaml parallel.engine=fsdp2 ...` run
-(the built-in DiT, fully_shard per transformer block + the root, reshard after forward); the trainer's collective
-counter writes comm_<phase>_<kind> and comm_<phase>_bytes into metrics.jsonl, read back here:
+Collectives per training step read from `metrics.jsonl` of real 2-process runs (`torchrun --nproc_per_node 2
+jagg-train configs/tiny_cpu.yaml parallel.engine=fsdp2 ...`, gloo on CPU), counted by the engine's `CommCounter`
+(`engine.comm`) per phase. A gather cycle is every FSDP unit all-gathered for the forward and again for the backward
+(reshard after forward).
+
+The arms (the built-in DiT, fully_shard per transformer block + the root; the counter writes comm_<phase>_<kind>
+and comm_<phase>_bytes into metrics.jsonl):
 
     exact           jagg.mode=exact: every trained step its own forward + backward
     JAGG cached     jagg.mode=jagg, window 4, intermediate cached: the pure count (one joint pass per window)
     JAGG auto       the trainer's default: cached on the first (on-policy) minibatch, then `forward`, whose no-grad
                     forward of the (W - 2) B intermediate rows gathers the parameters once more per window
 
-Per-window figures: one "gather cycle" = every FSDP unit all-gathered for the forward and again for the backward
-(2 x units all-gathers); units = train reduce-scatters / minibatches (one per unit at each accumulation boundary). The
-exact arm's per-window numbers are per group of W consecutive trained steps. Target: 1 gather cycle per window
-for JAGG vs W for per-step. Counts are deterministic; the bytes depend on the model size.
+A gather cycle is 2 x units all-gathers; units = train reduce-scatters / minibatches (one per unit at each
+accumulation boundary). The exact arm's per-window numbers are per group of W consecutive trained steps. Target: 1
+gather cycle per window for JAGG vs W for per-step. Counts are deterministic; the bytes depend on the model size.
 """
 
 from __future__ import annotations

@@ -1,10 +1,18 @@
 """Part time_to_reward (a study, not in the default run): held-out reward against wall-clock on the digits task.
 
-Users buy held-out reward per GPU-hour, so this part times whole GRPO steps (rollout + reward + training phase;
-the gradient probe is off and the evaluations are not counted) and evaluates the held-out reward along the way.
-Every arm trains `configs/digits_cpu.yaml` from the same starting weights with the same seeds, so each sees the
-same prompts for the same number of steps (the same prompt budget); only how the rollout and the gradient are
-computed differs:
+Held-out reward per wall-clock on the digits task (`tools/bench/time_to_reward.py`): every arm trains the same
+config (the study's pinned recipe) from the same weights and seeds for the same steps (the same prompts); the seeds
+are split over worker processes, each holding every arm as a trainer and stepping them round-robin, so the machine's
+noise hits every arm alike. Wall-clock is whole steps (rollout + reward + training phase; no probe, evaluations not
+counted). Flow-GRPO is every step SDE and trained per step; JAGG W4 and the knot planner (S = 2.67) change only the
+backward; Fast k2 (Flow-GRPO-Fast) samples and trains a 2-step SDE window, per step; `JAGG in SDE k4` a 4-step
+window with one JAGG joint pass; `+ dpm2` also compresses the ODE outside the window (`sampling.ode_solver: dpm2`,
+DPM-Solver++(2M), on `sampling.ode_steps` steps: MixGRPO-Flash; the steps are shared between the parts before and
+after the window in proportion to the schedule's steps there, at least one on a non-empty side, and re-spaced evenly
+in the schedule's step index; the window keeps its own sigmas, log-probs and JAGG windows). A study, not in the
+default run.
+
+The arms:
 
     Flow-GRPO          jagg.mode=exact: every step SDE and trained, one backward per step (the reference)
     JAGG W4            jagg.window=4, jagg_frac 1: one joint backward per window of 4 steps
@@ -28,11 +36,8 @@ computed differs:
                        reference's velocities at the knots only (nft.old_at knots): 6 backwards and 6 + 6 frozen
                        forwards per sample instead of 15 + 15 + 15
 
-All arms of a seed subset live in one process as separate trainers and step round-robin (one training step of
-each, the order rotated every step), so the machine's drifts and the other jobs on it hit every arm alike; the seed
-subsets run in parallel worker processes (`workers`, one torch thread each), every one holding all the arms. The
-held-out reward (deterministic ODE evaluation, the config's eval section) is measured every `eval_every` steps; every
-trainer starts from the same weights and the evaluation is deterministic, so the step-0 value is measured once.
+Every trainer starts from the same weights and the evaluation is deterministic, so the step-0 held-out reward is
+measured once.
 
 Reported per arm: the held-out gain (final - start, mean and seed std), the gain as a fraction of Flow-GRPO's
 (mean +- std over seeds, each seed's gain over Flow-GRPO's mean gain), the wall-clock of whole steps (mean over
