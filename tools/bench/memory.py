@@ -68,22 +68,11 @@ def _reset_hwm() -> bool:
     return (_status_kb("VmHWM") or 0) <= _rss() + 4 * MB
 
 
-def _tensor_peak(prof) -> int:
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type().name == "CPU"]
-    events.sort(key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
-
-
 def measure(quick: bool, rows: str, ckpt: bool, batch: int, threads: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from .common import random_cond, sd3_config, SD3Shaped, top_ops
+    from .common import random_cond, sd3_config, SD3Shaped, tensor_peak, top_ops
 
     if threads:
         torch.set_num_threads(threads)
@@ -127,7 +116,7 @@ def measure(quick: bool, rows: str, ckpt: bool, batch: int, threads: int) -> dic
         step()
     out = {
         "rows": rows, "checkpointing": ckpt, "batch_rows": n, "seconds": seconds,
-        "tensor_peak_mb": _tensor_peak(prof) / MB,
+        "tensor_peak_mb": tensor_peak(prof) / MB,
         "rss_growth_mb": rss_growth / MB,
         "rss_growth_first_pass_mb": rss_first / MB,
         "rss_method": "VmHWM reset via /proc/self/clear_refs" if hwm_reset else "ru_maxrss of the first pass",

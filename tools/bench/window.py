@@ -16,7 +16,7 @@ from jagg_scale.cond import cat_cond
 from jagg_scale.grpo.rollout import cfg_predictions, guide
 from jagg_scale.jagg import exact_backward, jagg_backward
 
-from .common import median, ops_table, paired_rounds, paired_speedup, sd3_problem, top_ops
+from .common import median, ops_table, paired_rounds, paired_speedup, sd3_problem, tensor_peak, top_ops
 
 BATCH = 4
 
@@ -243,12 +243,12 @@ class Cfg:
     def peak_mb(fn, model) -> float:
         from torch.profiler import ProfilerActivity, profile
 
-        from .memory import MB, _tensor_peak
+        from .memory import MB
 
         model.zero_grad(set_to_none=False)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             fn()
-        return _tensor_peak(prof) / MB
+        return tensor_peak(prof) / MB
 
     @classmethod
     def run(cls, quick: bool, repeats: int | None = None) -> dict:
