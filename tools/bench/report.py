@@ -11,10 +11,9 @@ from . import PARTS, part as _module
 TITLES = {
     "window_speed": "1. window_speed: one window of W steps on an SD3-shaped DiT",
     "memory": "2. memory: the joint 2B-row pass vs a per-step pass",
-    "comm": "3. comm: FSDP2 collectives per training step and per window",
-    "cfg": "4. cfg: training under classifier-free guidance",
-    "time_to_reward": "5. time_to_reward: held-out reward against wall-clock (a study)",
-    "whole_step": "6. whole_step: one rank's production step, phase by phase, beside Flow-GRPO's (a study)",
+    "cfg": "3. cfg: training under classifier-free guidance",
+    "time_to_reward": "4. time_to_reward: held-out reward against wall-clock (a study)",
+    "whole_step": "5. whole_step: one rank's production step, phase by phase, beside Flow-GRPO's (a study)",
 }
 
 
@@ -90,16 +89,11 @@ def _target_rows(parts: dict, rows: list[str]) -> None:
         frac = "never" if t["t95_frac"] is None else f"{t['t95_frac']:.2f}x"
         rows.append(f"| {t['name']} | best arm {t['best_arm']}: 95% of the gain at {frac} the wall-clock, final gain "
                     f"{t['gain_frac'][0]:.2f} +- {t['gain_frac'][1]:.2f}x | "
-                    f"{'met' if t['met'] else 'MISSED: see section 5'} |")
+                    f"{'met' if t['met'] else 'MISSED: see section 4'} |")
         if {"Flow-GRPO", "JAGG W4"} <= set(tr["rows"]):  # the same trainer and steps, only the backward differs
             e, j = (tr["rows"][a]["phases"][2] for a in ("Flow-GRPO", "JAGG W4"))
-            rows.append(f"| training phase >= 1.8x faster at W = 4 (section 5: JAGG W4 vs Flow-GRPO, median seconds "
+            rows.append(f"| training phase >= 1.8x faster at W = 4 (section 4: JAGG W4 vs Flow-GRPO, median seconds "
                         f"per step) | {e / j:.2f}x ({e:.2f} s vs {j:.2f} s) | {'met' if e >= 1.8 * j else 'MISSED'} |")
-    cm = parts.get("comm")
-    if cm and "error" not in cm:
-        t = cm["target"]
-        rows.append(f"| collectives per window: 1 vs W | parameter all-gather cycles per window: JAGG {t['jagg']:.2f}, "
-                    f"per-step {t['exact']:.2f} (W = {t['W']}) | {'met' if t['met'] else 'MISSED'} |")
 
 
 def _merged_note(results: dict) -> str:

@@ -136,7 +136,7 @@ COMMON = ["eval.enabled=true", "eval.every=0", "eval.at_start=false", "run.check
 # setting (Flow-GRPO's KL beta, per-prompt advantage std, no EMA), which gains fastest per step and so gives the
 # comparison the most power for its wall-clock. Every arm trains it.
 RECIPE = ["grpo.beta=0.04", "grpo.global_std=false", "train.lr=2e-4", "train.ema_decay=0.0"]
-# Sized so that Flow-GRPO's held-out gain is >= 5x its seed std (docs/benchmarks.md section 5): 4 seeds x 6 arms
+# Sized so that Flow-GRPO's held-out gain is >= 5x its seed std (docs/benchmarks.md section 4): 4 seeds x 6 arms
 # x 64 steps, two worker processes of 2 seeds each on a 2-core CPU, one torch thread each (~65 s per round of a
 # worker's 12 trainers, ~50 s per round of its evaluations: about 80 minutes).
 FULL = {"steps": 64, "eval_every": 8, "seeds": [0, 1, 2, 3], "num_steps": 16, "extra": RECIPE, "workers": 2}
