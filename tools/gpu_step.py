@@ -27,15 +27,12 @@ from pathlib import Path
 
 import torch
 
+from tools.gpu_common import sync
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red apple on a table", "a blue sky over the sea", "a green field at noon", "a cat on a sofa",
            "a city street at night", "a bowl of fruit", "a mountain lake", "a portrait of a dog"]
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -158,7 +155,7 @@ def section_step(args, device, state) -> dict:
         load_s = time.perf_counter() - t0
         try:
             _warm(trainer, device)
-            clock = PhaseClock(trainer, sync=lambda: _sync(device))
+            clock = PhaseClock(trainer, sync=lambda: sync(device))
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             phases = clock.step(trainer, 0)
@@ -198,7 +195,7 @@ def _warm(trainer, device) -> None:
     predict(x, torch.rand(2, device=device), c).float().square().mean().backward()
     for p in trainer.engine.params:
         p.grad = None
-    _sync(device)
+    sync(device)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -225,11 +222,11 @@ def profile_pass(fn, device) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     fn()
-    _sync(device)
+    sync(device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         fn()
-        _sync(device)
+        sync(device)
     attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     times = Counter()
     classes = Counter()
@@ -285,10 +282,10 @@ def section_profile(args, device, state) -> dict:
 def _seconds(fn, device, repeats: int = 3) -> float:
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return round(sorted(times)[len(times) // 2], 4)
 

@@ -29,8 +29,8 @@ checkpointing there is no recompute (x 2/3).
                group inside one node: NVLink; --a2a-gbps for another link), not overlapped with compute. The
                decode, the reward and the encoders run on the group's rows on every rank of it.
 
-Not counted: the other collectives (FSDP2 prefetches its all-gathers behind compute; they are the comm part of
-docs/benchmarks.md), the optimizer step and host work. So on a GPU not like the calibration's, or with NCCL
+Not counted: the other collectives (FSDP2 prefetches its all-gathers behind compute; each step logs them as
+comm_<phase>_<collective>), the optimizer step and host work. So on a GPU not like the calibration's, or with NCCL
 bound by a slow network, the model is optimistic; `compare()` reads every config at the same rates, so ratios
 between configs (the knobs: rollout batch, micro-batch, window, SDE window, dpm2) hold better than seconds.
 """

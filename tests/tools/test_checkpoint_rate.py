@@ -1,5 +1,6 @@
-"""tools/checkpoint_rate.py: the save-rate measurement runs through the trainer's save protocol, and the lead-time
-table in docs/launchers.md is the tool's (checkpoint bytes from the model shapes: FLUX.1-dev full fine-tune ~143 GB)."""
+"""tools/checkpoint_rate.py: the lead-time table in docs/launchers.md is the tool's (checkpoint bytes from the model
+shapes: FLUX.1-dev full fine-tune ~143 GB); the save-rate measurement it is read with is the product's
+(`python -m jagg_scale.estimate.preemption --measure DIR`, tests/estimate/test_preemption.py)."""
 
 from pathlib import Path
 
@@ -22,11 +23,3 @@ def test_checkpoint_bytes_per_model():
 def test_docs_hold_the_tools_table():
     table = checkpoint_rate.table(checkpoint_rate.checkpoint_bytes(), 8, 1.0, 0.5)
     assert table in (ROOT / "docs" / "launchers.md").read_text()
-
-
-def test_measure_times_write_hash_and_verify(tmp_path):
-    m = checkpoint_rate.measure(0.06, 1, tmp_path)  # one 64 MB tensor
-    assert m["bytes"] == 1 << 26 and len(m["runs"]) == 1
-    assert all(m[k] > 0 for k in ("write_gbps", "hash_gbps", "save_gbps", "verify_gbps"))
-    assert m["save_gbps"] < m["hash_gbps"]  # the save includes the hash
-    assert not list(tmp_path.iterdir())  # cleaned up

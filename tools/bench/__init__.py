@@ -9,7 +9,6 @@ measurements from the same run):
 
     window_speed  one window of W steps on an SD3-shaped DiT: per-step vs eff_grpo-style vs jagg_backward
     memory        peak memory of the joint 2B-row pass vs a per-step B-row pass, +- activation checkpointing
-    comm          collectives and bytes per training step under fsdp2 (2 processes, gloo, torchrun)
     cfg           training under CFG 4.5: Flow-GRPO's batched cond+uncond step vs the cached uncond, per-step and JAGG
 
 Studies (run only when named in --parts; they train for longer than the whole default run):
@@ -26,7 +25,7 @@ generated report (docs/benchmarks.md; OUT.md for an OUT outside a results/ folde
 
 import importlib
 
-DEFAULT_PARTS = ("window_speed", "memory", "comm", "cfg")
+DEFAULT_PARTS = ("window_speed", "memory", "cfg")
 STUDIES = ("time_to_reward", "whole_step")
 PARTS = DEFAULT_PARTS + STUDIES
 MODULES = {"window_speed": "window", "cfg": "window"}  # parts that share one timing loop

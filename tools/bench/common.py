@@ -249,6 +249,28 @@ def top_ops(fn: Callable[[], object], n: int = 8, sort_by: str = "self_cpu_time_
     }
 
 
+def tensor_peaks(prof, baseline: int = 0) -> dict:
+    """{phase: peak live tensor bytes} of a torch.profiler(profile_memory=True) run: the running sum, from
+    `baseline`, of the allocator's CPU [memory] events (+ alloc, - free), each event given to the innermost
+    record_function window named `phase:<name>` holding it ("other" outside them)."""
+    events = list(prof.profiler.kineto_results.events())
+    windows = sorted(((e.start_ns(), e.end_ns(), e.name()[6:]) for e in events if e.name().startswith("phase:")),
+                     key=lambda w: w[1] - w[0])
+    mem = sorted((e for e in events if e.name() == "[memory]" and e.device_type().name == "CPU"),
+                 key=lambda e: e.start_ns())
+    cur, peaks = baseline, {}
+    for e in mem:
+        cur += e.nbytes()
+        phase = next((w[2] for w in windows if w[0] <= e.start_ns() <= w[1]), "other")
+        peaks[phase] = max(peaks.get(phase, baseline), cur)
+    return peaks
+
+
+def tensor_peak(prof) -> int:
+    """The peak of live tensor bytes above the start of the profiled run."""
+    return max(tensor_peaks(prof).values(), default=0)
+
+
 def ops_table(prof: dict) -> str:
     mem = any("self_cpu_memory_mb" in o for o in prof["ops"])
     head = "| op | calls | self CPU ms | % |" + (" self CPU MB |" if mem else "")

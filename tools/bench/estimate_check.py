@@ -13,7 +13,7 @@ Cases (each in a fresh process; two processes through torchrun with gloo):
 each with activation checkpointing off / on and train.micro_batch_size 2 / 4 / 8.
 
 Measured: live tensor bytes at the start (every tensor storage reachable from Python, counted once) plus the peak
-of torch.profiler's allocator events over the run (the `_tensor_peak` method of tools/bench/memory.py); for the
+of torch.profiler's allocator events over the run (tools/bench/common.py `tensor_peaks`); for the
 trainer, one warm-up step (AdamW states exist afterwards, as in every later step) then one profiled step and one
 profiled evaluation, the step's phases (encode, rollout, update, optimizer) told apart by record_function windows.
 With two processes the larger rank is reported. Predicted: the estimator on the same config, world size and
@@ -66,27 +66,12 @@ def live_tensor_bytes() -> int:
     return total
 
 
-def phase_peaks(prof, baseline: int) -> dict:
-    """{phase: peak live bytes} with each allocator event given to the innermost `phase:` window holding it."""
-    events = list(prof.profiler.kineto_results.events())
-    windows = sorted(((e.start_ns(), e.end_ns(), e.name()[6:]) for e in events if e.name().startswith("phase:")),
-                     key=lambda w: w[1] - w[0])
-    mem = sorted((e for e in events if e.name() == "[memory]" and e.device_type().name == "CPU"),
-                 key=lambda e: e.start_ns())
-    cur, peaks = baseline, {}
-    for e in mem:
-        cur += e.nbytes()
-        phase = next((w[2] for w in windows if w[0] <= e.start_ns() <= w[1]), "other")
-        peaks[phase] = max(peaks.get(phase, baseline), cur)
-    return peaks
-
-
 def worker_pass(spec: dict) -> dict:
     """One joint pass of the SD3-shaped DiT: 2 x micro rows, forward + backward (2nd pass measured)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from tools.bench.common import SD3Shaped, random_cond, sd3_config
+    from tools.bench.common import SD3Shaped, random_cond, sd3_config, tensor_peaks
 
     torch.set_num_threads(1)
     cfg, text = sd3_config(False)
@@ -126,7 +111,7 @@ def worker_pass(spec: dict) -> dict:
     base = live_tensor_bytes()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    out = {"baseline": base, "peaks": phase_peaks(prof, base)}
+    out = {"baseline": base, "peaks": tensor_peaks(prof, base)}
     if ctx is not None:
         ctx.close()
     return out
@@ -138,6 +123,7 @@ def worker_train(spec: dict) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from jagg_scale.train import Trainer, load_config
+    from tools.bench.common import tensor_peaks
 
     torch.set_num_threads(1)
     trainer = Trainer(load_config(ROOT / "configs" / spec["config"], spec["overrides"]))
@@ -158,12 +144,12 @@ def worker_train(spec: dict) -> dict:
         base = live_tensor_bytes()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             trainer.train_step(1)
-        peaks = phase_peaks(prof, base)
+        peaks = tensor_peaks(prof, base)
         base_eval = live_tensor_bytes()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with record_function("phase:eval"):
                 trainer.evaluate(2)
-        peaks["eval"] = max(phase_peaks(prof, base_eval).values())
+        peaks["eval"] = max(tensor_peaks(prof, base_eval).values())
     finally:
         trainer.dist.close()
     return {"baseline": base, "peaks": peaks}

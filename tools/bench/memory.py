@@ -1,26 +1,26 @@
-"""Part 3, memory: peak memory of JAGG's joint 2B-row endpoint pass vs a per-step B-row pass, on CPU, with and
+"""Part memory: peak memory of JAGG's joint 2B-row endpoint pass vs a per-step B-row pass, on CPU, with and
 without activation checkpointing (diffusers `enable_gradient_checkpointing()`), on the SD3-shaped DiT.
 
-Each configuration (per-step B rows | joint 2B rows) x (checkpointing off | on) runs in a FRESH subprocess
-(`python -m tools.bench.memory --worker SPEC`): model built, gradients allocated (as in training, where .grad
-accumulates over windows), then three forward + backward passes (v.backward(G) with a random upstream gradient,
-as jagg_backward does):
+Peak memory of one forward + backward through the SD3-shaped model: the per-step pass (B rows) and JAGG's joint
+endpoint pass (2B rows), each with and without diffusers activation checkpointing, each configuration in a fresh
+subprocess. The tensor peak is the maximum of the running sum of the allocator's [memory] events recorded by
+`torch.profiler(profile_memory=True)`. The RSS growth is the kernel's peak-RSS high-water mark (VmHWM, reset via
+/proc/self/clear_refs) minus the RSS before the pass, measured on the pass after a warm-up pass, with glibc told to
+serve every allocation above 64 KiB by mmap (`MALLOC_MMAP_THRESHOLD_=65536`) so that freed memory leaves the RSS and
+the warm-up cannot hide growth (with glibc's defaults the RSS growth was 1.2x to 2.3x the tensor peak, depending on
+the allocation pattern). Both exclude the parameters and gradients already allocated.
+
+Per configuration (`python -m tools.bench.memory --worker SPEC`): model built, gradients allocated (as in training,
+where .grad accumulates over windows), then three forward + backward passes (v.backward(G) with a random upstream
+gradient, as jagg_backward does):
 
     1. warm-up      lazy initialisation; its RSS growth is recorded too (first_pass)
-    2. RSS growth   peak resident set size during the pass minus the RSS before it: the kernel's high-water mark
-                    VmHWM, reset just before the pass by writing 5 to /proc/self/clear_refs (ru_maxrss of the
-                    first pass if that is refused); this pass is also the one timed
-    3. tensor peak  torch.profiler(profile_memory=True): the running sum of the allocator's [memory] events
-                    (+ alloc, - free) over the pass; its maximum is the peak of live tensor bytes above the start
+    2. RSS growth   VmHWM reset by writing 5 to /proc/self/clear_refs (ru_maxrss of the first pass if that is
+                    refused); this pass is also the one timed, ~1.4x slower under the mmap threshold (page faults)
+    3. tensor peak  the profiled pass: the allocator's [memory] events (+ alloc, - free)
 
-The workers run with MALLOC_MMAP_THRESHOLD_=65536: glibc serves every allocation above 64 KiB with mmap, so a
-freed tensor leaves the RSS at once and a warm-up cannot hide growth. Measured on the full model: with it the
-RSS growth matches the tensor peak within 1%; with glibc's defaults the first pass grew the RSS by 1.2x (per-step)
-to 2.3x (joint, checkpointed) the tensor peak (heap fragmentation, the dynamic mmap threshold) and a second pass
-by far less. The price is ~1.4x slower passes (page faults), which only touches the time column. The tensor peak
-(exact, independent of malloc) is the figure used for the target; the RSS cross-checks it. Both exclude the
-parameters and gradients present before the pass (reported as "state"). Target: the joint pass with
-checkpointing <= 1.2x the per-step pass.
+The tensor peak (exact, independent of malloc) is the figure used for the target, the joint pass with checkpointing
+<= 1.2x the per-step pass; the RSS cross-checks it (within 1% on the full model).
 """
 
 from __future__ import annotations
@@ -68,22 +68,11 @@ def _reset_hwm() -> bool:
     return (_status_kb("VmHWM") or 0) <= _rss() + 4 * MB
 
 
-def _tensor_peak(prof) -> int:
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type().name == "CPU"]
-    events.sort(key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
-
-
 def measure(quick: bool, rows: str, ckpt: bool, batch: int, threads: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from .common import random_cond, sd3_config, SD3Shaped, top_ops
+    from .common import random_cond, sd3_config, SD3Shaped, tensor_peak, top_ops
 
     if threads:
         torch.set_num_threads(threads)
@@ -127,7 +116,7 @@ def measure(quick: bool, rows: str, ckpt: bool, batch: int, threads: int) -> dic
         step()
     out = {
         "rows": rows, "checkpointing": ckpt, "batch_rows": n, "seconds": seconds,
-        "tensor_peak_mb": _tensor_peak(prof) / MB,
+        "tensor_peak_mb": tensor_peak(prof) / MB,
         "rss_growth_mb": rss_growth / MB,
         "rss_growth_first_pass_mb": rss_first / MB,
         "rss_method": "VmHWM reset via /proc/self/clear_refs" if hwm_reset else "ru_maxrss of the first pass",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 
@@ -10,68 +11,16 @@ from . import PARTS, part as _module
 TITLES = {
     "window_speed": "1. window_speed: one window of W steps on an SD3-shaped DiT",
     "memory": "2. memory: the joint 2B-row pass vs a per-step pass",
-    "comm": "3. comm: FSDP2 collectives per training step and per window",
-    "cfg": "4. cfg: training under classifier-free guidance",
-    "time_to_reward": "5. time_to_reward: held-out reward against wall-clock (a study)",
-    "whole_step": "6. whole_step: one rank's production step, phase by phase, beside Flow-GRPO's (a study)",
+    "cfg": "3. cfg: training under classifier-free guidance",
+    "time_to_reward": "4. time_to_reward: held-out reward against wall-clock (a study)",
+    "whole_step": "5. whole_step: one rank's production step, phase by phase, beside Flow-GRPO's (a study)",
 }
 
-WHAT = {
-    "window_speed": (
-        "Training of ONE window of W consecutive sampling steps (forwards, backwards, gradients accumulated into "
-        "`.grad`), steps 0 .. W-1 of a real on-policy GRPO minibatch with the real `GRPOStepLoss`. **per-step** is "
-        "Flow-GRPO (`exact_backward`: W forward+backward passes of B rows). **eff_grpo** is the peer method, "
-        "implemented in the bench only: W no-grad forwards for the per-step upstream gradients, interpolation "
-        "weights by step index k/(W-1) (not sigma), then two separate with-grad endpoint forwards, each with its "
-        "own backward. **cached / interpolate / forward** are `jagg_backward` with those intermediate modes: one "
-        "forward + one backward of the 2B stacked endpoint rows (forward mode adds one no-grad forward of the "
-        "(W-2)B intermediate rows). Speedup = t(per-step) / t(method); W/2 is the limit on hardware whose "
-        "throughput does not depend on the batch; `/ (W/2)` is the speedup as a fraction of that limit."),
-    "memory": (
-        "Peak memory of one forward + backward through the SD3-shaped model: the per-step pass (B rows) and JAGG's "
-        "joint endpoint pass (2B rows), each with and without diffusers activation checkpointing, each "
-        "configuration in a fresh subprocess. The tensor peak is the maximum of the running sum of the "
-        "allocator's [memory] events recorded by `torch.profiler(profile_memory=True)`. The RSS growth is the "
-        "kernel's peak-RSS high-water mark (VmHWM, reset via /proc/self/clear_refs) minus the RSS before the "
-        "pass, measured on the pass after a warm-up pass, with glibc told to serve every allocation above 64 KiB "
-        "by mmap (`MALLOC_MMAP_THRESHOLD_=65536`) so that freed memory leaves the RSS and the warm-up cannot hide "
-        "growth (with glibc's defaults the RSS growth was 1.2x to 2.3x the tensor peak, depending on the "
-        "allocation pattern). Both exclude the parameters and gradients already allocated."),
-    "comm": (
-        "Collectives per training step read from `metrics.jsonl` of real 2-process runs "
-        "(`torchrun --nproc_per_node 2 jagg-train configs/tiny_cpu.yaml parallel.engine=fsdp2 ...`, gloo on "
-        "CPU), counted by the engine's `CommCounter` (`engine.comm`) per phase. A gather cycle is every FSDP "
-        "unit all-gathered for the forward and again for the backward (reshard after forward)."),
-    "cfg": (
-        "Training of one window of W = 4 steps of an on-policy rollout under CFG 4.5 on the SD3-shaped model. "
-        "Flow-GRPO detaches the unconditional prediction, so it needs no backward: (a) is Flow-GRPO's own step "
-        "(the unconditional and conditional rows in one forward with grad, u detached), (b) and (c) train the "
-        "conditional rows alone with u taken from the rollout (per-step, and JAGG's joint pass), (d) is the "
-        "previous path of this project (the guided velocity through JAGG's joint pass, u with grad: 4B rows and a "
-        "different gradient). The trainer-level CFG figures are whole_step's (CFG 4.5 through the trainer)."),
-    "time_to_reward": (
-        "Held-out reward per wall-clock on the digits task (`tools/bench/time_to_reward.py`): every arm trains the "
-        "same config (the study's pinned recipe) from the same weights and seeds for the same steps (the same "
-        "prompts); the seeds are split over worker processes, each holding every arm as a trainer and stepping them "
-        "round-robin, so the machine's noise hits every arm alike. Wall-clock is "
-        "whole steps (rollout + reward + training phase; no probe, evaluations not counted). Flow-GRPO is every "
-        "step SDE and trained per step; JAGG W4 and the knot planner (S = 2.67) change only the backward; Fast k2 "
-        "(Flow-GRPO-Fast) samples and trains a 2-step SDE window, per step; `JAGG in SDE k4` a 4-step window with "
-        "one JAGG joint pass; `+ dpm2` also compresses the ODE outside the window (`sampling.ode_solver: dpm2`, "
-        "DPM-Solver++(2M), on `sampling.ode_steps` steps: MixGRPO-Flash; the steps are shared between the parts "
-        "before and after the window in proportion to the schedule's steps there, at least one on a non-empty "
-        "side, and re-spaced evenly in the schedule's step index; the window keeps its own sigmas, log-probs and "
-        "JAGG windows). A study, not in the default run."),
-    "whole_step": (
-        "One rank's share of `configs/sd35m_pickscore.yaml`'s training step at production proportions "
-        "(`tools/bench/whole_step.py`): three trainers built from that config on the SD3-shaped bench model, scaled "
-        "by rows only, step round-robin after a warm-up step each. Flow-GRPO runs its train_sd3.py update "
-        "(FlowGRPOUpdater: its 9-row batch scaled, the conditional and unconditional rows in one forward with grad, "
-        "the reference at training, no checkpointing); the shipped recipe as shipped; SDE k4 + dpm2 the fastest "
-        "recipe we ship. Phases are timed by wrapping the trainer's own callables. The step-time model "
-        "(`jagg_scale/estimate/steptime.py`) is priced with this model's passes measured in the same run and set "
-        "beside the measured phases. A study, not in the default run."),
-}
+
+def _what(part: str) -> str:
+    """The part's description on the page: the paragraph after the title in its docstring (its module's, or its
+    class's in window.py), so that the page and the code say it once."""
+    return inspect.getdoc(_module(part)).split("\n\n")[1].replace("\n", " ")
 
 
 def write_plots(results: dict, out: Path) -> dict[str, str]:
@@ -140,16 +89,11 @@ def _target_rows(parts: dict, rows: list[str]) -> None:
         frac = "never" if t["t95_frac"] is None else f"{t['t95_frac']:.2f}x"
         rows.append(f"| {t['name']} | best arm {t['best_arm']}: 95% of the gain at {frac} the wall-clock, final gain "
                     f"{t['gain_frac'][0]:.2f} +- {t['gain_frac'][1]:.2f}x | "
-                    f"{'met' if t['met'] else 'MISSED: see section 5'} |")
+                    f"{'met' if t['met'] else 'MISSED: see section 4'} |")
         if {"Flow-GRPO", "JAGG W4"} <= set(tr["rows"]):  # the same trainer and steps, only the backward differs
             e, j = (tr["rows"][a]["phases"][2] for a in ("Flow-GRPO", "JAGG W4"))
-            rows.append(f"| training phase >= 1.8x faster at W = 4 (section 5: JAGG W4 vs Flow-GRPO, median seconds "
+            rows.append(f"| training phase >= 1.8x faster at W = 4 (section 4: JAGG W4 vs Flow-GRPO, median seconds "
                         f"per step) | {e / j:.2f}x ({e:.2f} s vs {j:.2f} s) | {'met' if e >= 1.8 * j else 'MISSED'} |")
-    cm = parts.get("comm")
-    if cm and "error" not in cm:
-        t = cm["target"]
-        rows.append(f"| collectives per window: 1 vs W | parameter all-gather cycles per window: JAGG {t['jagg']:.2f}, "
-                    f"per-step {t['exact']:.2f} (W = {t['W']}) | {'met' if t['met'] else 'MISSED'} |")
 
 
 def _merged_note(results: dict) -> str:
@@ -205,7 +149,7 @@ def write_markdown(results: dict, out: Path, plots: dict[str, str]) -> Path:
             body = _module(part).markdown(res)
         except Exception as exc:
             body = f"(could not render this part's results: {type(exc).__name__}: {exc}; re-run the part)"
-        lines += [WHAT[part], "", body, ""]
+        lines += [_what(part), "", body, ""]
         if part in plots:
             lines += [f"![{part}]({os.path.relpath(out.parent / plots[part], report_path(out).parent)})", ""]
     gpu = out.parent / "gpu_check.json"

@@ -1,10 +1,18 @@
 """Part time_to_reward (a study, not in the default run): held-out reward against wall-clock on the digits task.
 
-Users buy held-out reward per GPU-hour, so this part times whole GRPO steps (rollout + reward + training phase;
-the gradient probe is off and the evaluations are not counted) and evaluates the held-out reward along the way.
-Every arm trains `configs/digits_cpu.yaml` from the same starting weights with the same seeds, so each sees the
-same prompts for the same number of steps (the same prompt budget); only how the rollout and the gradient are
-computed differs:
+Held-out reward per wall-clock on the digits task (`tools/bench/time_to_reward.py`): every arm trains the same
+config (the study's pinned recipe) from the same weights and seeds for the same steps (the same prompts); the seeds
+are split over worker processes, each holding every arm as a trainer and stepping them round-robin, so the machine's
+noise hits every arm alike. Wall-clock is whole steps (rollout + reward + training phase; no probe, evaluations not
+counted). Flow-GRPO is every step SDE and trained per step; JAGG W4 and the knot planner (S = 2.67) change only the
+backward; Fast k2 (Flow-GRPO-Fast) samples and trains a 2-step SDE window, per step; `JAGG in SDE k4` a 4-step
+window with one JAGG joint pass; `+ dpm2` also compresses the ODE outside the window (`sampling.ode_solver: dpm2`,
+DPM-Solver++(2M), on `sampling.ode_steps` steps: MixGRPO-Flash; the steps are shared between the parts before and
+after the window in proportion to the schedule's steps there, at least one on a non-empty side, and re-spaced evenly
+in the schedule's step index; the window keeps its own sigmas, log-probs and JAGG windows). A study, not in the
+default run.
+
+The arms:
 
     Flow-GRPO          jagg.mode=exact: every step SDE and trained, one backward per step (the reference)
     JAGG W4            jagg.window=4, jagg_frac 1: one joint backward per window of 4 steps
@@ -28,11 +36,8 @@ computed differs:
                        reference's velocities at the knots only (nft.old_at knots): 6 backwards and 6 + 6 frozen
                        forwards per sample instead of 15 + 15 + 15
 
-All arms of a seed subset live in one process as separate trainers and step round-robin (one training step of
-each, the order rotated every step), so the machine's drifts and the other jobs on it hit every arm alike; the seed
-subsets run in parallel worker processes (`workers`, one torch thread each), every one holding all the arms. The
-held-out reward (deterministic ODE evaluation, the config's eval section) is measured every `eval_every` steps; every
-trainer starts from the same weights and the evaluation is deterministic, so the step-0 value is measured once.
+Every trainer starts from the same weights and the evaluation is deterministic, so the step-0 held-out reward is
+measured once.
 
 Reported per arm: the held-out gain (final - start, mean and seed std), the gain as a fraction of Flow-GRPO's
 (mean +- std over seeds, each seed's gain over Flow-GRPO's mean gain), the wall-clock of whole steps (mean over
@@ -106,17 +111,17 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
     dpm2 = ["sampling.ode_solver=dpm2", f"sampling.ode_steps={num_steps // 4}"]
     cps = ["sampling.sde=cps", "sampling.noise_level=0.8", "grpo.timestep_fraction=0.99"]  # its last step: no noise
     nft = ["train.algorithm=nft", "grpo.kl_beta=0", "sampling.ode_solver=dpm2", "grpo.timestep_fraction=0.99",
-           "nft.mix=1.0", "nft.kl_beta=1e-4", "jagg=null", "jagg.mode=exact"]
+           "nft.mix=1.0", "nft.kl_beta=1e-4", "jagg.mode=exact"]
     K = max(1, int(num_steps * 0.99))
     return {
-        "Flow-GRPO": ["jagg=null", "jagg.mode=exact"],
+        "Flow-GRPO": ["jagg.mode=exact"],
         "JAGG W4": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"],
         "budget S2.67": ["jagg.mode=jagg", "jagg.plan=budget", "jagg.window=null", "jagg.speedup=2.67"],
-        "Fast k2": ["jagg=null", "jagg.mode=exact", "sampling.sde_window=2", half],
+        "Fast k2": ["jagg.mode=exact", "sampling.sde_window=2", half],
         "JAGG in SDE k4": window4,
         "JAGG in SDE k4 + dpm2": window4 + dpm2,
-        "per-step in SDE k4 + dpm2": ["jagg=null", "jagg.mode=exact", "sampling.sde_window=4", half] + dpm2,
-        "CPS": ["jagg=null", "jagg.mode=exact"] + cps,
+        "per-step in SDE k4 + dpm2": ["jagg.mode=exact", "sampling.sde_window=4", half] + dpm2,
+        "CPS": ["jagg.mode=exact"] + cps,
         "JAGG W4 CPS": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"] + cps,
         "NFT": nft,
         "NFT shared noise": nft + ["nft.noise=per_sample"],
@@ -131,7 +136,7 @@ COMMON = ["eval.enabled=true", "eval.every=0", "eval.at_start=false", "run.check
 # setting (Flow-GRPO's KL beta, per-prompt advantage std, no EMA), which gains fastest per step and so gives the
 # comparison the most power for its wall-clock. Every arm trains it.
 RECIPE = ["grpo.kl_beta=0.04", "grpo.global_std=false", "train.lr=2e-4", "train.ema_decay=0.0"]
-# Sized so that Flow-GRPO's held-out gain is >= 5x its seed std (docs/benchmarks.md section 5): 4 seeds x 6 arms
+# Sized so that Flow-GRPO's held-out gain is >= 5x its seed std (docs/benchmarks.md section 4): 4 seeds x 6 arms
 # x 64 steps, two worker processes of 2 seeds each on a 2-core CPU, one torch thread each (~65 s per round of a
 # worker's 12 trainers, ~50 s per round of its evaluations: about 80 minutes).
 FULL = {"steps": 64, "eval_every": 8, "seeds": [0, 1, 2, 3], "num_steps": 16, "extra": RECIPE, "workers": 2}

@@ -93,7 +93,7 @@ def _command(setup: dict, out: str | None = None) -> str:
     full = setup.get("full", {})
     if (setup["steps"], setup["seeds"]) == (full.get("steps"), full.get("seeds")) and default:
         sets = []
-    # the default study is section 5 of docs/benchmarks.md; another set of arms is a page of its own
+    # the default study is section 4 of docs/benchmarks.md; another set of arms is a page of its own
     out = out or ("docs/results/benchmarks" if default else "docs/results/study_algorithms")
     where = f"--merge --out {out}" if out.endswith("/benchmarks") else f"--out {out}"
     return " ".join([".venv/bin/python -m tools.bench --parts time_to_reward --threads 1", *sets, where])

@@ -1,8 +1,14 @@
 """Study whole_step: one rank's share of sd35m_pickscore's training step at production proportions, phase by phase.
 
-Three arms, each a `jagg_scale.train.Trainer` on the SD3-shaped bench model (common.SD3_FULL as a diffusers
-StableDiffusion3Pipeline with tiny text encoders and VAE, tools/make_tiny_pipeline.py), built from
-configs/sd35m_pickscore.yaml itself and scaled by rows only:
+One rank's share of `configs/sd35m_pickscore.yaml`'s training step at production proportions
+(`tools/bench/whole_step.py`): three trainers built from that config on the SD3-shaped bench model, scaled by rows
+only, step round-robin after a warm-up step each. Flow-GRPO runs its train_sd3.py update (FlowGRPOUpdater: its 9-row
+batch scaled, the conditional and unconditional rows in one forward with grad, the reference at training, no
+checkpointing); the shipped recipe as shipped; SDE k4 + dpm2 the fastest recipe we ship. Phases are timed by
+wrapping the trainer's own callables. The step-time model (`jagg_scale/estimate/steptime.py`) is priced with this
+model's passes measured in the same run and set beside the measured phases. A study, not in the default run.
+
+The arms, on common.SD3_FULL as a diffusers StableDiffusion3Pipeline with tiny text encoders and VAE:
 
     Flow-GRPO        scripts/train_sd3.py as it runs (yifan123/flow_grpo, commit ac4c86e): the rollout in its
                      9-row batch, no reference in the rollout; then per minibatch, per 9-row training batch and per
@@ -27,10 +33,8 @@ policy forwards), reference (the KL reference's forwards, in the rollout or in t
 with-grad passes and their backwards), train no-grad (interior and unconditional refreshes), encode (the text
 encoders), decode + reward. The evaluation is off (the same for every arm).
 
-The step-time model (jagg_scale/estimate/steptime.py) is then priced with passes of this very model measured
-here (no-grad and with-grad at 1 to 16 rows, LoRA and checkpointing, passes.json's format) instead of the H200's,
-and its seconds per phase are set beside the measured ones: the check that the model counts the passes a step
-runs (the issue asks for 20%).
+The passes that price the step-time model: no-grad and with-grad at 1 to 16 rows, LoRA and checkpointing, in
+passes.json's format; the model within 20% of the measured step is the target.
 """
 
 from __future__ import annotations

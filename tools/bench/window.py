@@ -1,19 +1,11 @@
-"""Parts window_speed and cfg: the training of one window on the SD3-shaped DiT of common.py.
+"""Parts window_speed and cfg (a class each, its docstring the page's description): the training of one window on
+the SD3-shaped DiT of common.py.
 
 Both share one loop: a real on-policy GRPO minibatch (Flow-GRPO SDE rollout, random advantages, the real
 GRPOStepLoss, clip 1e-4), a set of cases that each accumulate a gradient into .grad, every case warmed up, then
 paired rounds (common.paired_rounds: order rotated, gradients zeroed outside the timed region) and speedups as medians
-of per-round ratios. Cost models (F forward, B backward, B rows):
-
-    window_speed  one window of steps 0 .. W-1: per-step (`exact_backward`, W (F + B)); eff_grpo, the peer's variant
-                  implemented here only (W no-grad forwards for the per-step upstream gradients, INDEX-based weights
-                  k / (W - 1), two separate with-grad endpoint passes, W F + 2 (F + B)); `jagg_backward` with
-                  intermediate cached / interpolate (one pass of 2B rows, 2 (F + B)) / forward (plus a no-grad
-                  forward of (W - 2) B rows). Target: cached >= 0.9 W/2.
-    cfg           CFG 4.5, W = 4: (a) Flow-GRPO's per-step forward of [uncond; cond] (2B rows) with grad, u detached;
-                  (b) per-step on the cond rows, u from the rollout; (c) JAGG on them (2B rows); (d) the guided
-                  velocity through the joint pass (4B rows, u with grad: a different gradient). Plus each arm's tensor
-                  peak (torch.profiler memory events, as the memory part).
+of per-round ratios. Targets: window_speed cached >= 0.9 W/2; cfg's arms also report their tensor peak
+(torch.profiler memory events, as the memory part).
 """
 
 from __future__ import annotations
@@ -24,7 +16,7 @@ from jagg_scale.cond import cat_cond
 from jagg_scale.grpo.rollout import cfg_predictions, guide
 from jagg_scale.jagg import exact_backward, jagg_backward
 
-from .common import median, ops_table, paired_rounds, paired_speedup, sd3_problem, top_ops
+from .common import median, ops_table, paired_rounds, paired_speedup, sd3_problem, tensor_peak, top_ops
 
 BATCH = 4
 
@@ -53,6 +45,18 @@ def _barh(ax, labels: list[str], values: list[float], xlabel: str, title: str, c
 # ------------------------------------------------------------------------------------------------------------------
 
 class WindowSpeed:
+    """window_speed: one window of W steps on the SD3-shaped DiT.
+
+    Training of ONE window of W consecutive sampling steps (forwards, backwards, gradients accumulated into
+    `.grad`), steps 0 .. W-1 of a real on-policy GRPO minibatch with the real `GRPOStepLoss`. **per-step** is
+    Flow-GRPO (`exact_backward`: W forward+backward passes of B rows). **eff_grpo** is the peer method, implemented
+    in the bench only: W no-grad forwards for the per-step upstream gradients, interpolation weights by step index
+    k/(W-1) (not sigma), then two separate with-grad endpoint forwards, each with its own backward. **cached /
+    interpolate / forward** are `jagg_backward` with those intermediate modes: one forward + one backward of the 2B
+    stacked endpoint rows (forward mode adds one no-grad forward of the (W-2)B intermediate rows). Speedup =
+    t(per-step) / t(method); W/2 is the limit on hardware whose throughput does not depend on the batch; `/ (W/2)`
+    is the speedup as a fraction of that limit.
+    """
     METHODS = ("per-step", "eff_grpo", "cached", "interpolate", "forward")
     TARGET_RATIO = 0.9
 
@@ -189,6 +193,15 @@ class WindowSpeed:
 # ------------------------------------------------------------------------------------------------------------------
 
 class Cfg:
+    """cfg: training under classifier-free guidance.
+
+    Training of one window of W = 4 steps of an on-policy rollout under CFG 4.5 on the SD3-shaped model. Flow-GRPO
+    detaches the unconditional prediction, so it needs no backward: (a) is Flow-GRPO's own step (the unconditional
+    and conditional rows in one forward with grad, u detached), (b) and (c) train the conditional rows alone with u
+    taken from the rollout (per-step, and JAGG's joint pass), (d) is the previous path of this project (the guided
+    velocity through JAGG's joint pass, u with grad: 4B rows and a different gradient). The trainer-level CFG
+    figures are whole_step's (CFG 4.5 through the trainer).
+    """
     GUIDANCE, W = 4.5, 4
     # arm: (label, its with-grad rows)
     ARMS = {
@@ -230,12 +243,12 @@ class Cfg:
     def peak_mb(fn, model) -> float:
         from torch.profiler import ProfilerActivity, profile
 
-        from .memory import MB, _tensor_peak
+        from .memory import MB
 
         model.zero_grad(set_to_none=False)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             fn()
-        return _tensor_peak(prof) / MB
+        return tensor_peak(prof) / MB
 
     @classmethod
     def run(cls, quick: bool, repeats: int | None = None) -> dict:
