@@ -7,6 +7,7 @@ share (minibatch.py, toy_velocity.py, extras.py, ...) sit here, on the import pa
 (`make test`, CI) the session refuses to start when an optional extra is missing (extras.py)."""
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -39,11 +40,41 @@ def pytest_sessionstart(session):
 
     if shared_prompts_dir().is_dir():
         fill_from(shared_prompts_dir(), TESTS.parent / DEST)
+    _stand_in_prompt_sets()
     gone = missing() if required() else []
     if gone:
         raise pytest.UsageError("JAGG_REQUIRE_EXTRAS=1, but these optional extras are not installed: "
                                 f"{', '.join(gone)} "
                                 "(rm .venv/bin/.installed-extras && make setup-extras installs them)")
+
+
+def _stand_in_prompt_sets() -> None:
+    """A clone without the peers' sets (no `make prompts`, no copy beside the repo): the production configs'
+    data/prompt_sets/ paths read the small licensed subsets committed in data/prompts/ (same layout) through
+    $JAGG_PROMPT_SETS, set here for this session and the processes it starts; data/prompt_sets itself is left
+    alone, so a later production run never trains on a subset. A set with no committed subset (a training split,
+    DanceGRPO's list) reads the subset of the same format. Figures that depend on a set's size or longest prompt
+    (the estimator's evaluation share) are then the subset's."""
+    import tempfile
+
+    from jagg_scale.data.fetch import DEST, PROMPT_FILES
+    from jagg_scale.paths import PROMPT_SETS_ENV
+
+    repo = TESTS.parent
+    if os.environ.get(PROMPT_SETS_ENV) or all((repo / DEST / f.rel).is_file() for f in PROMPT_FILES):
+        return
+    subsets = repo / "data" / "prompts"
+    same_format = {".jsonl": subsets / "flow_grpo/dataset/geneval/test_metadata.jsonl",
+                   ".txt": subsets / "flow_grpo/dataset/pickscore/test.txt", "": subsets / "flow_grpo/LICENSE"}
+    root = Path(tempfile.mkdtemp(prefix="jagg_prompt_sets_"))
+    for f in PROMPT_FILES:
+        src = subsets / f.rel
+        if not src.is_file():
+            split = subsets / f.rel.replace("/train", "/test")
+            src = split if split.is_file() else same_format[Path(f.rel).suffix]
+        (root / f.rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, root / f.rel)
+    os.environ[PROMPT_SETS_ENV] = str(root)
 
 
 def _maker(name: str):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["DEST", "PROMPT_FILES", "PromptFile", "digest_ok", "fetch", "fetch_hint", "fill_from", "main",
-           "missing_file_error"]
+           "missing_file_error", "prompt_sets_dir"]
 
 DEST = Path("data/prompt_sets")  # relative to the working directory, as the configs' paths are (make runs in the repo)
 RAW = "https://raw.githubusercontent.com/"
@@ -103,6 +103,13 @@ def fill_from(source: Path, dest: Path = DEST) -> list[str]:
     return copied
 
 
+def prompt_sets_dir() -> Path:
+    """Where the configs' `data/prompt_sets/...` paths are read from: DEST, or $JAGG_PROMPT_SETS (jagg_scale.paths)."""
+    from ..paths import PROMPT_SETS, resolve_path
+
+    return resolve_path(PROMPT_SETS)
+
+
 def fetch_hint(path) -> str:
     """For a missing file: how to fetch it when it is one of the pinned prompt files (else nothing)."""
     pinned = any(str(path).endswith(f"{DEST.name}/{f.rel}") for f in PROMPT_FILES)
@@ -149,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="jagg-prompts", description="the production configs' prompt sets")
     sub = ap.add_subparsers(dest="command", required=True)
     get = sub.add_parser("fetch", help="download the pinned prompt files (those missing) into --dest")
-    get.add_argument("--dest", type=Path, default=DEST)
+    get.add_argument("--dest", type=Path, default=prompt_sets_dir(),
+                     help="where the configs' data/prompt_sets/ paths are read from ($JAGG_PROMPT_SETS if set)")
     get.add_argument("--mirror", default=RAW, help=f"instead of {RAW}")
     get.add_argument("--from", dest="source", type=Path, help="copy from a directory of the same layout instead")
     sub.add_parser("list", help="the pinned files: path, digest, URL")
