@@ -54,6 +54,7 @@ def test_a_missing_prompt_set_is_one_line_naming_it_in_jagg_train_and_jagg_estim
 
     config = str(ROOT / "configs" / "sd35m_pickscore.yaml")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("JAGG_PROMPT_SETS", raising=False)  # the test session's stand-in sets (tests/conftest.py)
     assert train_main([config]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'data.prompt_file'" in err[0]
@@ -62,6 +63,23 @@ def test_a_missing_prompt_set_is_one_line_naming_it_in_jagg_train_and_jagg_estim
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'eval.prompt_file'" in err[0]
     assert "data/prompt_sets/flow_grpo/dataset/pickscore/test.txt" in err[0] and "make prompts" in err[0]
+
+
+def test_the_prompt_sets_are_read_from_jagg_prompt_sets_when_it_is_set(tmp_path, monkeypatch):
+    """A shared copy of the sets elsewhere: the configs' data/prompt_sets/ paths resolve under it, and only them."""
+    from jagg_scale.data.fetch import missing_file_error, prompt_sets_dir
+    from jagg_scale.paths import resolve_path
+
+    rel = "flow_grpo/dataset/pickscore/test.txt"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("JAGG_PROMPT_SETS", str(tmp_path / "sets"))
+    assert missing_file_error("eval.prompt_file", f"data/prompt_sets/{rel}") is not None
+    (tmp_path / "sets" / rel).parent.mkdir(parents=True)
+    (tmp_path / "sets" / rel).write_text("a cat\n")
+    assert missing_file_error("eval.prompt_file", f"data/prompt_sets/{rel}") is None
+    assert resolve_path(f"data/prompt_sets/{rel}") == tmp_path / "sets" / rel
+    assert resolve_path("data/prompts/x.txt") == Path("data/prompts/x.txt")  # other paths as given
+    assert prompt_sets_dir() == tmp_path / "sets"
 
 
 def test_a_job_needing_an_extra_the_core_lacks_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
