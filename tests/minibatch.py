@@ -20,7 +20,7 @@ def plan_of(**jagg_keys) -> dict:
     from jagg_scale.train.config import JAGGConfig
 
     cfg = JAGGConfig(**jagg_keys)
-    return {"planner": cfg.planner(), "intermediate": cfg.intermediate}
+    return {"planner": cfg.make_planner(), "intermediate": cfg.intermediate}
 
 
 def grpo_backward(model_fn, batch, cond, loss, steps, planner, *, intermediate="auto", on_policy: bool, prepare=None,

@@ -207,7 +207,7 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     R, B = local_rows(cfg, W)
     m = min(micro or cfg.train.micro_batch_size or B, B)
     lora = s["lora_rank"] > 0
-    planner = cfg.jagg.planner()
+    planner = cfg.jagg.make_planner()
     Pt = st["lora_params"] if lora else st["params"]
     cdt = 2 if s["bf16"] else 4
     cfgg, ref, lat, S = cfg.sampling.guidance != 1.0, cfg.uses_reference, math.prod(s["latent"]), cfg.sampling.num_steps

@@ -15,13 +15,13 @@ from .planners import ExactPlanner, Planner, PlannerSettingError, RouteBy, build
 __all__ = ["JAGGConfig", "JaggMode", "PlanKind", "Intermediate", "PLANNER_SETTINGS", "PLANNER_CHOICE"]
 
 JaggMode = Literal["jagg", "exact"]  # exact: Flow-GRPO's per-step backward
-PlanKind = Literal["uniform", "budget"]  # jagg.plan: windows of jagg.window (shared knots or not) | the DP planner
+PlanKind = Literal["uniform", "budget"]  # jagg.planner: windows of jagg.window (shared knots or not) | the DP planner
 Intermediate = Literal[("auto", *get_args(IntermediateMode))]  # auto: chosen per update (train.update)
 
 # jagg: the planner settings (jagg/planners.py) a config section may carry; null = the chosen planner's default
 PLANNER_SETTINGS = ("window", "jagg_frac", "route_by", "min_cos", "speedup", "rows_per_pass", "error_model")
-PLANNER_CHOICE = {"window": "jagg.plan uniform", "shared": "jagg.plan uniform with jagg.share_knots true",
-                  "budget": "jagg.plan budget"}
+PLANNER_CHOICE = {"window": "jagg.planner uniform", "shared": "jagg.planner uniform with jagg.share_knots true",
+                  "budget": "jagg.planner budget"}
 
 
 @dataclass
@@ -30,7 +30,7 @@ class JAGGConfig(Section):
     # backward; the plan keys below are then not used, as lora's are with lora.enabled false); with mode jagg,
     # plan uniform is the window planner (share_knots true: the shared-knot planner) and plan budget the DP planner
     mode: JaggMode = "jagg"
-    plan: PlanKind = "uniform"
+    planner: PlanKind = "uniform"
     share_knots: bool = False
     # The chosen planner's settings; null (unset) = its default. A key the chosen planner does not take is an error
     window: Optional[int] = None  # window, shared: trained steps per window (4)
@@ -49,11 +49,11 @@ class JAGGConfig(Section):
         """exact | window | shared | budget (jagg/planners.py PLANNERS)."""
         if self.mode == "exact":
             return "exact"
-        if self.plan == "budget":
+        if self.planner == "budget":
             return "budget"
         return "shared" if self.share_knots else "window"
 
-    def planner(self) -> Planner:
+    def make_planner(self) -> Planner:
         """The planner this section chooses, with the settings it sets (the one place planners are built)."""
         if self.mode == "exact":
             return ExactPlanner()
@@ -65,15 +65,15 @@ class JAGGConfig(Section):
         require(self.mode == "jagg" or self.probe_every == 0, f"{prefix}.probe_every",
                  f"compares a plan's gradient with the exact one: with {prefix}.mode exact there is no plan to probe "
                  "(set it to 0)")
-        require(not (self.share_knots and self.plan == "budget"), f"{prefix}.share_knots",
-                 f"is a setting of {prefix}.plan uniform (the budget planner's knots are always shared)")
+        require(not (self.share_knots and self.planner == "budget"), f"{prefix}.share_knots",
+                 f"is a setting of {prefix}.planner uniform (the budget planner's knots are always shared)")
         if self.mode == "exact":
             why = f"{prefix}.mode is exact (one backward per trained step: no planner"
-            refuse_set(self, prefix, ("plan", "share_knots", *PLANNER_SETTINGS), f"{why} to set)")
+            refuse_set(self, prefix, ("planner", "share_knots", *PLANNER_SETTINGS), f"{why} to set)")
             refuse_set(self, prefix, ("intermediate",), f"{why}, no interpolated step to give a velocity)")
             return
         try:
-            self.planner()
+            self.make_planner()
         except PlannerSettingError as err:
             keys = [f"{prefix}.{k}" for k in err.keys]
             named = ", ".join(f"'{k}'" for k in keys)

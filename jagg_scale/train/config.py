@@ -205,8 +205,9 @@ def _check_step_selection(cfg: Config) -> None:
     _require(g.ref_at == "steps", "grpo.ref_at",
              f"knots needs one plan known before the rollout; with {why} the rollout runs the reference on every "
              "candidate step: set grpo.ref_at steps")
-    _require(cfg.jagg.planner_kind != "budget", "jagg.plan",
-             f"budget places knots from one sigma per step; with {why} each sample has its own: use jagg.plan uniform")
+    _require(cfg.jagg.planner_kind != "budget", "jagg.planner",
+             f"budget places knots from one sigma per step; with {why} each sample has its own: "
+             "use jagg.planner uniform")
     if g.step_selection == "windows":
         C, W = s.num_steps - 1, cfg.selection_window
         _require(C >= W and C % W == 0, "jagg.window",
@@ -257,7 +258,7 @@ def _check_algorithm(cfg: Config) -> None:
              "must be 1 with train.algorithm nft (DiffusionNFT samples and trains CFG-free)")
     kind = cfg.jagg.planner_kind
     _require(cfg.nft.noise != "per_window" or kind == "window", "nft.noise",
-             f"per_window draws one noise per JAGG window: it needs the window planner (jagg.mode jagg, jagg.plan "
+             f"per_window draws one noise per JAGG window: it needs the window planner (jagg.mode jagg, jagg.planner "
              f"uniform, jagg.share_knots false), this run has the {kind} planner")
     _require(cfg.nft.old_at != "knots" or _fixed_windows(cfg), "nft.old_at", _FIXED_WINDOWS)
 
@@ -283,13 +284,13 @@ def _refuse_other_algorithm(cfg: Config) -> None:
 
 # what grpo.ref_at knots and nft.old_at knots need: JAGG windows known before the rollout (the frozen models run at
 # their knots before the plan of a minibatch would be made)
-_FIXED_WINDOWS = ("knots evaluates a frozen model at the JAGG plan's knots alone: it needs windows known before the "
-                  "rollout (jagg.mode jagg with jagg.plan uniform and jagg_frac 1, no min_cos; or share_knots true); "
-                  "with another plan set it to its default (grpo.ref_at=steps, nft.old_at=timesteps)")
+_FIXED_WINDOWS = ("knots evaluates a frozen model at the JAGG plan's knots alone: it needs windows known before "
+                  "the rollout (jagg.mode jagg with jagg.planner uniform and jagg_frac 1, no min_cos; or share_knots "
+                  "true); with another plan set it to its default (grpo.ref_at=steps, nft.old_at=timesteps)")
 
 
 def _fixed_windows(cfg: Config) -> bool:
-    return cfg.jagg.mode == "jagg" and cfg.jagg.planner().fixed_plan(2) is not None
+    return cfg.jagg.mode == "jagg" and cfg.jagg.make_planner().fixed_plan(2) is not None
 
 
 def validate_world(cfg: Config, world_size: int) -> None:
@@ -320,7 +321,7 @@ def validate_world(cfg: Config, world_size: int) -> None:
 def _warn_window(cfg: Config) -> None:
     """A JAGG window longer than the steps trained per training step is one window of all of them: legal, but likely
     not what was meant (say, after lowering sampling.num_steps), so say so."""
-    window = getattr(cfg.jagg.planner(), "window", None)
+    window = getattr(cfg.jagg.make_planner(), "window", None)
     trained = cfg.trained_per_sample
     if window is not None and window > trained:
         log.warning("config key 'jagg.window' is %d, more than the %d steps trained per training step "

@@ -131,6 +131,7 @@ RENAMED = {
     "train.batch_size": "train.minibatch_size",  # samples per optimizer step, over all ranks
     "sampling.batch_size": "sampling.chunk_size",  # rollout rows per forward on one rank
     "eval.batch_size": "eval.chunk_size",  # evaluation images per forward on one rank
+    "jagg.plan": "jagg.planner",  # picks the planner (uniform | budget); a plan is what a planner makes
 }
 
 

@@ -275,7 +275,7 @@ class MinibatchRunner:
 
     def __init__(self, cfg, engine, dist):
         self.cfg, self.engine, self.dist = cfg, engine, dist
-        self.planner = cfg.jagg.planner()
+        self.planner = cfg.jagg.make_planner()
         self.nonfinite_run = 0  # optimizer steps skipped in a row (train.max_nonfinite_steps stops the run)
 
     def run(self, model_fn: ModelFn, rows, step: int,

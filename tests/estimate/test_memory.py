@@ -215,7 +215,7 @@ def test_the_jagg_estimate_command_passes_every_production_config_as_shipped(nam
     assert main([str(ROOT / "configs" / f"{name}.yaml"), *EDITS.get(name, []), "--world-size", str(WORLD.get(name, 8)),
                  "--gpu-mem", str(GPU_80GB)]) == 0
     out = capsys.readouterr().out
-    planner = repr(load(ROOT / "configs" / f"{name}.yaml").jagg.planner())
+    planner = repr(load(ROOT / "configs" / f"{name}.yaml").jagg.make_planner())
     assert planner.startswith("ExactPlanner" if "nft" in name else "WindowPlanner(window=")
     assert planner in out and "(fits with >= 10%)" in out
     assert "step time per rank: " in out  # and its seconds per phase (estimate/steptime.py)
@@ -236,14 +236,14 @@ def test_a_config_that_does_not_fit_exits_1_and_a_bad_one_2(tmp_path, capsys):
     ([], 2),  # the window planner: a joint pass over a window's two endpoints
     (["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps"], 1),
     (["jagg.share_knots=true", "jagg.jagg_frac=null", "jagg.route_by=null", "jagg.rows_per_pass=3"], 3),
-    (["jagg.plan=budget", "jagg.window=null", "jagg.jagg_frac=null", "jagg.route_by=null", "jagg.rows_per_pass=4",
+    (["jagg.planner=budget", "jagg.window=null", "jagg.jagg_frac=null", "jagg.route_by=null", "jagg.rows_per_pass=4",
       "grpo.ref_at=steps"], 4),
 ])
 def test_the_rows_of_a_pass_are_the_trainers_planners(overrides, knots):
     s = E.prepare(load(ROOT / "configs" / "sd35m_pickscore.yaml", overrides), 8)
     est = E.estimate(s)
     assert est["pass_rows"] == knots * est["micro_batch_size"]
-    assert est["planner"] == repr(s["cfg"].jagg.planner())
+    assert est["planner"] == repr(s["cfg"].jagg.make_planner())
 
 
 @pytest.mark.parametrize("name", [n for n in PRODUCTION if n.startswith("sd35m")])

@@ -23,13 +23,13 @@ TINY = ROOT / "configs" / "tiny_cpu.yaml"  # its jagg section sets mode only: ev
     (["jagg.share_knots=true", "jagg.jagg_frac=0.5"], ["jagg.jagg_frac"], "shared"),
     (["jagg.share_knots=true", "jagg.route_by=weighted"], ["jagg.route_by"], "shared"),
     (["jagg.share_knots=true", "jagg.min_cos=0.5"], ["jagg.min_cos"], "shared"),
-    (["jagg.plan=budget", "jagg.window=8"], ["jagg.window"], "budget"),
-    (["jagg.plan=budget", "jagg.route_by=vcos"], ["jagg.route_by"], "budget"),
+    (["jagg.planner=budget", "jagg.window=8"], ["jagg.window"], "budget"),
+    (["jagg.planner=budget", "jagg.route_by=vcos"], ["jagg.route_by"], "budget"),
     (["jagg.speedup=3"], ["jagg.speedup"], "window"),
     (["jagg.error_model=cosine"], ["jagg.error_model"], "window"),
     (["jagg.share_knots=true", "jagg.speedup=3"], ["jagg.speedup"], "shared"),
     # several at once: one error naming them all, with the override that unsets each
-    (["jagg.plan=budget", "jagg.window=4", "jagg.jagg_frac=1.0"], ["jagg.window", "jagg.jagg_frac"], "budget"),
+    (["jagg.planner=budget", "jagg.window=4", "jagg.jagg_frac=1.0"], ["jagg.window", "jagg.jagg_frac"], "budget"),
 ])
 def test_a_key_the_chosen_planner_would_ignore_is_an_error_naming_it(overrides, keys, planner):
     with pytest.raises(ConfigError) as info:
@@ -47,22 +47,22 @@ def test_set_even_to_its_default_a_foreign_key_is_refused():
     """What decides is whether a key is set, not its value: window 4 (the window planner's default) under the budget
     planner would do nothing, so it is refused too."""
     with pytest.raises(ConfigError, match="'jagg.window'"):
-        load_config(TINY, ["jagg.plan=budget", "jagg.window=4"])
-    with pytest.raises(ConfigError, match="'jagg.share_knots' is a setting of jagg.plan uniform"):
-        load_config(TINY, ["jagg.plan=budget", "jagg.share_knots=true"])
+        load_config(TINY, ["jagg.planner=budget", "jagg.window=4"])
+    with pytest.raises(ConfigError, match="'jagg.share_knots' is a setting of jagg.planner uniform"):
+        load_config(TINY, ["jagg.planner=budget", "jagg.share_knots=true"])
 
 
 def test_the_section_chooses_one_planner_with_the_keys_it_sets():
-    assert JAGGConfig().planner() == WindowPlanner()
-    assert JAGGConfig(window=6, jagg_frac=0.5, route_by="weighted").planner() == WindowPlanner(6, 0.5, "weighted")
-    assert JAGGConfig(share_knots=True, window=5, rows_per_pass=3).planner() == SharedKnotPlanner(5, 3)
-    assert JAGGConfig(plan="budget", speedup=2.67).planner() == BudgetPlanner(speedup=2.67)
+    assert JAGGConfig().make_planner() == WindowPlanner()
+    assert JAGGConfig(window=6, jagg_frac=0.5, route_by="weighted").make_planner() == WindowPlanner(6, 0.5, "weighted")
+    assert JAGGConfig(share_knots=True, window=5, rows_per_pass=3).make_planner() == SharedKnotPlanner(5, 3)
+    assert JAGGConfig(planner="budget", speedup=2.67).make_planner() == BudgetPlanner(speedup=2.67)
     # mode exact is JAGG off: the plan keys are not used (as lora's are with lora.enabled false)
-    assert JAGGConfig(mode="exact", window=8, speedup=3.0).planner() == ExactPlanner()
+    assert JAGGConfig(mode="exact", window=8, speedup=3.0).make_planner() == ExactPlanner()
     # ... and a config that sets one with mode exact is refused naming it (a choice owns its keys)
     with pytest.raises(ConfigError, match=r"'jagg.window' is set, but jagg.mode is exact .*\(jagg.window=null\)"):
         load_config(TINY, ["jagg.mode=exact", "jagg.window=8"])
-    assert load_config(TINY, ["jagg.window=8", "jagg=null", "jagg.mode=exact"]).jagg.planner() == ExactPlanner()
+    assert load_config(TINY, ["jagg.window=8", "jagg=null", "jagg.mode=exact"]).jagg.make_planner() == ExactPlanner()
     with pytest.raises(ConfigError, match="'jagg.probe_every' compares a plan's gradient with the exact one"):
         load_config(TINY, ["jagg.mode=exact", "jagg.probe_every=1"])
 

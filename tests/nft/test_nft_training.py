@@ -176,7 +176,7 @@ def test_nft_with_lora_keeps_the_old_adapter_and_exports_a_diffusers_lora(sd3_di
     (["train.algorithm=nft", "nft.noise=per_window", "jagg.mode=exact"], "nft.noise"),  # windows need the planner
     (["train.algorithm=nft", "nft.noise=per_window", "jagg.share_knots=true"], "nft.noise"),
     (["train.algorithm=nft", "nft.old_at=knots", "jagg.jagg_frac=0.5"], "nft.old_at"),  # routed steps: no window
-    (["train.algorithm=nft", "nft.old_at=knots", "jagg.plan=budget"], "nft.old_at"),
+    (["train.algorithm=nft", "nft.old_at=knots", "jagg.planner=budget"], "nft.old_at"),
     (["nft.noise=per_sample"], "nft.noise"),
     (["nft.adv_mode=binary"], "nft.adv_mode"),
     (["train.algorithm=nft", "nft.adv_mode=positive"], "nft.adv_mode"),  # not one of DiffusionNFT's modes

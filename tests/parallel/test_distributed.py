@@ -329,7 +329,7 @@ def test_mpirun_launch_discovers_ranks_through_mpi(fsdp2_run, tmp_path):
 def test_knot_planner_agrees_across_ranks(tmp_path):
     """Each rank plans from its own rows; the cost tables are averaged so both run the same knots (a different
     plan per rank would deadlock FSDP2), and the result is the 1-process plan and update."""
-    common = ["train.steps=2", "jagg.plan=budget", "jagg.window=null", "jagg.speedup=2"]
+    common = ["train.steps=2", "jagg.planner=budget", "jagg.window=null", "jagg.speedup=2"]
     two = run(2, tmp_path / "two", "parallel.engine=fsdp2", *common)
     one = run(1, tmp_path / "one", *common)
     assert [r["knots"] for r in two] == [r["knots"] for r in one]

@@ -35,7 +35,7 @@ def _err(*overrides):
     ("jagg.mode", "jagg, exact"),
     ("jagg.route_by", "vcos, weighted"),
     ("jagg.intermediate", "auto, cached, interpolate, forward"),
-    ("jagg.plan", "uniform, budget"),
+    ("jagg.planner", "uniform, budget"),
     ("jagg.error_model", "residual, cosine"),
     ("data.source", "list, wds"),
     ("reward.aggregate", "sum, advantage, gdpo"),

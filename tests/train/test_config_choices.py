@@ -58,9 +58,9 @@ def _refused(*overrides, path=TINY):
     return str(info.value)
 
 
-@pytest.mark.parametrize("key", ["jagg.window", "jagg.plan", "jagg.speedup", "jagg.share_knots", "jagg.jagg_frac"])
+@pytest.mark.parametrize("key", ["jagg.window", "jagg.planner", "jagg.speedup", "jagg.share_knots", "jagg.jagg_frac"])
 def test_jagg_mode_exact_refuses_the_planner_keys(key):
-    value = {"jagg.plan": "budget", "jagg.speedup": "2", "jagg.share_knots": "true", "jagg.jagg_frac": "0.5"}
+    value = {"jagg.planner": "budget", "jagg.speedup": "2", "jagg.share_knots": "true", "jagg.jagg_frac": "0.5"}
     msg = _refused("jagg.mode=exact", f"{key}={value.get(key, '3')}")
     assert msg.startswith(f"config key '{key}' is set, but jagg.mode is exact") and msg.endswith(f"({key}=null)")
 

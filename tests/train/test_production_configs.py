@@ -60,7 +60,7 @@ def test_what_each_config_asks_the_trainer_for(name, pipe_dirs, tmp_path):
 
     kind = "flux" if name.startswith("flux") else "sd3"
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", _paths(name, pipe_dirs[kind], tmp_path))
-    planner = cfg.jagg.planner()
+    planner = cfg.jagg.make_planner()
     assert isinstance(planner, WindowPlanner) and planner.window == 4 and 0 < planner.jagg_frac <= 1
     # "9 trained steps -> windows [0-3] [4-7] [8]", each 4-step window a joint pass when routed
     T = len(trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction))
@@ -198,7 +198,8 @@ def test_the_nft_recipe_trains_a_step_on_the_tiny_pipeline(sd3_dir, tmp_path):
               "log.wandb=false", "log.progress=false", "reward.name=jpeg_compressibility", "reward.options={}",
               "run.resume=none"]
     cfg = load_config(ROOT / "configs" / "sd35m_nft_pickscore.yaml", _paths("nft", sd3_dir, tmp_path) + shrink)
-    assert cfg.train.algorithm == "nft" and cfg.jagg.planner().name == "exact" and cfg.sampling.ode_solver == "dpm2"
+    assert cfg.train.algorithm == "nft" and cfg.jagg.make_planner().name == "exact"
+    assert cfg.sampling.ode_solver == "dpm2"
     trainer = Trainer(cfg)
     try:
         (row,) = trainer.fit()
@@ -220,7 +221,7 @@ def test_the_qwenimage_recipe_trains_a_step_on_the_tiny_pipeline(qwenimage_dir, 
 
     name = "qwenimage_hps"
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", _paths(name, qwenimage_dir, tmp_path))
-    planner = cfg.jagg.planner()
+    planner = cfg.jagg.make_planner()
     T = len(trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction))
     plan = planner.plan(torch.randn(T, 2, 4), torch.linspace(1.0, 0.1, T), grad_norms=lambda: [1.0] * T)
     assert isinstance(planner, WindowPlanner) and plan.windows == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
@@ -268,7 +269,7 @@ def test_the_flow_factory_recipes_train_a_step_on_the_tiny_pipelines(name, reque
         prompts = ROOT / "data" / "edits" / "tiny" / "edits.jsonl"
         paths += [f"data.prompt_file={prompts}", f"eval.prompt_file={prompts}"]
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", paths)
-    planner = cfg.jagg.planner()
+    planner = cfg.jagg.make_planner()
     assert isinstance(planner, WindowPlanner) and planner.window == 3 and planner.jagg_frac == 1.0
     assert (cfg.sampling.sde_window, cfg.sampling.sde_window_range) == (3, [1, 4])
     rows = StepRows.draw(cfg.train.prompts_per_step * cfg.grpo.group_size, cfg.train.minibatch_size, cfg.run.seed,

@@ -238,7 +238,7 @@ def test_wandb_offline_run_is_written(tmp_path):
 
 
 @pytest.mark.parametrize("jagg_cfg", [dict(mode="exact"), dict(window=3), dict(window=3, share_knots=True),
-                                      dict(plan="budget", speedup=2.0)], ids=["exact", "W3", "shared", "budget"])
+                                      dict(planner="budget", speedup=2.0)], ids=["exact", "W3", "shared", "budget"])
 @pytest.mark.parametrize("micro", [1, 2, 4])
 def test_micro_batched_gradient_is_the_whole_minibatch_gradient(tmp_path, jagg_cfg, micro):
     trainer = Trainer(small_cfg(tmp_path))
@@ -317,7 +317,7 @@ def test_ref_at_knots_runs_the_reference_at_the_knots_and_fills_the_rest(tmp_pat
 
 
 @pytest.mark.parametrize("override", [["jagg.mode=exact"], ["jagg.jagg_frac=0.5"], ["jagg.min_cos=0.5"],
-                                      ["jagg.plan=budget"], ["grpo.kl_beta=0"]])
+                                      ["jagg.planner=budget"], ["grpo.kl_beta=0"]])
 def test_ref_at_knots_needs_a_reference_and_windows_known_before_the_rollout(tmp_path, override):
     with pytest.raises(ConfigError, match="config key 'grpo.ref_at'"):
         small_cfg(tmp_path, "grpo.kl_beta=0.04", "grpo.ref_at=knots", *override)

@@ -1,4 +1,4 @@
-"""The knot planner inside the trainer (jagg.plan: budget, jagg.share_knots): exactness at S = 1, the budget,
+"""The knot planner inside the trainer (jagg.planner: budget, jagg.share_knots): exactness at S = 1, the budget,
 agreement with the uniform-window path, the logged plan, and the config checks."""
 
 from pathlib import Path
@@ -36,7 +36,7 @@ def test_budget_at_speedup_one_is_the_exact_gradient(tmp_path):
     exact, _ = _grad(trainer, lambda: grpo_backward(
         policy, batch, cond, loss, trainer.algorithm.steps, **plan_of(mode="exact"), on_policy=True))
     full, stats = _grad(trainer, lambda: grpo_backward(
-        policy, batch, cond, loss, trainer.algorithm.steps, **plan_of(plan="budget", speedup=1.0), on_policy=True))
+        policy, batch, cond, loss, trainer.algorithm.steps, **plan_of(planner="budget", speedup=1.0), on_policy=True))
     assert stats.backward_passes == len(trainer.algorithm.steps) == 8 and stats.knots == [list(range(8))]
     assert torch.allclose(full, exact, rtol=1e-5, atol=1e-8)
 
@@ -57,7 +57,7 @@ def test_uniform_windows_as_knots_match_the_window_path(tmp_path):
 
 @pytest.mark.parametrize("speedup,extra", [(2.0, []), (2.67, []), (4.0, ["jagg.rows_per_pass=3"])])
 def test_training_with_the_planner_respects_the_budget_and_logs_the_plan(tmp_path, speedup, extra):
-    cfg = load_config(TINY, SMALL + [f"run.output_dir={tmp_path}", "train.steps=2", "jagg.plan=budget",
+    cfg = load_config(TINY, SMALL + [f"run.output_dir={tmp_path}", "train.steps=2", "jagg.planner=budget",
                                      f"jagg.speedup={speedup}", *extra])
     rows = Trainer(cfg).fit()
     budget = max(2, int(8 // speedup))
@@ -66,7 +66,7 @@ def test_training_with_the_planner_respects_the_budget_and_logs_the_plan(tmp_pat
         assert knots[0] == 0 and knots[-1] == 7 and knots == sorted(set(knots))
         assert len(knots) <= budget and r["backward_passes"] == len(knots)
         assert r["pass_ratio"] == pytest.approx(len(knots) / 8)
-        assert r["backward_calls"] == -(-len(knots) // cfg.jagg.planner().rows_per_pass)
+        assert r["backward_calls"] == -(-len(knots) // cfg.jagg.make_planner().rows_per_pass)
 
 
 def test_shared_knots_use_fewer_rows_than_windows(tmp_path):
@@ -76,11 +76,11 @@ def test_shared_knots_use_fewer_rows_than_windows(tmp_path):
 
 
 def test_planner_config_errors_name_the_key(tmp_path):
-    for override, key in [("jagg.plan=greedy", "jagg.plan"), ("jagg.speedup=0.5", "jagg.speedup"),
+    for override, key in [("jagg.planner=greedy", "jagg.planner"), ("jagg.speedup=0.5", "jagg.speedup"),
                           ("jagg.rows_per_pass=0", "jagg.rows_per_pass"), ("jagg.error_model=l2", "jagg.error_model")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(TINY, SMALL + [override])
     with pytest.raises(ConfigError, match=r"jagg\.jagg_frac"):
-        load_config(TINY, SMALL + ["jagg.plan=budget", "jagg.jagg_frac=0.5"])
+        load_config(TINY, SMALL + ["jagg.planner=budget", "jagg.jagg_frac=0.5"])
     with pytest.raises(ConfigError, match=r"jagg\.jagg_frac"):
-        load_config(TINY, SMALL + ["jagg.plan=budget", "jagg.jagg_frac=1.0"])  # set at all, even to the default
+        load_config(TINY, SMALL + ["jagg.planner=budget", "jagg.jagg_frac=1.0"])  # set at all, even to the default

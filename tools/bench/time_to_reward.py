@@ -16,7 +16,7 @@ The arms:
 
     Flow-GRPO          jagg.mode=exact: every step SDE and trained, one backward per step (the reference)
     JAGG W4            jagg.window=4, jagg_frac 1: one joint backward per window of 4 steps
-    budget S2.67       jagg.plan=budget, jagg.speedup=2.67: the knot planner, T / 2.67 exact rows per sample
+    budget S2.67       jagg.planner=budget, jagg.speedup=2.67: the knot planner, T / 2.67 exact rows per sample
     Fast k2            Flow-GRPO-Fast: a 2-step SDE window (random start in the first half), per-step backward
     JAGG in SDE k4     a 4-step SDE window (same draw), JAGG W4 on it: one joint backward per sample
     ... + dpm2         the same with the compressed rollout: DPM-Solver++(2M) on 4 ODE steps outside the window
@@ -116,7 +116,7 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
     return {
         "Flow-GRPO": ["jagg=null", "jagg.mode=exact"],
         "JAGG W4": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"],
-        "budget S2.67": ["jagg.mode=jagg", "jagg.plan=budget", "jagg.window=null", "jagg.speedup=2.67"],
+        "budget S2.67": ["jagg.mode=jagg", "jagg.planner=budget", "jagg.window=null", "jagg.speedup=2.67"],
         "Fast k2": ["jagg=null", "jagg.mode=exact", "sampling.sde_window=2", half],
         "JAGG in SDE k4": window4,
         "JAGG in SDE k4 + dpm2": window4 + dpm2,
