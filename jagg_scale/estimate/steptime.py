@@ -170,7 +170,8 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
 
     bs = est["sampling_batch"]
     chunks = [min(bs, R - i) for i in range(0, R, bs)]
-    forwards = (smp.sde_window + smp.ode_steps) if smp.sde_window and smp.ode_steps else S
+    sde_window = cfg.grpo.sde_window
+    forwards = (sde_window + smp.ode_steps) if sde_window and smp.ode_steps else S
     trained = cfg.trained_per_sample
     planner = cfg.jagg.make_planner()
     plan = planner.plan(torch.randn(trained, 2, 4), torch.linspace(1, 0, trained + 1),
@@ -234,9 +235,9 @@ def flow_grpo_overrides(cfg) -> list[str]:
     0.99)."""
     return ["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps", "sampling.chunk_size=9", "train.micro_batch_size=9",
             "grpo.timestep_fraction=0.99",
-            "parallel.activation_checkpointing=false", "sampling.sde_window=0", "sampling.ode_steps=0",
-            "sampling.ode_solver=euler", "sampling.sde_window_range=null", "sampling.sde_window_mode=null",
-            "sampling.sde_window_every=null"]
+            "parallel.activation_checkpointing=false", "grpo.sde_window=0", "sampling.ode_steps=0",
+            "sampling.ode_solver=euler", "grpo.sde_window_range=null", "grpo.sde_window_mode=null",
+            "grpo.sde_window_every=null"]
 
 
 def report(t: dict, flow_grpo: dict | None = None) -> str:

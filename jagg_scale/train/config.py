@@ -59,7 +59,7 @@ class Config:
         from ..grpo.steps import trained_count
 
         g, s = self.grpo, self.sampling
-        return s.sde_window or trained_count(g.step_selection, s.num_steps, g.timestep_fraction,
+        return g.sde_window or trained_count(g.step_selection, s.num_steps, g.timestep_fraction,
                                              self.selection_window)
 
     @property
@@ -76,7 +76,7 @@ class Config:
         from ..grpo.steps import candidate_steps
 
         g = self.grpo
-        if g.step_selection == "first" or self.sampling.sde_window:
+        if g.step_selection == "first" or self.grpo.sde_window:
             return self.trained_per_sample
         return candidate_steps(g.step_selection, self.sampling.num_steps)
 
@@ -161,8 +161,8 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
              "null (the pipeline's own schedule) needs a diffusers model.kind "
              f"({', '.join(k for k, f in families().items() if f.is_pipeline)})")
     _check_video_rewards(cfg)
-    _require(s.sde_window == 0 or g.timestep_fraction == 1.0, "grpo.timestep_fraction",
-             "must be 1.0 with sampling.sde_window (the window decides which steps are trained)")
+    _require(g.sde_window == 0 or g.timestep_fraction == 1.0, "grpo.timestep_fraction",
+             "must be 1.0 with grpo.sde_window (the window decides which steps are trained)")
     _require((t.prompts_per_step * g.group_size) % t.minibatch_size == 0, "train.minibatch_size",
              f"must divide train.prompts_per_step * grpo.group_size = {t.prompts_per_step * g.group_size}")
     _check_algorithm(cfg)
@@ -201,7 +201,7 @@ def _check_step_selection(cfg: Config) -> None:
     why = f"grpo.step_selection {g.step_selection} (each sample its own trained steps)"
     _require(cfg.train.algorithm == "grpo", "grpo.step_selection",
              f"is a GRPO setting; DiffusionNFT draws each sample's training timesteps itself ({why})")
-    _require(s.sde_window == 0, "sampling.sde_window", f"chooses the trained steps itself: it cannot go with {why}")
+    _require(g.sde_window == 0, "grpo.sde_window", f"chooses the trained steps itself: it cannot go with {why}")
     _require(g.ref_at == "steps", "grpo.ref_at",
              f"knots needs one plan known before the rollout; with {why} the rollout runs the reference on every "
              "candidate step: set grpo.ref_at steps")
@@ -221,14 +221,12 @@ def _check_algorithm(cfg: Config) -> None:
     nft = cfg.train.algorithm == "nft"
     _refuse_other_algorithm(cfg)
     window_keys = ("sde_window_range", "sde_window_mode", "sde_window_every")  # they place the SDE window
-    if nft:
-        refuse_set(s, "sampling", window_keys, "train.algorithm is nft (DiffusionNFT's rollout is the ODE: no SDE "
-                   "window to place)")
-    elif s.sde_window == 0:
-        refuse_set(s, "sampling", window_keys, "sampling.sde_window is 0 (every step is SDE: no window to place)")
+    if not nft and g.sde_window == 0:
+        refuse_set(g, "grpo", window_keys, "grpo.sde_window is 0 (every step is SDE: no window to place)")
+    _check_sde_window(cfg)
     for key, default in (("ode_solver", "euler"), ("ode_steps", 0)):  # MixGRPO-Flash's compressed ODE, or NFT's
-        _require(nft or s.sde_window > 0 or getattr(s, key) == default, f"sampling.{key}",
-                 "acts on the ODE steps outside the SDE window: it needs sampling.sde_window > 0 (with sde_window 0 "
+        _require(nft or g.sde_window > 0 or getattr(s, key) == default, f"sampling.{key}",
+                 "acts on the ODE steps outside the SDE window: it needs grpo.sde_window > 0 (with sde_window 0 "
                  "every step is SDE) or train.algorithm nft (its rollout is the ODE)")
     _check_step_selection(cfg)
     if not nft:
@@ -237,11 +235,11 @@ def _check_algorithm(cfg: Config) -> None:
                      "(no reference runs): leave it out")
             _require(_fixed_windows(cfg), "grpo.ref_at", _FIXED_WINDOWS)
         if s.sde == "cps":  # CPS's last step (to s_T = 0) injects no noise: no density to train on, a KL term of 1 / 0
-            if s.sde_window:
-                hi = (s.sde_window_range or [0, s.num_steps])[1]
-                _require(hi < s.num_steps, "sampling.sde_window_range",
+            if g.sde_window:
+                hi = (g.sde_window_range or [0, s.num_steps])[1]
+                _require(hi < s.num_steps, "grpo.sde_window_range",
                          f"must end before the last step with sampling.sde cps (its step to s = 0 is deterministic): "
-                         f"[lo, hi] with hi <= {s.num_steps - 1}, got {s.sde_window_range or [0, s.num_steps]}")
+                         f"[lo, hi] with hi <= {s.num_steps - 1}, got {g.sde_window_range or [0, s.num_steps]}")
             else:
                 _require(len(trained_steps(s.num_steps, g.timestep_fraction)) < s.num_steps, "grpo.timestep_fraction",
                          "must leave the last step untrained with sampling.sde cps (its step to s = 0 is "
@@ -251,7 +249,7 @@ def _check_algorithm(cfg: Config) -> None:
              "would make every row of a group the same sample: DiffusionNFT's rollout (train.algorithm nft) is the "
              "deterministic ODE (its config/nft.py:65), so a shared start leaves nothing to compare in a group")
     default = SamplingConfig()
-    for key in ("sde_window", "sde", "noise_level"):  # the NFT rollout is deterministic: no SDE to shape
+    for key in ("sde", "noise_level"):  # the NFT rollout is deterministic: no SDE to shape
         _require(getattr(s, key) == getattr(default, key), f"sampling.{key}",
                  "shapes the SDE of a GRPO rollout; DiffusionNFT's is the ODE (train.algorithm nft): leave it out")
     _require(s.guidance == 1.0, "sampling.guidance",
@@ -267,7 +265,23 @@ def _check_algorithm(cfg: Config) -> None:
 # inner_epochs: the group advantages and the trained steps) are read by DiffusionNFT too
 GRPO_ONLY = {"clip_range": "", "kl_beta": " (its KL weight is nft.kl_beta)", "ref_at": " (its reference runs where "
              "nft.old_at says)", "step_selection": " (it draws each sample's timesteps itself)",
-             "onpolicy_tolerance": " (its update has no log-ratio to check)"}
+             "onpolicy_tolerance": " (its update has no log-ratio to check)",
+             **{k: " (DiffusionNFT's rollout is the ODE: no SDE window to place)"
+                for k in ("sde_window", "sde_window_range", "sde_window_mode", "sde_window_every")}}
+
+
+def _check_sde_window(cfg: Config) -> None:
+    """GRPO's SDE window inside the sampling schedule, and the compressed ODE steps around it."""
+    g, s = cfg.grpo, cfg.sampling
+    _require(0 <= g.sde_window <= s.num_steps, "grpo.sde_window",
+             f"must be in [0, sampling.num_steps] = [0, {s.num_steps}], got {g.sde_window}")
+    rng = g.sde_window_range or [0, s.num_steps]
+    _require(len(rng) == 2 and 0 <= rng[0] < rng[1] <= s.num_steps and rng[1] - rng[0] >= g.sde_window,
+             "grpo.sde_window_range", "must be [lo, hi] with 0 <= lo < hi <= sampling.num_steps and hi - lo >= "
+             f"grpo.sde_window, got {g.sde_window_range}")
+    _require(s.ode_steps <= s.num_steps - g.sde_window, "sampling.ode_steps",
+             f"must be in [0, num_steps - grpo.sde_window] = [0, {s.num_steps - g.sde_window}] (0: the schedule's "
+             f"own steps), got {s.ode_steps}")
 
 
 def _refuse_other_algorithm(cfg: Config) -> None:
@@ -325,7 +339,7 @@ def _warn_window(cfg: Config) -> None:
     trained = cfg.trained_per_sample
     if window is not None and window > trained:
         log.warning("config key 'jagg.window' is %d, more than the %d steps trained per training step "
-                    "(sampling.num_steps, grpo.timestep_fraction, sampling.sde_window): one window of all %d is used",
+                    "(sampling.num_steps, grpo.timestep_fraction, grpo.sde_window): one window of all %d is used",
                     window, trained, trained)
 
 

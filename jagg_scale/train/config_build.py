@@ -132,6 +132,11 @@ RENAMED = {
     "sampling.batch_size": "sampling.chunk_size",  # rollout rows per forward on one rank
     "eval.batch_size": "eval.chunk_size",  # evaluation images per forward on one rank
     "jagg.plan": "jagg.planner",  # picks the planner (uniform | budget); a plan is what a planner makes
+    # GRPO's sampler keys, in its own section (DiffusionNFT's rollout has no SDE window)
+    "sampling.sde_window": "grpo.sde_window",
+    "sampling.sde_window_range": "grpo.sde_window_range",
+    "sampling.sde_window_mode": "grpo.sde_window_mode",
+    "sampling.sde_window_every": "grpo.sde_window_every",
 }
 
 

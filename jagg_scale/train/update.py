@@ -1,6 +1,6 @@
 """GRPO as an algorithm unit (train.algorithm grpo; the contract in algorithm.py): `GRPO(cfg, policy, engine, dist)`.
 
-    rollout_spec(step)   the SDE on every step or on the SDE window (sampling.sde_window: a random start per step,
+    rollout_spec(step)   the SDE on every step or on the SDE window (grpo.sde_window: a random start per step,
                          or sliding), the trained steps (Flow-GRPO's first timestep_fraction of the trajectory, the
                          candidates each row draws its own from: grpo.step_selection random | windows), the KL
                          reference on the trained steps or on the plan's knots (grpo.ref_at), the whole trajectory
@@ -79,18 +79,18 @@ class GRPO(Algorithm):
     def trained_steps_at(self, step: int) -> list[int]:
         """The steps trained at training step `step`: Flow-GRPO's first timestep_fraction of the trajectory, the
         candidates each sample draws its own from (grpo.step_selection random | windows: drawn per minibatch), or
-        the SDE window of sampling.sde_window steps (random start per step, or sliding), seeded by the step."""
-        s = self.cfg.sampling
-        if s.sde_window == 0:
+        the SDE window of grpo.sde_window steps (random start per step, or sliding), seeded by the step."""
+        g, s = self.cfg.grpo, self.cfg.sampling
+        if g.sde_window == 0:
             return self.steps
-        lo, hi = s.sde_window_range or [0, s.num_steps]
-        starts = hi - lo - s.sde_window + 1
-        if s.sde_window_mode == "sliding":
-            start = lo + (step // s.sde_window_every) % starts
+        lo, hi = g.sde_window_range or [0, s.num_steps]
+        starts = hi - lo - g.sde_window + 1
+        if g.sde_window_mode == "sliding":
+            start = lo + (step // g.sde_window_every) % starts
         else:
             gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, WINDOW_STREAM))
             start = lo + int(torch.randint(starts, (1,), generator=gen))
-        return list(range(start, start + s.sde_window))
+        return list(range(start, start + g.sde_window))
 
     def rollout_spec(self, step: int) -> RolloutSpec:
         """The SDE on every step (or the SDE window's), the KL reference on the trained steps (grpo.ref_at steps) or
@@ -98,7 +98,7 @@ class GRPO(Algorithm):
         steps = self.trained_steps_at(step)
         T = len(steps)
         ref_plan = self.runner.planner.fixed_plan(T) if self.cfg.grpo.ref_at == "knots" else exact_plan(T)
-        return RolloutSpec(sde_steps=frozenset(steps) if self.cfg.sampling.sde_window else None, trained=tuple(steps),
+        return RolloutSpec(sde_steps=frozenset(steps) if self.cfg.grpo.sde_window else None, trained=tuple(steps),
                            ref_steps=frozenset(steps[q] for q in plan_knots(ref_plan)), ref_plan=ref_plan)
 
     # ------------------------------------------------------------------ the update
@@ -109,7 +109,7 @@ class GRPO(Algorithm):
         done = self.runner.run(self.policy.model_fn(), rows, step, minibatch)
         # the first minibatch ran at the rollout's parameters: training must reproduce its log-probs
         onpolicy = done.first_loss.log_ratio_max() if done.first_loss is not None else None
-        window = {"sde_window_start": steps[0]} if self.cfg.sampling.sde_window else {}
+        window = {"sde_window_start": steps[0]} if self.cfg.grpo.sde_window else {}
         return {**done.metrics(**done.probe, onpolicy_log_ratio=onpolicy), **window}
 
     def _minibatches(self, traj, cond, uncond, adv, rows, step: int, steps: list[int], guidance: float):

@@ -56,7 +56,7 @@ def test_each_knob_moves_its_phase():
     assert exact["train"] > 1.5 * shipped["train"] and exact["rollout"] == shipped["rollout"]  # 9 passes, not 5
     small = seconds("sampling.chunk_size=9")
     assert small["rollout"] > shipped["rollout"] and small["train"] == shipped["train"]
-    window = seconds("sampling.sde_window=4", "sampling.sde_window_range=[0, 5]", "grpo.timestep_fraction=1.0",
+    window = seconds("grpo.sde_window=4", "grpo.sde_window_range=[0, 5]", "grpo.timestep_fraction=1.0",
                      "sampling.ode_solver=dpm2", "sampling.ode_steps=3")
     assert window["rollout"] < 0.8 * shipped["rollout"] and window["train"] < shipped["train"]
     assert window["reference"] < 0.5 * shipped["reference"]  # 2 knots of a 4-step window, not 5 of 9 steps

@@ -76,9 +76,9 @@ def test_a_cps_rollout_is_scored_back_on_policy_and_configured_by_name():
         load_config(ROOT / "configs" / "tiny_cpu.yaml", ["sampling.sde=cps", "sampling.noise_level=1.5"])
     with pytest.raises(ConfigError, match="'grpo.timestep_fraction' must leave the last step untrained"):
         load_config(ROOT / "configs" / "tiny_cpu.yaml", ["sampling.sde=cps", "sampling.noise_level=0.8"])
-    with pytest.raises(ConfigError, match="'sampling.sde_window_range' must end before the last step"):
+    with pytest.raises(ConfigError, match="'grpo.sde_window_range' must end before the last step"):
         load_config(ROOT / "configs" / "tiny_cpu.yaml", ["sampling.sde=cps", "sampling.noise_level=0.8",
-                                                          "sampling.sde_window=2"])
+                                                          "grpo.sde_window=2"])
     with pytest.raises(ConfigError, match="'sampling.sde' must be one of flow_grpo, cps"):
         load_config(ROOT / "configs" / "tiny_cpu.yaml", ["sampling.sde=dance"])
 

@@ -171,7 +171,7 @@ def test_the_compressed_rollout_reads_nothing_back_per_step():
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(TINY, SMALL + [f"run.output_dir={tmp_path}", "sampling.sde_window=3", "jagg.window=3",
+    return load_config(TINY, SMALL + [f"run.output_dir={tmp_path}", "grpo.sde_window=3", "jagg.window=3",
                                       "sampling.ode_solver=dpm2", "sampling.ode_steps=3", *extra])
 
 
@@ -207,7 +207,7 @@ def test_ode_solver_config_errors_name_the_key():
     for override, key in [("sampling.ode_steps=6", "sampling.ode_steps"),
                           ("sampling.ode_solver=heun", "sampling.ode_solver")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            load_config(TINY, SMALL + ["sampling.sde_window=3", override])
+            load_config(TINY, SMALL + ["grpo.sde_window=3", override])
     for override, key in [("sampling.ode_steps=2", "sampling.ode_steps"),
                           ("sampling.ode_solver=dpm2", "sampling.ode_solver")]:  # no SDE window: nothing to act on
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -34,8 +34,8 @@ def test_steps_outside_the_window_are_exactly_the_ode():
 
 @pytest.mark.parametrize("mode", ["random", "sliding"])
 def test_training_on_an_sde_window_with_jagg_inside(tmp_path, mode):
-    cfg = load_config(TINY, SMALL + [f"run.output_dir={tmp_path}", "train.steps=4", "sampling.sde_window=4",
-                                     "sampling.sde_window_range=[1, 7]", f"sampling.sde_window_mode={mode}",
+    cfg = load_config(TINY, SMALL + [f"run.output_dir={tmp_path}", "train.steps=4", "grpo.sde_window=4",
+                                     "grpo.sde_window_range=[1, 7]", f"grpo.sde_window_mode={mode}",
                                      "jagg.window=4"])
     rows = Trainer(cfg).fit()
     starts = [r["sde_window_start"] for r in rows]
@@ -48,12 +48,12 @@ def test_training_on_an_sde_window_with_jagg_inside(tmp_path, mode):
 
 
 def test_sde_window_config_errors_name_the_key():
-    for override, key in [("sampling.sde_window=9", "sampling.sde_window"),
-                          ("sampling.sde_window_range=[6, 7]", "sampling.sde_window_range"),
-                          ("sampling.sde_window_mode=shuffle", "sampling.sde_window_mode"),
+    for override, key in [("grpo.sde_window=9", "grpo.sde_window"),
+                          ("grpo.sde_window_range=[6, 7]", "grpo.sde_window_range"),
+                          ("grpo.sde_window_mode=shuffle", "grpo.sde_window_mode"),
                           ("grpo.timestep_fraction=0.5", "grpo.timestep_fraction")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            load_config(TINY, SMALL + ["sampling.sde_window=2", override])
+            load_config(TINY, SMALL + ["grpo.sde_window=2", override])
 
 
 def test_the_reference_runs_on_the_trained_steps_only():

@@ -117,7 +117,7 @@ def test_a_run_trains_each_rows_own_steps(tmp_path, selection, window, trained):
 
 @pytest.mark.parametrize("override, key", [
     (["train.algorithm=nft"], "grpo.step_selection"),
-    (["sampling.sde_window=3"], "sampling.sde_window"),
+    (["grpo.sde_window=3"], "grpo.sde_window"),
     (["grpo.kl_beta=0.01", "grpo.ref_at=knots"], "grpo.ref_at"),
     (["jagg.planner=budget"], "jagg.planner"),
     (["jagg.window=3", "grpo.step_selection=windows"], "jagg.window"),  # 8 candidates in blocks of 3

@@ -166,7 +166,7 @@ def test_nft_with_lora_keeps_the_old_adapter_and_exports_a_diffusers_lora(sd3_di
 @pytest.mark.parametrize("override,key", [
     (["nft.mix=0.5"], "nft.mix"),  # a DiffusionNFT key on a GRPO run
     (["train.algorithm=nft", "sampling.guidance=4.5"], "sampling.guidance"),
-    (["train.algorithm=nft", "sampling.sde_window=2"], "sampling.sde_window"),
+    (["train.algorithm=nft", "grpo.sde_window=2"], "grpo.sde_window"),
     (["train.algorithm=nft", "sampling.noise_level=0.9"], "sampling.noise_level"),
     (["train.algorithm=nft", "sampling.sde=cps"], "sampling.sde"),
     (["train.algorithm=nft", "grpo.clip_range=0.2"], "grpo.clip_range"),

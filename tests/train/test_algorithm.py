@@ -51,7 +51,7 @@ def test_grpo_shapes_its_own_rollout_from_the_sde_window(tmp_path):
     """GRPO's spec: the sliding SDE window's steps are the SDE steps and the trained ones, the KL reference at the
     plan's knots (grpo.ref_at knots), the whole trajectory kept."""
     t = Trainer(load_config(TINY, small_dit(6, 3) + [
-        f"run.output_dir={tmp_path}", "sampling.sde_window=3", "sampling.sde_window_mode=sliding", "jagg.window=3",
+        f"run.output_dir={tmp_path}", "grpo.sde_window=3", "grpo.sde_window_mode=sliding", "jagg.window=3",
         "grpo.kl_beta=0.04", "grpo.ref_at=knots"]))
     try:
         specs = [t.algorithm.rollout_spec(step) for step in range(3)]

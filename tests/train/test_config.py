@@ -31,7 +31,7 @@ def _err(*overrides):
     ("model.dtype", "float32, bfloat16, float16"),
     ("model.attention", "sdpa, xformers"),
     ("model.text_encoders", "all, no_t5"),
-    ("sampling.sde_window_mode", "random, sliding"),
+    ("grpo.sde_window_mode", "random, sliding"),
     ("jagg.mode", "jagg, exact"),
     ("jagg.route_by", "vcos, weighted"),
     ("jagg.intermediate", "auto, cached, interpolate, forward"),
@@ -94,8 +94,8 @@ def test_negative_adam_eps_and_weight_decay_are_named():
     ("data.prompts=a", "data.prompts"),
     ("eval.prompts=[1]", "eval.prompts[0]"),
     ("model.lora.targets=[to_q, 2]", "model.lora.targets[1]"),
-    ("sampling.sde_window_range=[a, 3]", "sampling.sde_window_range[0]"),
-    ("sampling.sde_window_range=[1]", "sampling.sde_window_range"),
+    ("grpo.sde_window_range=[a, 3]", "grpo.sde_window_range[0]"),
+    ("grpo.sde_window_range=[1]", "grpo.sde_window_range"),
     ("reward.options=[1]", "reward.options"),
     ("reward.options={1: 2}", "reward.options"),
     ("reward.components={a: 3}", "reward.components.a"),
@@ -129,9 +129,9 @@ def test_every_shipped_config_loads_and_round_trips(path, tmp_path):
 
 
 def test_to_dict_is_plain_lists_and_dicts():
-    data = load_config(TINY, ["train.adam_betas=[0.8, 0.99]", "sampling.sde_window=2",
-                              "sampling.sde_window_range=[1, 9]"]).to_dict()
-    assert data["train"]["adam_betas"] == [0.8, 0.99] and data["sampling"]["sde_window_range"] == [1, 9]
+    data = load_config(TINY, ["train.adam_betas=[0.8, 0.99]", "grpo.sde_window=2",
+                              "grpo.sde_window_range=[1, 9]"]).to_dict()
+    assert data["train"]["adam_betas"] == [0.8, 0.99] and data["grpo"]["sde_window_range"] == [1, 9]
     assert type(data["model"]["dit"]) is dict and type(data["model"]["lora"]["targets"]) is list
 
 
@@ -245,7 +245,7 @@ def test_a_jagg_window_longer_than_the_trained_steps_is_warned_about(caplog):
         load_config(TINY, ["sampling.num_steps=10", "grpo.timestep_fraction=0.5", "jagg.window=6"])
     assert [r.getMessage() for r in caplog.records] == [
         "config key 'jagg.window' is 6, more than the 5 steps trained per training step (sampling.num_steps, "
-        "grpo.timestep_fraction, sampling.sde_window): one window of all 5 is used"]
+        "grpo.timestep_fraction, grpo.sde_window): one window of all 5 is used"]
 
 
 @pytest.mark.parametrize("overrides,message", [

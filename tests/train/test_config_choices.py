@@ -122,16 +122,16 @@ def test_a_reward_deadline_without_the_background_scorer_is_refused():
 @pytest.mark.parametrize("key,value", [("sde_window_range", "[1, 5]"), ("sde_window_mode", "sliding"),
                                        ("sde_window_every", "2")])
 def test_sde_window_keys_need_a_window(key, value):
-    msg = _refused(f"sampling.{key}={value}")
-    assert msg.startswith(f"config key 'sampling.{key}' is set, but sampling.sde_window is 0")
-    assert _load("sampling.sde_window=2", f"sampling.{key}={value}").sampling.sde_window == 2
+    msg = _refused(f"grpo.{key}={value}")
+    assert msg.startswith(f"config key 'grpo.{key}' is set, but grpo.sde_window is 0")
+    assert _load("grpo.sde_window=2", f"grpo.{key}={value}").grpo.sde_window == 2
 
 
 @pytest.mark.parametrize("key,value", [("sde_window_range", "[1, 5]"), ("sde_window_mode", "sliding"),
                                        ("sde_window_every", "2")])
 def test_sde_window_keys_under_nft_are_refused(key, value):
-    msg = _refused("train.algorithm=nft", "grpo.kl_beta=null", f"sampling.{key}={value}")
-    assert msg.startswith(f"config key 'sampling.{key}' is set, but train.algorithm is nft")
+    msg = _refused("train.algorithm=nft", "grpo.kl_beta=null", f"grpo.{key}={value}")
+    assert msg.startswith(f"config key 'grpo.{key}' belongs to train.algorithm grpo; this run is nft")
 
 
 def test_every_shipped_config_sets_no_idle_key():

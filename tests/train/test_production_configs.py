@@ -271,7 +271,7 @@ def test_the_flow_factory_recipes_train_a_step_on_the_tiny_pipelines(name, reque
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", paths)
     planner = cfg.jagg.make_planner()
     assert isinstance(planner, WindowPlanner) and planner.window == 3 and planner.jagg_frac == 1.0
-    assert (cfg.sampling.sde_window, cfg.sampling.sde_window_range) == (3, [1, 4])
+    assert (cfg.grpo.sde_window, cfg.grpo.sde_window_range) == (3, [1, 4])
     rows = StepRows.draw(cfg.train.prompts_per_step * cfg.grpo.group_size, cfg.train.minibatch_size, cfg.run.seed,
                          0, 0, 8)
     assert rows.num_minibatches == 2 and cfg.parallel.engine == "fsdp2" and cfg.model.dtype == "bfloat16"

@@ -106,8 +106,8 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
     if arm in VARIANTS:
         base, extra = VARIANTS[arm]
         return arm_overrides(base, num_steps) + extra
-    half = f"sampling.sde_window_range=[0, {num_steps // 2}]"
-    window4 = ["jagg.mode=jagg", "jagg.window=4", "sampling.sde_window=4", half]
+    half = f"grpo.sde_window_range=[0, {num_steps // 2}]"
+    window4 = ["jagg.mode=jagg", "jagg.window=4", "grpo.sde_window=4", half]
     dpm2 = ["sampling.ode_solver=dpm2", f"sampling.ode_steps={num_steps // 4}"]
     cps = ["sampling.sde=cps", "sampling.noise_level=0.8", "grpo.timestep_fraction=0.99"]  # its last step: no noise
     nft = ["train.algorithm=nft", "grpo.kl_beta=0", "sampling.ode_solver=dpm2", "grpo.timestep_fraction=0.99",
@@ -117,10 +117,10 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
         "Flow-GRPO": ["jagg=null", "jagg.mode=exact"],
         "JAGG W4": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"],
         "budget S2.67": ["jagg.mode=jagg", "jagg.planner=budget", "jagg.window=null", "jagg.speedup=2.67"],
-        "Fast k2": ["jagg=null", "jagg.mode=exact", "sampling.sde_window=2", half],
+        "Fast k2": ["jagg=null", "jagg.mode=exact", "grpo.sde_window=2", half],
         "JAGG in SDE k4": window4,
         "JAGG in SDE k4 + dpm2": window4 + dpm2,
-        "per-step in SDE k4 + dpm2": ["jagg=null", "jagg.mode=exact", "sampling.sde_window=4", half] + dpm2,
+        "per-step in SDE k4 + dpm2": ["jagg=null", "jagg.mode=exact", "grpo.sde_window=4", half] + dpm2,
         "CPS": ["jagg=null", "jagg.mode=exact"] + cps,
         "JAGG W4 CPS": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"] + cps,
         "NFT": nft,

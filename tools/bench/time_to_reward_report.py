@@ -192,6 +192,6 @@ def _forwards(overrides: list[str], num_steps: int) -> tuple[int, int]:
         K = max(1, int(num_steps * float(kv.get("grpo.timestep_fraction", 1.0))))  # or at the windows' knots
         return num_steps, (len(plan_knots(plan_uniform(K, int(kv["jagg.window"])))) if kv.get("nft.old_at") == "knots"
                            else K)
-    window = int(kv.get("sampling.sde_window", 0))
+    window = int(kv.get("grpo.sde_window", 0))
     ode = int(kv.get("sampling.ode_steps", 0))
     return (window + ode if window and ode else num_steps), (window or num_steps)

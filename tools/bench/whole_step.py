@@ -191,7 +191,7 @@ def own_overrides(arm: str, rows: int) -> list[str]:
         "Flow-GRPO": ["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps", f"sampling.chunk_size={fg}",
                       f"train.micro_batch_size={fg}", "parallel.activation_checkpointing=false"],
         "shipped": [],
-        "SDE k4 + dpm2": ["sampling.sde_window=4", "sampling.sde_window_range=[0, 5]", "grpo.timestep_fraction=1.0",
+        "SDE k4 + dpm2": ["grpo.sde_window=4", "grpo.sde_window_range=[0, 5]", "grpo.timestep_fraction=1.0",
                           "sampling.ode_solver=dpm2", "sampling.ode_steps=3"],
     }[arm]
 
