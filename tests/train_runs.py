@@ -34,6 +34,11 @@ def fit_metrics(config, overrides: list[str], out: Path) -> list[dict]:
 
 def launch_metrics(args: list[str], nproc: int, out: Path) -> list[dict]:
     """`jagg-train ARGS run.output_dir=OUT` as a user runs it (torchrun with `nproc` > 1): its metrics rows."""
+    return launch(args, nproc, out)[0]
+
+
+def launch(args: list[str], nproc: int, out: Path) -> tuple[list[dict], str]:
+    """launch_metrics's run: its metrics rows and what the processes wrote to stderr (their warnings)."""
     from jagg_scale.parallel.ranks import free_port, launcher_env
 
     args = [*args, f"run.output_dir={out}"]
@@ -42,7 +47,7 @@ def launch_metrics(args: list[str], nproc: int, out: Path) -> list[dict]:
             str(BIN / "jagg-train"), *args])
     proc = subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=RUN_S)  # a hang guard
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return metrics(out)
+    return metrics(out), proc.stderr
 
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")  # the built-in DiT's smoke job

@@ -350,6 +350,16 @@ def _tiny_flux2_parts(seed: int, guidance_embeds: bool):
                 scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0))
 
 
+def _qwen3_config(tokenizer, layers: int):
+    """A Qwen3 text model of hidden 16 over the Qwen tokenizer above (FLUX.2 [klein]'s and Z-Image's encoder)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=2048,
+                       bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                       eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id)
+
+
 def build_tiny_flux2(seed: int = 0):
     """The tiny random Flux2KleinPipeline (FLUX.2 [klein], not guidance-distilled): 16x16x4 VAE latents patchified
     2x2 into 8x8x16 tokens (in_channels 16), 1 double + 1 single stream layer of 2 heads x 8, rope axes (2, 2, 2, 2),
@@ -357,17 +367,13 @@ def build_tiny_flux2(seed: int = 0):
     27, so the text model has 28 tiny layers); a 2-level AutoencoderKLFlux2 (scale factor 2) with its batch-norm
     statistics; the Qwen tokenizer above with a chat template."""
     from diffusers import Flux2KleinPipeline
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     tokenizer = _qwen_tokenizer()
     tokenizer.chat_template = QWEN3_CHAT
     parts = _tiny_flux2_parts(seed, guidance_embeds=False)
     torch.manual_seed(seed + 2)
-    text_encoder = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=28, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, max_position_embeddings=2048,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id))
+    text_encoder = Qwen3ForCausalLM(_qwen3_config(tokenizer, layers=28))
     return Flux2KleinPipeline(**parts, text_encoder=text_encoder.eval(), tokenizer=tokenizer, is_distilled=False)
 
 
@@ -422,7 +428,7 @@ def build_tiny_zimage(seed: int = 0):
     the SD3/FLUX pipelines above with FLUX's scaling/shift (Z-Image's VAE is FLUX.1's); a 2-layer Qwen3 text model;
     dynamic shifting (the pipeline passes mu from the image tokens)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-    from transformers import Qwen3Config, Qwen3Model
+    from transformers import Qwen3Model
 
     tokenizer = _qwen_tokenizer()
     tokenizer.chat_template = QWEN3_CHAT
@@ -432,11 +438,7 @@ def build_tiny_zimage(seed: int = 0):
     torch.manual_seed(seed + 1)
     vae = _tiny_vae(scaling_factor=0.3611, shift_factor=0.1159)
     torch.manual_seed(seed + 2)
-    text_encoder = Qwen3Model(Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, max_position_embeddings=2048,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id))
+    text_encoder = Qwen3Model(_qwen3_config(tokenizer, layers=2))
     scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0)
     return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer,
                           transformer=transformer)

@@ -7,39 +7,22 @@ rewards), and the warning is not printed."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from hang_guard import RUN_S
+from train_runs import launch
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-
-
-def _train(args: list[str], nproc: int, out: Path) -> tuple[list[dict], str]:
-    from jagg_scale.parallel.ranks import free_port, launcher_env
-
-    args = [*args, f"run.output_dir={out}"]
-    cmd = ([str(BIN / "jagg-train"), *args] if nproc == 1 else
-           [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-            str(BIN / "jagg-train"), *args])
-    proc = subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=RUN_S)  # a hang guard
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return rows, proc.stderr
 
 
 def test_fsdp2_trains_flux_as_one_process_without_the_view_warning(flux_dir, tmp_path):
     common = [str(ROOT / "configs" / "flux_tiny_cpu.yaml"), f"model.pretrained={flux_dir}", "model.resolution=16",
               "train.steps=1", "log.progress=false", "run.checkpoint_every=0"]
-    one, _ = _train(common, 1, tmp_path / "one")
-    two, err = _train([*common, "parallel.engine=fsdp2"], 2, tmp_path / "two")
+    one, _ = launch(common, 1, tmp_path / "one")
+    two, err = launch([*common, "parallel.engine=fsdp2"], 2, tmp_path / "two")
     assert "returned a view tensor" not in err
     a, b = two[0], one[0]
     assert a["backward_passes"] == b["backward_passes"] > 0
