@@ -86,8 +86,6 @@ class Algorithm:
         A sample whose reward failed in any component is masked out (grpo/advantages.py)."""
         cfg = self.cfg
         clip = cfg.grpo.adv_clip_max
-        # the weighted sum in float64 (a reward on a 1e38 scale overflows float32), as RewardMix.weighted_sum
-        total = sum(weights[n] * p.scores.double() for n, p in rewards.items())
         valid = torch.stack([p.valid for p in rewards.values()]).all(0)
         if cfg.reward.aggregate == "gdpo":
             return gdpo_advantages([(weights[n], p.scores, p.valid) for n, p in rewards.items()], group_ids, valid,
@@ -96,6 +94,8 @@ class Algorithm:
         if cfg.reward.aggregate == "advantage" and len(rewards) > 1:
             return combine_advantages([(weights[n], compute_advantages(p.scores, group_ids, valid=p.valid, **kw))
                                        for n, p in rewards.items()], group_ids, valid, adv_clip_max=clip)
+        # sum: the weighted sum in float64 (a reward on a 1e38 scale overflows float32), as RewardMix.weighted_sum
+        total = sum(weights[n] * p.scores.double() for n, p in rewards.items())
         return compute_advantages(total, group_ids, valid=valid, **kw)
 
     def update(self, traj, cond, adv: Advantages, rows, step: int) -> dict:
