@@ -75,6 +75,15 @@ def _stand_in_prompt_sets() -> None:
         (root / f.rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, root / f.rel)
     os.environ[PROMPT_SETS_ENV] = str(root)
+    _STAND_INS.append(root)
+
+
+_STAND_INS: list[Path] = []  # the stand-in sets this process made (the xdist workers inherit the controller's)
+
+
+def pytest_sessionfinish(session):
+    for root in _STAND_INS:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _maker(name: str):
