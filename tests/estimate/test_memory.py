@@ -23,9 +23,10 @@ from jagg_scale.train.config import load_config  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# the Kontext recipe's edit set is the user's (/data/edits, no peer's set to fetch): the estimator counts the
+# the edit recipes' sets are the user's (/data/edits, no peer's set to fetch): the estimator counts the
 # held-out prompts it is given, here the tiny committed edit set's
-EDITS = {"flux1_kontext_pickscore": [f"eval.prompt_file={ROOT / 'data/edits/tiny/edits.jsonl'}"]}
+EDITS = {name: [f"eval.prompt_file={ROOT / 'data/edits/tiny/edits.jsonl'}"]
+         for name in ("flux1_kontext_pickscore", "qwenimage_edit_pickscore")}
 
 
 def load(path, overrides=()):
@@ -34,7 +35,7 @@ def load(path, overrides=()):
 
 PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps", "sd35m_nft_pickscore",
               "qwenimage_hps", "sd35l_pickscore", "flux2_klein_pickscore", "zimage_pickscore",
-              "flux1_kontext_pickscore", "flux1_dev_1024_hps", "wan21_t2v_14b_hps"]
+              "flux1_kontext_pickscore", "qwenimage_edit_pickscore", "flux1_dev_1024_hps", "wan21_t2v_14b_hps"]
 WORLD = {"wan21_t2v_14b_hps": 32}  # the GPUs each config is shipped for (its header); 8 unless named
 GPU_80GB = 79.2  # GiB torch reports for an 80 GB H100 / A100
 HEADROOM = 0.10

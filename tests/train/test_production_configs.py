@@ -247,10 +247,12 @@ def test_the_qwenimage_recipe_trains_a_step_on_the_tiny_pipeline(qwenimage_dir, 
         assert torch.equal(p, trained["transformer." + key]), key
 
 
-# the Flow-Factory recipes (FLUX.2 [klein], Z-Image, FLUX.1-Kontext): the tiny pipeline of each family, its size, and
-# whether its prompts are an edit set (Kontext: the committed tiny edit set, each instruction with its input image)
+# the Flow-Factory recipes (FLUX.2 [klein], Z-Image, FLUX.1-Kontext, Qwen-Image-Edit): the tiny pipeline of each
+# family, its size, and whether its prompts are an edit set (the committed tiny edit set, each instruction with its
+# input image)
 FLOW_FACTORY = {"flux2_klein_pickscore": ("flux2_dir", 32, False), "zimage_pickscore": ("zimage_dir", 16, False),
-                "flux1_kontext_pickscore": ("flux_kontext_dir", 16, True)}
+                "flux1_kontext_pickscore": ("flux_kontext_dir", 16, True),
+                "qwenimage_edit_pickscore": ("qwenimage_edit_dir", 16, True)}
 
 
 @pytest.mark.slow
