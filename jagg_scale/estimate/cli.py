@@ -85,12 +85,13 @@ def check_prompt_files(cfg) -> None:
 
 
 def step_time(cfg, s: dict, est: dict, args) -> tuple[dict, dict | None]:
-    """The config's step seconds, and Flow-GRPO's for the same config (a GRPO config only: NFT has no such peer
-    step), each at the estimate's micro-batch and rollout batch."""
+    """The config's step seconds, and Flow-GRPO's for the same config (an SDE algorithm's config only: a
+    forward-process one, DiffusionNFT's, has no such peer step), each at the estimate's micro-batch and rollout
+    batch."""
     from ..train.config import load_config
 
     own = steptime.step_seconds(s, est, a2a_gbps=args.a2a_gbps)
-    if cfg.train.algorithm != "grpo":
+    if cfg.forward_process:
         return own, None
     peer_cfg = load_config(args.config, [*args.overrides, *steptime.flow_grpo_overrides(cfg)], check_files=False)
     peer = prepare(peer_cfg, args.world_size, args.shapes, False, args.overhead_gb, args.gpu_mem or 79.2)

@@ -32,6 +32,14 @@ __all__ = [*_sections_all, "Config", "RENAMED", "config_from_dict", "load_config
            "validate", "validate_world"]
 
 
+# train.algorithm -> what its rollout is: "sde" (the SDE on the trained steps, every step's latents and log-probs kept:
+# Flow-GRPO and its relatives, trained on those densities) or "ode" (a deterministic ODE whose final latents are
+# trained on the forward process: DiffusionNFT). The cross-section checks (_check_algorithm) read this, not the name.
+ROLLOUT_KIND = {"grpo": "sde", "nft": "ode"}
+# train.algorithm -> its own config section, where it has one: a key of it set under another algorithm is refused
+OWN_SECTION = {"nft": "nft"}
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -48,10 +56,24 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     @property
+    def forward_process(self) -> bool:
+        """Whether train.algorithm trains on the forward process from a deterministic ODE rollout (DiffusionNFT)
+        rather than on the SDE rollout's per-step densities (Flow-GRPO and its relatives): ROLLOUT_KIND."""
+        return ROLLOUT_KIND[self.train.algorithm] == "ode"
+
+    @property
+    def algorithm_section(self):
+        """train.algorithm's own config section (OWN_SECTION), or None for one that has none beyond grpo's."""
+        name = OWN_SECTION.get(self.train.algorithm)
+        return getattr(self, name) if name else None
+
+    @property
     def uses_reference(self) -> bool:
-        """Whether the run needs the KL reference (the starting model): grpo.kl_beta > 0, or nft.kl_beta > 0 under
-        DiffusionNFT. Without it no reference is built and none is evaluated."""
-        return (self.nft.kl_beta if self.train.algorithm == "nft" else self.grpo.kl_beta) > 0
+        """Whether the run needs the KL reference (the starting model): the KL weight of the algorithm's own section
+        (nft.kl_beta under DiffusionNFT) where it has one, else grpo.kl_beta, > 0. Without it no reference is built
+        and none is evaluated."""
+        own = self.algorithm_section
+        return (own.kl_beta if own is not None and hasattr(own, "kl_beta") else self.grpo.kl_beta) > 0
 
     @property
     def trained_per_sample(self) -> int:
@@ -199,8 +221,9 @@ def _check_step_selection(cfg: Config) -> None:
     if g.step_selection == "first":
         return
     why = f"grpo.step_selection {g.step_selection} (each sample its own trained steps)"
-    _require(cfg.train.algorithm == "grpo", "grpo.step_selection",
-             f"is a GRPO setting; DiffusionNFT draws each sample's training timesteps itself ({why})")
+    _require(not cfg.forward_process, "grpo.step_selection",
+             f"is a setting of the SDE algorithms; train.algorithm {cfg.train.algorithm} draws each sample's training "
+             f"timesteps itself ({why})")
     _require(g.sde_window == 0, "grpo.sde_window", f"chooses the trained steps itself: it cannot go with {why}")
     _require(g.ref_at == "steps", "grpo.ref_at",
              f"knots needs one plan known before the rollout; with {why} the rollout runs the reference on every "
@@ -218,7 +241,8 @@ def _check_step_selection(cfg: Config) -> None:
 def _check_algorithm(cfg: Config) -> None:
     """What each train.algorithm reads: a key only the other one uses, set away from its default, is refused."""
     s, g = cfg.sampling, cfg.grpo
-    nft = cfg.train.algorithm == "nft"
+    nft = cfg.forward_process  # the rollout is the ODE: no SDE window, no SDE to shape
+    algo = cfg.train.algorithm
     _refuse_other_algorithm(cfg)
     window_keys = ("sde_window_range", "sde_window_mode", "sde_window_every")  # they place the SDE window
     if not nft and g.sde_window == 0:
@@ -227,7 +251,7 @@ def _check_algorithm(cfg: Config) -> None:
     for key, default in (("ode_solver", "euler"), ("ode_steps", 0)):  # MixGRPO-Flash's compressed ODE, or NFT's
         _require(nft or g.sde_window > 0 or getattr(s, key) == default, f"sampling.{key}",
                  "acts on the ODE steps outside the SDE window: it needs grpo.sde_window > 0 (with sde_window 0 "
-                 "every step is SDE) or train.algorithm nft (its rollout is the ODE)")
+                 "every step is SDE) or a forward-process algorithm (train.algorithm nft: its rollout is the ODE)")
     _check_step_selection(cfg)
     if not nft:
         if g.ref_at == "knots":
@@ -246,12 +270,14 @@ def _check_algorithm(cfg: Config) -> None:
                          "deterministic: no density, a KL term of 1 / 0); Flow-GRPO trains 0.99 of the steps")
         return
     _require(not s.same_initial_noise, "sampling.same_initial_noise",
-             "would make every row of a group the same sample: DiffusionNFT's rollout (train.algorithm nft) is the "
-             "deterministic ODE (its config/nft.py:65), so a shared start leaves nothing to compare in a group")
+             f"would make every row of a group the same sample: train.algorithm {algo}'s rollout is the deterministic "
+             "ODE (DiffusionNFT's config/nft.py:65), so a shared start leaves nothing to compare in a group")
     default = SamplingConfig()
-    for key in ("sde", "noise_level"):  # the NFT rollout is deterministic: no SDE to shape
+    for key in ("sde", "noise_level"):  # the forward-process rollout is deterministic: no SDE to shape
         _require(getattr(s, key) == getattr(default, key), f"sampling.{key}",
-                 "shapes the SDE of a GRPO rollout; DiffusionNFT's is the ODE (train.algorithm nft): leave it out")
+                 f"shapes the SDE of a GRPO rollout; train.algorithm {algo}'s is the ODE: leave it out")
+    if algo != "nft":
+        return
     _require(s.guidance == 1.0, "sampling.guidance",
              "must be 1 with train.algorithm nft (DiffusionNFT samples and trains CFG-free)")
     kind = cfg.jagg.planner_kind
@@ -285,15 +311,20 @@ def _check_sde_window(cfg: Config) -> None:
 
 
 def _refuse_other_algorithm(cfg: Config) -> None:
-    """A key of the algorithm this run does not use, set, is refused naming the algorithm it belongs to."""
-    if cfg.train.algorithm == "nft":
-        owned = [(cfg.grpo, "grpo", key, why) for key, why in GRPO_ONLY.items()]
-    else:
-        owned = [(cfg.nft, "nft", f.name, "") for f in dataclasses.fields(NFTConfig)]
-    for section, prefix, key, why in owned:
+    """A key of an algorithm this run does not use, set, is refused naming the algorithm it belongs to: the SDE
+    algorithms' keys of the grpo section under a forward-process one (GRPO_ONLY), and every other algorithm's own
+    section (OWN_SECTION)."""
+    algo = cfg.train.algorithm
+    sde = ", ".join(a for a, kind in ROLLOUT_KIND.items() if kind == "sde")
+    owned = [(cfg.grpo, "grpo", key, sde, why) for key, why in GRPO_ONLY.items()] if cfg.forward_process else []
+    for other, name in OWN_SECTION.items():
+        if other != algo:
+            section = getattr(cfg, name)
+            owned += [(section, name, f.name, other, "") for f in dataclasses.fields(section)]
+    for section, prefix, key, owner, why in owned:
         if section.is_set(key):
-            raise ConfigError(f"config key '{prefix}.{key}' belongs to train.algorithm {prefix}; this run is "
-                              f"{cfg.train.algorithm}{why}: unset it ({prefix}.{key}=null)")
+            raise ConfigError(f"config key '{prefix}.{key}' belongs to train.algorithm {owner}; this run is "
+                              f"{algo}{why}: unset it ({prefix}.{key}=null)")
 
 
 # what grpo.ref_at knots and nft.old_at knots need: JAGG windows known before the rollout (the frozen models run at
