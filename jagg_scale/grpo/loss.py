@@ -75,16 +75,22 @@ class GRPOStepLoss(MinibatchLoss):
     metrics: dict = field(default_factory=lambda: defaultdict(list))
     log_ratios: list = field(default_factory=list, init=False)  # |log ratio| maxima per evaluation (log_ratio_max)
 
-    def __call__(self, b: StepBatch, k: int, v: torch.Tensor) -> torch.Tensor:
+    def transition(self, b: StepBatch, k: int, v: torch.Tensor):
+        """The SDE step k of the batch's trajectory at velocity v (the conditional prediction under CFG, guided
+        here): its mean and the log-probability of the stored x_{k+1} (grpo/sde.py SDEStep)."""
         if self.guidance != 1.0:
             if b.uncond_velocities is None:
                 raise ValueError("guidance != 1 needs the unconditional predictions (StepBatch.uncond_velocities)")
             u = b.uncond_velocities[k].detach().to(v.dtype)
             v = guide(v, u, self.guidance, self.guidance_rule)
         s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], b.s_max  # tensors: no host read
+        return SDE_STEPS[self.sde](b.latents[k], v, s, s_next, noise_level=self.noise_level, sigma_max=sigma_max,
+                                   prev_sample=b.latents[k + 1])
+
+    def __call__(self, b: StepBatch, k: int, v: torch.Tensor) -> torch.Tensor:
+        step = self.transition(b, k, v)
+        s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], b.s_max
         sde_step = SDE_STEPS[self.sde]
-        step = sde_step(b.latents[k], v, s, s_next, noise_level=self.noise_level, sigma_max=sigma_max,
-                        prev_sample=b.latents[k + 1])
         log_ratio = step.log_prob - b.log_probs[k].float()
         ratio = torch.exp(log_ratio)
         adv = b.advantages.float()

@@ -40,13 +40,14 @@ log = logging.getLogger(__name__)
 __all__ = ["BackwardStats", "Minibatch", "MinibatchRunner", "UpdateTotals", "backward_minibatch", "micro_batches",
            "plan_minibatch", "probe_minibatch", "reduce_metrics"]
 
-_EXTREMES = {"ratio_max": torch.amax, "ratio_min": torch.amin}
+_EXTREMES = {"ratio_max": torch.amax, "ratio_min": torch.amin,  # GRPO's per-step ratios, GCPO's per-chunk ones
+             "chunk_ratio_max": torch.amax, "chunk_ratio_min": torch.amin}
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def reduce_metrics(recorded: dict[str, list]) -> dict[str, torch.Tensor]:
-    """{name: [values]} -> {name: 0-d tensor}: means, except ratio_max / ratio_min, which keep their extremes;
+    """{name: [values]} -> {name: 0-d tensor}: means, except the ratio extremes (_EXTREMES), which keep theirs;
     computed where the values live (no host synchronisation: the Trainer reads the step's row once, when it logs)."""
     out = {}
     for k, vals in recorded.items():
