@@ -158,13 +158,15 @@ def _imported_names(path: Path) -> set[str]:
 
 
 def test_the_algorithm_packages_sit_at_the_bottom():
-    """jagg/, grpo/ and nft/ import torch and jagg_scale.cond only: no model, reward, data, engine or trainer code."""
-    code = ("import sys, jagg_scale.jagg, jagg_scale.grpo, jagg_scale.nft; "
+    """jagg/, grpo/, nft/ and dppo/ import torch and jagg_scale.cond only: no model, reward, data, engine or trainer
+    code."""
+    code = ("import sys, jagg_scale.jagg, jagg_scale.grpo, jagg_scale.nft, jagg_scale.dppo; "
             "print(sorted(m for m in sys.modules if m.startswith('jagg_scale')))")
     loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-    allowed = ("jagg_scale", "jagg_scale.cond", "jagg_scale.jagg", "jagg_scale.grpo", "jagg_scale.nft")
-    assert loaded and all(m in allowed or m.startswith(("jagg_scale.jagg.", "jagg_scale.grpo.", "jagg_scale.nft."))
-                          for m in loaded), loaded
+    allowed = ("jagg_scale", "jagg_scale.cond", "jagg_scale.jagg", "jagg_scale.grpo", "jagg_scale.nft",
+               "jagg_scale.dppo")
+    assert loaded and all(m in allowed or m.startswith(("jagg_scale.jagg.", "jagg_scale.grpo.", "jagg_scale.nft.",
+                                                        "jagg_scale.dppo.")) for m in loaded), loaded
 
 
 def test_a_components_config_section_imports_nothing_heavy():

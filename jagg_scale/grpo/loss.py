@@ -35,6 +35,14 @@ class StepBatch:
     ref_velocities: torch.Tensor | None = None  # [T, B, ...] when beta > 0
     uncond_velocities: torch.Tensor | None = None  # [T, B, ...] with CFG: the unconditional predictions u_k
     sigma_max: torch.Tensor | None = None  # the schedule's s_1 (the SDE's std at s = 1); None: sigmas[1]
+    # [T, B, ...] with CFG once uncond_velocities were recomputed at moved weights (Policy.fresh_uncond): the
+    # rollout's own u_k, which the old policy's velocity is guided with (Flow-DPPO's old mean); None: not refreshed
+    rollout_uncond: torch.Tensor | None = None
+
+    @property
+    def old_uncond(self) -> torch.Tensor | None:
+        """The rollout's unconditional predictions, refreshed or not."""
+        return self.uncond_velocities if self.rollout_uncond is None else self.rollout_uncond
 
     @property
     def s_max(self) -> torch.Tensor:
@@ -50,7 +58,8 @@ class StepBatch:
                          sigmas=self.sigmas if self.sigmas.ndim == 1 else per_step(self.sigmas),
                          advantages=self.advantages[index], mask=self.mask[index],
                          ref_velocities=per_step(self.ref_velocities),
-                         uncond_velocities=per_step(self.uncond_velocities), sigma_max=self.sigma_max)
+                         uncond_velocities=per_step(self.uncond_velocities), sigma_max=self.sigma_max,
+                         rollout_uncond=per_step(self.rollout_uncond))
 
 
 @dataclass

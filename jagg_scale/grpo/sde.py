@@ -43,12 +43,14 @@ SDE_KINDS: tuple[str, ...] = get_args(SdeKind)
 
 @dataclass
 class SDEStep:
-    """One SDE transition: the sample, its mean, std_k (without sqrt(-dt)) and the per-sample log-prob."""
+    """One SDE transition: the sample, its mean, std_k (without sqrt(-dt)), the per-sample log-prob and the
+    transition's own std (the Gaussian's: flow_grpo std_k sqrt(-dt), cps std_k)."""
 
     prev_sample: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor  # what Flow-GRPO's KL divides by (flow_grpo: std_k WITHOUT sqrt(-dt); cps: the step's std)
     log_prob: torch.Tensor  # [B]
+    noise_std: torch.Tensor  # the std of x_{k+1} around mean (Flow-DPPO's KL between two policies' steps divides by it)
 
 
 def _as_batch(sigma, x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +114,7 @@ def sde_step_with_logprob(
     prev_sample = prev_sample.detach().float()
     log_prob = -((prev_sample - mean) ** 2) / (2 * step_std**2) - torch.log(step_std) - _LOG_SQRT_2PI
     log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
-    return SDEStep(prev_sample=prev_sample, mean=mean, std=std, log_prob=log_prob)
+    return SDEStep(prev_sample=prev_sample, mean=mean, std=std, log_prob=log_prob, noise_std=step_std)
 
 
 def cps_step_with_logprob(
@@ -143,7 +145,7 @@ def cps_step_with_logprob(
     prev_sample = prev_sample.detach().float()
     log_prob = -((prev_sample - mean) ** 2)
     log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
-    return SDEStep(prev_sample=prev_sample, mean=mean, std=std, log_prob=log_prob)
+    return SDEStep(prev_sample=prev_sample, mean=mean, std=std, log_prob=log_prob, noise_std=std)
 
 
 SDE_STEPS = {"flow_grpo": sde_step_with_logprob, "cps": cps_step_with_logprob}  # sampling.sde -> its step

@@ -20,9 +20,9 @@ from ..jagg import trained_steps
 from ..models.registry import families, family
 from ..paths import resolve_path
 from .config_sections import *  # noqa: F403 - the sections, their choices and ConfigError are this module's API
-from .config_sections import (ConfigError, DataConfig, EvalConfig, GRPOConfig, JAGGConfig, LogConfig, ModelConfig,
-                              NFTConfig, ParallelConfig, RewardConfig, RunConfig, SamplingConfig, TrainConfig,
-                              _require, refuse_set)
+from .config_sections import (ConfigError, DataConfig, DPPOConfig, EvalConfig, GRPOConfig, JAGGConfig, LogConfig,
+                              ModelConfig, NFTConfig, ParallelConfig, RewardConfig, RunConfig, SamplingConfig,
+                              TrainConfig, _require, refuse_set)
 from .config_sections import __all__ as _sections_all
 from .config_build import MAX_YAML_BYTES, RENAMED, _build, _plain, _set_dotted, _yaml, parse_override
 
@@ -35,9 +35,9 @@ __all__ = [*_sections_all, "Config", "RENAMED", "config_from_dict", "load_config
 # train.algorithm -> what its rollout is: "sde" (the SDE on the trained steps, every step's latents and log-probs kept:
 # Flow-GRPO and its relatives, trained on those densities) or "ode" (a deterministic ODE whose final latents are
 # trained on the forward process: DiffusionNFT). The cross-section checks (_check_algorithm) read this, not the name.
-ROLLOUT_KIND = {"grpo": "sde", "nft": "ode"}
+ROLLOUT_KIND = {"grpo": "sde", "nft": "ode", "dppo": "sde"}
 # train.algorithm -> its own config section, where it has one: a key of it set under another algorithm is refused
-OWN_SECTION = {"nft": "nft"}
+OWN_SECTION = {"nft": "nft", "dppo": "dppo"}
 
 
 @dataclass
@@ -46,6 +46,7 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
+    dppo: DPPOConfig = field(default_factory=DPPOConfig)
     jagg: JAGGConfig = field(default_factory=JAGGConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -296,6 +297,12 @@ GRPO_ONLY = {"clip_range": "", "kl_beta": " (its KL weight is nft.kl_beta)", "re
                 for k in ("sde_window", "sde_window_range", "sde_window_mode", "sde_window_every")}}
 
 
+# train.algorithm -> the keys of the grpo section its unit does not read though its rollout is GRPO's (the SDE
+# algorithms' others act under it): set, they are refused naming what replaces them
+GRPO_UNREAD = {"dppo": {"clip_range": " (Flow-DPPO does not clip the ratio: its trust region is "
+                                      "dppo.kl_mask_threshold)"}}
+
+
 def _check_sde_window(cfg: Config) -> None:
     """GRPO's SDE window inside the sampling schedule, and the compressed ODE steps around it."""
     g, s = cfg.grpo, cfg.sampling
@@ -312,11 +319,15 @@ def _check_sde_window(cfg: Config) -> None:
 
 def _refuse_other_algorithm(cfg: Config) -> None:
     """A key of an algorithm this run does not use, set, is refused naming the algorithm it belongs to: the SDE
-    algorithms' keys of the grpo section under a forward-process one (GRPO_ONLY), and every other algorithm's own
-    section (OWN_SECTION)."""
+    algorithms' keys of the grpo section under a forward-process one (GRPO_ONLY), the grpo keys an SDE unit does not
+    read (GRPO_UNREAD), and every other algorithm's own section (OWN_SECTION)."""
     algo = cfg.train.algorithm
-    sde = ", ".join(a for a, kind in ROLLOUT_KIND.items() if kind == "sde")
-    owned = [(cfg.grpo, "grpo", key, sde, why) for key, why in GRPO_ONLY.items()] if cfg.forward_process else []
+
+    def readers(key: str) -> str:  # the SDE algorithms that read grpo key `key`
+        return ", ".join(a for a, kind in ROLLOUT_KIND.items() if kind == "sde" and key not in GRPO_UNREAD.get(a, {}))
+
+    unread = GRPO_ONLY if cfg.forward_process else GRPO_UNREAD.get(algo, {})
+    owned = [(cfg.grpo, "grpo", key, readers(key), why) for key, why in unread.items()]
     for other, name in OWN_SECTION.items():
         if other != algo:
             section = getattr(cfg, name)

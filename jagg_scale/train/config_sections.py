@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+from ..dppo.config import DPPOConfig
 from ..grpo.sde import SdeKind
 from ..grpo.solver import OdeSolver
 from ..grpo.steps import StepSelection
@@ -35,7 +36,8 @@ from ..sections import Section as _Section
 DType = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
 SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
-Algorithm = Literal["grpo", "nft"]  # train.algorithm: Flow-GRPO on the SDE | DiffusionNFT on the forward process
+# train.algorithm: Flow-GRPO on the SDE | DiffusionNFT on the forward process | Flow-DPPO on the SDE
+Algorithm = Literal["grpo", "nft", "dppo"]
 NFTTimesteps = Literal["per_row", "per_batch"]  # nft.timesteps: each sample its own training timesteps | one draw
 NFTNoise = Literal["per_timestep", "per_sample", "per_window"]  # nft.noise: which training timesteps share a draw
 NFTOldAt = Literal["timesteps", "knots"]  # nft.old_at: where the old policy's and the reference's velocities are run
@@ -54,7 +56,7 @@ __all__ = [
     "DataSource", "RewardAggregate", "WandbMode", "Device", "EngineName", "GradSync", "ErrorModel", "IntermediateMode",
     "RouteBy", "TextEncoders", "ExportDType", "OdeSolver", "SdeKind",
     "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
-    "DataConfig", "RewardConfig", "LogConfig", "EvalConfig", "NFTConfig", "ParallelConfig", "RunConfig",
+    "DataConfig", "RewardConfig", "LogConfig", "EvalConfig", "NFTConfig", "DPPOConfig", "ParallelConfig", "RunConfig",
 ]
 
 
@@ -284,7 +286,8 @@ class NFTConfig(_Section):
 @dataclass
 class TrainConfig(_Section):
     # grpo: Flow-GRPO's clipped surrogate on SDE rollouts (the grpo section) | nft: DiffusionNFT on ODE rollouts of
-    # its old policy, trained on the forward process (the nft section; train/nft.py)
+    # its old policy, trained on the forward process (the nft section; train/nft.py) | dppo: Flow-DPPO, GRPO's SDE
+    # rollout with the KL-masked unclipped ratio (the dppo section; train/dppo.py)
     algorithm: Algorithm = "grpo"
     steps: int = 20
     prompts_per_step: int = 4

@@ -150,7 +150,7 @@ class Policy:
         B = batch.latents.shape[1]
         for k in steps:
             fresh[k] = predict(batch.latents[k], batch.sigmas[k].expand(B), uncond).float()
-        return dataclasses.replace(batch, uncond_velocities=fresh)
+        return dataclasses.replace(batch, uncond_velocities=fresh, rollout_uncond=batch.old_uncond)
 
     @torch.no_grad()
     def rollout(self, cond, rows: torch.Tensor, step: int, *, spec: RolloutSpec | None = None,

@@ -41,13 +41,14 @@ __all__ = ["BackwardStats", "Minibatch", "MinibatchRunner", "UpdateTotals", "bac
            "plan_minibatch", "probe_minibatch", "reduce_metrics"]
 
 _EXTREMES = {"ratio_max": torch.amax, "ratio_min": torch.amin,  # GRPO's per-step ratios, GCPO's per-chunk ones
-             "chunk_ratio_max": torch.amax, "chunk_ratio_min": torch.amin}
+             "chunk_ratio_max": torch.amax, "chunk_ratio_min": torch.amin,
+             "kl_new_old_max": torch.amax}  # Flow-DPPO's largest KL between the old and the current step
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def reduce_metrics(recorded: dict[str, list]) -> dict[str, torch.Tensor]:
-    """{name: [values]} -> {name: 0-d tensor}: means, except the ratio extremes (_EXTREMES), which keep theirs;
+    """{name: [values]} -> {name: 0-d tensor}: means, except the extremes (_EXTREMES), which keep theirs;
     computed where the values live (no host synchronisation: the Trainer reads the step's row once, when it logs)."""
     out = {}
     for k, vals in recorded.items():

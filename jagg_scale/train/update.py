@@ -112,6 +112,15 @@ class GRPO(Algorithm):
         window = {"sde_window_start": steps[0]} if self.cfg.grpo.sde_window else {}
         return {**done.metrics(**done.probe, onpolicy_log_ratio=onpolicy), **window}
 
+    def make_loss(self, *, scale: float, denominator: float, guidance: float):
+        """A minibatch's per-step loss: Flow-GRPO's clipped surrogate (grpo/loss.py), each L_k times `scale` (1 / the
+        trained steps), its mean over `denominator` rows, guided with `guidance`. The hook a unit that trains GRPO's
+        rollout with another objective overrides (train/dppo.py)."""
+        cfg = self.cfg
+        return GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range, beta=cfg.grpo.kl_beta,
+                            scale=scale, denominator=denominator, guidance=guidance,
+                            guidance_rule=self.policy.guidance_rule, sde=cfg.sampling.sde)
+
     def _minibatches(self, traj, cond, uncond, adv, rows, step: int, steps: list[int], guidance: float):
         """The runner's minibatch(epoch, local, global_rows, on_policy): the rows `local` (a host index, for
         index_cond: a conditioning of Tokens is cut from their host lengths, cond.py) of the trajectory; the loss
@@ -126,9 +135,8 @@ class GRPO(Algorithm):
 
         def minibatch(epoch: int, local: torch.Tensor, global_rows: torch.Tensor, on_policy: bool) -> Minibatch:
             # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
-            loss = GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=g.clip_range, beta=g.kl_beta,
-                                scale=1.0 / K, denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
-                                guidance=guidance, guidance_rule=self.policy.guidance_rule, sde=cfg.sampling.sde)
+            loss = self.make_loss(scale=1.0 / K, denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
+                                  guidance=guidance)
             batch, trained = traj.step_batch(to_device(local, device), adv_values, adv_mask), steps
             if g.step_selection != "first":
                 drawn = select_steps(g.step_selection, cfg.sampling.num_steps, g.timestep_fraction,

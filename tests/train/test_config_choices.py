@@ -131,7 +131,7 @@ def test_sde_window_keys_need_a_window(key, value):
                                        ("sde_window_every", "2")])
 def test_sde_window_keys_under_nft_are_refused(key, value):
     msg = _refused("train.algorithm=nft", "grpo.kl_beta=null", f"grpo.{key}={value}")
-    assert msg.startswith(f"config key 'grpo.{key}' belongs to train.algorithm grpo; this run is nft")
+    assert msg.startswith(f"config key 'grpo.{key}' belongs to train.algorithm grpo") and "; this run is nft" in msg
 
 
 def test_every_shipped_config_sets_no_idle_key():
@@ -149,7 +149,7 @@ def test_an_nft_key_on_a_grpo_run_is_refused(key, value):
                                        ("grpo.onpolicy_tolerance", "0.1")])
 def test_a_grpo_only_key_on_an_nft_run_is_refused(key, value):
     msg = _refused("train.algorithm=nft", f"{key}={value}")
-    assert msg.startswith(f"config key '{key}' belongs to train.algorithm grpo; this run is nft")
+    assert msg.startswith(f"config key '{key}' belongs to train.algorithm grpo") and "; this run is nft" in msg
     assert msg.endswith(f"unset it ({key}=null)")
 
 
