@@ -53,7 +53,8 @@ class ChunkBatch(StepBatch):
         def per_step(t):
             return None if t is None else t[:, index]
 
-        return ChunkBatch(**{f.name: getattr(super().rows(index), f.name) for f in dataclasses.fields(StepBatch)},
+        base = super().rows(index)
+        return ChunkBatch(**{f.name: getattr(base, f.name) for f in dataclasses.fields(StepBatch)},
                           real=per_step(self.real), slots=self.slots, factor=per_step(self.factor),
                           share=per_step(self.share))
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..gcpo.config import GCPOConfig, trained_chunks
 from ..jagg import trained_steps
 from ..models.registry import families, family
 from ..paths import resolve_path
@@ -35,9 +36,9 @@ __all__ = [*_sections_all, "Config", "RENAMED", "config_from_dict", "load_config
 # train.algorithm -> what its rollout is: "sde" (the SDE on the trained steps, every step's latents and log-probs kept:
 # Flow-GRPO and its relatives, trained on those densities) or "ode" (a deterministic ODE whose final latents are
 # trained on the forward process: DiffusionNFT). The cross-section checks (_check_algorithm) read this, not the name.
-ROLLOUT_KIND = {"grpo": "sde", "nft": "ode", "dppo": "sde"}
+ROLLOUT_KIND = {"grpo": "sde", "nft": "ode", "dppo": "sde", "gcpo": "sde"}
 # train.algorithm -> its own config section, where it has one: a key of it set under another algorithm is refused
-OWN_SECTION = {"nft": "nft", "dppo": "dppo"}
+OWN_SECTION = {"nft": "nft", "dppo": "dppo", "gcpo": "gcpo"}
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Config:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
     dppo: DPPOConfig = field(default_factory=DPPOConfig)
+    gcpo: GCPOConfig = field(default_factory=GCPOConfig)
     jagg: JAGGConfig = field(default_factory=JAGGConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -78,10 +80,14 @@ class Config:
 
     @property
     def trained_per_sample(self) -> int:
-        """K: the steps every sample trains per training step (the SDE window, or grpo.step_selection's count)."""
+        """K: the steps every sample trains per training step (the SDE window, or grpo.step_selection's count; under
+        gcpo the positions of its chunk slots, pads included: gcpo/chunks.py)."""
         from ..grpo.steps import trained_count
 
         g, s = self.grpo, self.sampling
+        if self.train.algorithm == "gcpo":
+            sizes = self.gcpo.layout(s.num_steps)
+            return trained_chunks(len(sizes), self.gcpo.chunk_fraction) * max(sizes)
         return g.sde_window or trained_count(g.step_selection, s.num_steps, g.timestep_fraction,
                                              self.selection_window)
 
@@ -254,6 +260,8 @@ def _check_algorithm(cfg: Config) -> None:
                  "acts on the ODE steps outside the SDE window: it needs grpo.sde_window > 0 (with sde_window 0 "
                  "every step is SDE) or a forward-process algorithm (train.algorithm nft: its rollout is the ODE)")
     _check_step_selection(cfg)
+    if algo == "gcpo":
+        _check_gcpo(cfg)
     if not nft:
         if g.ref_at == "knots":
             _require(g.kl_beta > 0, "grpo.ref_at", "knots places the KL reference's forwards, but grpo.kl_beta is 0 "
@@ -288,6 +296,26 @@ def _check_algorithm(cfg: Config) -> None:
     _require(cfg.nft.old_at != "knots" or _fixed_windows(cfg), "nft.old_at", _FIXED_WINDOWS)
 
 
+
+
+def _check_gcpo(cfg: Config) -> None:
+    """train.algorithm gcpo: its chunks against the schedule, the grpo keys it leaves idle, and JAGG windows that are
+    its chunk slots (a window cutting across chunks would blend two chunks' factors into one Jacobian)."""
+    gc, j = cfg.gcpo, cfg.jagg
+    gc.check_schedule("gcpo", cfg.sampling.num_steps)
+    refuse_set(j, "jagg", ("intermediate",), "train.algorithm gcpo computes every chunk step's velocity at the "
+               "current weights for its factors (the rollout's before an optimizer step, fresh forwards after): the "
+               "windows' interior values are those")
+    kind = j.planner_kind
+    _require(kind in ("exact", "window"), "jagg.planner" if kind == "budget" else "jagg.share_knots",
+             f"chooses the {kind} planner, whose knots are not train.algorithm gcpo's chunks: a JAGG window is one "
+             "chunk (jagg.planner uniform, jagg.share_knots false)")
+    P = max(gc.layout(cfg.sampling.num_steps))
+    _require(kind == "exact" or cfg.selection_window == P, "jagg.window",
+             f"must be {P} with train.algorithm gcpo: a JAGG window is one chunk, laid out in slots of the longest "
+             f"chunk's {P} steps (gcpo/chunks.py), got {cfg.selection_window}")
+
+
 # Flow-GRPO's own keys of the grpo section; its others (group_size, adv_clip_max, global_std, timestep_fraction,
 # inner_epochs: the group advantages and the trained steps) are read by DiffusionNFT too
 GRPO_ONLY = {"clip_range": "", "kl_beta": " (its KL weight is nft.kl_beta)", "ref_at": " (its reference runs where "
@@ -300,7 +328,15 @@ GRPO_ONLY = {"clip_range": "", "kl_beta": " (its KL weight is nft.kl_beta)", "re
 # train.algorithm -> the keys of the grpo section its unit does not read though its rollout is GRPO's (the SDE
 # algorithms' others act under it): set, they are refused naming what replaces them
 GRPO_UNREAD = {"dppo": {"clip_range": " (Flow-DPPO does not clip the ratio: its trust region is "
-                                      "dppo.kl_mask_threshold)"}}
+                                      "dppo.kl_mask_threshold)"},
+               # GCPO trains the chunks of its gcpo section (gcpo.chunks, chunk_size, chunk_fraction), without a KL
+               # term (its recipes' kl_coeff 0) or an SDE window
+               "gcpo": {"timestep_fraction": " (it trains int(chunks x gcpo.chunk_fraction) chunks)",
+                        "step_selection": " (each sample draws its own chunks)",
+                        "kl_beta": " (GCPO trains without a KL term: kl_coeff 0)",
+                        "ref_at": " (no KL reference runs)",
+                        **{k: " (the SDE runs on every step: its chunks cover the trajectory)"
+                           for k in ("sde_window", "sde_window_range", "sde_window_mode", "sde_window_every")}}}
 
 
 def _check_sde_window(cfg: Config) -> None:

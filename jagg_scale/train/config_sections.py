@@ -36,8 +36,9 @@ from ..sections import Section as _Section
 DType = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
 SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
-# train.algorithm: Flow-GRPO on the SDE | DiffusionNFT on the forward process | Flow-DPPO on the SDE
-Algorithm = Literal["grpo", "nft", "dppo"]
+# train.algorithm: Flow-GRPO on the SDE | DiffusionNFT on the forward process | Flow-DPPO on the SDE |
+# GCPO's chunk-level GRPO on the SDE
+Algorithm = Literal["grpo", "nft", "dppo", "gcpo"]
 NFTTimesteps = Literal["per_row", "per_batch"]  # nft.timesteps: each sample its own training timesteps | one draw
 NFTNoise = Literal["per_timestep", "per_sample", "per_window"]  # nft.noise: which training timesteps share a draw
 NFTOldAt = Literal["timesteps", "knots"]  # nft.old_at: where the old policy's and the reference's velocities are run
@@ -287,7 +288,8 @@ class NFTConfig(_Section):
 class TrainConfig(_Section):
     # grpo: Flow-GRPO's clipped surrogate on SDE rollouts (the grpo section) | nft: DiffusionNFT on ODE rollouts of
     # its old policy, trained on the forward process (the nft section; train/nft.py) | dppo: Flow-DPPO, GRPO's SDE
-    # rollout with the KL-masked unclipped ratio (the dppo section; train/dppo.py)
+    # rollout with the KL-masked unclipped ratio (the dppo section; train/dppo.py) | gcpo: GCPO's chunk-level clipped
+    # surrogate on SDE rollouts (the gcpo section; train/gcpo.py)
     algorithm: Algorithm = "grpo"
     steps: int = 20
     prompts_per_step: int = 4

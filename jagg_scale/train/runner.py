@@ -73,6 +73,8 @@ class Minibatch:
     plan_sigmas   the noise levels the planner reads ([K]); None: the inputs' sigmas
     prepare       prepare(micro-batch, rows) -> the micro-batch to train, before its backward (None: as it is)
     uncond_forward_passes   no-grad passes `prepare` spends (counted in the metrics)
+    nograd_forward_passes   no-grad passes (B rows) the algorithm spent building the minibatch (GCPO's factors
+                  after an optimizer step), counted with the intermediate values' in the metrics
     """
 
     batch: Any
@@ -84,6 +86,7 @@ class Minibatch:
     plan_sigmas: torch.Tensor | None = None
     prepare: Callable[[Any, slice], Any] | None = None
     uncond_forward_passes: int = 0
+    nograd_forward_passes: int = 0
 
 
 @dataclass
@@ -220,7 +223,7 @@ def backward_minibatch(model_fn: ModelFn, mb: Minibatch, planner: Planner, *, ba
         windows=planned.num_windows, windows_jagg=planned.jagg_windows,
         backward_calls=len(pass_groups(planned.plan, planner.rows_per_pass)) * len(chunks),
         backward_passes=len(knots), per_step_equiv=len(mb.positions),
-        nograd_forward_passes=interior if forward else 0,
+        nograd_forward_passes=(interior if forward else 0) + mb.nograd_forward_passes,
         intermediate_forward=planned.jagg_windows if forward else 0,
         uncond_forward_passes=mb.uncond_forward_passes,
         loss=torch.stack(total).sum(), cosines=planned.cosines,
