@@ -28,6 +28,7 @@ need("diffusers")
 ROOT = Path(__file__).resolve().parents[2]
 SD35 = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "sd35l_pickscore"]
 ALL = SD35 + ["flux1_dev_hps"]
+NOCFG = ["sd35m_pickscore_nocfg", "sd35m_geneval_nocfg"]  # Flow-GRPO-Fast's CFG-free recipes (below)
 
 
 def _paths(name, pipe_dir, tmp_path):
@@ -43,7 +44,7 @@ def pipe_dirs(sd3_dir, flux_dir):
     return {"sd3": sd3_dir, "flux": flux_dir}
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + NOCFG)
 def test_a_missing_model_directory_fails_early_naming_the_key(name):
     with pytest.raises(ConfigError, match="model.pretrained|data.prompt_file"):
         load_config(ROOT / "configs" / f"{name}.yaml")
@@ -151,7 +152,7 @@ def _torchrun_env(monkeypatch, world: int, local: int = 8) -> None:
         monkeypatch.setenv(k, str(v))
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + NOCFG)
 @pytest.mark.parametrize("nodes", [1, 4])
 def test_validates_as_shipped_under_torchrun(name, nodes, tmp_path, monkeypatch):
     """Each production config runs under torchrun with no parallel override: FSDP2 with activation checkpointing,
@@ -293,3 +294,110 @@ def test_the_flow_factory_recipes_train_a_step_on_the_tiny_pipelines(name, reque
     assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
     export = tmp_path / "run" / ("lora" if cfg.model.lora.enabled else "transformer")
     assert any(export.glob("*.safetensors"))
+
+
+# Flow-GRPO's CFG-free Flow-GRPO-Fast recipes, value for value (yifan123/flow_grpo 9745241): config/grpo.py
+# `pickscore_sd3_fast_nocfg` (l. 323-363) and `geneval_sd3_fast_nocfg` (l. 163-203), their base config/base.py, the
+# script scripts/train_sd3_fast.py that runs them and its pipeline. The recipe-specific values, then the shared ones.
+FLOW_GRPO_NOCFG = {
+    "sd35m_pickscore_nocfg": dict(num_image_per_prompt=18, batches_over=64, test_batch_size=16, reward="pickscore"),
+    "sd35m_geneval_nocfg": dict(num_image_per_prompt=24, batches_over=48, test_batch_size=14, reward="remote"),
+}
+FLOW_GRPO_FAST = dict(
+    gpu_number=32, train_batch_size=9,  # grpo.py:324, 337 (164, 177): rows per GPU per rollout batch
+    num_steps=10, eval_num_steps=40, guidance_scale=1.0, eval_guidance_scale=1.0, cfg=False,  # :330-334 (:170-174)
+    resolution=512, clip_range=1e-5, beta=0.0, global_std=True, noise_level=0.8,  # :336, 345-348 (:176, 185-188)
+    sde_window_size=3, sde_type="cps", ema=True, save_freq=60, eval_freq=60,  # :349-354 (:189-194)
+    seed=42, mixed_precision="fp16", learning_rate=3e-4, adam_weight_decay=1e-4,  # base.py:14, 24, 76, 82
+    max_grad_norm=1.0, adv_clip_max=5.0,  # base.py:89, 97
+    lora_r=32, lora_alpha=64, ema_decay=0.9, ema_interval=8, max_sequence_length=128,  # train_sd3_fast.py:436-437,
+)                                                                                      # 451, 631
+
+
+def _flow_grpo_fast(name: str) -> dict:
+    """The peer's recipe with its derived values computed as its config computes them."""
+    p = {**FLOW_GRPO_FAST, **FLOW_GRPO_NOCFG[name]}
+    per_batch = p["gpu_number"] * p["train_batch_size"]  # rows of one rollout batch over all GPUs
+    p["num_batches_per_epoch"] = int(p["batches_over"] / (per_batch / p["num_image_per_prompt"]))  # grpo.py:339
+    p["gradient_accumulation_steps"] = p["num_batches_per_epoch"] // 2  # grpo.py:343 (183)
+    p["prompts_per_epoch"] = per_batch * p["num_batches_per_epoch"] // p["num_image_per_prompt"]
+    p["rows_per_optimizer_step"] = per_batch * p["gradient_accumulation_steps"]  # train.batch_size = 9 (l. 342)
+    p["sde_window_range"] = [0, p["num_steps"] // 2]  # grpo.py:350 (190)
+    return p
+
+
+@pytest.mark.parametrize("name", NOCFG)
+def test_the_nocfg_recipes_are_flow_grpos_value_for_value(name, sd3_dir, tmp_path):
+    """Each value of Flow-GRPO's recipe against the config as the trainer reads it, and what the trainer makes of
+    it: the window's starts (the peer's random.randint(0, 5 - 3), sd3_pipeline_with_logprob_fast.py:137), its 3
+    steps one JAGG window, and Flow-GRPO's per-step training as the one override `jagg=null jagg.mode=exact`."""
+    from jagg_scale.jagg import ExactPlanner, WindowPlanner
+    from jagg_scale.train.rows import StepRows
+    from jagg_scale.train.update import GRPO
+
+    p = _flow_grpo_fast(name)
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", _paths(name, sd3_dir, tmp_path))
+    s, g, t = cfg.sampling, cfg.grpo, cfg.train
+    assert (s.num_steps, s.eval_num_steps, cfg.model.resolution) == (p["num_steps"], p["eval_num_steps"],
+                                                                     p["resolution"])
+    # guidance 1 in the rollout, in training (cfg False: no unconditional rows) and in evaluation, which samples
+    # with sampling.guidance (train/evaluate.py through policy.velocity_fn)
+    assert s.guidance == p["guidance_scale"] == p["eval_guidance_scale"] and not p["cfg"]
+    assert (s.sde, s.noise_level) == (p["sde_type"], p["noise_level"])
+    assert (g.sde_window, g.sde_window_range, g.sde_window_mode) == (p["sde_window_size"], p["sde_window_range"],
+                                                                     "random")
+    assert (g.group_size, g.clip_range, g.kl_beta, g.global_std, g.adv_clip_max) == (
+        p["num_image_per_prompt"], p["clip_range"], p["beta"], p["global_std"], p["adv_clip_max"])
+    assert t.prompts_per_step == p["prompts_per_epoch"] and t.minibatch_size == p["rows_per_optimizer_step"]
+    assert (t.lr, t.weight_decay, t.grad_clip) == (p["learning_rate"], p["adam_weight_decay"], p["max_grad_norm"])
+    assert p["ema"] and (t.ema_decay, t.ema_every, t.ema_warmup) == (p["ema_decay"], p["ema_interval"], True)
+    # its EMA steps once per batch, gradient_accumulation_steps batches per optimizer step (train_sd3_fast.py:959-960)
+    assert t.ema_repeat == p["gradient_accumulation_steps"]
+    assert (cfg.eval.every, cfg.run.checkpoint_every) == (p["eval_freq"], p["save_freq"])
+    assert (cfg.eval.chunk_size, cfg.run.seed) == (p["test_batch_size"], p["seed"])
+    assert cfg.model.dtype == "float16" and p["mixed_precision"] == "fp16"
+    assert cfg.model.max_sequence_length == p["max_sequence_length"]
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha) == (p["lora_r"], p["lora_alpha"])
+    assert cfg.reward.name == p["reward"]
+    rows = StepRows.draw(t.prompts_per_step * g.group_size, t.minibatch_size, cfg.run.seed, 0, 0, 8)
+    assert rows.num_minibatches == p["num_batches_per_epoch"] // p["gradient_accumulation_steps"] == 2
+    # the window: starts 0, 1, 2 as the peer's; its 3 steps are the trained ones and one JAGG window
+    unit = GRPO.__new__(GRPO)
+    unit.cfg = cfg
+    starts = {unit.trained_steps_at(step)[0] for step in range(100)}
+    assert starts == set(range(p["sde_window_range"][0], p["sde_window_range"][1] - p["sde_window_size"] + 1))
+    planner = cfg.jagg.make_planner()
+    plan = planner.plan(torch.randn(3, 2, 4), torch.linspace(1.0, 0.5, 3), grad_norms=lambda: [1.0] * 3)
+    assert isinstance(planner, WindowPlanner) and plan.windows == [[0, 1, 2]] and plan.jagg_windows == 1
+    exact = load_config(ROOT / "configs" / f"{name}.yaml", _paths(name, sd3_dir, tmp_path) + ["jagg=null",
+                                                                                             "jagg.mode=exact"])
+    assert exact.jagg.make_planner() == ExactPlanner()
+    assert (exact.grpo, exact.sampling, exact.train) == (g, s, t)  # nothing else moves
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NOCFG)
+def test_the_nocfg_recipes_train_a_step_on_the_tiny_pipeline(name, sd3_dir, tmp_path):
+    """One step end to end on the tiny SD3 pipeline as shipped (FSDP2, one process) and with the per-step override:
+    the window's 3 CPS steps trained, 2 backwards per minibatch with JAGG, 3 per-step; on-policy ratio 1."""
+    shrink = ["model.resolution=null", "grpo.group_size=4", "train.prompts_per_step=2", "train.minibatch_size=4",
+              "train.micro_batch_size=4", "train.steps=1", "eval.enabled=false", "log.wandb=false",
+              "log.progress=false", "reward.name=jpeg_compressibility", "reward.options={}", "run.resume=none",
+              "model.lora.expect_modules=null"]
+    for extra, backwards in (([], 2), (["jagg=null", "jagg.mode=exact"], 3)):
+        out = tmp_path / str(backwards)
+        out.mkdir()
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml",
+                          _paths(name, sd3_dir, out) + shrink + [f"run.output_dir={out / 'run'}"] + extra)
+        trainer = Trainer(cfg)
+        try:
+            window = list(trainer.algorithm.rollout_spec(0).trained)
+            (row,) = trainer.fit()
+        finally:
+            trainer.close()
+        assert len(window) == 3 and window[0] in (0, 1, 2) and window == list(range(window[0], window[0] + 3))
+        minibatches = cfg.train.prompts_per_step * cfg.grpo.group_size // cfg.train.minibatch_size
+        assert row["backward_passes"] == backwards * minibatches and row["per_step_equiv"] == 3 * minibatches
+        assert row["sde_window_start"] == window[0]
+        assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert (out / "run" / "lora" / "pytorch_lora_weights.safetensors").exists()
