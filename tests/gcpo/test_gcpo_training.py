@@ -23,6 +23,7 @@ def _strip(rows):
     return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
 
 
+@pytest.mark.slow
 def test_gcpo_trains_with_exact_chunk_windows_and_resumes_exactly(tmp_path):
     over = GCPO + ["train.micro_batch_size=2", "jagg.probe_every=1"]
     full = Trainer(load_config(TINY, over + [f"run.output_dir={tmp_path / 'full'}", "train.steps=2"]))

@@ -441,3 +441,21 @@ def test_nft_two_processes_match_one_process(tmp_path, engine):
         assert ra["old_decay"] == rb["old_decay"] and ra["backward_passes"] == rb["backward_passes"]
     resumed = run(2, tmp_path / "two", f"parallel.engine={engine}", *nft[:-2], "train.steps=3", "run.resume=auto")
     assert [r["step"] for r in resumed] == [0, 1, 2]
+
+
+def test_gcpo_two_processes_match_one_process(tmp_path, engine="fsdp2"):
+    """GCPO (train.algorithm gcpo): each global row draws its own chunks, and the second minibatch's factors come from
+    fresh no-grad forwards through the sharded model, so 2 FSDP2 ranks train in micro-batches what 1 process does.
+    (engine=deepspeed passes the same test: 96 s on a 2-core machine, 2026-12-06, too long for the suite; its no-grad
+    forwards and backwards are GRPO's, which test_deepspeed_zero3_two_processes_match_one_process runs.)"""
+    gcpo = ["train.algorithm=gcpo", "gcpo.chunks=[3, 4]", "gcpo.chunk_fraction=0.5", "train.steps=1",
+            "train.micro_batch_size=1"]  # 7 candidates of 8 steps, one chunk a row in a slot of 4 = jagg.window
+    two = run(2, tmp_path / "two", f"parallel.engine={engine}", *gcpo)
+    one = run(1, tmp_path / "one", *gcpo)
+    for ra, rb in zip(two, one):
+        assert ra["reward_mean"] == pytest.approx(rb["reward_mean"], rel=1e-4)
+        for key in ("loss", "chunk_ratio_mean"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-3, abs=1e-7), key
+        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-2)
+        assert ra["backward_passes"] == rb["backward_passes"] and ra["nograd_forward_passes"] == rb[
+            "nograd_forward_passes"] > 0
