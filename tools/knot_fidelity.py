@@ -153,7 +153,7 @@ def nft(draws: int, repeats: int, quick: bool, work: Path) -> dict:
         groups = {"per_timestep": [[k] for k in range(K)], "per_sample": [list(range(K))],
                   "per_window": split_windows(range(K), w or K)}[noise]
         up.draw_of = torch.tensor([i for i, grp in enumerate(groups) for _ in grp])
-        up.old_plan = plan_uniform(K, w) if old_at == "knots" else None
+        up.frozen_plan = plan_uniform(K, w) if old_at == "knots" else None
 
     def gradient(draw: int) -> tuple[torch.Tensor, float]:
         nft_module.NOISE_STREAM, nft_module.TIMESTEP_STREAM = 1000 + 2 * draw, 1001 + 2 * draw  # independent draws

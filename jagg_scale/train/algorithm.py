@@ -104,7 +104,8 @@ class Algorithm:
 
 # train.algorithm -> the unit, as "module:class" under jagg_scale.train: loaded when built, since each unit's module
 # imports this one for the contract (an import back would be a cycle)
-ALGORITHMS: dict[str, str] = {"grpo": "update:GRPO", "nft": "nft:NFT", "dppo": "dppo:DPPO", "gcpo": "gcpo:GCPO"}
+ALGORITHMS: dict[str, str] = {"grpo": "update:GRPO", "nft": "nft:NFT", "dppo": "dppo:DPPO", "gcpo": "gcpo:GCPO",
+                             "awm": "awm:AWM"}
 
 
 def algorithm_class(name: str) -> type:

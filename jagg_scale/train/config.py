@@ -21,10 +21,11 @@ from ..jagg import trained_steps
 from ..models.registry import families, family
 from ..paths import resolve_path
 from .config_sections import *  # noqa: F403 - the sections, their choices and ConfigError are this module's API
-from .config_sections import (ConfigError, DataConfig, DPPOConfig, EvalConfig, GRPOConfig, JAGGConfig, LogConfig,
-                              ModelConfig, NFTConfig, ParallelConfig, RewardConfig, RunConfig, SamplingConfig,
-                              TrainConfig, _require, refuse_set)
+from .config_sections import (AWMConfig, ConfigError, DataConfig, DPPOConfig, EvalConfig, GRPOConfig, JAGGConfig,
+                              LogConfig, ModelConfig, NFTConfig, ParallelConfig, RewardConfig, RunConfig,
+                              SamplingConfig, TrainConfig, _require, refuse_set)
 from .config_sections import __all__ as _sections_all
+from .config_forward import FIXED_WINDOWS, check_forward_process, fixed_windows
 from .config_build import MAX_YAML_BYTES, RENAMED, _build, _plain, _set_dotted, _yaml, parse_override
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,11 @@ __all__ = [*_sections_all, "Config", "RENAMED", "config_from_dict", "load_config
 
 # train.algorithm -> what its rollout is: "sde" (the SDE on the trained steps, every step's latents and log-probs kept:
 # Flow-GRPO and its relatives, trained on those densities) or "ode" (a deterministic ODE whose final latents are
-# trained on the forward process: DiffusionNFT). The cross-section checks (_check_algorithm) read this, not the name.
-ROLLOUT_KIND = {"grpo": "sde", "nft": "ode", "dppo": "sde", "gcpo": "sde"}
+# trained on the forward process: DiffusionNFT, AWM). The cross-section checks (_check_algorithm) read this, not the
+# name.
+ROLLOUT_KIND = {"grpo": "sde", "nft": "ode", "dppo": "sde", "gcpo": "sde", "awm": "ode"}
 # train.algorithm -> its own config section, where it has one: a key of it set under another algorithm is refused
-OWN_SECTION = {"nft": "nft", "dppo": "dppo", "gcpo": "gcpo"}
+OWN_SECTION = {"nft": "nft", "dppo": "dppo", "gcpo": "gcpo", "awm": "awm"}
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Config:
     nft: NFTConfig = field(default_factory=NFTConfig)
     dppo: DPPOConfig = field(default_factory=DPPOConfig)
     gcpo: GCPOConfig = field(default_factory=GCPOConfig)
+    awm: AWMConfig = field(default_factory=AWMConfig)
     jagg: JAGGConfig = field(default_factory=JAGGConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -71,6 +74,12 @@ class Config:
         return getattr(self, name) if name else None
 
     @property
+    def algorithm_shadows(self) -> int:
+        """Shadow copies of the trainable weights train.algorithm holds in the engine besides train.ema_decay's EMA
+        (DiffusionNFT's old policy, AWM's EMA policy where it is read): its section's shadow_weights."""
+        return getattr(self.algorithm_section, "shadow_weights", 0)
+
+    @property
     def uses_reference(self) -> bool:
         """Whether the run needs the KL reference (the starting model): the KL weight of the algorithm's own section
         (nft.kl_beta under DiffusionNFT) where it has one, else grpo.kl_beta, > 0. Without it no reference is built
@@ -81,13 +90,17 @@ class Config:
     @property
     def trained_per_sample(self) -> int:
         """K: the steps every sample trains per training step (the SDE window, or grpo.step_selection's count; under
-        gcpo the positions of its chunk slots, pads included: gcpo/chunks.py)."""
+        gcpo the positions of its chunk slots, pads included: gcpo/chunks.py; the training timesteps of an algorithm
+        that counts its own: awm.num_train_timesteps)."""
         from ..grpo.steps import trained_count
 
         g, s = self.grpo, self.sampling
         if self.train.algorithm == "gcpo":
             sizes = self.gcpo.layout(s.num_steps)
             return trained_chunks(len(sizes), self.gcpo.chunk_fraction) * max(sizes)
+        own = self.algorithm_section
+        if hasattr(own, "trained_count"):
+            return own.trained_count(s.num_steps)
         return g.sde_window or trained_count(g.step_selection, s.num_steps, g.timestep_fraction,
                                              self.selection_window)
 
@@ -266,7 +279,7 @@ def _check_algorithm(cfg: Config) -> None:
         if g.ref_at == "knots":
             _require(g.kl_beta > 0, "grpo.ref_at", "knots places the KL reference's forwards, but grpo.kl_beta is 0 "
                      "(no reference runs): leave it out")
-            _require(_fixed_windows(cfg), "grpo.ref_at", _FIXED_WINDOWS)
+            _require(fixed_windows(cfg), "grpo.ref_at", FIXED_WINDOWS)
         if s.sde == "cps":  # CPS's last step (to s_T = 0) injects no noise: no density to train on, a KL term of 1 / 0
             if g.sde_window:
                 hi = (g.sde_window_range or [0, s.num_steps])[1]
@@ -278,24 +291,7 @@ def _check_algorithm(cfg: Config) -> None:
                          "must leave the last step untrained with sampling.sde cps (its step to s = 0 is "
                          "deterministic: no density, a KL term of 1 / 0); Flow-GRPO trains 0.99 of the steps")
         return
-    _require(not s.same_initial_noise, "sampling.same_initial_noise",
-             f"would make every row of a group the same sample: train.algorithm {algo}'s rollout is the deterministic "
-             "ODE (DiffusionNFT's config/nft.py:65), so a shared start leaves nothing to compare in a group")
-    default = SamplingConfig()
-    for key in ("sde", "noise_level"):  # the forward-process rollout is deterministic: no SDE to shape
-        _require(getattr(s, key) == getattr(default, key), f"sampling.{key}",
-                 f"shapes the SDE of a GRPO rollout; train.algorithm {algo}'s is the ODE: leave it out")
-    if algo != "nft":
-        return
-    _require(s.guidance == 1.0, "sampling.guidance",
-             "must be 1 with train.algorithm nft (DiffusionNFT samples and trains CFG-free)")
-    kind = cfg.jagg.planner_kind
-    _require(cfg.nft.noise != "per_window" or kind == "window", "nft.noise",
-             f"per_window draws one noise per JAGG window: it needs the window planner (jagg.mode jagg, jagg.planner "
-             f"uniform, jagg.share_knots false), this run has the {kind} planner")
-    _require(cfg.nft.old_at != "knots" or _fixed_windows(cfg), "nft.old_at", _FIXED_WINDOWS)
-
-
+    check_forward_process(cfg, OWN_SECTION[algo])
 
 
 def _check_gcpo(cfg: Config) -> None:
@@ -318,10 +314,11 @@ def _check_gcpo(cfg: Config) -> None:
 
 # Flow-GRPO's own keys of the grpo section; its others (group_size, adv_clip_max, global_std, timestep_fraction,
 # inner_epochs: the group advantages and the trained steps) are read by DiffusionNFT too
-GRPO_ONLY = {"clip_range": "", "kl_beta": " (its KL weight is nft.kl_beta)", "ref_at": " (its reference runs where "
-             "nft.old_at says)", "step_selection": " (it draws each sample's timesteps itself)",
+GRPO_ONLY = {"clip_range": "", "kl_beta": " (its KL weight is {own}.kl_beta)",
+             "ref_at": " (its reference runs at its training timesteps, or at the plan's knots by {own}'s own key)",
+             "step_selection": " (it draws each sample's timesteps itself)",
              "onpolicy_tolerance": " (its update has no log-ratio to check)",
-             **{k: " (DiffusionNFT's rollout is the ODE: no SDE window to place)"
+             **{k: " (its rollout is the ODE: no SDE window to place)"
                 for k in ("sde_window", "sde_window_range", "sde_window_mode", "sde_window_every")}}
 
 
@@ -371,18 +368,7 @@ def _refuse_other_algorithm(cfg: Config) -> None:
     for section, prefix, key, owner, why in owned:
         if section.is_set(key):
             raise ConfigError(f"config key '{prefix}.{key}' belongs to train.algorithm {owner}; this run is "
-                              f"{algo}{why}: unset it ({prefix}.{key}=null)")
-
-
-# what grpo.ref_at knots and nft.old_at knots need: JAGG windows known before the rollout (the frozen models run at
-# their knots before the plan of a minibatch would be made)
-_FIXED_WINDOWS = ("knots evaluates a frozen model at the JAGG plan's knots alone: it needs windows known before "
-                  "the rollout (jagg.mode jagg with jagg.planner uniform and jagg_frac 1, no min_cos; or share_knots "
-                  "true); with another plan set it to its default (grpo.ref_at=steps, nft.old_at=timesteps)")
-
-
-def _fixed_windows(cfg: Config) -> bool:
-    return cfg.jagg.mode == "jagg" and cfg.jagg.make_planner().fixed_plan(2) is not None
+                              f"{algo}{why.format(own=OWN_SECTION.get(algo))}: unset it ({prefix}.{key}=null)")
 
 
 def validate_world(cfg: Config, world_size: int) -> None:

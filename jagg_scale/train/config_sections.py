@@ -25,6 +25,7 @@ from ..jagg.knots import ErrorModel
 from ..jagg.planners import RouteBy
 from ..models.dit import DiTConfig
 from ..models.registry import families, family
+from ..awm.config import AWMConfig
 from ..nft import AdvMode
 from ..parallel.config import ParallelConfig
 from ..parallel.types import EngineName, GradSync
@@ -36,9 +37,7 @@ from ..sections import Section as _Section
 DType = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
 SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
-# train.algorithm: Flow-GRPO on the SDE | DiffusionNFT on the forward process | Flow-DPPO on the SDE |
-# GCPO's chunk-level GRPO on the SDE
-Algorithm = Literal["grpo", "nft", "dppo", "gcpo"]
+Algorithm = Literal["grpo", "nft", "dppo", "gcpo", "awm"]  # train.algorithm (its rollout: config.py ROLLOUT_KIND)
 NFTTimesteps = Literal["per_row", "per_batch"]  # nft.timesteps: each sample its own training timesteps | one draw
 NFTNoise = Literal["per_timestep", "per_sample", "per_window"]  # nft.noise: which training timesteps share a draw
 NFTOldAt = Literal["timesteps", "knots"]  # nft.old_at: where the old policy's and the reference's velocities are run
@@ -57,7 +56,8 @@ __all__ = [
     "DataSource", "RewardAggregate", "WandbMode", "Device", "EngineName", "GradSync", "ErrorModel", "IntermediateMode",
     "RouteBy", "TextEncoders", "ExportDType", "OdeSolver", "SdeKind",
     "DiTConfig", "LoRAConfig", "ModelConfig", "SamplingConfig", "GRPOConfig", "JAGGConfig", "TrainConfig",
-    "DataConfig", "RewardConfig", "LogConfig", "EvalConfig", "NFTConfig", "DPPOConfig", "ParallelConfig", "RunConfig",
+    "DataConfig", "RewardConfig", "LogConfig", "EvalConfig", "NFTConfig", "DPPOConfig", "AWMConfig", "ParallelConfig",
+    "RunConfig",
 ]
 
 
@@ -276,6 +276,11 @@ class NFTConfig(_Section):
     # config/nft.py:62), positive_only / negative_only the other sign's to 0, one_only 1 where > 0 else 0, binary sign
     adv_mode: AdvMode = "all"
 
+    # read of a forward-process section (as awm/config.py's): the old policy is the one shadow copy of the weights in
+    # the engine and the one frozen policy besides the reference run at the training timesteps (or the knots)
+    shadow_weights = frozen_policies = 1
+    frozen_at_knots = property(lambda self: self.old_at == "knots")
+
     def check(self, prefix: str) -> None:
         _require(self.mix > 0, f"{prefix}.mix", f"must be > 0 (the loss divides by it), got {self.mix}")
         _require(self.kl_beta >= 0, f"{prefix}.kl_beta", f"must be >= 0, got {self.kl_beta}")
@@ -290,6 +295,7 @@ class TrainConfig(_Section):
     # its old policy, trained on the forward process (the nft section; train/nft.py) | dppo: Flow-DPPO, GRPO's SDE
     # rollout with the KL-masked unclipped ratio (the dppo section; train/dppo.py) | gcpo: GCPO's chunk-level clipped
     # surrogate on SDE rollouts (the gcpo section; train/gcpo.py)
+    # | awm: Advantage Weighted Matching on ODE rollouts, trained on the forward process (the awm section; train/awm.py)
     algorithm: Algorithm = "grpo"
     steps: int = 20
     prompts_per_step: int = 4

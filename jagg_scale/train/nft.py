@@ -34,11 +34,12 @@ import torch
 
 from ..cond import index_cond
 from ..grpo.rollout import to_device
-from ..jagg import fill_interior, plan_knots, split_windows, trained_steps
+from ..jagg import trained_steps
 from ..nft import NFTBatch, NFTStepLoss, optimality
-from .algorithm import Algorithm, RolloutSpec
+from .algorithm import RolloutSpec
+from .forward_process import ForwardProcess
 from .rows import row_seed
-from .runner import Minibatch, MinibatchRunner, micro_batches
+from .runner import Minibatch
 
 __all__ = ["NFT", "old_decay"]
 
@@ -51,29 +52,24 @@ def old_decay(optimizer_steps: int, schedule) -> float:
     return 0.0 if optimizer_steps < flat else min((optimizer_steps - flat) * rate, top)
 
 
-class NFT(Algorithm):
+class NFT(ForwardProcess):
     """DiffusionNFT as an algorithm unit (the contract in algorithm.py): its rollout is the old policy's ODE and keeps
-    only the final latents; its advantages are the group-relative ones; its update trains through the runner."""
+    only the final latents; its advantages are the group-relative ones; its update trains through the runner. The
+    noise draws and the frozen models' velocities are the forward-process base's (forward_process.py)."""
 
     name = "nft"
+    noise_stream = NOISE_STREAM
 
     def __init__(self, cfg, policy, engine, dist):
         super().__init__(cfg, policy, engine, dist)
         if policy.guidance != 1.0:
             raise ValueError("train.algorithm nft samples and trains CFG-free: sampling.guidance must be 1")
-        self.runner = MinibatchRunner(cfg, engine, dist)
-        planner = self.runner.planner
         # the old policy: the starting weights, held like the trained ones (shards, partitions), checkpointed
         engine.add_shadow("old")
         self.sigmas = policy.host_sigmas[: cfg.sampling.num_steps]  # the sampling schedule's noise levels
-        self.K = len(trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction))
-        # which draw each timestep position takes (nft.noise), and the plan the frozen models' values are filled by
-        # (nft.old_at knots; config.py allows it only for a plan known before the rollout)
-        groups = {"per_timestep": [[k] for k in range(self.K)], "per_sample": [list(range(self.K))],
-                  "per_window": split_windows(range(self.K), planner.window if cfg.nft.noise == "per_window"
-                                              else self.K)}[cfg.nft.noise]
-        self.draw_of = torch.tensor([i for i, g in enumerate(groups) for _ in g])
-        self.old_plan = planner.fixed_plan(self.K) if cfg.nft.old_at == "knots" else None
+        # which draw each timestep position takes (nft.noise), the frozen models at the knots (nft.old_at knots)
+        self._setup(len(trained_steps(cfg.sampling.num_steps, cfg.grpo.timestep_fraction)), cfg.nft.noise,
+                    cfg.nft.old_at == "knots")
 
     def rollout_spec(self, step: int) -> RolloutSpec:
         """The old policy's ODE on every step (no SDE step, no reference), keeping only the final latents: the
@@ -95,38 +91,11 @@ class NFT(Algorithm):
         t = torch.stack(draws, dim=1)  # [K, B or 1]
         return t.expand(self.K, len(global_rows)).contiguous()
 
-    def _noise(self, step: int, epoch: int, global_rows: torch.Tensor, shape) -> torch.Tensor:
-        """[K, B, ...] N(0, 1) per row of inner epoch `epoch` from the row's own seeded stream: one draw per group of
-        timesteps (nft.noise), repeated over the group's positions."""
-        draws = int(self.draw_of[-1]) + 1
-        out = []
-        for r in global_rows.tolist():
-            g = torch.Generator().manual_seed(row_seed(self.cfg.run.seed, step, NOISE_STREAM, r, epoch))
-            out.append(torch.randn(draws, *shape, generator=g)[self.draw_of])
-        return torch.stack(out, dim=1)
-
-    @torch.no_grad()
-    def _predict(self, fn, x: torch.Tensor, t: torch.Tensor, cond) -> torch.Tensor:
-        """fn at every (x_t, t) of [K, B, ...] (nft.old_at timesteps), or at the knots of self.old_plan and filled in
-        between (knots): one timestep of train.micro_batch_size rows per forward (the rows of a with-grad pass at
-        most: the memory estimate's unit)."""
-        out = torch.empty_like(x)
-        positions = range(x.shape[0]) if self.old_plan is None else plan_knots(self.old_plan)
-        for rows in micro_batches(x.shape[1], self.cfg.train.micro_batch_size):
-            sub = index_cond(cond, rows)
-            for k in positions:
-                out[k, rows] = fn(x[k, rows], t[k, rows], sub).float()
-        return out if self.old_plan is None else fill_interior(self.old_plan, out, t)
-
     def _batch(self, traj, mb_cond, r, local, global_rows, minibatch, step: int, epoch: int) -> NFTBatch:
         """The training inputs in inner epoch `epoch` of this rank's rows `local` (global `global_rows`) of the
         minibatch whose global rows are `minibatch`; `mb_cond` is their conditioning."""
-        device = self.dist.device
-        clean = traj.final[local].float()
-        t = to_device(self._timesteps(step, epoch, global_rows, minibatch), device)
-        e = to_device(self._noise(step, epoch, global_rows, clean.shape[1:]), device)
-        tb = t.reshape(*t.shape, *([1] * (clean.ndim - 1)))
-        noised = (1 - tb) * clean + tb * e
+        clean, t, _, noised = self._inputs(traj, local, step, epoch, global_rows,
+                                           self._timesteps(step, epoch, global_rows, minibatch))
         with self.engine.shadow_weights("old"):
             old = self._predict(self.policy.model_fn(), noised, t, mb_cond)
         ref_fn = self.policy.reference_fn()

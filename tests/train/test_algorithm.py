@@ -37,7 +37,7 @@ def test_a_final_only_rollout_is_the_trajectorys_final_sample_and_keeps_nothing_
 
 
 def test_the_registry_builds_the_configured_unit_and_refuses_an_unknown_name(tmp_path):
-    assert set(ALGORITHMS) == {"grpo", "nft", "dppo", "gcpo"}
+    assert set(ALGORITHMS) == {"grpo", "nft", "dppo", "gcpo", "awm"}
     for name in ALGORITHMS:
         unit = algorithm_class(name)
         assert issubclass(unit, Algorithm) and unit.name == name
