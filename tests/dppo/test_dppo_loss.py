@@ -18,7 +18,7 @@ import torch
 from jagg_scale.dppo import DPPOStepLoss, dppo_terms
 from jagg_scale.grpo import StepBatch, sde_step_with_logprob, sigma_schedule
 from jagg_scale.jagg import exact_plan, knot_backward
-from toy_velocity import LinearVelocity
+from toy_velocity import LinearVelocity, MLPVelocity
 
 
 def _verl_reference(old_log_prob, log_prob, old_mean, mean, advantages, sigma_t, threshold):
@@ -220,3 +220,37 @@ def test_knot_backward_is_exact_on_an_affine_velocity_with_collinear_inputs(inte
     assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 1e-5
     if intermediate == "forward":
         assert float(torch.stack(loss.metrics["masked_fraction"]).max()) > 0
+
+
+def test_micro_batches_give_the_whole_minibatchs_gradient_with_the_mask_acting():
+    """Each row is dropped by its own KL and ratio, and the mean divides by the minibatch's rows: the runner's
+    micro-batches of 2 accumulate the gradient of the whole minibatch, off-policy (jagg.intermediate forward) with
+    the mask acting, through a JAGG window of 3."""
+    from jagg_scale.jagg.planners import WindowPlanner
+    from jagg_scale.train.runner import backward_minibatch
+    from jagg_scale.train.update import step_minibatch
+
+    torch.manual_seed(0)
+    model = MLPVelocity()
+    B, K = 6, 3
+    sigmas = torch.tensor([0.9, 0.7, 0.4, 0.2])
+    latents = torch.randn(K + 1, B, 3, 2, 2)
+    cond = torch.randn(B, 4)
+    with torch.no_grad():  # the rollout's policy is another one than the trained weights
+        v_roll = torch.stack([model(latents[k], sigmas[k].expand(B), cond) for k in range(K)])
+        v_roll += 0.2 * torch.randn_like(v_roll)
+    log_probs = torch.stack([sde_step_with_logprob(latents[k], v_roll[k], sigmas[k], sigmas[k + 1], noise_level=0.7,
+                                                   sigma_max=0.9, prev_sample=latents[k + 1]).log_prob
+                             for k in range(K)])
+    batch = StepBatch(latents=latents, velocities=v_roll, log_probs=log_probs, sigmas=sigmas,
+                      advantages=torch.linspace(-1, 1, B), mask=torch.ones(B, dtype=torch.bool))
+    loss = DPPOStepLoss(noise_level=0.7, kl_mask_threshold=1e-3, scale=1 / K, denominator=float(B))
+    grads = []
+    for size in (0, 2):
+        model.zero_grad(set_to_none=True)
+        mb = step_minibatch(batch, cond, loss, list(range(K)), intermediate="forward", on_policy=False)
+        backward_minibatch(model, mb, WindowPlanner(window=3), micro_batch_size=size)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    masked = torch.stack(loss.metrics["masked_fraction"])
+    assert 0 < float(masked.mean()) < 1
+    assert float((grads[1] - grads[0]).norm() / grads[0].norm()) <= 1e-6

@@ -11,6 +11,7 @@ What must hold, and is checked here against real process groups (no mocks):
 - a sharded (DCP) checkpoint written by 2 processes resumes on 1;
 - a truncated checkpoint is refused and the previous one is used;
 - model.dtype float16 (fp16 gathers, the sharded loss scaler) on 2 processes trains step 0 as 1 process does;
+- Flow-DPPO on 2 FSDP2 ranks trains and logs (its KL and mask statistics) what 1 DeepSpeed process does;
 - SIGTERM checkpoints, leaves a PREEMPTED marker and exits 143;
 - through plain `torchrun` (torch's defaults): SIGTERM to the agent reaches the workers, which checkpoint, and the run
   resumes; SIGUSR1, which plain torchrun does not handle, kills the agent at once, and the workers still checkpoint
@@ -459,3 +460,19 @@ def test_gcpo_two_processes_match_one_process(tmp_path, engine="fsdp2"):
         assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-2)
         assert ra["backward_passes"] == rb["backward_passes"] and ra["nograd_forward_passes"] == rb[
             "nograd_forward_passes"] > 0
+
+
+def test_dppo_on_two_fsdp2_ranks_matches_one_deepspeed_process(tmp_path):
+    """Flow-DPPO (train.algorithm dppo): two optimizer steps per rollout, the second off the rollout's weights so the
+    KL mask drops rows; each rank's loss divides by the global row count and its KL and mask statistics are reduced
+    over the ranks (the largest KL as a max), so 2 FSDP2 ranks train and log what 1 process does, here on the ZeRO-3
+    engine (the none engine: tests/dppo/test_dppo_training.py)."""
+    need("deepspeed")
+    dppo = ["train.algorithm=dppo", "train.steps=1", "grpo.group_size=4", "dppo.kl_mask_threshold=1e-7",
+            "train.lr=1e-2"]
+    one = run(1, tmp_path / "one", "parallel.engine=deepspeed", *dppo)[0]
+    assert 0 < one["masked_fraction"] < 1 and one["optimizer_steps"] == 2
+    two = run(2, tmp_path / "two", "parallel.engine=fsdp2", *dppo)[0]
+    assert two["reward_mean"] == pytest.approx(one["reward_mean"], rel=1e-4)
+    for key in ("loss", "grad_norm", "kl_new_old_mean", "kl_new_old_max", "masked_fraction", "ratio_mean"):
+        assert two[key] == pytest.approx(one[key], rel=1e-3, abs=1e-7), key
