@@ -348,6 +348,9 @@ def _check_sde_window(cfg: Config) -> None:
     _require(s.ode_steps <= s.num_steps - g.sde_window, "sampling.ode_steps",
              f"must be in [0, num_steps - grpo.sde_window] = [0, {s.num_steps - g.sde_window}] (0: the schedule's "
              f"own steps), got {s.ode_steps}")
+    if g.sde_window and g.sde_window_mode == "scattered":  # the compressed ODE re-spaces the steps around one window
+        refuse_set(s, "sampling", ("ode_solver", "ode_steps"), "grpo.sde_window_mode is scattered (its SDE steps "
+                   "need not be one window: the ODE between them runs on the schedule's own steps)")
 
 
 def _refuse_other_algorithm(cfg: Config) -> None:

@@ -36,7 +36,7 @@ from ..sections import Section as _Section
 # (parallel/loss_scale.py), Flow-GRPO's and DiffusionNFT's mixed_precision fp16
 DType = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["sdpa", "xformers"]  # xformers: sd3 on CUDA with xformers installed only
-SdeWindowMode = Literal["random", "sliding"]  # Flow-GRPO-Fast | MixGRPO
+SdeWindowMode = Literal["random", "sliding", "scattered"]  # Flow-GRPO-Fast | MixGRPO | UniRL's sparse SDE steps
 Algorithm = Literal["grpo", "nft", "dppo", "gcpo", "awm"]  # train.algorithm (its rollout: config.py ROLLOUT_KIND)
 NFTTimesteps = Literal["per_row", "per_batch"]  # nft.timesteps: each sample its own training timesteps | one draw
 NFTNoise = Literal["per_timestep", "per_sample", "per_window"]  # nft.noise: which training timesteps share a draw
@@ -225,7 +225,8 @@ class GRPOConfig(_Section):
     # sampling schedule are sampled with the SDE and trained, the others run the ODE; 0 = every step is SDE
     # (Flow-GRPO). The window's start is drawn per step in [lo, hi - sde_window] (sde_window_range [lo, hi], empty:
     # the whole trajectory): `random` (Flow-GRPO-Fast) or `sliding` (MixGRPO: moves one step every
-    # sde_window_every training steps, wrapping).
+    # sde_window_every training steps, wrapping); `scattered` draws any sde_window steps of [lo, hi) per step,
+    # consecutive or not (UniRL's AllSDEScheduler with num_sde_steps, its Flow-DPPO recipe)
     sde_window: int = 0
     sde_window_range: list[int] = field(default_factory=list)
     sde_window_mode: SdeWindowMode = "random"

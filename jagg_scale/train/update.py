@@ -79,7 +79,8 @@ class GRPO(Algorithm):
     def trained_steps_at(self, step: int) -> list[int]:
         """The steps trained at training step `step`: Flow-GRPO's first timestep_fraction of the trajectory, the
         candidates each sample draws its own from (grpo.step_selection random | windows: drawn per minibatch), or
-        the SDE window of grpo.sde_window steps (random start per step, or sliding), seeded by the step."""
+        the SDE window of grpo.sde_window steps (random start per step, sliding, or scattered: any steps of the range),
+        seeded by the step."""
         g, s = self.cfg.grpo, self.cfg.sampling
         if g.sde_window == 0:
             return self.steps
@@ -87,9 +88,11 @@ class GRPO(Algorithm):
         starts = hi - lo - g.sde_window + 1
         if g.sde_window_mode == "sliding":
             start = lo + (step // g.sde_window_every) % starts
-        else:
-            gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, WINDOW_STREAM))
-            start = lo + int(torch.randint(starts, (1,), generator=gen))
+            return list(range(start, start + g.sde_window))
+        gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, WINDOW_STREAM))
+        if g.sde_window_mode == "scattered":  # any sde_window steps of [lo, hi): UniRL's AllSDEScheduler
+            return sorted(lo + int(i) for i in torch.randperm(hi - lo, generator=gen)[: g.sde_window])
+        start = lo + int(torch.randint(starts, (1,), generator=gen))
         return list(range(start, start + g.sde_window))
 
     def rollout_spec(self, step: int) -> RolloutSpec:

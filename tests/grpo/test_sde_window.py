@@ -47,13 +47,37 @@ def test_training_on_an_sde_window_with_jagg_inside(tmp_path, mode):
         assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # the training pass rescores the window's SDE steps
 
 
+def test_scattered_sde_steps_are_any_of_the_range_drawn_per_step(tmp_path):
+    """grpo.sde_window_mode scattered (UniRL's AllSDEScheduler, its Flow-DPPO recipe: 3 of the first 5 steps): each
+    training step draws its own sde_window steps of [lo, hi) without replacement, consecutive or not, seeded by the
+    step; the rollout is SDE there alone and training rescores exactly those (here under train.algorithm dppo, with
+    one JAGG window over the 3 scattered steps)."""
+    cfg = load_config(TINY, SMALL + [f"run.output_dir={tmp_path}", "train.algorithm=dppo", "grpo.sde_window=3",
+                                     "grpo.sde_window_range=[0, 5]", "grpo.sde_window_mode=scattered",
+                                     "jagg.window=3", "run.checkpoint_every=0"])
+    trainer = Trainer(cfg)
+    try:
+        drawn = [trainer.algorithm.trained_steps_at(step) for step in range(40)]
+        assert drawn == [trainer.algorithm.trained_steps_at(step) for step in range(40)]  # seeded by the step
+        assert all(len(set(d)) == 3 and d == sorted(d) and 0 <= d[0] and d[-1] <= 4 for d in drawn)
+        assert any(d[-1] - d[0] > 2 for d in drawn) and len({tuple(d) for d in drawn}) > 5  # scattered, varied
+        spec = trainer.algorithm.rollout_spec(0)
+        traj = trainer.policy.rollout(trainer.policy.encode(["a", "b"]), torch.arange(2), 0, spec=spec)
+        assert [bool((traj.log_probs[k] != 0).all()) for k in range(8)] == [k in drawn[0] for k in range(8)]
+        m = trainer.train_step(0)
+    finally:
+        trainer.close()
+    assert m["per_step_equiv"] == 3 and m["backward_passes"] == 2 and m["onpolicy_log_ratio"] < 1e-5
+
+
 def test_sde_window_config_errors_name_the_key():
     for override, key in [("grpo.sde_window=9", "grpo.sde_window"),
                           ("grpo.sde_window_range=[6, 7]", "grpo.sde_window_range"),
                           ("grpo.sde_window_mode=shuffle", "grpo.sde_window_mode"),
-                          ("grpo.timestep_fraction=0.5", "grpo.timestep_fraction")]:
+                          ("grpo.timestep_fraction=0.5", "grpo.timestep_fraction"),
+                          ("grpo.sde_window_mode=scattered sampling.ode_steps=3", "sampling.ode_steps")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            load_config(TINY, SMALL + ["grpo.sde_window=2", override])
+            load_config(TINY, SMALL + ["grpo.sde_window=2", *override.split()])
 
 
 def test_the_reference_runs_on_the_trained_steps_only():
