@@ -31,7 +31,7 @@ def _err(*overrides):
     ("model.dtype", "float32, bfloat16, float16"),
     ("model.attention", "sdpa, xformers"),
     ("model.text_encoders", "all, no_t5"),
-    ("grpo.sde_window_mode", "random, sliding"),
+    ("grpo.sde_window_mode", "random, sliding, scattered"),
     ("jagg.mode", "jagg, exact"),
     ("jagg.route_by", "vcos, weighted"),
     ("jagg.intermediate", "auto, cached, interpolate, forward"),
