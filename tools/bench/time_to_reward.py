@@ -35,6 +35,9 @@ The arms:
                        window on its own line, 3 draws per sample instead of 1) and the old policy's and the
                        reference's velocities at the knots only (nft.old_at knots): 6 backwards and 6 + 6 frozen
                        forwards per sample instead of 15 + 15 + 15
+    Flow-DPPO, GCPO, AWM, CFG-free GRPO and their JAGG arms (OBJECTIVES, issue 36): the objectives users pick now,
+                       each per step as its peer runs it and with JAGG (arm_overrides says how each is scaled to
+                       digits); PAIRS reads JAGG's own share of each
 
 Every trainer starts from the same weights and the evaluation is deterministic, so the step-0 held-out reward is
 measured once.
@@ -88,9 +91,22 @@ VARIANTS = {"JAGG-NFT kl 0.01": ("JAGG-NFT", ["nft.kl_beta=0.01"]),
             "NFT kl 1": ("NFT", ["nft.kl_beta=1.0"]),
             "JAGG-NFT W5 lines kl 1": ("JAGG-NFT", ["jagg.window=5", "nft.kl_beta=1.0"] + LINES)}
 # What the peers run (issue 23's comparison): the rest are this stack's (JAGG, or NFT's shared noise)
-PEERS = ("Flow-GRPO", "Fast k2", "per-step in SDE k4 + dpm2", "CPS", "NFT", "NFT kl 0.1", "NFT kl 1")
+PEERS = ("Flow-GRPO", "Fast k2", "per-step in SDE k4 + dpm2", "CPS", "NFT", "NFT kl 0.1", "NFT kl 1", "Flow-DPPO",
+         "GCPO", "AWM", "CFG-free GRPO")
+# The objectives users pick now (issue 36), each per step as its peer runs it and with JAGG where it has room:
+# Flow-DPPO (UniRL / verl-omni: every step SDE, the KL-masked unclipped ratio), GCPO (chunk-level GRPO: GCPO's
+# chunk list scaled to the 15 candidate steps, half the chunks per sample, the chunk = the JAGG window), AWM
+# (Flow-Factory's SD3.5 recipe on digits: 6 discrete timesteps, ghuber 0.25, KL 1e-4 and 1 to the EMA policy) and
+# Flow-GRPO's own CFG-free Fast recipe (configs/sd35m_pickscore_nocfg.yaml: CPS 0.8, a 3-step SDE window starting
+# in steps 0-2, beta 0; on digits every arm samples CFG-free, so it differs from Flow-GRPO by its window and CPS).
+OBJECTIVES = ("Flow-DPPO", "JAGG Flow-DPPO W4", "GCPO", "JAGG GCPO", "AWM", "JAGG-AWM W3 lines",
+              "CFG-free GRPO", "JAGG CFG-free GRPO")
 PAIRS = (  # (JAGG arm, the same recipe per step, max wall-clock ratio to the latter's 95% line)
     ("JAGG in SDE k4 + dpm2", "per-step in SDE k4 + dpm2", 0.75),
+    ("JAGG Flow-DPPO W4", "Flow-DPPO", 0.6),  # issue 36: >= 3 trained steps: >= 0.95x the gain at <= 0.6x the time
+    ("JAGG GCPO", "GCPO", 0.6),
+    ("JAGG-AWM W3 lines", "AWM", 0.6),
+    ("JAGG CFG-free GRPO", "CFG-free GRPO", 0.6),
     ("JAGG-NFT", "NFT", 0.5),
     ("JAGG-NFT W4 lines", "NFT", 0.5),
     ("JAGG-NFT W5 lines", "NFT", 0.5),
@@ -113,6 +129,20 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
     nft = ["train.algorithm=nft", "grpo.kl_beta=0", "sampling.ode_solver=dpm2", "grpo.timestep_fraction=0.99",
            "nft.mix=1.0", "nft.kl_beta=1e-4", "jagg=null", "jagg.mode=exact"]
     K = max(1, int(num_steps * 0.99))
+    exact = ["jagg=null", "jagg.mode=exact"]
+    # GCPO's published chunk list [2, 3, 4, 7] covers 16 candidate steps; over num_steps - 1 = 15 its last chunk is 6
+    C = num_steps - 1
+    chunks = [2, 3, 4, C - 9] if C >= 10 else [C // 2, C - C // 2]
+    # GCPO trains without a KL term (its kl_coeff 0; config.py refuses grpo.kl_beta under gcpo)
+    gcpo = ["train.algorithm=gcpo", f"gcpo.chunks=[{', '.join(map(str, chunks))}]", "grpo.kl_beta=null"]
+    # Flow-Factory examples/awm/lora/sd3_5/default.yaml: 6 discrete_wo_init timesteps in [0, 0.9], ghuber 0.25,
+    # kl 1e-4, EMA-KL 1 with the EMA at decay 0.3 on a linear schedule (its warm-up of 1000 steps scaled to the study)
+    awm = ["train.algorithm=awm", "grpo.kl_beta=0", "sampling.ode_solver=dpm2", "awm.num_train_timesteps=6",
+           "awm.time_sampling=discrete_wo_init", "awm.weighting=ghuber", "awm.ghuber_power=0.25", "awm.kl_beta=1e-4",
+           "awm.ema_kl_beta=1.0", "awm.ema_decay=0.3", "awm.ema_schedule=linear", "awm.ema_update_interval=1",
+           "awm.ema_warmup_steps=16"]
+    nocfg = ["sampling.sde=cps", "sampling.noise_level=0.8", "grpo.sde_window=3", "grpo.sde_window_range=[0, 5]",
+             "grpo.kl_beta=0"]
     return {
         "Flow-GRPO": ["jagg=null", "jagg.mode=exact"],
         "JAGG W4": ["jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"],
@@ -126,6 +156,15 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
         "NFT": nft,
         "NFT shared noise": nft + ["nft.noise=per_sample"],
         "JAGG-NFT": nft[:-1] + ["jagg.mode=jagg", f"jagg.window={K}", "nft.noise=per_sample"],
+        "Flow-DPPO": ["train.algorithm=dppo"] + exact,
+        "JAGG Flow-DPPO W4": ["train.algorithm=dppo", "jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"],
+        "GCPO": gcpo + exact,
+        "JAGG GCPO": gcpo + ["jagg.mode=jagg", f"jagg.window={max(chunks)}", "jagg.jagg_frac=1.0"],
+        "AWM": awm + exact,
+        "JAGG-AWM W3 lines": awm + ["jagg.mode=jagg", "jagg.window=3", "jagg.jagg_frac=1.0", "awm.noise=per_window",
+                                    "awm.frozen_at=knots"],
+        "CFG-free GRPO": nocfg + exact,
+        "JAGG CFG-free GRPO": nocfg + ["jagg.mode=jagg", "jagg.window=3", "jagg.jagg_frac=1.0"],
     }[arm]
 
 
@@ -153,9 +192,9 @@ def parse_settings(settings: dict[str, str]) -> dict:
     if bad:
         raise SystemExit(f"time_to_reward: unknown --set keys {bad}; known: {sorted(known)}")
     out = {k: known[k](v) for k, v in settings.items()}
-    unknown = [a for a in out.get("arms", []) if a not in ARMS and a not in VARIANTS]
+    unknown = [a for a in out.get("arms", []) if a not in ARMS and a not in VARIANTS and a not in OBJECTIVES]
     if unknown:
-        raise SystemExit(f"time_to_reward: unknown arms {unknown}; known: {[*ARMS, *VARIANTS]}")
+        raise SystemExit(f"time_to_reward: unknown arms {unknown}; known: {[*ARMS, *VARIANTS, *OBJECTIVES]}")
     return out
 
 
