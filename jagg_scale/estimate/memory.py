@@ -254,12 +254,15 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     steps_per_rollout = (R // B) * cfg.grpo.inner_epochs
     off_policy_cfg = cfgg and steps_per_rollout > 1  # GRPO: the uncond of later minibatches is recomputed
     mb = B * row + B * cond * (1 + off_policy_cfg)  # step_batch and index_cond copies; micro-batches are views
-    if cfg.grpo.step_selection != "first":  # grpo/steps.py positioned: 2K latents, sigmas and 2K-spaced per-step values
+    gcpo = cfg.train.algorithm == "gcpo"
+    if cfg.grpo.step_selection != "first" or gcpo:  # grpo/steps.py positioned: 2K latents, sigmas, 2K-spaced values
         mb += B * (4 * lat * 2 * cfg.trained_per_sample * (2 + cfgg + ref) + 4 * 4 * cfg.trained_per_sample)
     if nft:  # train/nft.py: per minibatch the clean latents, and per timestep x_t, the noise, v_old (and v_ref)
         K = len(trained_steps(S, cfg.grpo.timestep_fraction))
         mb = B * cond + B * lat * 4 * (1 + K * (3 + ref))
-    mb += m * S * lat * 4 if off_policy_cfg else 0  # Policy.fresh_uncond's clone, per micro-batch
+    mb += m * S * lat * 4 if off_policy_cfg and not gcpo else 0  # Policy.fresh_uncond's clone, per micro-batch
+    if gcpo and steps_per_rollout > 1:  # train/gcpo.py _current: the fresh velocities (and uncond) of every position
+        mb += B * 4 * lat * 2 * cfg.trained_per_sample * (1 + cfgg)
     rows = planner.knots_per_pass * m
     pass_in = rows * (4 * 4 * lat + cond)  # stacked latents, v, G and its parts (float32), repeated conditioning
     mode = "ckpt" if ckpt else "grad"
@@ -267,7 +270,8 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     reduce_buf = tact(mode, rows, reduce) - activ if shard else 0.0
     trained = cfg.trained_per_sample
     interior = planner.max_interior(trained)
-    forward_mode = cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto" and steps_per_rollout > 1)
+    forward_mode = not gcpo and (cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto"
+                                                                        and steps_per_rollout > 1))
     if interior and forward_mode:  # no-grad forwards of a segment's interior steps (jagg/backward.py)
         saved = sum(ev(act["fits"][k][f"keep_{mode}"], rows, n_img, T) for k in act["types"]) \
             + ev(act["fits"][f"root_{mode}"], rows, n_img, T)  # the pass's graph, alive while the interior runs

@@ -173,6 +173,8 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     sde_window = cfg.grpo.sde_window
     forwards = (sde_window + smp.ode_steps) if sde_window and smp.ode_steps else S
     trained = cfg.trained_per_sample
+    if cfg.train.algorithm == "gcpo" and cfg_rows_with_grad:  # GCPO's own step: a chunk's real steps, no slot pads
+        trained = round(cfg.gcpo.expected_steps(smp.num_steps))
     planner = cfg.jagg.make_planner()
     plan = planner.plan(torch.randn(trained, 2, 4), torch.linspace(1, 0, trained + 1),
                         grad_norms=lambda: torch.ones(trained)).plan
@@ -189,6 +191,10 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     if nft:  # the old policy's and the reference's forwards at every timestep (or the knots), then the plan's
         frozen = (1 + cfg.uses_reference) * (knots if cfg.nft.old_at == "knots" else trained)
         nograd_passes = frozen + (interior if cfg.jagg.intermediate == "forward" else 0)
+    elif cfg.train.algorithm == "gcpo":  # train/gcpo.py: after the first minibatch every position's velocity (and
+        # CFG's unconditional one) at the current weights, for the chunk factors; GCPO's own step (the peer, CFG rows
+        # with grad) takes a chunk's log-probabilities from its with-grad pass instead
+        nograd_passes = 0 if cfg_rows_with_grad else (minibatches - 1) / minibatches * trained * cfgg
     else:
         forward_mode = cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto" and minibatches > 1)
         nograd_passes = interior if forward_mode else 0
@@ -234,7 +240,8 @@ def flow_grpo_overrides(cfg) -> list[str]:
     commit ac4c86e: lines 118 sample.train_batch_size 9, 124 train.batch_size = it, 127 train.timestep_fraction
     0.99)."""
     return ["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps", "sampling.chunk_size=9", "train.micro_batch_size=9",
-            "grpo.timestep_fraction=0.99",
+            *([] if cfg is not None and cfg.train.algorithm == "gcpo" else ["grpo.timestep_fraction=0.99"]),  # gcpo:
+            # its own chunks (GCPO's own step is its peer)
             "parallel.activation_checkpointing=false", "grpo.sde_window=0", "sampling.ode_steps=0",
             "sampling.ode_solver=euler", "grpo.sde_window_range=null", "grpo.sde_window_mode=null",
             "grpo.sde_window_every=null"]

@@ -50,6 +50,12 @@ class GCPOConfig(Section):
         """The chunks' sizes for a schedule of `num_steps` sampling steps (C = num_steps - 1 candidates)."""
         return chunk_sizes(self.chunks, self.chunk_size, max(1, num_steps - 1))
 
+    def expected_steps(self, num_steps: int) -> float:
+        """The real steps a sample trains, in expectation over its uniform draw of chunks (pads not counted):
+        n_train x the mean chunk size. GCPO's own step backpropagates these (the estimator prices it so)."""
+        sizes = self.layout(num_steps)
+        return trained_chunks(len(sizes), self.chunk_fraction) * sum(sizes) / len(sizes)
+
     def check(self, prefix: str) -> None:
         require(all(c >= 1 for c in self.chunks), f"{prefix}.chunks", f"must hold sizes >= 1, got {list(self.chunks)}")
         require(self.chunk_size >= 1, f"{prefix}.chunk_size", f"must be >= 1, got {self.chunk_size}")

@@ -36,7 +36,7 @@ def load(path, overrides=()):
 PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps", "sd35m_nft_pickscore",
               "qwenimage_hps", "sd35l_pickscore", "flux2_klein_pickscore", "zimage_pickscore",
               "flux1_kontext_pickscore", "qwenimage_edit_pickscore", "flux1_dev_1024_hps", "wan21_t2v_14b_hps",
-              "sd35m_pickscore_nocfg", "sd35m_geneval_nocfg"]
+              "sd35m_pickscore_nocfg", "sd35m_geneval_nocfg", "sd35m_gcpo_pickscore"]
 WORLD = {"wan21_t2v_14b_hps": 32}  # the GPUs each config is shipped for (its header); 8 unless named
 GPU_80GB = 79.2  # GiB torch reports for an 80 GB H100 / A100
 HEADROOM = 0.10

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SD35 = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "sd35l_pickscore"]
 ALL = SD35 + ["flux1_dev_hps"]
 NOCFG = ["sd35m_pickscore_nocfg", "sd35m_geneval_nocfg"]  # Flow-GRPO-Fast's CFG-free recipes (below)
+GCPO = ["sd35m_gcpo_pickscore"]  # GCPO's chunk-level recipe (below)
 
 
 def _paths(name, pipe_dir, tmp_path):
@@ -44,7 +45,7 @@ def pipe_dirs(sd3_dir, flux_dir):
     return {"sd3": sd3_dir, "flux": flux_dir}
 
 
-@pytest.mark.parametrize("name", ALL + NOCFG)
+@pytest.mark.parametrize("name", ALL + NOCFG + GCPO)
 def test_a_missing_model_directory_fails_early_naming_the_key(name):
     with pytest.raises(ConfigError, match="model.pretrained|data.prompt_file"):
         load_config(ROOT / "configs" / f"{name}.yaml")
@@ -152,7 +153,7 @@ def _torchrun_env(monkeypatch, world: int, local: int = 8) -> None:
         monkeypatch.setenv(k, str(v))
 
 
-@pytest.mark.parametrize("name", ALL + NOCFG)
+@pytest.mark.parametrize("name", ALL + NOCFG + GCPO)
 @pytest.mark.parametrize("nodes", [1, 4])
 def test_validates_as_shipped_under_torchrun(name, nodes, tmp_path, monkeypatch):
     """Each production config runs under torchrun with no parallel override: FSDP2 with activation checkpointing,
@@ -401,3 +402,63 @@ def test_the_nocfg_recipes_train_a_step_on_the_tiny_pipeline(name, sd3_dir, tmp_
         assert row["sde_window_start"] == window[0]
         assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
         assert (out / "run" / "lora" / "pytorch_lora_weights.safetensors").exists()
+
+
+# GCPO's published PickScore recipe (xingzhejun/GCPO ea6cc4d scripts/finetune/finetune_pickscore_chunk.sh), the values
+# configs/sd35m_gcpo_pickscore.yaml takes from it, with their lines; the last three are train_grpo_flux_pickscore.py's
+# defaults the script leaves alone (--kl_coeff 0, --use_global_std and --use_ema off)
+GCPO_PICKSCORE = dict(
+    sampling_steps=17, new_chunk_list=[2, 3, 4, 7], timestep_fraction=0.5,  # :26, :44-46, :36
+    clip_range=5e-5, right_clip_range=5e-5, adv_clip_max=5.0, eta=0.7,  # :39, :42, :40, :27
+    num_generations=12, train_batch_size=2, gpus=8, gradient_accumulation_steps=12,  # :33, :11, :5, :16
+    max_train_steps=151, checkpointing_steps=30, init_same_noise=True,  # :17, :20, :38
+    kl_coeff=0.0, use_global_std=False, use_ema=False)
+
+
+def test_the_gcpo_recipe_is_gcpos_value_for_value(sd3_dir, tmp_path):
+    """Each value of GCPO's recipe against the config as the trainer reads it, and what the trainer makes of it: the
+    chunks over 16 of 17 steps, 2 per sample in slots of 7, one JAGG window per slot, two optimizer steps a rollout of
+    12 rows per rank (GCPO's accumulation)."""
+    from jagg_scale.gcpo import trained_chunks
+    from jagg_scale.jagg import WindowPlanner
+    from jagg_scale.train.rows import StepRows
+
+    p = GCPO_PICKSCORE
+    cfg = load_config(ROOT / "configs" / "sd35m_gcpo_pickscore.yaml", _paths("gcpo", sd3_dir, tmp_path))
+    s, g, t, gc = cfg.sampling, cfg.grpo, cfg.train, cfg.gcpo
+    assert t.algorithm == "gcpo" and s.num_steps == p["sampling_steps"] and s.sde == "flow_grpo"
+    assert gc.layout(s.num_steps) == p["new_chunk_list"] and sum(p["new_chunk_list"]) == p["sampling_steps"] - 1
+    assert trained_chunks(len(p["new_chunk_list"]), gc.chunk_fraction) == int(4 * p["timestep_fraction"]) == 2
+    assert g.clip_range == p["clip_range"] == p["right_clip_range"] and g.adv_clip_max == p["adv_clip_max"]
+    assert s.noise_level == p["eta"] and s.same_initial_noise == p["init_same_noise"]
+    assert g.group_size == p["num_generations"] and t.prompts_per_step == p["train_batch_size"] * p["gpus"]
+    assert t.minibatch_size == p["gradient_accumulation_steps"] * p["gpus"]
+    assert (t.steps, cfg.run.checkpoint_every) == (p["max_train_steps"], p["checkpointing_steps"])
+    assert g.kl_beta == p["kl_coeff"] and not cfg.uses_reference and g.global_std == p["use_global_std"]
+    assert (t.ema_decay > 0) == p["use_ema"]
+    rows = StepRows.draw(t.prompts_per_step * g.group_size, t.minibatch_size, cfg.run.seed, 0, 0, p["gpus"])
+    assert rows.num_minibatches == 2
+    planner = cfg.jagg.make_planner()
+    K = cfg.trained_per_sample
+    plan = planner.plan(torch.randn(K, 2, 4), torch.linspace(1.0, 0.1, K), grad_norms=lambda: [1.0] * K)
+    assert isinstance(planner, WindowPlanner) and K == 14
+    assert plan.windows == [list(range(7)), list(range(7, 14))] and plan.jagg_windows == 2
+
+
+@pytest.mark.slow
+def test_the_gcpo_recipe_trains_a_step_on_the_tiny_pipeline(sd3_dir, tmp_path):
+    """configs/sd35m_gcpo_pickscore.yaml end to end on the tiny SD3 pipeline, sizes shrunk: 17-step SDE rollouts with
+    CFG, each row's 2 chunks as 2 joint passes, the second minibatch's factors from fresh forwards of both CFG
+    branches at its 14 positions, LoRA exported."""
+    shrink = ["model.resolution=null", "grpo.group_size=4", "train.prompts_per_step=2", "train.minibatch_size=4",
+              "train.micro_batch_size=2", "train.steps=1", "eval.enabled=false", "log.wandb=false",
+              "log.progress=false", "reward.name=jpeg_compressibility", "reward.options={}", "run.resume=none"]
+    trainer = Trainer(load_config(ROOT / "configs" / "sd35m_gcpo_pickscore.yaml",
+                                  _paths("gcpo", sd3_dir, tmp_path) + shrink))
+    try:
+        (row,) = trainer.fit()
+    finally:
+        trainer.close()
+    assert row["optimizer_steps"] == 2 and row["backward_passes"] == 2 * 2 * 2 and row["per_step_equiv"] == 14 * 2
+    assert row["nograd_forward_passes"] == 14 * 2 and row["onpolicy_log_ratio"] < 1e-3
+    assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").exists()
