@@ -1,5 +1,6 @@
-"""The production configs (SD3.5-medium / -large with PickScore / GenEval / OCR, FLUX.1-dev with HPS, Qwen-Image, and
-Flow-Factory's FLUX.2 [klein], Z-Image and FLUX.1-Kontext recipes).
+"""The production configs (SD3.5-medium / -large with PickScore / GenEval / OCR, FLUX.1-dev with HPS, Qwen-Image,
+Flow-Factory's FLUX.2 [klein], Z-Image and FLUX.1-Kontext recipes, UniRL's Flow-DPPO recipe: its own tests in
+tests/dppo/test_dppo_recipe.py).
 
 Their weights cannot live on a CI machine, so each config is checked in two ways: (1) it validates once model and
 prompt paths point at something real, and what its header says it does is what the code makes of it (the planner's
@@ -45,7 +46,7 @@ def pipe_dirs(sd3_dir, flux_dir):
     return {"sd3": sd3_dir, "flux": flux_dir}
 
 
-@pytest.mark.parametrize("name", ALL + NOCFG + GCPO)
+@pytest.mark.parametrize("name", ALL + NOCFG + GCPO + ["sd35m_dppo_pickscore"])
 def test_a_missing_model_directory_fails_early_naming_the_key(name):
     with pytest.raises(ConfigError, match="model.pretrained|data.prompt_file"):
         load_config(ROOT / "configs" / f"{name}.yaml")
