@@ -194,7 +194,9 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     elif cfg.train.algorithm == "gcpo":  # train/gcpo.py: after the first minibatch every position's velocity (and
         # CFG's unconditional one) at the current weights, for the chunk factors; GCPO's own step (the peer, CFG rows
         # with grad) takes a chunk's log-probabilities from its with-grad pass instead
-        nograd_passes = 0 if cfg_rows_with_grad else (minibatches - 1) / minibatches * trained * cfgg
+        # (each row's real chunk steps: n_train x the mean chunk size in expectation, the slots' pads skipped)
+        nograd_passes = 0 if cfg_rows_with_grad else ((minibatches - 1) / minibatches
+                                                      * cfg.gcpo.expected_steps(smp.num_steps) * cfgg)
     else:
         forward_mode = cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto" and minibatches > 1)
         nograd_passes = interior if forward_mode else 0

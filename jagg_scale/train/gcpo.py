@@ -15,8 +15,9 @@ loss.
 
 The factors need every chunk step's log-probability at the current weights before the first backward. While no
 optimizer step has moved the weights (a step's first minibatch) they come from the rollout's own velocities, at no
-cost: exact. After one, every trained position gets one fresh no-grad forward of its rows (and, under CFG, one of the
-unconditional branch), before the minibatch is planned; the batch's velocities are then the current weights', so the
+cost: exact. After one, every real chunk step of every row gets one fresh no-grad forward (and, under CFG, one of the
+unconditional branch; the (position, row) pairs packed into calls of train.micro_batch_size rows, the pads skipped),
+before the minibatch is planned; the batch's velocities are then the current weights', so the
 JAGG windows' interior values (jagg.intermediate, `cached` on that batch) are exact as well: the only approximation
 left is the window's Jacobian interpolation. The first minibatch's log-ratio (the knots' fresh forwards against the
 rollout) is the on-policy invariant's value, as in GRPO.
@@ -35,7 +36,6 @@ from ..grpo.loss import StepBatch
 from ..grpo.rollout import to_device
 from ..grpo.steps import positioned
 from .algorithm import RolloutSpec
-from .runner import micro_batches
 from .update import GRPO, step_minibatch
 
 __all__ = ["GCPO"]
@@ -71,33 +71,54 @@ class GCPO(GRPO):
                                 denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
                                 guidance=guidance, guidance_rule=self.policy.guidance_rule, sde=cfg.sampling.sde)
             drawn = draw_chunks(len(self.sizes), self.n_train, cfg.run.seed, step, rows.mine[local], epoch)
-            layout, real = slot_layout(self.sizes, drawn)
+            layout, real = slot_layout(self.sizes, drawn)  # host tensors [n P, B]
             batch, positions = positioned(traj.step_batch(to_device(local, device), adv_values, adv_mask), layout)
             batch = ChunkBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(StepBatch)},
                                real=to_device(real.repeat_interleave(2, 0), device), slots=self.n_train)
             mb_cond = index_cond(cond, local)
-            if not on_policy:  # the rollout's velocities are stale: the current weights' at every position
-                batch = self._current(batch, positions, mb_cond, None if uncond is None else index_cond(uncond, local))
+            passes = 0
+            if not on_policy:  # the rollout's velocities are stale: the current weights' at every real step
+                batch = self._current(batch, positions, real, mb_cond,
+                                      None if uncond is None else index_cond(uncond, local))
+                passes = -(-int(real.sum()) // real.shape[1]) * (1 + (uncond is not None))  # in B-row passes
             mb = step_minibatch(loss.prepared(batch), mb_cond, loss, positions, intermediate="cached",
                                 on_policy=on_policy)
-            passes = 0 if on_policy else len(positions) * (1 + (uncond is not None))
             return dataclasses.replace(mb, nograd_forward_passes=passes)
 
         return minibatch
 
+    def _agreed(self, calls: int) -> int:
+        """The most forward calls any rank needs: every rank makes that many (a sharded model's gathers must
+        match)."""
+        if not self.dist.active:
+            return calls
+        t = torch.tensor([[float(calls)]], dtype=torch.float64, device=self.dist.device)
+        with self.engine.comm.phase("control"):  # bookkeeping, as the runner's plan statistics
+            return int(self.dist.all_gather_tensor(t).max())
+
     @torch.no_grad()
-    def _current(self, batch: ChunkBatch, positions: list[int], cond, uncond) -> ChunkBatch:
-        """The batch's velocities (and CFG's unconditional ones) at the current weights: one no-grad forward per
-        position, train.micro_batch_size rows at a time (the rows of a with-grad pass at most)."""
+    def _current(self, batch: ChunkBatch, positions: list[int], real: torch.Tensor, cond, uncond) -> ChunkBatch:
+        """The batch's velocities (and CFG's unconditional ones) at the current weights at every real step (a pad's
+        term weighs 0: its value is not read): the (position, row) pairs packed into calls of at most
+        train.micro_batch_size rows (the rows of a with-grad pass at most), as many calls on every rank."""
+        B = batch.latents.shape[1]
+        q, b = real.nonzero(as_tuple=True)  # host: [K, B] of the slot layout
+        m = self.cfg.train.micro_batch_size or B
+        calls = self._agreed(-(-len(q) // m))
+        per_call = -(-len(q) // calls)
         fn = self.policy.model_fn()
         velocities = batch.velocities.clone()
         unc = None if uncond is None else batch.uncond_velocities.clone()
-        for rows in micro_batches(batch.latents.shape[1], self.cfg.train.micro_batch_size):
-            c = index_cond(cond, rows)
-            u = None if uncond is None else index_cond(uncond, rows)
-            for k in positions:
-                x, s = batch.latents[k, rows], batch.sigmas[k, rows]
-                velocities[k, rows] = fn(x, s, c).float()
+        k_of = torch.tensor(positions)[q]
+        for i in range(calls):
+            part = slice(i * per_call, (i + 1) * per_call)
+            ks, rows = (k_of[part], b[part]) if len(b[part]) else (k_of[:1], b[:1])  # a rank with fewer: a dummy
+            kd, rd = ks.to(batch.latents.device), rows.to(batch.latents.device)
+            x, s = batch.latents[kd, rd], batch.sigmas[kd, rd]
+            v = fn(x, s, index_cond(cond, rows)).float()
+            u = None if unc is None else fn(x, s, index_cond(uncond, rows)).float()
+            if len(b[part]):
+                velocities[kd, rd] = v
                 if unc is not None:
-                    unc[k, rows] = fn(x, s, u).float()
+                    unc[kd, rd] = u
         return dataclasses.replace(batch, velocities=velocities, uncond_velocities=unc)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from jagg_scale.cond import index_cond
 from jagg_scale.train import ConfigError, Trainer, load_config
 from jagg_scale.train.logging import read_metrics
 
@@ -34,8 +35,9 @@ def test_gcpo_trains_with_exact_chunk_windows_and_resumes_exactly(tmp_path):
         assert r["optimizer_steps"] == 2 and r["per_step_equiv"] == 4 * 2 and r["backward_passes"] == 4 * 2
         assert r["probe_cos"] == pytest.approx(1.0, abs=1e-5)  # windows of <= 2 steps: JAGG is the exact gradient
         assert r["onpolicy_log_ratio"] < 1e-5  # the first minibatch's knots reproduce the rollout's log-probs
-        # the second minibatch's factors: one fresh no-grad forward per position (4) after the first optimizer step
-        assert r["nograd_forward_passes"] == 4
+        # the second minibatch's factors: a fresh no-grad forward of each row's real chunk steps (3 or 4 of its 4
+        # positions: a lone step's slot ends in a phantom knot) after the first optimizer step, in B-row passes
+        assert 3 <= r["nograd_forward_passes"] <= 4
         assert 0 < r["chunk_ratio_mean"] and r["chunk_ratio_min"] <= 1 <= r["chunk_ratio_max"]
         assert 0 <= r["chunk_clipfrac"] <= 0.5
     assert any(r["chunk_clipfrac"] > 0 for r in rows) or any(r["chunk_ratio_max"] > 1 for r in rows)
@@ -61,6 +63,45 @@ def test_a_window_of_a_longer_chunk_approximates_and_the_exact_plan_does_not(tmp
     assert exact[0]["backward_passes"] == 3 and exact[0]["reward_mean"] == rows[0]["reward_mean"]
 
 
+def test_off_policy_factors_come_from_the_current_weights_at_every_real_step(tmp_path):
+    """After an optimizer step a minibatch's velocities are the current model's at every real chunk step (packed into
+    calls of train.micro_batch_size rows), and its factors GCPO's at those: the log-ratios the per-step plan would
+    meet. Pads keep the rollout's values (their terms weigh 0)."""
+    from jagg_scale.gcpo import chunk_factor
+    from jagg_scale.grpo.advantages import Advantages
+    from jagg_scale.train.rows import StepRows
+
+    t = Trainer(load_config(TINY, GCPO + ["train.micro_batch_size=2", f"run.output_dir={tmp_path}"]))
+    try:
+        unit, N = t.algorithm, 6
+        rows = StepRows.draw(N, 3, 0, 0, 0, 1)
+        cond = index_cond(t.policy.encode(["a red apple"] * 3 + ["a blue sky"] * 3), rows.mine)  # the rank's order
+        traj = t.policy.rollout(cond, rows.mine, 0, spec=unit.rollout_spec(0))
+        with torch.no_grad():  # the weights move away from the rollout's
+            for p in t.engine.params:
+                p.add_(0.05 * torch.randn_like(p))
+        adv = Advantages(values=torch.tensor([1.0, -1.0, 0.5, 2.0, -2.0, 0.1]), mask=torch.ones(N, dtype=torch.bool),
+                         zero_std_groups=0, num_groups=2)
+        local, global_rows = rows.minibatches(0, 0, 0)[1]
+        mb = unit._minibatches(traj, cond, None, adv, rows, 0, unit.steps, 1.0)(
+            0, local, global_rows, False)
+        b, fn = mb.batch, t.policy.model_fn()
+        real = b.real[0::2]
+        with torch.no_grad():
+            for q, k in enumerate(mb.positions):
+                want = fn(b.latents[k], b.sigmas[k], index_cond(cond, local)).float()
+                assert torch.allclose(b.velocities[k][real[q]], want[real[q]], atol=1e-5)
+            lp = torch.stack([mb.loss.transition(b, k, b.velocities[k]).log_prob for k in mb.positions])
+        m = ((lp - b.log_probs[0::2]) * real).reshape(2, 2, 3).sum(1) / real.reshape(2, 2, 3).sum(1)
+        _, f = chunk_factor(m, b.advantages, 0.02)
+        assert m.abs().max() > 1e-3 and mb.nograd_forward_passes == -(-int(real.sum()) // 3)
+        got = b.factor[0::2].reshape(2, 2, 3)  # F_k = f_c / (n_c n denominator) at a chunk's real steps
+        n_c = real.reshape(2, 2, 3).sum(1)
+        assert torch.allclose(got[:, 0], f / (n_c * 2 * 3), atol=1e-7)
+    finally:
+        t.close()
+
+
 @pytest.mark.slow
 def test_gcpo_with_lora_and_cfg_refreshes_both_branches_after_an_update(sd3_dir, tmp_path):
     cfg = load_config(ROOT / "configs" / "sd3_tiny_cpu.yaml", [
@@ -71,8 +112,8 @@ def test_gcpo_with_lora_and_cfg_refreshes_both_branches_after_an_update(sd3_dir,
     trainer = Trainer(cfg)
     rows = trainer.fit()
     # 3 candidates in chunks [2, 1], both trained: 2 slots of 2; the second minibatch refreshes the conditional and
-    # the unconditional prediction at each of its 4 positions
-    assert rows[0]["optimizer_steps"] == 2 and rows[0]["nograd_forward_passes"] == 4 * 2
+    # the unconditional prediction at each row's 3 real steps (the lone step's phantom knot is not one)
+    assert rows[0]["optimizer_steps"] == 2 and rows[0]["nograd_forward_passes"] == 3 * 2
     assert rows[0]["onpolicy_log_ratio"] < 1e-3 and torch.isfinite(torch.tensor(rows[0]["loss"]))
     trainer.close()
 

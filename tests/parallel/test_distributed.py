@@ -458,8 +458,8 @@ def test_gcpo_two_processes_match_one_process(tmp_path, engine="fsdp2"):
         for key in ("loss", "chunk_ratio_mean"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-3, abs=1e-7), key
         assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-2)
-        assert ra["backward_passes"] == rb["backward_passes"] and ra["nograd_forward_passes"] == rb[
-            "nograd_forward_passes"] > 0
+        assert ra["backward_passes"] == rb["backward_passes"]
+        assert ra["nograd_forward_passes"] > 0 and rb["nograd_forward_passes"] > 0  # a rank counts its own rows
 
 
 def test_dppo_on_two_fsdp2_ranks_matches_one_deepspeed_process(tmp_path):

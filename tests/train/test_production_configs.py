@@ -450,7 +450,7 @@ def test_the_gcpo_recipe_is_gcpos_value_for_value(sd3_dir, tmp_path):
 def test_the_gcpo_recipe_trains_a_step_on_the_tiny_pipeline(sd3_dir, tmp_path):
     """configs/sd35m_gcpo_pickscore.yaml end to end on the tiny SD3 pipeline, sizes shrunk: 17-step SDE rollouts with
     CFG, each row's 2 chunks as 2 joint passes, the second minibatch's factors from fresh forwards of both CFG
-    branches at its 14 positions, LoRA exported."""
+    branches at its rows' real chunk steps (5 to 11 of their 14 positions), LoRA exported."""
     shrink = ["model.resolution=null", "grpo.group_size=4", "train.prompts_per_step=2", "train.minibatch_size=4",
               "train.micro_batch_size=2", "train.steps=1", "eval.enabled=false", "log.wandb=false",
               "log.progress=false", "reward.name=jpeg_compressibility", "reward.options={}", "run.resume=none"]
@@ -461,5 +461,5 @@ def test_the_gcpo_recipe_trains_a_step_on_the_tiny_pipeline(sd3_dir, tmp_path):
     finally:
         trainer.close()
     assert row["optimizer_steps"] == 2 and row["backward_passes"] == 2 * 2 * 2 and row["per_step_equiv"] == 14 * 2
-    assert row["nograd_forward_passes"] == 14 * 2 and row["onpolicy_log_ratio"] < 1e-3
+    assert 5 * 2 <= row["nograd_forward_passes"] <= 11 * 2 and row["onpolicy_log_ratio"] < 1e-3
     assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").exists()
