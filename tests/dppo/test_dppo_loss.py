@@ -68,10 +68,11 @@ def _unirl_step(x, v, x_next, s, s_next, eta, sigma_max):
     return mean, lp.mean(dim=tuple(range(1, lp.ndim)))
 
 
-def _unirl_loss(latents, v_new, v_old, sigmas, adv, eta, threshold, steps, clamp_at_one=True):
+def _unirl_loss(latents, v_new, v_old, sigmas, adv, eta, threshold, steps, clamp_at_one=True, add_kl_coefficient=True):
     """UniRL's compute_loss_and_backward (:297-319) over `steps`: old log-probs from the rollout, old means replayed
-    at the rollout's weights, sigma_t from _compute_sigma_t (:356-368; clamp_at_one false: the transition's own std,
-    verl-omni's std_dev_t * sqrt_dt), loss = mean over [B, S']. Returns (loss, kl [B, S'])."""
+    at the rollout's weights, sigma_t from _compute_sigma_t (:353-368: ones without add_kl_coefficient; clamp_at_one
+    false: the transition's own std, verl-omni's std_dev_t * sqrt_dt), loss = mean over [B, S']. Returns
+    (loss, kl [B, S'])."""
     sigma_max = sigmas[1]
     new_lp, old_lp, new_means, old_means, sig = [], [], [], [], []
     for k in steps:
@@ -83,7 +84,7 @@ def _unirl_loss(latents, v_new, v_old, sigmas, adv, eta, threshold, steps, clamp
         sig.append(torch.sqrt(s / denom) * eta * torch.sqrt(s - s_next))
     new_logp, old_logp = torch.stack(new_lp, 1), torch.stack(old_lp, 1)  # [B, S']
     new_m, old_m = torch.stack(new_means, 1), torch.stack(old_means, 1)  # [B, S', C, H, W]
-    sigma_t = torch.stack(sig).reshape(1, -1, 1, 1, 1)
+    sigma_t = torch.stack(sig).reshape(1, -1, 1, 1, 1) if add_kl_coefficient else torch.ones(1, len(steps), 1, 1, 1)
     ratio = torch.exp(new_logp - old_logp)
     a = adv.reshape(-1, 1).expand_as(new_logp)
     kl = ((new_m - old_m) ** 2 / (2 * sigma_t**2)).mean(dim=tuple(range(2, new_m.ndim)))  # :92-93
@@ -112,23 +113,25 @@ def _rollout(B=8, T=3, seed=0):
     return batch, v_new
 
 
-def _ours(batch, v_new, steps, threshold):
+def _ours(batch, v_new, steps, threshold, add_kl_coefficient=True):
     """The loss and its gradient in v over `steps`, as the update sums it (scale 1 / K)."""
-    loss = DPPOStepLoss(noise_level=0.7, kl_mask_threshold=threshold, scale=1 / len(steps))
+    loss = DPPOStepLoss(noise_level=0.7, kl_mask_threshold=threshold, scale=1 / len(steps),
+                        add_kl_coefficient=add_kl_coefficient)
     v = v_new.clone().requires_grad_(True)
     total = sum(loss(batch, k, v[k]) for k in steps)
     (grad,) = torch.autograd.grad(total, v)
     return total.detach(), grad, loss
 
 
-@pytest.mark.parametrize("threshold", [1e-5, 1e-3])
-def test_the_loss_and_its_gradient_are_unirls_away_from_pure_noise(threshold):
+@pytest.mark.parametrize("threshold,add_kl_coefficient", [(1e-5, True), (1e-3, True), (1e-4, False)])
+def test_the_loss_and_its_gradient_are_unirls_away_from_pure_noise(threshold, add_kl_coefficient):
     """Steps 1 and 2 (s < 0.99): UniRL's loss and its gradient in the current velocities, with rows dropped and
-    kept among them."""
+    kept among them, the KL divided by the transition's variance or (add_kl_coefficient false) by 1."""
     batch, v_new = _rollout()
-    ours, grad, loss = _ours(batch, v_new, [1, 2], threshold)
+    ours, grad, loss = _ours(batch, v_new, [1, 2], threshold, add_kl_coefficient)
     v = v_new.clone().requires_grad_(True)
-    ref, kl = _unirl_loss(batch.latents, v, batch.velocities, batch.sigmas, batch.advantages, 0.7, threshold, [1, 2])
+    ref, kl = _unirl_loss(batch.latents, v, batch.velocities, batch.sigmas, batch.advantages, 0.7, threshold, [1, 2],
+                          add_kl_coefficient=add_kl_coefficient)
     (ref_grad,) = torch.autograd.grad(ref, v)
     torch.testing.assert_close(ours, ref.detach(), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-8)
