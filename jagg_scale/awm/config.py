@@ -114,5 +114,8 @@ class AWMConfig(Section):
         if not self.uses_ema:
             refuse_set(self, prefix, ("ema_decay", "ema_update_interval", "ema_schedule", "ema_warmup_steps"),
                          f"no EMA policy is read ({prefix}.ema_kl_beta 0 and {prefix}.off_policy false)")
-        elif self.ema_schedule == "constant":
+        if not self.uses_ema and self.kl_beta == 0:
+            refuse_set(self, prefix, ("frozen_at",), f"no frozen model runs ({prefix}.ema_kl_beta, {prefix}.kl_beta 0 "
+                       f"and {prefix}.off_policy false)")
+        if self.uses_ema and self.ema_schedule == "constant":
             refuse_set(self, prefix, ("ema_warmup_steps",), f"{prefix}.ema_schedule constant has no warm-up")

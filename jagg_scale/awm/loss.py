@@ -19,7 +19,7 @@ minibatch, whose optimizer step comes only after it (awm.py:552-559), so lp_old 
 and the gradient is -A dlp/dv: advantage-weighted flow matching, no forward spent on it. Off-policy it is the EMA
 policy's, lp(v_ema), and the clip acts. L depends on theta only through v (u, t, A, v_ref, v_ema and lp_old are
 constants), which is what lets JAGG move the transformer backward out of the per-timestep loop (docs/algorithm.md,
-section 9).
+"AWM").
 
 `AWMStepLoss(batch, k, v)` is the loss of timestep position k of an `AWMBatch`; `loss.on(batch)` the step_loss(k, v)
 closure knot_backward takes. Means over the batch are over its valid rows (`denominator` as in grpo/loss.py); the

@@ -34,7 +34,6 @@ import math
 
 import torch
 
-from ..jagg import trained_steps
 from ..models.lora import lora_targets
 from ..train.rows import StepRows
 from .activations import cached as _cached
@@ -211,7 +210,7 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     Pt = st["lora_params"] if lora else st["params"]
     cdt = 2 if s["bf16"] else 4
     cfgg, ref, lat, S = cfg.sampling.guidance != 1.0, cfg.uses_reference, math.prod(s["latent"]), cfg.sampling.num_steps
-    nft = cfg.train.algorithm == "nft"
+    fp = cfg.forward_process  # DiffusionNFT, AWM: a final-latents rollout, trained on the forward process
     cond = 4 * s["cond_row"]  # conditioning is float32 (models/sd3.py)
     n_img, T = s["rank_tokens"]  # this rank's share of a pass's tokens: all of them unless sequence parallel
     ckpt = cfg.parallel.activation_checkpointing  # every engine applies it (parallel/blocks.py)
@@ -229,8 +228,9 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
         + (2 * st["params"] / div if cfg.parallel.engine == "deepspeed" and not (lora and s["bf16"]) else 0),
         "transformer buffers": st["buffers"],  # not sharded (SD3's pos_embed table)
         "optimizer states": 8 * Pt / div,  # AdamW exp_avg + exp_avg_sq, fp32
-        # the EMA, and DiffusionNFT's old policy: shadow copies of the trainable weights, held like them (engine.py)
-        "EMA": 4 * Pt / div * ((cfg.train.ema_decay > 0) + nft),
+        # the EMA, and the algorithm's shadows (DiffusionNFT's old policy, AWM's EMA policy): copies of the trainable
+        # weights, held like them (engine.py)
+        "EMA": 4 * Pt / div * ((cfg.train.ema_decay > 0) + cfg.algorithm_shadows),
         # LoRA: the adapter off; else the transformer alone in its checkpoint's dtype, sharded (Trainer, loading.md)
         "KL reference": (s["ref_bytes"] * st["params"] / div + st["buffers"]) if ref and not lora else 0,
         # compute-dtype copies on every rank (the VAE's own dtype: float32 under float16)
@@ -247,9 +247,9 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     grads = 4 * Pt if not shard or sync == "boundary" else 4 * Pt / div
     if shard and sync == "boundary":
         grads += 4 * Pt / div  # the reduced shard next to the unsharded accumulation at the boundary
-    # a row's rollout store: latents, velocities, uncond, ref, log-probs of every step (GRPO); a DiffusionNFT rollout
-    # keeps only the final latents (train/nft.py rollout_spec, keep final: its KL is evaluated at training time)
-    row = 4 * lat if nft else 4 * lat * ((S + 1) + S * (1 + cfgg + ref)) + 4 * S
+    # a row's rollout store: latents, velocities, uncond, ref, log-probs of every step (GRPO); a forward-process
+    # rollout keeps only the final latents (rollout_spec keep final: its KL is evaluated at training time)
+    row = 4 * lat if fp else 4 * lat * ((S + 1) + S * (1 + cfgg + ref)) + 4 * S
     store, cond_all = R * row, R * cond * (1 + cfgg)
     steps_per_rollout = (R // B) * cfg.grpo.inner_epochs
     off_policy_cfg = cfgg and steps_per_rollout > 1  # GRPO: the uncond of later minibatches is recomputed
@@ -257,9 +257,10 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     gcpo = cfg.train.algorithm == "gcpo"
     if cfg.grpo.step_selection != "first" or gcpo:  # grpo/steps.py positioned: 2K latents, sigmas, 2K-spaced values
         mb += B * (4 * lat * 2 * cfg.trained_per_sample * (2 + cfgg + ref) + 4 * 4 * cfg.trained_per_sample)
-    if nft:  # train/nft.py: per minibatch the clean latents, and per timestep x_t, the noise, v_old (and v_ref)
-        K = len(trained_steps(S, cfg.grpo.timestep_fraction))
-        mb = B * cond + B * lat * 4 * (1 + K * (3 + ref))
+    if fp:  # train/forward_process.py: per minibatch the clean latents, per timestep x_t and the noise, and the
+        # frozen models' velocities (DiffusionNFT's old policy, AWM's EMA policy where read; the reference)
+        frozen = cfg.algorithm_section.frozen_policies + ref
+        mb = B * cond + B * lat * 4 * (1 + cfg.trained_per_sample * (2 + frozen))
     mb += m * S * lat * 4 if off_policy_cfg and not gcpo else 0  # Policy.fresh_uncond's clone, per micro-batch
     if gcpo and steps_per_rollout > 1:  # train/gcpo.py _current: the fresh velocities (and uncond) of every position
         mb += B * 4 * lat * 2 * cfg.trained_per_sample * (1 + cfgg)

@@ -43,9 +43,10 @@ def save_seconds(nbytes: float, nodes: int, gpus: int, node_gbps: float = NODE_G
 
 def checkpoint_bytes(cfg, stats: dict) -> float:
     """The trainable state a checkpoint holds: 12 bytes per trained parameter (fp32 weights, AdamW's two moments),
-    4 more per shadow copy (the EMA, DiffusionNFT's old policy); `stats` = shapes.transformer_stats."""
+    4 more per shadow copy (the EMA, DiffusionNFT's old policy, AWM's EMA policy); `stats` =
+    shapes.transformer_stats."""
     trained = stats["lora_params"] if cfg.model.lora.enabled else stats["params"]
-    shadows = (cfg.train.ema_decay > 0) + (cfg.train.algorithm == "nft")
+    shadows = (cfg.train.ema_decay > 0) + cfg.algorithm_shadows
     return (12 + 4 * shadows) * trained
 
 

@@ -16,8 +16,9 @@ checkpointing there is no recompute (x 2/3).
                beta > 0)
     train      the planner's with-grad passes over every minibatch in micro-batches (a JAGG joint pass holds
                2 x micro rows), the interior forwards of a forward-mode window, CFG's refresh of the unconditional
-               predictions after the first minibatch; DiffusionNFT: the old policy's and the reference's forwards
-               at the K timesteps (or the knots: nft.old_at), then the plan's with-grad passes
+               predictions after the first minibatch; DiffusionNFT, AWM: the frozen models' forwards (the old or
+               EMA policy, the reference) at the K timesteps (or the knots: nft.old_at, awm.frozen_at), then the
+               plan's with-grad passes
     encode     the text encoders on the rank's prompts (once per row, as Policy.encode runs)
     decode     the VAE decoder and the reward models on the rank's samples
     eval       an evaluation's forwards and decodes, shared over eval.every steps (0 when eval.every is 0)
@@ -150,7 +151,7 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     smp, g = cfg.sampling, cfg.grpo
     S, R, B, m = smp.num_steps, est["local_rows"], est["local_batch"], est["micro_batch_size"]
     cfgg = 1 + (smp.guidance != 1.0)
-    nft = cfg.train.algorithm == "nft"
+    fp = cfg.forward_process  # DiffusionNFT, AWM: their frozen models run at training time
     factor = (4 / 3 if s["lora_rank"] == 0 else 1.0) * (1.0 if cfg.parallel.activation_checkpointing else 2 / 3)
 
     def flops(rows: int, group: int = g.group_size, prompts: int = cfg.train.prompts_per_step) -> float:
@@ -181,15 +182,16 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     knots = len(plan_knots(plan))
     out = {"rollout": forwards * fwd(chunks, x=cfgg)}
     ref_runs = knots if g.ref_at == "knots" else cfg.reference_steps  # on the trained (or candidate) steps, or knots
-    out["reference"] = ref_runs * fwd(chunks, x=cfgg) if cfg.uses_reference and not nft else 0.0
+    out["reference"] = ref_runs * fwd(chunks, x=cfgg) if cfg.uses_reference and not fp else 0.0
     minibatches = (R // B) * g.inner_epochs
     micro = [min(m, B - i) for i in range(0, B, m)]
     groups = pass_groups(plan, planner.rows_per_pass)
     rows_x = cfgg if cfg_rows_with_grad else 1
     train = sum(pass_seconds(len(k) * n * rows_x, flops(n), True, factor, calib=calib) for k in groups for n in micro)
     interior = sum(b - a - 1 for a, b in plan if b > a + 1)
-    if nft:  # the old policy's and the reference's forwards at every timestep (or the knots), then the plan's
-        frozen = (1 + cfg.uses_reference) * (knots if cfg.nft.old_at == "knots" else trained)
+    if fp:  # the frozen models' forwards (the old or EMA policy, the reference) at every timestep (or the knots)
+        own = cfg.algorithm_section
+        frozen = (own.frozen_policies + cfg.uses_reference) * (knots if own.frozen_at_knots else trained)
         nograd_passes = frozen + (interior if cfg.jagg.intermediate == "forward" else 0)
     elif cfg.train.algorithm == "gcpo":  # train/gcpo.py: after the first minibatch every position's velocity (and
         # CFG's unconditional one) at the current weights, for the chunk factors; GCPO's own step (the peer, CFG rows

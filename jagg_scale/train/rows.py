@@ -26,7 +26,8 @@ __all__ = ["step_seed", "row_seed", "row_generators", "initial_noise", "StepRows
 def step_seed(seed: int, step: int, stream: int) -> int:
     """A distinct, reproducible seed per (run seed, step, stream); streams: 0 rollout noise, 1 row order,
     2 later inner epochs' order, 3 the SDE window's start, 4 a prompt group's shared initial noise, 5-6 DiffusionNFT's
-    noise and timesteps (train/nft.py), 9 the per-sample trained steps (grpo/steps.py); at most 15."""
+    noise and timesteps (train/nft.py), 9 the per-sample trained steps (grpo/steps.py), 13-14 AWM's noise and
+    timesteps (train/awm.py); at most 15."""
     return ((seed * 1_000_003 + step) * 16 + stream) % (2**63 - 1)
 
 

@@ -115,7 +115,7 @@ def _awm_batch(K, B, shared_noise, g):
 
 @pytest.mark.parametrize("intermediate", ["forward", "interpolate"])
 def test_jagg_awm_is_exact_with_shared_noise_on_an_affine_velocity(intermediate):
-    """JAGG-AWM's exactness condition (docs/algorithm.md, section 9): a sample's inputs x_t = (1 - t) d + t e with one
+    """JAGG-AWM's exactness condition (docs/algorithm.md, "AWM"): a sample's inputs x_t = (1 - t) d + t e with one
     e lie on a line in (x, t), and L_k depends on theta only through v(x_t, t); for a velocity affine along the line
     one joint pass over the two end timesteps gives the per-timestep gradient exactly (interpolate: when v - v_ema
     is affine too), with each row's own timesteps. With fresh noise per timestep the inputs leave the line: not

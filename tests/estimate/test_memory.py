@@ -37,12 +37,13 @@ PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps", 
               "qwenimage_hps", "sd35l_pickscore", "flux2_klein_pickscore", "zimage_pickscore",
               "flux1_kontext_pickscore", "qwenimage_edit_pickscore", "flux1_dev_1024_hps", "wan21_t2v_14b_hps",
               "sd35m_pickscore_nocfg", "sd35m_geneval_nocfg", "sd35m_gcpo_pickscore",
-              "sd35m_dppo_pickscore"]
+              "sd35m_dppo_pickscore", "sd35m_awm_pickscore"]
 WORLD = {"wan21_t2v_14b_hps": 32}  # the GPUs each config is shipped for (its header); 8 unless named
 # the recipes whose peer trains without activation checkpointing and fit without it (their header): UniRL's
 # Flow-DPPO (sd3_flowdppo.yaml:60) at its micro-batch of 8
 NO_CHECKPOINTING = {"sd35m_dppo_pickscore"}
-BF16 = {"sd35m_dppo_pickscore"}  # SD3.5 recipes whose peer runs bf16 (UniRL's, sd3_flowdppo.yaml:34-35), not fp16
+BF16 = {"sd35m_dppo_pickscore", "sd35m_awm_pickscore"}  # SD3.5 recipes whose peer runs bf16 (UniRL's, sd3_flowdppo.yaml:34-35;
+# Flow-Factory's AWM, examples/awm/lora/sd3_5/default.yaml:7), not fp16
 GPU_80GB = 79.2  # GiB torch reports for an 80 GB H100 / A100
 HEADROOM = 0.10
 
@@ -226,7 +227,8 @@ def test_the_jagg_estimate_command_passes_every_production_config_as_shipped(nam
     assert planner.startswith("ExactPlanner" if "nft" in name else "WindowPlanner(window=")
     assert planner in out and "(fits with >= 10%)" in out
     assert "step time per rank: " in out  # and its seconds per phase (estimate/steptime.py)
-    assert ("Flow-GRPO's step of the same config" in out) == ("nft" not in name)
+    forward_process = "nft" in name or "awm" in name  # no Flow-GRPO step to compare
+    assert ("Flow-GRPO's step of the same config" in out) == (not forward_process)
 
 
 def test_a_config_that_does_not_fit_exits_1_and_a_bad_one_2(tmp_path, capsys):

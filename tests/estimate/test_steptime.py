@@ -83,6 +83,35 @@ def test_nft_prices_the_frozen_forwards_where_they_run():
     assert exact["reference"] == 0 and exact["rollout"] == knots["rollout"]
 
 
+def test_awm_prices_its_frozen_models_and_holds_its_ema_policy():
+    """AWM (Flow-Factory's recipe, K = 6): the EMA policy's and the reference's forwards at the 4 knots of windows of 3
+    (awm.frozen_at knots) or at all 6 timesteps, none without either model; the EMA policy a shadow copy of the
+    adapter beside the trained one's (memory) and in the checkpoint (preemption), absent when nothing reads it."""
+    from jagg_scale.estimate.preemption import checkpoint_bytes
+
+    awm = ROOT / "configs" / "sd35m_awm_pickscore.yaml"
+
+    def prepared(*overrides):
+        s = E.prepare(load_config(awm, list(overrides), check_files=False), 8)
+        est = E.estimate(s)
+        return s, est, T.step_seconds(s, est)
+
+    s, est, knots = prepared()
+    _, _, steps = prepared("awm.frozen_at=timesteps")
+    _, _, no_ema = prepared("awm.ema_kl_beta=0", "awm.ema_decay=null", "awm.ema_schedule=null",
+                            "awm.ema_warmup_steps=null", "awm.ema_update_interval=null")
+    no_frozen_s, no_frozen_est, no_frozen = prepared(
+        "awm.ema_kl_beta=0", "awm.kl_beta=0", "awm.frozen_at=timesteps", "awm.ema_decay=null",
+        "awm.ema_schedule=null", "awm.ema_warmup_steps=null", "awm.ema_update_interval=null")
+    assert knots["train_nograd"] == pytest.approx(steps["train_nograd"] * 4 / 6)
+    assert no_ema["train_nograd"] == pytest.approx(knots["train_nograd"] / 2) and no_frozen["train_nograd"] == 0
+    assert knots["train"] == steps["train"] and knots["reference"] == 0
+    ema = lambda e: e["phases"]["update"]["components"]["EMA"]  # noqa: E731
+    assert ema(est) > 0 and ema(no_frozen_est) == 0
+    lora = s["stats"]["lora_params"]
+    assert checkpoint_bytes(s["cfg"], s["stats"]) - checkpoint_bytes(no_frozen_s["cfg"], s["stats"]) == 4 * lora
+
+
 def test_flow_grpos_step_is_priced_on_the_same_passes():
     """The Flow-GRPO step (per step, 9-row passes, the CFG pair trained with grad, no checkpointing) costs more than
     the shipped JAGG config's, in training above all; its rollout at 9-row chunks too."""

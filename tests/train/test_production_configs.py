@@ -46,7 +46,7 @@ def pipe_dirs(sd3_dir, flux_dir):
     return {"sd3": sd3_dir, "flux": flux_dir}
 
 
-@pytest.mark.parametrize("name", ALL + NOCFG + GCPO + ["sd35m_dppo_pickscore"])
+@pytest.mark.parametrize("name", ALL + NOCFG + GCPO + ["sd35m_dppo_pickscore", "sd35m_awm_pickscore"])
 def test_a_missing_model_directory_fails_early_naming_the_key(name):
     with pytest.raises(ConfigError, match="model.pretrained|data.prompt_file"):
         load_config(ROOT / "configs" / f"{name}.yaml")
@@ -210,6 +210,32 @@ def test_the_nft_recipe_trains_a_step_on_the_tiny_pipeline(sd3_dir, tmp_path):
         trainer.close()
     assert row["per_step_equiv"] == row["backward_passes"] == 9  # int(10 x 0.99) timesteps, one backward each
     assert row["optimizer_steps"] == 1 and row["old_decay"] == pytest.approx(0.001)
+    assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_the_awm_recipe_trains_a_step_on_the_tiny_pipeline(sd3_dir, tmp_path):
+    """configs/sd35m_awm_pickscore.yaml (Flow-Factory's AWM recipe, JAGG-AWM) end to end on the tiny SD3 pipeline
+    with its 14-step schedule: 6 timesteps per sample strictly inside the schedule's steps 1 .. 12, in windows of 3
+    with a noise draw each, 4 backwards instead of 6, the EMA policy an adapter's worth, the LoRA exported."""
+    from jagg_scale.train.awm import EMA_SHADOW
+
+    shrink = ["model.resolution=null", "grpo.group_size=4", "train.prompts_per_step=2", "train.minibatch_size=8",
+              "train.micro_batch_size=4", "train.steps=1", "eval.enabled=false", "log.wandb=false",
+              "log.progress=false", "reward.name=jpeg_compressibility", "reward.options={}", "run.resume=none"]
+    cfg = load_config(ROOT / "configs" / "sd35m_awm_pickscore.yaml", _paths("awm", sd3_dir, tmp_path) + shrink)
+    assert cfg.train.algorithm == "awm" and cfg.jagg.make_planner().window == 3 and cfg.trained_per_sample == 6
+    trainer = Trainer(cfg)
+    try:
+        unit = trainer.algorithm
+        t = unit._timesteps(0, 0, torch.arange(8), torch.arange(8))
+        assert (t[:-1] > t[1:]).all() and (t < unit.sigmas[0]).all() and (t > unit.sigmas[-1]).all()
+        (row,) = trainer.fit()
+        assert all("lora_" in n for n in trainer.engine.shadows[EMA_SHADOW])
+    finally:
+        trainer.close()
+    assert row["per_step_equiv"] == 6 and row["backward_passes"] == 4 and row["ema_policy_decay"] == 0.0
+    assert row["optimizer_steps"] == 1 and row["kl"] >= 0 and row["ema_kl"] >= 0
     assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").exists()
 
 
