@@ -42,8 +42,9 @@ WORLD = {"wan21_t2v_14b_hps": 32}  # the GPUs each config is shipped for (its he
 # the recipes whose peer trains without activation checkpointing and fit without it (their header): UniRL's
 # Flow-DPPO (sd3_flowdppo.yaml:60) at its micro-batch of 8
 NO_CHECKPOINTING = {"sd35m_dppo_pickscore"}
-BF16 = {"sd35m_dppo_pickscore", "sd35m_awm_pickscore"}  # SD3.5 recipes whose peer runs bf16 (UniRL's, sd3_flowdppo.yaml:34-35;
-# Flow-Factory's AWM, examples/awm/lora/sd3_5/default.yaml:7), not fp16
+# SD3.5 recipes whose peer runs bf16, not fp16 (UniRL's, sd3_flowdppo.yaml:34-35; Flow-Factory's AWM,
+# examples/awm/lora/sd3_5/default.yaml:7)
+BF16 = {"sd35m_dppo_pickscore", "sd35m_awm_pickscore"}
 GPU_80GB = 79.2  # GiB torch reports for an 80 GB H100 / A100
 HEADROOM = 0.10
 
