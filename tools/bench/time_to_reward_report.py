@@ -42,8 +42,9 @@ def markdown(res: dict) -> str:
     beta = load_config(str(ROOT / s["config"]), s["overrides"]).grpo.kl_beta  # the reference runs on SDE steps
     for a, r in rows.items():
         nfe, sde = _forwards(s["arms"][a], s["num_steps"])
-        nft = "train.algorithm=nft" in s["arms"][a]
-        old = " (and as many old-policy forwards)" if nft else ""
+        nft = "train.algorithm=nft" in s["arms"][a] or "train.algorithm=awm" in s["arms"][a]  # forward process
+        old = (" (and as many old-policy forwards)" if "train.algorithm=nft" in s["arms"][a] else
+               " (and as many EMA-policy forwards)" if "awm.ema_kl_beta" in str(s["arms"][a]) else "")
         lines.append(
             f"| {a} | {nfe} + {sde if beta > 0 or nft else 0}{old} | {r['backward_passes_per_step']:.1f} "
             f"({r['per_step_equiv_per_step']:.0f}) | "
@@ -188,10 +189,12 @@ def value_at(times: list[float], values: list[float], t: float) -> float:
 def _forwards(overrides: list[str], num_steps: int) -> tuple[int, int]:
     """(the policy's forwards per sample in the rollout, its SDE steps)."""
     kv = dict(o.split("=", 1) for o in overrides)
-    if kv.get("train.algorithm") == "nft":  # the old policy's ODE; its KL reference runs at training, per timestep
-        K = max(1, int(num_steps * float(kv.get("grpo.timestep_fraction", 1.0))))  # or at the windows' knots
-        return num_steps, (len(plan_knots(plan_uniform(K, int(kv["jagg.window"])))) if kv.get("nft.old_at") == "knots"
-                           else K)
+    algo = kv.get("train.algorithm")
+    if algo in ("nft", "awm"):  # an ODE rollout; the KL reference runs at training, per timestep or at the knots
+        K = ((int(kv.get("awm.num_train_timesteps", 0)) or max(1, int(num_steps * 0.9))) if algo == "awm" else
+             max(1, int(num_steps * float(kv.get("grpo.timestep_fraction", 1.0)))))
+        knots = kv.get("nft.old_at" if algo == "nft" else "awm.frozen_at") == "knots"
+        return num_steps, len(plan_knots(plan_uniform(K, int(kv["jagg.window"])))) if knots else K
     window = int(kv.get("grpo.sde_window", 0))
     ode = int(kv.get("sampling.ode_steps", 0))
     return (window + ode if window and ode else num_steps), (window or num_steps)
