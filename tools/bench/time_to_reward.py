@@ -94,16 +94,20 @@ VARIANTS = {"JAGG-NFT kl 0.01": ("JAGG-NFT", ["nft.kl_beta=0.01"]),
 PEERS = ("Flow-GRPO", "Fast k2", "per-step in SDE k4 + dpm2", "CPS", "NFT", "NFT kl 0.1", "NFT kl 1", "Flow-DPPO",
          "GCPO", "AWM", "CFG-free GRPO")
 # The objectives users pick now (issue 36), each per step as its peer runs it and with JAGG where it has room:
-# Flow-DPPO (UniRL / verl-omni: every step SDE, the KL-masked unclipped ratio), GCPO (chunk-level GRPO: GCPO's
-# chunk list scaled to the 15 candidate steps, half the chunks per sample, the chunk = the JAGG window), AWM
-# (Flow-Factory's SD3.5 recipe on digits: 6 discrete timesteps, ghuber 0.25, KL 1e-4 and 1 to the EMA policy) and
-# Flow-GRPO's own CFG-free Fast recipe (configs/sd35m_pickscore_nocfg.yaml: CPS 0.8, a 3-step SDE window starting
-# in steps 0-2, beta 0; on digits every arm samples CFG-free, so it differs from Flow-GRPO by its window and CPS).
-OBJECTIVES = ("Flow-DPPO", "JAGG Flow-DPPO W4", "GCPO", "JAGG GCPO", "AWM", "JAGG-AWM W3 lines",
+#   Flow-DPPO      UniRL's SD3.5 recipe (configs/sd35m_dppo_pickscore.yaml): 3 SDE steps scattered in the first half
+#                  of the schedule, no KL to the reference, the KL-masked unclipped ratio; JAGG: one window over them
+#   GCPO           chunk-level GRPO: GCPO's chunk list scaled to the 15 candidate steps, half the chunks per sample;
+#                  JAGG: one joint pass per chunk
+#   AWM            Flow-Factory's SD3.5 recipe on digits: 6 discrete timesteps, ghuber 0.25, KL 1e-4 to the reference
+#                  and 1 to the EMA policy; JAGG-AWM: windows of 3 timesteps on one noise line each
+#   CFG-free GRPO  Flow-GRPO's own Fast nocfg recipe (configs/sd35m_pickscore_nocfg.yaml): CPS 0.8, a 3-step SDE
+#                  window starting in steps 0-2, beta 0 (on digits every arm samples CFG-free, so it differs from
+#                  Flow-GRPO by its window and CPS); JAGG: one window over the 3
+OBJECTIVES = ("Flow-DPPO", "JAGG Flow-DPPO", "GCPO", "JAGG GCPO", "AWM", "JAGG-AWM W3 lines",
               "CFG-free GRPO", "JAGG CFG-free GRPO")
 PAIRS = (  # (JAGG arm, the same recipe per step, max wall-clock ratio to the latter's 95% line)
     ("JAGG in SDE k4 + dpm2", "per-step in SDE k4 + dpm2", 0.75),
-    ("JAGG Flow-DPPO W4", "Flow-DPPO", 0.6),  # issue 36: >= 3 trained steps: >= 0.95x the gain at <= 0.6x the time
+    ("JAGG Flow-DPPO", "Flow-DPPO", 0.6),  # issue 36: >= 3 trained steps: >= 0.95x the gain at <= 0.6x the time
     ("JAGG GCPO", "GCPO", 0.6),
     ("JAGG-AWM W3 lines", "AWM", 0.6),
     ("JAGG CFG-free GRPO", "CFG-free GRPO", 0.6),
@@ -141,6 +145,8 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
            "awm.time_sampling=discrete_wo_init", "awm.weighting=ghuber", "awm.ghuber_power=0.25", "awm.kl_beta=1e-4",
            "awm.ema_kl_beta=1.0", "awm.ema_decay=0.3", "awm.ema_schedule=linear", "awm.ema_update_interval=1",
            "awm.ema_warmup_steps=16"]
+    dppo = ["train.algorithm=dppo", "grpo.kl_beta=0", "grpo.sde_window=3",
+            f"grpo.sde_window_range=[0, {num_steps // 2}]", "grpo.sde_window_mode=scattered"]
     nocfg = ["sampling.sde=cps", "sampling.noise_level=0.8", "grpo.sde_window=3", "grpo.sde_window_range=[0, 5]",
              "grpo.kl_beta=0"]
     return {
@@ -156,8 +162,8 @@ def arm_overrides(arm: str, num_steps: int) -> list[str]:
         "NFT": nft,
         "NFT shared noise": nft + ["nft.noise=per_sample"],
         "JAGG-NFT": nft[:-1] + ["jagg.mode=jagg", f"jagg.window={K}", "nft.noise=per_sample"],
-        "Flow-DPPO": ["train.algorithm=dppo"] + exact,
-        "JAGG Flow-DPPO W4": ["train.algorithm=dppo", "jagg.mode=jagg", "jagg.window=4", "jagg.jagg_frac=1.0"],
+        "Flow-DPPO": dppo + exact,
+        "JAGG Flow-DPPO": dppo + ["jagg.mode=jagg", "jagg.window=3", "jagg.jagg_frac=1.0"],
         "GCPO": gcpo + exact,
         "JAGG GCPO": gcpo + ["jagg.mode=jagg", f"jagg.window={max(chunks)}", "jagg.jagg_frac=1.0"],
         "AWM": awm + exact,

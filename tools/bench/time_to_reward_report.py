@@ -39,14 +39,15 @@ def markdown(res: dict) -> str:
         "s to 95% of the best arm's gain | within-prompt diversity at the end / the base model's |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    beta = load_config(str(ROOT / s["config"]), s["overrides"]).grpo.kl_beta  # the reference runs on SDE steps
     for a, r in rows.items():
-        nfe, sde = _forwards(s["arms"][a], s["num_steps"])
-        nft = "train.algorithm=nft" in s["arms"][a] or "train.algorithm=awm" in s["arms"][a]  # forward process
-        old = (" (and as many old-policy forwards)" if "train.algorithm=nft" in s["arms"][a] else
-               " (and as many EMA-policy forwards)" if "awm.ema_kl_beta" in str(s["arms"][a]) else "")
+        cfg = load_config(str(ROOT / s["config"]), s["overrides"] + s["arms"][a])
+        nfe, frozen = _forwards(s["arms"][a], s["num_steps"])
+        old = {"nft": " (and as many old-policy forwards)",
+               "awm": " (and as many EMA-policy forwards)" if cfg.train.algorithm == "awm" and cfg.awm.uses_ema
+               else ""}.get(cfg.train.algorithm, "")
+        reference = frozen if cfg.uses_reference or cfg.train.algorithm == "nft" else 0
         lines.append(
-            f"| {a} | {nfe} + {sde if beta > 0 or nft else 0}{old} | {r['backward_passes_per_step']:.1f} "
+            f"| {a} | {nfe} + {reference}{old} | {r['backward_passes_per_step']:.1f} "
             f"({r['per_step_equiv_per_step']:.0f}) | "
             f"{r['step_seconds']:.2f} ({r['phases'][0]:.2f} + {r['phases'][1]:.2f} + {r['phases'][2]:.2f}) | "
             f"{r['wall'][0]:.0f} +- {r['wall'][1]:.0f} | {r['final'][0]:.3f} +- {r['final'][1]:.3f} | "
@@ -187,7 +188,8 @@ def value_at(times: list[float], values: list[float], t: float) -> float:
 
 
 def _forwards(overrides: list[str], num_steps: int) -> tuple[int, int]:
-    """(the policy's forwards per sample in the rollout, its SDE steps)."""
+    """(the policy's forwards per sample in the rollout, the frozen reference's per sample: on its SDE steps, or
+    for a forward-process objective at its training timesteps or their knots)."""
     kv = dict(o.split("=", 1) for o in overrides)
     algo = kv.get("train.algorithm")
     if algo in ("nft", "awm"):  # an ODE rollout; the KL reference runs at training, per timestep or at the knots
