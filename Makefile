@@ -18,8 +18,11 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e .
 	touch $@
 
+# DeepSpeed's CPU collectives (its shm_comm extension) are JIT-compiled on first use (~40 s, cached in
+# ~/.cache/torch_extensions): built here, with the install, so that the first DeepSpeed test does not spend it
 $(BIN)/.installed-extras: $(BIN)/.installed
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,tools,models,rewards,data,deepspeed,mpi,server]'
+	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" > /dev/null
 	touch $@
 
 setup: $(BIN)/.installed

@@ -14,8 +14,8 @@ import pytest
 
 from hang_guard import RUN_S
 
-# dist and slow: one torchrun launch shared by the module (~50 s with the first-use compile of DeepSpeed's
-# shm_comm extension) and the single-process DeepSpeed check (~6 s)
+# dist and slow: one torchrun launch shared by the module (~50 s where DeepSpeed's shm_comm extension is compiled on
+# first use; `make setup-extras` builds it with the install) and the single-process DeepSpeed check (~6 s)
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                  reason="deepspeed is not importable (pip install deepspeed)"),
               pytest.mark.dist, pytest.mark.slow]
