@@ -82,8 +82,6 @@ class AWM(ForwardProcess):
 
     def __init__(self, cfg, policy, engine, dist):
         super().__init__(cfg, policy, engine, dist)
-        if policy.guidance != 1.0:
-            raise ValueError("train.algorithm awm samples and trains CFG-free: sampling.guidance must be 1")
         a = cfg.awm
         if a.uses_ema:  # the EMA policy starts as the starting weights, held like them, checkpointed
             engine.add_shadow(EMA_SHADOW)

@@ -45,6 +45,8 @@ class ForwardProcess(Algorithm):
 
     def __init__(self, cfg, policy, engine, dist):
         super().__init__(cfg, policy, engine, dist)
+        if policy.guidance != 1.0:  # config_forward.py refuses it by key; a unit built by hand is held to it too
+            raise ValueError(f"train.algorithm {self.name} samples and trains CFG-free: sampling.guidance must be 1")
         self.runner = MinibatchRunner(cfg, engine, dist)
 
     def _setup(self, K: int, noise: str, frozen_at_knots: bool) -> None:

@@ -62,8 +62,6 @@ class NFT(ForwardProcess):
 
     def __init__(self, cfg, policy, engine, dist):
         super().__init__(cfg, policy, engine, dist)
-        if policy.guidance != 1.0:
-            raise ValueError("train.algorithm nft samples and trains CFG-free: sampling.guidance must be 1")
         # the old policy: the starting weights, held like the trained ones (shards, partitions), checkpointed
         engine.add_shadow("old")
         self.sigmas = policy.host_sigmas[: cfg.sampling.num_steps]  # the sampling schedule's noise levels
