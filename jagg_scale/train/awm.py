@@ -36,13 +36,11 @@ import contextlib
 import torch
 
 from ..awm import AWMBatch, AWMStepLoss
-from ..cond import index_cond
 from ..grpo.rollout import to_device
 from ..sections import ConfigError
 from .algorithm import RolloutSpec
 from .forward_process import ForwardProcess
 from .rows import row_seed
-from .runner import Minibatch
 
 __all__ = ["AWM", "EMA_SHADOW", "schedule_span", "stratified_indices"]
 
@@ -128,10 +126,8 @@ class AWM(ForwardProcess):
         if self.cfg.awm.uses_ema:
             with self.engine.shadow_weights(EMA_SHADOW):
                 ema = self._predict(self.policy.model_fn(), noised, t, mb_cond)
-        ref_fn = self.policy.reference_fn()
-        ref = self._predict(ref_fn, noised, t, mb_cond) if ref_fn is not None else None
         return AWMBatch(clean=clean, t=t, noised=noised, noise=e, advantages=adv[local], mask=self._mask[local],
-                        ema=ema, ref=ref)
+                        ema=ema, ref=self._reference(noised, t, mb_cond))
 
     @staticmethod
     def _cached(b: AWMBatch) -> torch.Tensor:
@@ -141,24 +137,17 @@ class AWM(ForwardProcess):
 
     # ------------------------------------------------------------------ the phase
     def update(self, traj, cond, adv, rows, step: int) -> dict:
-        cfg, device, a = self.cfg, self.dist.device, self.cfg.awm
-        self._mask = to_device(adv.mask[rows.mine], device)
-        values = to_device(adv.values[rows.mine], device)  # clipped to +-grpo.adv_clip_max (trainers/awm.py:469)
-        intermediate = {"auto": "interpolate"}.get(cfg.jagg.intermediate, cfg.jagg.intermediate)
-        positions = list(range(self.K))
-
-        def minibatch(epoch: int, local: torch.Tensor, global_rows: torch.Tensor, on_policy: bool) -> Minibatch:
-            mb_cond = index_cond(cond, local)  # a host index (cond.py)
-            batch = self._batch(traj, mb_cond, values, to_device(local, device), rows.mine[local], global_rows, step,
-                                epoch)
-            loss = AWMStepLoss(weighting=a.weighting, ghuber_power=a.ghuber_power, clip_range=a.clip_range,
-                               off_policy=a.off_policy, kl_beta=a.kl_beta, ema_kl_beta=a.ema_kl_beta,
-                               scale=1.0 / self.K, denominator=float(adv.mask[global_rows].sum()) / rows.world_size)
-            return Minibatch(batch=batch, cond=mb_cond, loss=loss, positions=positions,
-                             inputs=lambda b: (b.noised, b.t, self._cached(b)), intermediate=intermediate,
-                             plan_sigmas=batch.t.mean(1))
-
-        done = self.runner.run(self.policy.model_fn(), rows, step, minibatch)
+        a = self.cfg.awm
+        # the advantages, clipped to +-grpo.adv_clip_max where they are made (trainers/awm.py:469)
+        values = to_device(adv.values[rows.mine], self.dist.device)
+        done = self._train(
+            cond, adv, rows, step,
+            lambda mb_cond, local, global_rows, minibatch, epoch: self._batch(traj, mb_cond, values, local,
+                                                                              global_rows, minibatch, step, epoch),
+            lambda denominator: AWMStepLoss(weighting=a.weighting, ghuber_power=a.ghuber_power,
+                                            clip_range=a.clip_range, off_policy=a.off_policy, kl_beta=a.kl_beta,
+                                            ema_kl_beta=a.ema_kl_beta, scale=1.0 / self.K, denominator=denominator),
+            self._cached)
         extra = {}
         if a.uses_ema and (step + 1) % a.ema_update_interval == 0:  # ema_step(step=epoch): ema/ema.py:103-113
             extra["ema_policy_decay"] = a.ema_decay_at(step)

@@ -21,7 +21,7 @@ from ..grpo.rollout import to_device
 from ..jagg import fill_interior, plan_knots, split_windows
 from .algorithm import Algorithm
 from .rows import row_seed
-from .runner import MinibatchRunner, micro_batches
+from .runner import Minibatch, MinibatchRunner, micro_batches
 
 __all__ = ["ForwardProcess", "noise_groups"]
 
@@ -95,3 +95,28 @@ class ForwardProcess(Algorithm):
         t = to_device(t_host, device)
         e = to_device(self._noise(step, epoch, global_rows, clean.shape[1:]), device)
         return clean, t, e, self._noised(clean, t, e)
+
+    def _reference(self, noised: torch.Tensor, t: torch.Tensor, cond):
+        """The KL reference's velocities at the training inputs (as _predict), or None where no reference runs."""
+        fn = self.policy.reference_fn()
+        return self._predict(fn, noised, t, cond) if fn is not None else None
+
+    def _train(self, cond, adv, rows, step: int, make_batch, make_loss, cached):
+        """The update's minibatches through the runner (its result returned): per minibatch the unit's batch,
+        make_batch(conditioning, local rows on the device, their global rows, the minibatch's global rows, inner
+        epoch), and loss, make_loss(denominator) (the minibatch's valid rows per rank), trained at the K timestep
+        positions with cached(batch) as knot_backward's cached velocities; jagg.intermediate auto is interpolate."""
+        device = self.dist.device
+        self._mask = to_device(adv.mask[rows.mine], device)
+        intermediate = {"auto": "interpolate"}.get(self.cfg.jagg.intermediate, self.cfg.jagg.intermediate)
+        positions = list(range(self.K))
+
+        def minibatch(epoch: int, local: torch.Tensor, global_rows: torch.Tensor, on_policy: bool) -> Minibatch:
+            mb_cond = index_cond(cond, local)  # a host index (cond.py)
+            batch = make_batch(mb_cond, to_device(local, device), rows.mine[local], global_rows, epoch)
+            loss = make_loss(float(adv.mask[global_rows].sum()) / rows.world_size)
+            return Minibatch(batch=batch, cond=mb_cond, loss=loss, positions=positions,
+                             inputs=lambda b: (b.noised, b.t, cached(b)), intermediate=intermediate,
+                             plan_sigmas=batch.t.mean(1))
+
+        return self.runner.run(self.policy.model_fn(), rows, step, minibatch)

@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import torch
 
-from ..cond import index_cond
 from ..grpo.rollout import to_device
 from ..jagg import trained_steps
 from ..nft import NFTBatch, NFTStepLoss, optimality
 from .algorithm import RolloutSpec
 from .forward_process import ForwardProcess
 from .rows import row_seed
-from .runner import Minibatch
 
 __all__ = ["NFT", "old_decay"]
 
@@ -96,30 +94,20 @@ class NFT(ForwardProcess):
                                            self._timesteps(step, epoch, global_rows, minibatch))
         with self.engine.shadow_weights("old"):
             old = self._predict(self.policy.model_fn(), noised, t, mb_cond)
-        ref_fn = self.policy.reference_fn()
-        ref = self._predict(ref_fn, noised, t, mb_cond) if ref_fn is not None else None
         return NFTBatch(clean=clean, t=t, noised=noised, old=old, optimality=r[local], mask=self._mask[local],
-                        ref=ref)
+                        ref=self._reference(noised, t, mb_cond))
 
     # ------------------------------------------------------------------ the phase
     def update(self, traj, cond, adv, rows, step: int) -> dict:
-        cfg, device, nft = self.cfg, self.dist.device, self.cfg.nft
-        self._mask = to_device(adv.mask[rows.mine], device)
-        r = to_device(optimality(adv.values[rows.mine], cfg.grpo.adv_clip_max, nft.adv_mode), device)
-        intermediate = {"auto": "interpolate"}.get(cfg.jagg.intermediate, cfg.jagg.intermediate)
-        positions = list(range(self.K))
-
-        def minibatch(epoch: int, local: torch.Tensor, global_rows: torch.Tensor, on_policy: bool) -> Minibatch:
-            mb_cond = index_cond(cond, local)  # a host index (cond.py)
-            batch = self._batch(traj, mb_cond, r, to_device(local, device), rows.mine[local], global_rows, step,
-                                epoch)
-            loss = NFTStepLoss(beta=nft.mix, kl_beta=nft.kl_beta, adv_clip_max=cfg.grpo.adv_clip_max,
-                               scale=1.0 / self.K, denominator=float(adv.mask[global_rows].sum()) / rows.world_size)
-            return Minibatch(batch=batch, cond=mb_cond, loss=loss, positions=positions,
-                             inputs=lambda b: (b.noised, b.t, b.old), intermediate=intermediate,
-                             plan_sigmas=batch.t.mean(1))
-
-        done = self.runner.run(self.policy.model_fn(), rows, step, minibatch)
+        cfg, nft = self.cfg, self.cfg.nft
+        r = to_device(optimality(adv.values[rows.mine], cfg.grpo.adv_clip_max, nft.adv_mode), self.dist.device)
+        done = self._train(
+            cond, adv, rows, step,
+            lambda mb_cond, local, global_rows, minibatch, epoch: self._batch(traj, mb_cond, r, local, global_rows,
+                                                                              minibatch, step, epoch),
+            lambda denominator: NFTStepLoss(beta=nft.mix, kl_beta=nft.kl_beta, adv_clip_max=cfg.grpo.adv_clip_max,
+                                            scale=1.0 / self.K, denominator=denominator),
+            lambda b: b.old)
         # the old policy moves towards the trained one once per rollout, as DiffusionNFT's epoch end does; the count
         # of optimizer steps so far is a function of the step (the same minibatches every step): resume-exact
         decay = old_decay((step + 1) * done.optimizer_steps, nft.old_decay)
