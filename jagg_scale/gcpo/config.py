@@ -50,6 +50,11 @@ class GCPOConfig(Section):
         """The chunks' sizes for a schedule of `num_steps` sampling steps (C = num_steps - 1 candidates)."""
         return chunk_sizes(self.chunks, self.chunk_size, max(1, num_steps - 1))
 
+    def trained_count(self, num_steps: int) -> int:
+        """K: the trained positions per sample, its chunk slots' pads included (gcpo/chunks.py slot_layout)."""
+        sizes = self.layout(num_steps)
+        return trained_chunks(len(sizes), self.chunk_fraction) * max(sizes)
+
     def expected_steps(self, num_steps: int) -> float:
         """The real steps a sample trains, in expectation over its uniform draw of chunks (pads not counted):
         n_train x the mean chunk size. GCPO's own step backpropagates these (the estimator prices it so)."""

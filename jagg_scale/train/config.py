@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..gcpo.config import GCPOConfig, trained_chunks
+from ..gcpo.config import GCPOConfig
 from ..jagg import trained_steps
 from ..models.registry import families, family
 from ..paths import resolve_path
@@ -89,15 +89,12 @@ class Config:
 
     @property
     def trained_per_sample(self) -> int:
-        """K: the steps every sample trains per training step (the SDE window, or grpo.step_selection's count; under
-        gcpo the positions of its chunk slots, pads included: gcpo/chunks.py; the training timesteps of an algorithm
-        that counts its own: awm.num_train_timesteps)."""
+        """K: the steps every sample trains per training step (the SDE window, or grpo.step_selection's count), or
+        what an algorithm's own section counts (its trained_count: gcpo's chunk slot positions, pads included;
+        awm.num_train_timesteps)."""
         from ..grpo.steps import trained_count
 
         g, s = self.grpo, self.sampling
-        if self.train.algorithm == "gcpo":
-            sizes = self.gcpo.layout(s.num_steps)
-            return trained_chunks(len(sizes), self.gcpo.chunk_fraction) * max(sizes)
         own = self.algorithm_section
         if hasattr(own, "trained_count"):
             return own.trained_count(s.num_steps)
