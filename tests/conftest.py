@@ -31,13 +31,6 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(session, config, items):
-    # The slow and multi-process tests first (a stable sort: each group keeps its order): pytest-xdist hands tests
-    # out in this order, so the workers share the long ones at the start and the run ends on short tests instead of
-    # one worker finishing a minute-long test while the other idles.
-    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") or item.get_closest_marker("dist") else 1)
-
-
 def pytest_sessionstart(session):
     # the production configs' prompt files (data/prompt_sets, `make prompts`) from a local copy of the peers' sets
     # when there is one: the suite never downloads (copies are checked against the pinned digests; atomic, so the
