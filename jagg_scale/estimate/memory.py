@@ -253,7 +253,9 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     store, cond_all = R * row, R * cond * (1 + cfgg)
     steps_per_rollout = (R // B) * cfg.grpo.inner_epochs
     off_policy_cfg = cfgg and steps_per_rollout > 1  # GRPO: the uncond of later minibatches is recomputed
-    mb = B * row + B * cond * (1 + off_policy_cfg)  # step_batch and index_cond copies; micro-batches are views
+    # step_batch: views of the trajectory for the contiguous rows of the first inner epoch's minibatches, a gathered
+    # copy of a later epoch's permuted rows (grpo/rollout.py row_index); index_cond's copies; micro-batches are views
+    mb = B * row * (cfg.grpo.inner_epochs > 1) + B * cond * (1 + off_policy_cfg)
     gcpo = cfg.train.algorithm == "gcpo"
     if cfg.grpo.step_selection != "first" or gcpo:  # grpo/steps.py positioned: 2K latents, sigmas, 2K-spaced values
         mb += B * (4 * lat * 2 * cfg.trained_per_sample * (2 + cfgg + ref) + 4 * 4 * cfg.trained_per_sample)

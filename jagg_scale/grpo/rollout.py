@@ -62,17 +62,19 @@ class Trajectories:
         return self.latents[-1]
 
     def step_batch(self, index: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> StepBatch:
-        """The rows `index` of every per-step tensor, as the loss's StepBatch."""
-        return StepBatch(
-            latents=self.latents[:, index],
-            velocities=self.velocities[:, index],
-            log_probs=self.log_probs[:, index],
-            sigmas=self.sigmas,
-            advantages=advantages[index],
-            mask=mask[index],
-            ref_velocities=None if self.ref_velocities is None else self.ref_velocities[:, index],
-            uncond_velocities=None if self.uncond_velocities is None else self.uncond_velocities[:, index],
-        )
+        """The rows `index` (a host index: the trainer's local positions) of every per-step tensor, as the loss's
+        StepBatch: views of the trajectory where the index is a contiguous ascending range (every row, or an epoch-0
+        minibatch: no copy of the minibatch), gathered copies otherwise (a later inner epoch's permuted rows).
+        Nothing that reads a StepBatch writes into it (Policy.fresh_uncond and GCPO clone what they replace)."""
+        rows = row_index(index, self.latents.device)
+
+        def per_step(t):
+            return None if t is None else t[:, rows]
+
+        return StepBatch(latents=per_step(self.latents), velocities=per_step(self.velocities),
+                         log_probs=per_step(self.log_probs), sigmas=self.sigmas, advantages=advantages[rows],
+                         mask=mask[rows], ref_velocities=per_step(self.ref_velocities),
+                         uncond_velocities=per_step(self.uncond_velocities))
 
     @staticmethod
     def cat(parts: list["Trajectories"]) -> "Trajectories":
@@ -83,6 +85,16 @@ class Trajectories:
         return Trajectories(latents=cat("latents"), velocities=cat("velocities"), log_probs=cat("log_probs"),
                             sigmas=parts[0].sigmas, ref_velocities=cat("ref_velocities"),
                             uncond_velocities=cat("uncond_velocities"))
+
+
+def row_index(index: torch.Tensor, device: torch.device) -> slice | torch.Tensor:
+    """`index` (host) as a slice when it is a contiguous ascending range (indexing with it is a view), else on
+    `device` for a gather; decided on the host, without a device read."""
+    if index.device.type == "cpu" and index.ndim == 1 and len(index):
+        start = int(index[0])
+        if torch.equal(index, torch.arange(start, start + len(index))):
+            return slice(start, start + len(index))
+    return to_device(index, device) if index.device.type == "cpu" else index
 
 
 @dataclass

@@ -140,7 +140,7 @@ class GRPO(Algorithm):
             # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
             loss = self.make_loss(scale=1.0 / K, denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
                                   guidance=guidance)
-            batch, trained = traj.step_batch(to_device(local, device), adv_values, adv_mask), steps
+            batch, trained = traj.step_batch(local, adv_values, adv_mask), steps
             if g.step_selection != "first":
                 drawn = select_steps(g.step_selection, cfg.sampling.num_steps, g.timestep_fraction,
                                      cfg.selection_window, cfg.run.seed, step, rows.mine[local])
