@@ -70,19 +70,36 @@ def test_bench_quick_writes_every_part(tmp_path):
         assert png.name in md
 
 
+# The quick run trains the arms whose pass counts it asserts (6 of the 12 default arms: each arm's step is ~2 s of a
+# 2-core CI machine); every arm's config, the default ones, the variants and the objectives, is built below
+QUICK_ARMS = ("Flow-GRPO", "Fast k2", "JAGG in SDE k4 + dpm2", "per-step in SDE k4 + dpm2", "NFT", "JAGG-NFT")
+
+
+def test_every_time_to_reward_arm_is_a_valid_config():
+    """Each arm's overrides (tools/bench/time_to_reward.py: ARMS, VARIANTS, OBJECTIVES) on the study's recipe load as a
+    config that passes every check, at the full study's schedule and the quick one's."""
+    from tools.bench import time_to_reward as S
+
+    from jagg_scale.train import load_config
+
+    for size in (S.FULL, S.QUICK):
+        for arm in (*S.ARMS, *S.VARIANTS, *S.OBJECTIVES):
+            cfg = load_config(str(ROOT / "configs" / "digits_cpu.yaml"),
+                              S.COMMON + size["extra"] + S.arm_overrides(arm, size["num_steps"]))
+            assert cfg.sampling.num_steps == size["num_steps"], arm
+
+
 @pytest.mark.slow
 def test_time_to_reward_study_quick_writes_its_table_plot_and_target(tmp_path):
     """The study (not in the default parts) at toy sizes: every arm's curve, the table, the plot, the target row."""
     need("matplotlib")
     out = tmp_path / "bench" / "benchmarks"
     proc = subprocess.run([sys.executable, "-m", "tools.bench", "--quick", "--parts", "time_to_reward",
-                           "--out", str(out)], cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                          capture_output=True, text=True, timeout=RUN_S)
+                           "--set", "arms=" + ";".join(QUICK_ARMS), "--out", str(out)], cwd=ROOT,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=RUN_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     res = json.loads(out.with_suffix(".json").read_text())["parts"]["time_to_reward"]
-    assert "error" not in res and set(res["rows"]) == {
-        "Flow-GRPO", "JAGG W4", "budget S2.67", "Fast k2", "JAGG in SDE k4", "JAGG in SDE k4 + dpm2",
-        "per-step in SDE k4 + dpm2", "CPS", "JAGG W4 CPS", "NFT", "NFT shared noise", "JAGG-NFT"}
+    assert "error" not in res and set(res["rows"]) == set(QUICK_ARMS)
     for key, value in res["summary"].items():
         assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (key, value)
     # two worker processes, one seed each, every one training all the arms
