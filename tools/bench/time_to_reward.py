@@ -89,6 +89,9 @@ VARIANTS = {"JAGG-NFT kl 0.01": ("JAGG-NFT", ["nft.kl_beta=0.01"]),
             "JAGG-NFT W5 lines": ("JAGG-NFT", ["jagg.window=5"] + LINES),
             "JAGG-NFT W5 lines kl 0.1": ("JAGG-NFT", ["jagg.window=5", "nft.kl_beta=0.1"] + LINES),
             "NFT kl 1": ("NFT", ["nft.kl_beta=1.0"]),
+            # issue 37's fast recipe (configs/sd35m_pickscore_fast.yaml) on digits: a group's rows share x_0 (its ODE
+            # prefix is then computed once per group) and the KL reference runs at the window's knots only
+            "Fast JAGG recipe": ("JAGG in SDE k4 + dpm2", ["sampling.same_initial_noise=true", "grpo.ref_at=knots"]),
             "JAGG-NFT W5 lines kl 1": ("JAGG-NFT", ["jagg.window=5", "nft.kl_beta=1.0"] + LINES)}
 # What the peers run (issue 23's comparison): the rest are this stack's (JAGG, or NFT's shared noise)
 PEERS = ("Flow-GRPO", "Fast k2", "per-step in SDE k4 + dpm2", "CPS", "NFT", "NFT kl 0.1", "NFT kl 1", "Flow-DPPO",
