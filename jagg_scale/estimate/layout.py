@@ -15,7 +15,7 @@ import dataclasses
 
 import yaml
 
-__all__ = ["rank_share", "replicas_per_node"]
+__all__ = ["launch_replicate", "rank_share", "replicas_per_node"]
 
 
 def _value(v) -> str:
@@ -43,10 +43,14 @@ def replicas_per_node(cfg, nodes: int, gpus: int, gpu_gib: float = 79.2, headroo
     sends only the gradient's reduction between nodes (FLUX.1-dev: 23.8 GB of bf16 weights gathered per forward
     otherwise cross the network). A LoRA run takes it always (its sharded state is small); a full fine-tune when its
     per-rank peak, sharded over one node instead of all, still fits the GPU by the memory model (else flat FSDP:
-    the state needs every node's memory)."""
+    the state needs every node's memory). slurm/jagg.sbatch asks it on several nodes, and jagg-estimate prices a world
+    of several nodes at its answer (launch_replicate)."""
     p = cfg.parallel
     if nodes <= 1 or p.engine != "fsdp2" or p.replicate != 1:
         return p.replicate, "one node, or not fsdp2, or parallel.replicate set: as configured"
+    if p.sequence_parallel > 1:  # its groups split tokens across the flat FSDP2 mesh (ParallelConfig refuses both)
+        return 1, (f"parallel.sequence_parallel {p.sequence_parallel}: flat FSDP over every node (HSDP is not "
+                   "combined with it)")
     if cfg.model.lora.enabled:
         return nodes, "LoRA: only the adapter's gradient crosses nodes"
     from .memory import GiB, estimate, fits, prepare
@@ -59,3 +63,11 @@ def replicas_per_node(cfg, nodes: int, gpus: int, gpu_gib: float = 79.2, headroo
                        f"{limit:.1f} GiB: HSDP keeps the weights' all-gathers inside a node")
     return 1, (f"full fine-tune: sharded over one node it would peak at {peak:.1f} GiB per rank, over {limit:.1f} GiB: "
                "flat FSDP over every node")
+
+
+def launch_replicate(cfg, world: int, gpus: int) -> tuple[int, str]:
+    """(parallel.replicate, why) as slurm/jagg.sbatch runs `cfg` on `world` ranks of `gpus` a node: its
+    replicas_per_node on several whole nodes, the config's own on one node (or a world that is not whole nodes)."""
+    if world <= gpus or world % gpus:
+        return cfg.parallel.replicate, "one node (or not whole nodes): as configured"
+    return replicas_per_node(cfg, world // gpus, gpus)

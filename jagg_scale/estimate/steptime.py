@@ -30,10 +30,17 @@ checkpointing there is no recompute (x 2/3).
                group inside one node: NVLink; --a2a-gbps for another link), not overlapped with compute. The
                decode, the reward and the encoders run on the group's rows on every rank of it.
 
-Not counted: the other collectives (FSDP2 prefetches its all-gathers behind compute; each step logs them as
-comm_<phase>_<collective>), the optimizer step and host work. So on a GPU not like the calibration's, or with NCCL
-bound by a slow network, the model is optimistic; `compare()` reads every config at the same rates, so ratios
-between configs (the knobs: rollout batch, micro-batch, window, SDE window, dpm2) hold better than seconds.
+    collectives  the data-parallel collectives of every transformer pass (collectives.py): FSDP2's all-gathers of
+               each block in forward and again in a with-grad pass's backward, its reduce-scatters of the trained
+               gradients (every backward, or a minibatch's last: parallel.grad_sync), HSDP's all-reduce across
+               replicas; Flow-GRPO's LoRA step runs DDP (one all-reduce of the adapter's gradient per optimizer
+               step). Bytes from the transformer's units and dtypes, seconds at a stated bus bandwidth per link
+               (NVLink inside a node, InfiniBand across), and only what FSDP2's prefetch cannot hide behind the
+               pass's compute is added: head + max(0, comm - head - compute) per pass and direction.
+
+Not counted: the optimizer step and host work. So on a GPU not like the calibration's, or with NCCL slower than the
+stated links, the model is optimistic; `compare()` reads every config at the same rates, so ratios between configs
+(the knobs: rollout batch, micro-batch, window, SDE window, dpm2) hold better than seconds.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ from pathlib import Path
 import torch
 
 from ..jagg.plans import pass_groups, plan_knots
+from . import collectives as C
+from .collectives import LINKS, Links
 from .measure import model_inputs
 from .prompt_tokens import distinct_prompts, expected_longest
 from .shapes import meta_module
@@ -140,13 +149,15 @@ def _count(fn, attention: bool = False):
 
 
 def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: dict | None = None,
-                 a2a_gbps: float = A2A_GBPS) -> dict:
+                 a2a_gbps: float = A2A_GBPS, links: Links = LINKS, engine: str | None = None) -> dict:
     """{phase: seconds} of one training step on one rank and their sum ("step"), for the prepared config `s`
     (memory.prepare) at the estimate `est` (memory.estimate: its micro-batch and rollout batch).
     cfg_rows_with_grad: train the conditional and unconditional rows of CFG together with grad, as Flow-GRPO's
     train_sd3.py does (this stack trains the conditional rows and reuses the rollout's unconditional ones).
     calib: the measured passes to price with (rate()); default passes.json, the H200's. a2a_gbps: the GB/s a rank
-    sends in sequence parallelism's all-to-alls (A2A_GBPS: within a node)."""
+    sends in sequence parallelism's all-to-alls (A2A_GBPS: within a node). links: the bandwidths the data-parallel
+    collectives run at (collectives.py); engine: another engine's collectives than the config's (ddp: Flow-GRPO's
+    LoRA layout, collectives.flow_grpo_engine)."""
     cfg, comps = s["cfg"], s["components"]
     smp, g = cfg.sampling, cfg.grpo
     S, R, B, m = smp.num_steps, est["local_rows"], est["local_batch"], est["micro_batch_size"]
@@ -163,11 +174,25 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
         return _transformer_flops(json.dumps(comps["transformer"], sort_keys=True), s["kind"], tuple(s["latent"]),
                                   s["patch"], text, s["sp"], s["sp_text"])
 
-    def fwd(rows_per_pass: list, frozen: float | None = None, x: int = 1, **draw) -> float:
-        """No-grad passes of the transformer (or of `frozen`, FLOPs per row), `x` times the rows each (CFG's
-        unconditional rows: their prompt shorter than the conditional ones)."""
-        return sum(pass_seconds(n * x, flops(n, **draw) if frozen is None else frozen, calib=calib)
-                   for n in rows_per_pass)
+    # the data-parallel collectives of a transformer pass (collectives.py), and what compute leaves of them exposed
+    lay = C.layout(cfg, s["world"], engine)
+    comm = C.pass_comm(*C.units(s["stats"], s["lora_rank"] > 0, s["bf16"]), lay, links)
+    exposed = dict.fromkeys(("rollout", "reference", "train", "train_nograd", "eval"), 0.0)
+    busy = dict.fromkeys(exposed, 0.0)  # the collectives' own seconds, hidden or not
+
+    def fwd(rows_per_pass: list, frozen: float | None = None, x: int = 1, times: float = 1.0,
+            phase: str | None = None, **draw) -> float:
+        """`times` x the no-grad passes of the transformer (or of `frozen`, FLOPs per row: a replicated model, no
+        collectives), `x` times the rows each (CFG's unconditional rows: their prompt shorter than the conditional
+        ones); a transformer pass's exposed collectives go to `phase`."""
+        total = 0.0
+        for n in rows_per_pass:
+            t = pass_seconds(n * x, flops(n, **draw) if frozen is None else frozen, calib=calib)
+            total += t
+            if frozen is None:
+                exposed[phase] += times * comm.nograd(t)
+                busy[phase] += times * comm.gather
+        return times * total
 
     bs = est["sampling_batch"]
     chunks = [min(bs, R - i) for i in range(0, R, bs)]
@@ -180,14 +205,22 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     plan = planner.plan(torch.randn(trained, 2, 4), torch.linspace(1, 0, trained + 1),
                         grad_norms=lambda: torch.ones(trained)).plan
     knots = len(plan_knots(plan))
-    out = {"rollout": forwards * fwd(chunks, x=cfgg)}
+    out = {"rollout": fwd(chunks, x=cfgg, times=forwards, phase="rollout")}
     ref_runs = knots if g.ref_at == "knots" else cfg.reference_steps  # on the trained (or candidate) steps, or knots
-    out["reference"] = ref_runs * fwd(chunks, x=cfgg) if cfg.uses_reference and not fp else 0.0
+    out["reference"] = (fwd(chunks, x=cfgg, times=ref_runs, phase="reference") if cfg.uses_reference and not fp
+                        else 0.0)
     minibatches = (R // B) * g.inner_epochs
     micro = [min(m, B - i) for i in range(0, B, m)]
     groups = pass_groups(plan, planner.rows_per_pass)
     rows_x = cfgg if cfg_rows_with_grad else 1
-    train = sum(pass_seconds(len(k) * n * rows_x, flops(n), True, factor, calib=calib) for k in groups for n in micro)
+    grad_passes = [pass_seconds(len(k) * n * rows_x, flops(n), True, factor, calib=calib)
+                   for k in groups for n in micro]
+    train = sum(grad_passes)
+    # a minibatch's backwards reduce their gradients each (grad_sync every) or at its last (boundary: runner.py's last)
+    reduces = [lay.grad_sync == "every" or i == len(grad_passes) - 1 for i in range(len(grad_passes))]
+    exposed["train"] = minibatches * sum(comm.grad(t, 1 / (3 * factor), lay.backward_gathers, r)
+                                         for t, r in zip(grad_passes, reduces))
+    busy["train"] = minibatches * sum((1 + lay.backward_gathers) * comm.gather + r * comm.reduce for r in reduces)
     interior = sum(b - a - 1 for a, b in plan if b > a + 1)
     if fp:  # the frozen models' forwards (the old or EMA policy, the reference) at every timestep (or the knots)
         own = cfg.algorithm_section
@@ -204,7 +237,8 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
         nograd_passes = interior if forward_mode else 0
         if cfgg > 1 and not cfg_rows_with_grad:  # the uncond refresh of every minibatch after the first
             nograd_passes += (minibatches - 1) / minibatches * trained
-    out["train"], out["train_nograd"] = minibatches * train, minibatches * nograd_passes * fwd(micro)
+    out["train"] = minibatches * train
+    out["train_nograd"] = fwd(micro, times=minibatches * nograd_passes, phase="train_nograd")
     enc = sum(_frozen_flops(json.dumps(comps[n], sort_keys=True), "text", e["seq"]) for n, e in s["encoders"].items()
               if n in comps)
     out["encode"] = fwd([R], enc)
@@ -217,7 +251,8 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
         per = math.ceil(s["eval_images"] / (s["world"] // s["sp"]))  # an sp group evaluates the same images
         ev = [min(e.chunk_size, per - i) for i in range(0, per, e.chunk_size)]
         eval_draw = {"group": e.num_per_prompt, "prompts": -(-per // e.num_per_prompt)}  # its own prompts
-        out["eval"] = (smp.eval_num_steps * fwd(ev, x=cfgg, **eval_draw) + fwd(ev, vae)) / e.every
+        out["eval"] = (fwd(ev, x=cfgg, times=smp.eval_num_steps / e.every, phase="eval", **eval_draw)
+                       + fwd(ev, vae, times=1 / e.every))
         eval_rows = smp.eval_num_steps * per * cfgg / e.every
     else:
         out["eval"], eval_rows = 0.0, 0
@@ -228,7 +263,11 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
             "train": grad_rows, "train_nograd": minibatches * nograd_passes * B}
     passes = sum(rows.values()) + eval_rows + rows["train"] * (2 if cfg.parallel.activation_checkpointing else 1)
     out["sp_all_to_all"] = passes * s["a2a_row"] / (a2a_gbps * 1e9)
+    out["collectives"] = sum(exposed.values())  # the data-parallel ones compute leaves exposed
     out["step"] = sum(out.values())
+    out["comm"] = {"engine": lay.engine, "shard": lay.shard, "replicate": lay.replicate, "grad_sync": lay.grad_sync,
+                   "gathered_gb_per_forward": comm.gathered_bytes / 1e9, "busy": busy, "exposed": exposed,
+                   "nvlink_gbps": links.nvlink_gbps, "ib_gbps": links.ib_gbps, "gpus_per_node": links.gpus_per_node}
     out["forward_tflop_per_row"], out["a2a_gbps"] = flops(m) / 1e12, a2a_gbps  # at the training micro-batch
     # the arithmetic of each phase (TFLOP), to read a measured phase's achieved rate: a with-grad pass is ~3
     # forwards with checkpointing (forward, recomputed forward, backward of a LoRA model), `factor` of that otherwise
@@ -253,12 +292,28 @@ def flow_grpo_overrides(cfg) -> list[str]:
 
 def report(t: dict, flow_grpo: dict | None = None) -> str:
     c = calibration()
-    phases = ("rollout", "reference", "train", "train_nograd", "encode", "decode", "eval", "sp_all_to_all")
+    phases = ("rollout", "reference", "train", "train_nograd", "encode", "decode", "eval", "sp_all_to_all",
+              "collectives")
     line = ", ".join(f"{p} {t[p]:.1f}" for p in phases if t[p] > 0.05)
     out = (f"step time per rank: {t['step']:.1f} s ({line}), at the passes measured on an {c['gpu']} "
-           f"(estimate/passes.json; FSDP2's collectives and the optimizer step not counted"
-           f"{'; all-to-alls at %g GB/s' % t['a2a_gbps'] if t['sp_all_to_all'] else ''})")
+           f"(estimate/passes.json; the optimizer step not counted"
+           f"{'; all-to-alls at %g GB/s' % t['a2a_gbps'] if t['sp_all_to_all'] else ''})\n{comm_line(t)}")
     if flow_grpo is not None:
         out += (f"\nFlow-GRPO's step of the same config (per step, 9-row passes, CFG rows trained with grad, no "
-                f"checkpointing): {flow_grpo['step']:.1f} s: this config {flow_grpo['step'] / t['step']:.2f}x faster")
+                f"checkpointing; {flow_grpo['comm']['engine']}): {flow_grpo['step']:.1f} s: this config "
+                f"{flow_grpo['step'] / t['step']:.2f}x faster")
     return out
+
+
+def comm_line(t: dict) -> str:
+    """The data-parallel collectives of a priced step: layout, bytes, seconds and what compute leaves exposed."""
+    c = t["comm"]
+    if c["engine"] == "none":
+        return "data-parallel collectives: none (one rank, or parallel.engine none)"
+    hsdp = f" x {c['replicate']} replicas" if c["replicate"] > 1 else ""
+    return (f"data-parallel collectives ({c['engine']}, parameters sharded over {c['shard']} ranks{hsdp}, gradients "
+            f"reduced at {'every backward' if c['grad_sync'] == 'every' else 'the minibatch boundary'}): "
+            f"{c['gathered_gb_per_forward']:.2f} GB gathered a forward, {sum(c['busy'].values()):.1f} s of "
+            f"collectives a step, {t['collectives']:.2f} s of them not hidden behind compute (NVLink "
+            f"{c['nvlink_gbps']:g}, across nodes {c['ib_gbps']:g} GB/s a GPU, {c['gpus_per_node']} GPUs a node: "
+            f"estimate/collectives.py)")
