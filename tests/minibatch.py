@@ -23,12 +23,13 @@ def plan_of(**jagg_keys) -> dict:
     return {"planner": cfg.make_planner(), "intermediate": cfg.intermediate}
 
 
-def grpo_backward(model_fn, batch, cond, loss, steps, planner, *, intermediate="auto", on_policy: bool, prepare=None,
-                  **runner_kw):
+def grpo_backward(model_fn, batch, cond, loss, steps, planner, *, intermediate="auto", on_policy: bool, refresh=None,
+                  refresh_at="steps", **runner_kw):
     """The runner's backward_minibatch over a GRPO minibatch of the trajectory's `steps` (train/update.py
-    step_minibatch); `runner_kw`: backward, reduce, planned, micro_batch_size."""
+    step_minibatch, its `refresh` and grpo.refresh_at); `runner_kw`: backward, reduce, planned, micro_batch_size."""
     from jagg_scale.train.runner import backward_minibatch
     from jagg_scale.train.update import step_minibatch
 
-    mb = step_minibatch(batch, cond, loss, steps, intermediate=intermediate, on_policy=on_policy, prepare=prepare)
+    mb = step_minibatch(batch, cond, loss, steps, intermediate=intermediate, on_policy=on_policy, refresh=refresh,
+                        refresh_at=refresh_at)
     return backward_minibatch(model_fn, mb, planner, **runner_kw)

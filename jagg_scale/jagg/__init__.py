@@ -20,8 +20,8 @@ from .planners import (PLANNERS, ROUTE_BY, BudgetPlanner, ExactPlanner, Planned,
                        Routing, SharedKnotPlanner, WindowPlanner, build_planner, endpoint_cosines, num_routed,
                        planner_keys, route_windows)
 from .plans import (Plan, budget_for_speedup, check_plan, composite_upstream, exact_plan, fill_interior,
-                    knots_from_windows, pass_groups, plan_from_knots, plan_knots, plan_uniform, restrict_plan,
-                    split_windows, trained_steps, window_weights)
+                    interpolate_forwards, knots_from_windows, pass_groups, plan_from_knots, plan_knots, plan_uniform,
+                    restrict_plan, split_windows, trained_steps, window_weights)
 
 __all__ = [
     "INTERMEDIATE_MODES", "Backward", "IntermediateMode", "ModelFn", "StepLoss", "autograd_backward",
@@ -31,7 +31,8 @@ __all__ = [
     "PLANNERS", "BudgetPlanner", "ExactPlanner", "Planned", "Planner", "PlannerSettingError", "SharedKnotPlanner",
     "WindowPlanner", "build_planner", "planner_keys",
     "Plan", "budget_for_speedup", "check_plan", "composite_upstream", "exact_plan", "fill_interior",
-    "knots_from_windows", "pass_groups", "plan_from_knots", "plan_knots", "plan_uniform", "restrict_plan",
+    "interpolate_forwards", "knots_from_windows", "pass_groups", "plan_from_knots", "plan_knots", "plan_uniform",
+    "restrict_plan",
     "ROUTE_BY", "RouteBy", "Routing", "endpoint_cosines", "num_routed", "route_windows",
     "split_windows", "trained_steps", "window_weights",
 ]

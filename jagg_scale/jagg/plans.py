@@ -120,6 +120,14 @@ def pass_groups(plan: Sequence[tuple[int, int]], rows_per_pass: int | None = Non
     return groups
 
 
+def interpolate_forwards(plan: Sequence[tuple[int, int]], rows_per_pass: int | None = None) -> int:
+    """The no-grad forwards (B rows each) knot_backward's `interpolate` values spend beyond the plan's passes: one
+    per segment with interior steps whose right knot comes in a later pass than its left one (its drift is needed
+    when the segment is first reached)."""
+    pass_of = {q: i for i, group in enumerate(pass_groups(plan, rows_per_pass)) for q in group}
+    return sum(1 for a, b in plan if b > a + 1 and pass_of[b] > pass_of[a])
+
+
 def exact_plan(T: int) -> Plan:
     """Flow-GRPO: every step its own knot."""
     return [(k, k) for k in range(T)]
@@ -183,16 +191,25 @@ def interior_weights(sigmas: torch.Tensor, a: int, b: int) -> torch.Tensor:
     return window_weights(sigmas[a : b + 1])[1:-1]
 
 
-def fill_interior(plan: Sequence[tuple[int, int]], values: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+def fill_interior(plan: Sequence[tuple[int, int]], values: torch.Tensor, sigmas: torch.Tensor, *,
+                  moved: torch.Tensor | None = None) -> torch.Tensor:
     """values [T, B, ...] whose entries at the plan's knots are set, with each segment's interior steps replaced by
     the linear blend of its two knots in sigma, (1 - a_k) v_a + a_k v_b (the JAGG assumption applied to values);
-    `sigmas` [T] or [T, B]. Returns a new tensor; the knots' entries are unchanged."""
+    `sigmas` [T] or [T, B]. With `moved` [T, B, ...], the values every step held before the knots were recomputed,
+    an interior step is its old value moved by its knots' drift instead, moved_k + (1 - a_k)(v_a - moved_a) +
+    a_k (v_b - moved_b) (knot_backward's `interpolate` values; exact wherever the drift is affine in sigma). Returns
+    a new tensor; the knots' entries are unchanged."""
     plan = check_plan(plan, values.shape[0])
     out = values.clone()
     for a, b in plan:
         if b > a + 1:
             w = per_row(interior_weights(sigmas, a, b).to(values.device, torch.float32), values[a + 1 : b])
-            out[a + 1 : b] = ((1 - w) * values[a].float() + w * values[b].float()).to(values.dtype)
+            if moved is None:
+                blend = (1 - w) * values[a].float() + w * values[b].float()
+            else:
+                drift_a, drift_b = values[a].float() - moved[a].float(), values[b].float() - moved[b].float()
+                blend = moved[a + 1 : b].float() + (1 - w) * drift_a + w * drift_b
+            out[a + 1 : b] = blend.to(values.dtype)
     return out
 
 

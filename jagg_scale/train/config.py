@@ -25,7 +25,7 @@ from .config_sections import (AWMConfig, ConfigError, DataConfig, DPPOConfig, Ev
                               LogConfig, ModelConfig, NFTConfig, ParallelConfig, RewardConfig, RunConfig,
                               SamplingConfig, TrainConfig, _require, refuse_set)
 from .config_sections import __all__ as _sections_all
-from .config_forward import FIXED_WINDOWS, check_forward_process, fixed_windows
+from .config_forward import FIXED_WINDOWS, check_forward_process, check_refresh_at, fixed_windows
 from .config_build import MAX_YAML_BYTES, RENAMED, _build, _plain, _set_dotted, _yaml, parse_override
 
 log = logging.getLogger(__name__)
@@ -277,6 +277,7 @@ def _check_algorithm(cfg: Config) -> None:
             _require(g.kl_beta > 0, "grpo.ref_at", "knots places the KL reference's forwards, but grpo.kl_beta is 0 "
                      "(no reference runs): leave it out")
             _require(fixed_windows(cfg), "grpo.ref_at", FIXED_WINDOWS)
+        check_refresh_at(cfg)
         if s.sde == "cps":  # CPS's last step (to s_T = 0) injects no noise: no density to train on, a KL term of 1 / 0
             if g.sde_window:
                 hi = (g.sde_window_range or [0, s.num_steps])[1]
@@ -313,6 +314,8 @@ def _check_gcpo(cfg: Config) -> None:
 # inner_epochs: the group advantages and the trained steps) are read by DiffusionNFT too
 GRPO_ONLY = {"clip_range": "", "kl_beta": " (its KL weight is {own}.kl_beta)",
              "ref_at": " (its reference runs at its training timesteps, or at the plan's knots by {own}'s own key)",
+             "refresh_at": " (it trains CFG-free, its interior timesteps' values interpolated already: "
+                           "jagg.intermediate auto)",
              "step_selection": " (it draws each sample's timesteps itself)",
              "onpolicy_tolerance": " (its update has no log-ratio to check)",
              **{k: " (its rollout is the ODE: no SDE window to place)"
@@ -329,6 +332,8 @@ GRPO_UNREAD = {"dppo": {"clip_range": " (Flow-DPPO does not clip the ratio: its 
                         "step_selection": " (each sample draws its own chunks)",
                         "kl_beta": " (GCPO trains without a KL term: kl_coeff 0)",
                         "ref_at": " (no KL reference runs)",
+                        "refresh_at": " (its chunk factors need every chunk step at the current weights: after an "
+                                      "optimizer step it recomputes them all, train/gcpo.py)",
                         **{k: " (the SDE runs on every step: its chunks cover the trajectory)"
                            for k in ("sde_window", "sde_window_range", "sde_window_mode", "sde_window_every")}}}
 

@@ -1,12 +1,13 @@
-"""The checks across sections of a forward-process algorithm (config.py ROLLOUT_KIND "ode": DiffusionNFT, AWM), and
-what a frozen model run at a plan's knots needs (grpo.ref_at, nft.old_at, awm.frozen_at knots). config.validate
-calls them; every error is a ConfigError naming the dotted key."""
+"""The checks across sections of a forward-process algorithm (config.py ROLLOUT_KIND "ode": DiffusionNFT, AWM), what
+a frozen model run at a plan's knots needs (grpo.ref_at, nft.old_at, awm.frozen_at knots), and what the update's
+refresh at the knots needs (grpo.refresh_at knots). config.validate calls them; every error is a ConfigError naming
+the dotted key."""
 
 from __future__ import annotations
 
 from .config_sections import SamplingConfig, _require
 
-__all__ = ["FIXED_WINDOWS", "check_forward_process", "fixed_windows"]
+__all__ = ["FIXED_WINDOWS", "check_forward_process", "check_refresh_at", "fixed_windows"]
 
 # what grpo.ref_at knots and nft.old_at knots need: JAGG windows known before the rollout (the frozen models run at
 # their knots before the plan of a minibatch would be made)
@@ -61,3 +62,30 @@ def _check_awm(cfg) -> None:
     _require(cfg.jagg.intermediate != "cached", "jagg.intermediate", f"cached {why}: use interpolate or forward")
     _require(fixed_windows(cfg), "jagg.planner", f"reads the velocities to plan, and train.algorithm awm {why}: use "
              "fixed windows (jagg.planner uniform with jagg_frac 1 and no min_cos, or share_knots)")
+
+
+def check_refresh_at(cfg) -> None:
+    """grpo.refresh_at knots under an SDE algorithm that reads it (grpo, dppo: train/update.py): after an optimizer
+    step the values of the plan's interpolated steps come from its knots, so there must be interpolated steps, an
+    optimizer step before a minibatch, and something the key changes; the conditional interior values must be the
+    knots' (interpolate), as the unconditional ones are."""
+    g, j = cfg.grpo, cfg.jagg
+    if g.refresh_at != "knots":
+        return
+    K = cfg.trained_per_sample
+    _require(j.mode == "jagg" and j.make_planner().max_interior(K) > 0, "grpo.refresh_at",
+             f"knots takes the values of the JAGG plan's interpolated steps from its knots, but this plan has none "
+             f"(jagg.mode exact, a window of <= 2 steps, jagg_frac 0, or a budget of all {K} steps): every trained "
+             "step is a knot, recomputed as under steps: leave it out")
+    _require(j.intermediate in ("auto", "interpolate"), "jagg.intermediate",
+             f"{j.intermediate} with grpo.refresh_at knots: the interior velocities after an optimizer step are the "
+             "rollout's moved by the knots' drift (interpolate), as the unconditional predictions are; "
+             + ("forward recomputes them: set grpo.refresh_at steps" if j.intermediate == "forward" else
+                "cached would leave them stale beside refreshed unconditional ones: use auto or interpolate"))
+    _require(cfg.sampling.guidance != 1.0 or j.intermediate == "auto", "grpo.refresh_at",
+             "knots changes nothing here: without CFG (sampling.guidance 1) it only chooses jagg.intermediate auto's "
+             "values after an optimizer step, and jagg.intermediate interpolate chose them already: leave it out")
+    _require(cfg.optimizer_steps_per_step > 1, "grpo.refresh_at",
+             "knots acts after an optimizer step on a rollout, but this run takes one optimizer step per rollout "
+             "(train.minibatch_size = train.prompts_per_step x grpo.group_size, grpo.inner_epochs 1): nothing is "
+             "refreshed: leave it out")

@@ -41,7 +41,7 @@ Algorithm = Literal["grpo", "nft", "dppo", "gcpo", "awm"]  # train.algorithm (it
 NFTTimesteps = Literal["per_row", "per_batch"]  # nft.timesteps: each sample its own training timesteps | one draw
 NFTNoise = Literal["per_timestep", "per_sample", "per_window"]  # nft.noise: which training timesteps share a draw
 NFTOldAt = Literal["timesteps", "knots"]  # nft.old_at: where the old policy's and the reference's velocities are run
-RefAt = Literal["steps", "knots"]  # grpo.ref_at: where the rollout runs the KL reference
+RefAt = Literal["steps", "knots"]  # grpo.ref_at, refresh_at: on every trained step, or on the plan's knots
 DataSource = Literal["list", "wds"]  # prompt_file / prompts in memory | webdataset shards streamed per rank
 RewardAggregate = Literal["sum", "advantage", "gdpo"]  # rewards/multi.py: GRPO on sum w r | MixGRPO's | Flow-Factory's
 WandbMode = Literal["offline", "online", "disabled"]
@@ -206,11 +206,12 @@ class GRPOConfig(_Section):
     clip_range: float = 1e-4
     adv_clip_max: float = 5.0
     kl_beta: float = 0.0  # KL weight; 0 skips the reference model entirely
-    # where the rollout runs the KL reference: on every trained step (Flow-GRPO), or on the JAGG plan's knots only,
-    # its velocity linear in sigma between them inside a window (the window's own assumption, applied to the frozen
-    # model's values; exact for a velocity affine along the window's line): 5 of 9 reference forwards at W 4.
-    # knots needs a plan known before the rollout (jagg.mode jagg with jagg_frac 1, or share_knots)
+    # where the rollout runs the KL reference (ref_at) and, after an optimizer step, the update recomputes CFG's
+    # unconditional prediction and JAGG's interior velocities (refresh_at; jagg.intermediate auto): on every trained
+    # step (Flow-GRPO), or on the JAGG plan's knots only, linear in sigma between them (the window's own assumption,
+    # exact for a velocity affine along its line). ref_at knots needs a plan known before the rollout
     ref_at: RefAt = "steps"
+    refresh_at: RefAt = "steps"
     timestep_fraction: float = 1.0
     # which steps a sample trains (grpo/steps.py): first, Flow-GRPO's first int(T x timestep_fraction) | random,
     # DanceGRPO's int((T - 1) x timestep_fraction) of the first T - 1 drawn per sample | windows, eff_grpo's blocks of

@@ -30,7 +30,7 @@ from ..cond import expand_cond, index_cond
 from ..data.images import EditPrompt
 from ..grpo import StepBatch, Trajectories, guided_velocity, model_schedule, sample_sde
 from ..grpo.rollout import FinalLatents, to_device
-from ..jagg import fill_interior, plan_knots
+from ..jagg import Plan, fill_interior, plan_knots
 from .algorithm import RolloutSpec
 from .config import Config
 from .rows import initial_noise, row_generators
@@ -142,14 +142,20 @@ class Policy:
         return cond if self.guidance != 1.0 else (cond, None)
 
     @torch.no_grad()
-    def fresh_uncond(self, batch: StepBatch, steps: list[int], uncond) -> StepBatch:
+    def fresh_uncond(self, batch: StepBatch, steps: list[int], uncond, plan: Plan | None = None) -> StepBatch:
         """The batch with the unconditional predictions of the trained steps recomputed at the current parameters
-        (one no-grad forward of B rows per step): after an optimizer step the rollout's are stale."""
+        (one no-grad forward of B rows per step): after an optimizer step the rollout's are stale. With `plan` (the
+        minibatch's knot plan over `steps`: grpo.refresh_at knots) only its knots are recomputed, and every other
+        trained step's u_k is the rollout's moved by its segment's knots' drift, linear in sigma (fill_interior's
+        `moved`: u_k + (1 - a_k)(u_a' - u_a) + a_k (u_b' - u_b), as knot_backward's `interpolate` values)."""
         fresh = batch.uncond_velocities.clone()
         predict = self.model_fn()
         B = batch.latents.shape[1]
-        for k in steps:
+        for k in steps if plan is None else [steps[q] for q in plan_knots(plan)]:
             fresh[k] = predict(batch.latents[k], batch.sigmas[k].expand(B), uncond).float()
+        if plan is not None:
+            at = torch.tensor(steps, device=fresh.device)
+            fresh[at] = fill_interior(plan, fresh[at], batch.sigmas[at], moved=batch.uncond_velocities[at])
         return dataclasses.replace(batch, uncond_velocities=fresh, rollout_uncond=batch.old_uncond)
 
     @torch.no_grad()

@@ -9,8 +9,9 @@
         probe     jagg.probe_every: the exact gradient beside the plan's, per window and overall, before the first
                   backward (it leaves .grad cleared, so the update is unchanged)
         backward  micro-batches of train.micro_batch_size rows, each the whole plan through knot_backward
-                  (jagg/backward.py); an optional refresh of each micro-batch first (CFG's unconditional predictions
-                  once the weights moved); the engine's backward(out, grad, last) with `last` on the final one
+                  (jagg/backward.py); an optional refresh of each micro-batch first, given the plan (CFG's
+                  unconditional predictions once the weights moved: at every trained step or at the plan's knots);
+                  the engine's backward(out, grad, last) with `last` on the final one
         step      engine.step(): clip, optimizer, EMA; a non-finite loss or norm skips it (counted; too many in
                   a row stop the run); under float16 an overflow of the loss scale's search is counted apart
                   (loss_scale_skips, parallel/loss_scale.py) and the scale is logged (loss_scale)
@@ -25,20 +26,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from ..cond import Cond, index_cond
-from ..jagg import (Backward, ModelFn, Planned, Planner, autograd_backward, exact_plan, knot_backward, pass_groups,
-                    plan_knots, restrict_plan)
+from ..jagg import (Backward, ModelFn, Plan, Planned, Planner, autograd_backward, exact_plan, interpolate_forwards,
+                    knot_backward, pass_groups, plan_knots, restrict_plan)
 from ..jagg.backward import MinibatchLoss
 from ..parallel.engine import NonFiniteError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BackwardStats", "Minibatch", "MinibatchRunner", "UpdateTotals", "backward_minibatch", "micro_batches",
-           "plan_minibatch", "probe_minibatch", "reduce_metrics"]
+__all__ = ["BackwardStats", "Minibatch", "MinibatchRunner", "Refresh", "UpdateTotals", "backward_minibatch",
+           "micro_batches", "plan_minibatch", "probe_minibatch", "reduce_metrics"]
 
 _EXTREMES = {"ratio_max": torch.amax, "ratio_min": torch.amin,  # GRPO's per-step ratios, GCPO's per-chunk ones
              "chunk_ratio_max": torch.amax, "chunk_ratio_min": torch.amin,
@@ -58,6 +59,17 @@ def reduce_metrics(recorded: dict[str, list]) -> dict[str, torch.Tensor]:
     return out
 
 
+class Refresh(Protocol):
+    """What a minibatch recomputes in each micro-batch before its backward once the weights moved (CFG's
+    unconditional predictions, train/update.py UncondRefresh): `refresh(micro-batch, rows, plan)` -> the micro-batch
+    to train, given the minibatch's knot plan; `passes(plan)` its no-grad forwards in B-row passes (the metrics'
+    uncond_forward_passes)."""
+
+    def __call__(self, batch: Any, rows: slice, plan: Plan) -> Any: ...
+
+    def passes(self, plan: Plan) -> int: ...
+
+
 @dataclass
 class Minibatch:
     """One minibatch as the runner trains it (an algorithm builds it).
@@ -71,8 +83,7 @@ class Minibatch:
                   input, and the `cached` / `interpolate` intermediate values)
     intermediate  jagg.intermediate as this minibatch resolves it (cached | interpolate | forward)
     plan_sigmas   the noise levels the planner reads ([K]); None: the inputs' sigmas
-    prepare       prepare(micro-batch, rows) -> the micro-batch to train, before its backward (None: as it is)
-    uncond_forward_passes   no-grad passes `prepare` spends (counted in the metrics)
+    refresh       the Refresh of each micro-batch before its backward (None: trained as it is)
     nograd_forward_passes   no-grad passes (B rows) the algorithm spent building the minibatch (GCPO's factors
                   after an optimizer step), counted with the intermediate values' in the metrics
     """
@@ -84,8 +95,7 @@ class Minibatch:
     inputs: Callable[[Any], Inputs]
     intermediate: str
     plan_sigmas: torch.Tensor | None = None
-    prepare: Callable[[Any, slice], Any] | None = None
-    uncond_forward_passes: int = 0
+    refresh: Refresh | None = None
     nograd_forward_passes: int = 0
 
 
@@ -98,7 +108,7 @@ class BackwardStats:
     backward_calls: int = 0  # backward() calls through the transformer
     backward_passes: int = 0  # in B-row units: a JAGG joint pass counts 2
     per_step_equiv: int = 0  # what the per-step baseline would have spent: one per trained position
-    nograd_forward_passes: int = 0  # extra no-grad forwards of the `forward` intermediate mode
+    nograd_forward_passes: int = 0  # no-grad forwards of the interpolated steps' values (forward; interpolate's knots)
     intermediate_forward: int = 0  # windows whose intermediate values came from fresh no-grad forwards
     uncond_forward_passes: int = 0  # CFG: no-grad unconditional forwards (B rows) after an optimizer step
     loss: float | torch.Tensor = 0.0  # sum over trained steps of the (scaled) step losses (0-d: read when logged)
@@ -208,8 +218,8 @@ def backward_minibatch(model_fn: ModelFn, mb: Minibatch, planner: Planner, *, ba
     for i, rows in enumerate(chunks):
         final = i == len(chunks) - 1
         sub, sub_cond = (mb.batch, mb.cond) if len(chunks) == 1 else (mb.batch.rows(rows), index_cond(mb.cond, rows))
-        if mb.prepare is not None:
-            sub = mb.prepare(sub, rows)
+        if mb.refresh is not None:
+            sub = mb.refresh(sub, rows, planned.plan)
 
         def chunk_backward(out, grad, last, final=final):
             backward(out, grad, last=last and final)
@@ -219,13 +229,15 @@ def backward_minibatch(model_fn: ModelFn, mb: Minibatch, planner: Planner, *, ba
     knots = plan_knots(planned.plan)
     interior = sum(b - a - 1 for a, b in planned.plan if b > a + 1)
     forward = mb.intermediate == "forward"
+    # interpolate: a segment whose right knot comes in a later pass is looked up by one no-grad forward
+    lookups = interpolate_forwards(planned.plan, planner.rows_per_pass) if mb.intermediate == "interpolate" else 0
     return BackwardStats(
         windows=planned.num_windows, windows_jagg=planned.jagg_windows,
         backward_calls=len(pass_groups(planned.plan, planner.rows_per_pass)) * len(chunks),
         backward_passes=len(knots), per_step_equiv=len(mb.positions),
-        nograd_forward_passes=(interior if forward else 0) + mb.nograd_forward_passes,
+        nograd_forward_passes=(interior if forward else lookups) + mb.nograd_forward_passes,
         intermediate_forward=planned.jagg_windows if forward else 0,
-        uncond_forward_passes=mb.uncond_forward_passes,
+        uncond_forward_passes=mb.refresh.passes(planned.plan) if mb.refresh is not None else 0,
         loss=torch.stack(total).sum(), cosines=planned.cosines,
         knots=[] if planned.windows is not None else [[mb.positions[q] for q in knots]])
 

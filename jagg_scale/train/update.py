@@ -10,13 +10,19 @@
                          GRPOStepLoss (grpo/loss.py) over the trained steps, its mean over the valid rows of every
                          rank; with step selection random | windows each row's steps laid out per row
                          (grpo/steps.py positioned); CFG: the unconditional predictions refreshed per micro-batch once
-                         the weights moved; the first minibatch's log-ratio is the on-policy invariant's value
+                         the weights moved (grpo.refresh_at: at every trained step, or at the minibatch plan's knots
+                         and moved by their drift in between); the first minibatch's log-ratio is the on-policy
+                         invariant's value
 
 `auto` intermediate values are the rollout's cached velocities until the first applied optimizer step on this rollout
-and fresh no-grad forwards after it (cached values are then stale).
+(exact) and, after it (cached values are then stale), fresh no-grad forwards (grpo.refresh_at steps) or the cached
+values moved by the knots' drift (knots: `interpolate`, the same rule as the refreshed unconditional predictions).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,22 +30,43 @@ from ..cond import Cond, index_cond
 from ..grpo.loss import GRPOStepLoss, StepBatch
 from ..grpo.rollout import to_device
 from ..grpo.steps import candidate_steps, positioned, select_steps
-from ..jagg import exact_plan, plan_knots, trained_steps
+from ..jagg import Plan, exact_plan, plan_knots, trained_steps
 from .algorithm import Algorithm, RolloutSpec
 from .rows import step_seed
-from .runner import Minibatch, MinibatchRunner
+from .runner import Minibatch, MinibatchRunner, Refresh
 
-__all__ = ["GRPO", "resolve_intermediate", "step_minibatch", "trained_rows"]
+__all__ = ["GRPO", "UncondRefresh", "resolve_intermediate", "step_minibatch", "trained_rows"]
 
 WINDOW_STREAM = 3  # rows.py step_seed stream of the SDE window's start
 
 
-def resolve_intermediate(setting: str, on_policy: bool) -> str:
+def resolve_intermediate(setting: str, on_policy: bool, refresh_at: str = "steps") -> str:
     """`auto`: cached velocities are exact while the parameters are the rollout's, stale after any optimizer
-    step (measured: gradient cosine 0.16 cached vs 0.80 forward after one Adam step, docs/algorithm.md section 3)."""
+    step (measured: gradient cosine 0.16 cached vs 0.80 forward after one Adam step, docs/algorithm.md section 3);
+    then recomputed (grpo.refresh_at steps) or moved by the knots' drift (knots)."""
     if setting != "auto":
         return setting
-    return "cached" if on_policy else "forward"
+    return "cached" if on_policy else {"steps": "forward", "knots": "interpolate"}[refresh_at]
+
+
+@dataclass(frozen=True)
+class UncondRefresh:
+    """CFG after an optimizer step (a runner Refresh): each micro-batch's unconditional predictions recomputed at the
+    current weights before its backward (Policy.fresh_uncond), at every trained step of `steps` (grpo.refresh_at
+    steps: one no-grad forward of its rows per step) or at the plan's knots alone (knots: the others moved by the
+    knots' drift, linear in sigma)."""
+
+    policy: Any
+    uncond: Cond  # the minibatch's unconditional conditioning (B rows)
+    steps: list[int]
+    at: str = "steps"  # grpo.refresh_at
+
+    def __call__(self, batch: StepBatch, rows: slice, plan: Plan) -> StepBatch:
+        return self.policy.fresh_uncond(batch, self.steps, index_cond(self.uncond, rows),
+                                        plan if self.at == "knots" else None)
+
+    def passes(self, plan: Plan) -> int:
+        return len(self.steps) if self.at == "steps" else len(plan_knots(plan))
 
 
 def trained_rows(t: torch.Tensor, steps: list[int]) -> torch.Tensor:
@@ -50,14 +77,14 @@ def trained_rows(t: torch.Tensor, steps: list[int]) -> torch.Tensor:
 
 
 def step_minibatch(batch: StepBatch, cond: Cond, loss: GRPOStepLoss, steps: list[int], *, intermediate: str = "auto",
-                   on_policy: bool, prepare=None, uncond_forward_passes: int = 0) -> Minibatch:
+                   on_policy: bool, refresh: Refresh | None = None, refresh_at: str = "steps") -> Minibatch:
     """A GRPO minibatch for the runner: the trajectory's trained `steps` of `batch` (their latents, sigmas and the
-    rollout's velocities), jagg.intermediate `intermediate` resolved for `on_policy`."""
+    rollout's velocities), jagg.intermediate `intermediate` resolved for `on_policy` and grpo.refresh_at
+    `refresh_at`, `refresh` (CFG's UncondRefresh) run on each micro-batch."""
     return Minibatch(batch=batch, cond=cond, loss=loss, positions=steps,
                      inputs=lambda b: (trained_rows(b.latents, steps), trained_rows(b.sigmas, steps),
                                        trained_rows(b.velocities, steps)),
-                     intermediate=resolve_intermediate(intermediate, on_policy), prepare=prepare,
-                     uncond_forward_passes=uncond_forward_passes)
+                     intermediate=resolve_intermediate(intermediate, on_policy, refresh_at), refresh=refresh)
 
 
 class GRPO(Algorithm):
@@ -145,15 +172,10 @@ class GRPO(Algorithm):
                 drawn = select_steps(g.step_selection, cfg.sampling.num_steps, g.timestep_fraction,
                                      cfg.selection_window, cfg.run.seed, step, rows.mine[local])
                 batch, trained = positioned(batch, drawn)
-            refresh = uncond is not None and not on_policy  # the rollout's uncond is stale: recomputed
-            prepare = self._uncond_refresh(index_cond(uncond, local), trained) if refresh else None
+            # the rollout's uncond is stale: recomputed (grpo.refresh_at)
+            refresh = (UncondRefresh(self.policy, index_cond(uncond, local), trained, g.refresh_at)
+                       if uncond is not None and not on_policy else None)
             return step_minibatch(batch, index_cond(cond, local), loss, trained, intermediate=cfg.jagg.intermediate,
-                                  on_policy=on_policy, prepare=prepare,
-                                  uncond_forward_passes=len(trained) if refresh else 0)
+                                  on_policy=on_policy, refresh=refresh, refresh_at=g.refresh_at)
 
         return minibatch
-
-    def _uncond_refresh(self, uncond, steps: list[int]):
-        """CFG after an optimizer step: each micro-batch's unconditional predictions recomputed at the current
-        weights (one no-grad forward of its rows per trained step) before its backward."""
-        return lambda batch, rows: self.policy.fresh_uncond(batch, steps, index_cond(uncond, rows))

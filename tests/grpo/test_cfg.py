@@ -11,6 +11,7 @@ import torch
 from jagg_scale.cond import cat_cond
 from jagg_scale.grpo import GRPOStepLoss, guided_velocity, sample_sde, sigma_schedule
 from jagg_scale.train import Trainer, load_config
+from jagg_scale.train.update import UncondRefresh
 from minibatch import grpo_backward, plan_of, rollout_minibatch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,11 +136,13 @@ def test_off_policy_cfg_in_micro_batches_recomputes_the_uncond_per_chunk(tmp_pat
     loss = GRPOStepLoss(**LOSS, scale=1 / len(trainer.algorithm.steps), guidance=guidance, denominator=6.0)
     chunk_rows = []
 
-    def prepare(b, rows):
-        chunk_rows.append(b.latents.shape[1])
-        return trainer.policy.fresh_uncond(b, trainer.algorithm.steps, uc[rows])
+    class Refresh(UncondRefresh):
+        def __call__(self, b, rows, plan):
+            chunk_rows.append(b.latents.shape[1])
+            return super().__call__(b, rows, plan)
 
-    grpo_backward(trainer.policy.model_fn(), batch, c, loss, trainer.algorithm.steps, **plan_of(window=2),
-                                  on_policy=False, micro_batch_size=4, prepare=prepare)
-    assert chunk_rows == [4, 2]
+    steps = trainer.algorithm.steps
+    stats = grpo_backward(trainer.policy.model_fn(), batch, c, loss, steps, **plan_of(window=2), on_policy=False,
+                          micro_batch_size=4, refresh=Refresh(trainer.policy, uc, steps))
+    assert chunk_rows == [4, 2] and stats.uncond_forward_passes == len(trainer.algorithm.steps)
     assert _cos(_grad(trainer.model), ref) > 0.99999
