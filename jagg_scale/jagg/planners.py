@@ -101,12 +101,22 @@ class Routing:
         return sum(self.use_jagg)
 
 
+COSINE_CHUNK = 2**22  # elements of a float64 chunk of endpoint_cosines (32 MiB)
+
+
 def endpoint_cosines(velocities: torch.Tensor, windows: Sequence[Sequence[int]]) -> list[float]:
     """Per window, the mean over samples of the cosine between its first and last velocities ([T, B, ...] input),
-    computed on the device and read back to the host once."""
-    first = torch.stack([velocities[w[0]] for w in windows]).flatten(2).double()  # views, no index tensor
-    last = torch.stack([velocities[w[-1]] for w in windows]).flatten(2).double()
-    return torch.nn.functional.cosine_similarity(first, last, dim=2, eps=1e-12).mean(1).tolist()
+    computed on the device and read back to the host once. In float64 a chunk of rows at a time (at most
+    COSINE_CHUNK elements): a float64 copy of every window's endpoints would be 4x a bf16 rollout's velocities of
+    the whole minibatch (routing would be the update's peak); each row's cosine is the same either way."""
+    B = velocities.shape[1]
+    rows = max(1, COSINE_CHUNK // max(1, velocities[0, 0].numel()))
+    per_window = []
+    for w in windows:
+        first, last = velocities[w[0]].flatten(1), velocities[w[-1]].flatten(1)  # views
+        per_window.append(torch.cat([torch.nn.functional.cosine_similarity(
+            first[i:i + rows].double(), last[i:i + rows].double(), dim=1, eps=1e-12) for i in range(0, B, rows)]))
+    return torch.stack(per_window).mean(1).tolist()
 
 
 def num_routed(jagg_frac: float, num_windows: int) -> int:

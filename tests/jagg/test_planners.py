@@ -125,3 +125,19 @@ def test_the_docs_say_which_keys_belong_to_which_planner():
     for kind, cell in rows.items():
         listed = re.findall(r"`(\w+)`", cell)
         assert sorted(listed) == sorted(planner_keys(kind)), (kind, listed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_endpoint_cosines_in_row_chunks_are_the_whole_batchs_float64_cosines(monkeypatch, dtype):
+    """Routing's statistics without a float64 copy of every window endpoint: a chunk of rows at a time (here 2 of 5
+    rows a chunk) gives each row's float64 cosine, so the means are the whole-batch computation's."""
+    import jagg_scale.jagg.planners as P
+
+    v = torch.randn(6, 5, 3, 4, 4, generator=torch.Generator().manual_seed(0)).to(dtype)
+    windows = [[0, 1, 2], [3, 4, 5], [1, 4]]
+    first = torch.stack([v[w[0]] for w in windows]).flatten(2).double()
+    last = torch.stack([v[w[-1]] for w in windows]).flatten(2).double()
+    whole = torch.nn.functional.cosine_similarity(first, last, dim=2, eps=1e-12).mean(1).tolist()
+    monkeypatch.setattr(P, "COSINE_CHUNK", 2 * 48)
+    chunked = P.endpoint_cosines(v, windows)
+    assert chunked == pytest.approx(whole, rel=1e-14, abs=1e-15) and len(set(chunked)) == 3
