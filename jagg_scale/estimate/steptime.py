@@ -233,10 +233,13 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
         nograd_passes = 0 if cfg_rows_with_grad else ((minibatches - 1) / minibatches
                                                       * cfg.gcpo.expected_steps(smp.num_steps) * cfgg)
     else:
-        forward_mode = cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto" and minibatches > 1)
-        nograd_passes = interior if forward_mode else 0
+        # per minibatch on average; the first is on-policy (no optimizer step yet): its cached values are exact
+        after_step = (minibatches - 1) / minibatches
+        # the interior forwards of a forward-mode window: every minibatch's under `forward`, under `auto` those after
+        # an optimizer step (train/update.py resolve_intermediate: cached while on-policy)
+        nograd_passes = interior * {"forward": 1.0, "auto": after_step}.get(cfg.jagg.intermediate, 0.0)
         if cfgg > 1 and not cfg_rows_with_grad:  # the uncond refresh of every minibatch after the first
-            nograd_passes += (minibatches - 1) / minibatches * trained
+            nograd_passes += after_step * trained
     out["train"] = minibatches * train
     out["train_nograd"] = fwd(micro, times=minibatches * nograd_passes, phase="train_nograd")
     enc = sum(_frozen_flops(json.dumps(comps[n], sort_keys=True), "text", e["seq"]) for n, e in s["encoders"].items()

@@ -154,3 +154,12 @@ def test_the_flop_count_of_the_qwen_families_is_their_blocks_arithmetic(shape, k
                     + c["num_single_layers"] * (2 * weights(sgl) * tok + 4 * d * tok**2))
     assert F == pytest.approx(expected, rel=0.02)  # the rest: embedders, norms, the head
     assert T._transformer_flops(json.dumps(comp, sort_keys=True), kind, latent, 2, text // 2) < F  # the prompt
+
+
+def test_the_no_grad_refresh_runs_after_an_optimizer_step_only():
+    """sd35m_pickscore's 2 minibatches: the first is on-policy (jagg.intermediate auto: cached), the second runs the
+    4 interior forwards and the 9 unconditional ones per sample (13 row-forwards); `forward` runs the interior on
+    both (17); one minibatch a rollout runs none (as tools/bench/whole_step.py measures it)."""
+    shipped, forward = seconds(), seconds("jagg.intermediate=forward")
+    assert forward["train_nograd"] == pytest.approx(shipped["train_nograd"] * 17 / 13)
+    assert seconds("train.minibatch_size=1152")["train_nograd"] == 0
