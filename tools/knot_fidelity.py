@@ -99,7 +99,7 @@ def rollout(trainer: Trainer, step: int):
         spec = dataclasses.replace(spec, ref_steps=frozenset(steps), ref_plan=None)
     scorer = ChunkScorer(trainer.reward, trainer.model.decode, background=False, device=trainer.device)
     trainer.model.eval()
-    traj = trainer.policy.rollout(cond, rows.mine, step, spec=spec,
+    traj = trainer.policy.rollout(cond, rows.mine, step, spec=spec, prompts=prompts,
                                   on_chunk=lambda c, final: scorer.add(final, prompts[c], meta[c]))
     parts = gather_components(scorer.finish(), rows.all_rows, len(records), lambda t: t)
     adv = trainer.algorithm.advantages(parts, trainer.reward.weights, [i // g for i in range(len(records))])

@@ -19,7 +19,7 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
-from ..cond import Cond, cat_cond, to_device
+from ..cond import Cond, cat_cond, index_cond, to_device
 from .guidance import GuidanceRule, guide
 from .loss import StepBatch
 from .sde import SDE_STEPS, ode_step, standard_normal
@@ -144,6 +144,7 @@ def sample_sde(
     host_sigmas: Sequence[float] | None = None,
     sde: str = "flow_grpo",
     keep: str = "trajectory",
+    shared_prefix: torch.Tensor | None = None,
 ) -> Trajectories | FinalLatents:
     """Run the sampler from `noise` (the latent x_0 at s_0 = 1) through all T steps of `sigmas`: the SDE (with
     log-probs) on `sde_steps` (all when None), the deterministic ODE elsewhere (Flow-GRPO-Fast / MixGRPO: only the SDE
@@ -161,11 +162,16 @@ def sample_sde(
     never reads them). The solver's coefficients are Python floats computed from `host_sigmas` (the schedule's
     values as a list; read from `sigmas` when not given: one read of the device), never per step on the device.
 
-    `keep` final: only x_T is returned (FinalLatents); nothing per step is held, not even while sampling."""
+    `keep` final: only x_T is returned (FinalLatents); nothing per step is held, not even while sampling.
+
+    Shared prefix (`shared_prefix`, a host index [N]: row i's lead row, the lead's entry itself): the deterministic
+    steps before the first SDE step depend only on x_0 and the conditioning, so rows whose x_0 and conditioning
+    (both halves with CFG) equal their lead's take them from it: they run once on the lead rows and their latents,
+    predictions and final state are copied to every row (a row reads exactly its lead's numbers)."""
     x = noise.float()
     n = x.shape[0]
     T = len(sigmas) - 1
-    compressed = sde_steps is not None and (ode_solver != "euler" or ode_steps > 0)
+    compressed = _compressed(sde_steps, ode_solver, ode_steps)
     if compressed and host_sigmas is None:
         host_sigmas = sigmas.tolist()
     sigmas = sigmas.to(x.device)  # once: the per-step scalars below are views of it, never host reads
@@ -174,7 +180,7 @@ def sample_sde(
     sde_step = SDE_STEPS[sde]
     step_noise = draw_step_noise(generator, x.shape, len(trained), x.device)
 
-    def predict(x, s):
+    def predict(x, s, cond=cond):
         """(the guided velocity the sampler moves along, the stored prediction, the unconditional one or None)."""
         if guidance == 1.0:
             v = velocity_fn(x, s, cond).float()
@@ -199,23 +205,37 @@ def sample_sde(
         latents[k + 1], log_probs[k] = step.prev_sample, step.log_prob
         return step.prev_sample
 
-    if not compressed:
-        for k in range(T):
-            if sde_steps is None or k in sde_steps:
+    first = 0 if sde_steps is None else trained[0] if trained else T  # the deterministic prefix: steps < first
+    if compressed:
+        window = sorted(sde_steps)
+        if window != list(range(first, first + len(window))):
+            raise ValueError(f"a compressed rollout needs one window of consecutive SDE steps, got {window}")
+        before, after = window_grids(host_sigmas, first, len(window), ode_steps)
+    # the prefix on the lead rows alone where rows share it, then copied to every row
+    lead = None if shared_prefix is None or first == 0 else torch.unique(shared_prefix)
+    lead = None if lead is None or len(lead) == n else lead
+    px, pcond = (x, cond) if lead is None else (x[to_device(lead, x.device)], index_cond(cond, lead))
+    m = px.shape[0]
+    if compressed:
+        px = _ode_segment(lambda x, s: predict(x, s, pcond), px, before, OdeSolverState(ode_solver), m, latents,
+                          velocities, uncond_vs)
+    else:
+        for k in range(first):
+            v, velocities[k], uncond_vs[k] = predict(px, sigmas[k].expand(m), pcond)
+            px = latents[k + 1] = ode_step(px, v, sigmas[k], sigmas[k + 1])
+    x = px if lead is None else _broadcast_prefix(px, lead, shared_prefix, first, final_only, latents, velocities,
+                                                   uncond_vs)
+    if compressed:
+        for k in window:
+            x = sde(k, x)
+        x = _ode_segment(predict, x, after, OdeSolverState(ode_solver), n, latents, velocities, uncond_vs)
+    else:
+        for k in range(first, T):
+            if k in trained:
                 x = sde(k, x)
                 continue
             v, velocities[k], uncond_vs[k] = predict(x, sigmas[k].expand(n))
             x = latents[k + 1] = ode_step(x, v, sigmas[k], sigmas[k + 1])
-    else:
-        window = sorted(sde_steps)
-        start = window[0] if window else T
-        if window != list(range(start, start + len(window))):
-            raise ValueError(f"a compressed rollout needs one window of consecutive SDE steps, got {window}")
-        before, after = window_grids(host_sigmas, start, len(window), ode_steps)
-        x = _ode_segment(predict, x, before, OdeSolverState(ode_solver), n, latents, velocities, uncond_vs)
-        for k in window:
-            x = sde(k, x)
-        x = _ode_segment(predict, x, after, OdeSolverState(ode_solver), n, latents, velocities, uncond_vs)
     if final_only:
         return FinalLatents(x)
 
@@ -231,6 +251,36 @@ def sample_sde(
         ref_velocities=None if ref_velocity_fn is None else stack(ref_vs, x),
         uncond_velocities=None if guidance == 1.0 else stack(uncond_vs, x),
     )
+
+
+def _compressed(sde_steps, ode_solver: str, ode_steps: int) -> bool:
+    return sde_steps is not None and (ode_solver != "euler" or ode_steps > 0)
+
+
+def prefix_forwards(host_sigmas: Sequence[float], sde_steps: Collection[int] | None, ode_solver: str = "euler",
+                    ode_steps: int = 0) -> int:
+    """The model calls of sample_sde's deterministic prefix (before the first SDE step; on the compressed grid
+    where the rollout is compressed): what a row that shares its prefix (`shared_prefix`) does not run."""
+    T = len(host_sigmas) - 1
+    trained = [k for k in range(T) if sde_steps is None or k in sde_steps]
+    first = 0 if sde_steps is None else trained[0] if trained else T
+    if not first or not _compressed(sde_steps, ode_solver, ode_steps):
+        return first
+    return max(len(window_grids(host_sigmas, first, len(trained), ode_steps)[0]) - 1, 0)
+
+
+def _broadcast_prefix(x: torch.Tensor, lead: torch.Tensor, shared: torch.Tensor, first: int, final_only: bool,
+                      latents: list, velocities: list, uncond_vs: list) -> torch.Tensor:
+    """The lead rows' state after the first `first` steps, and what they stored of those steps, as every row's: row i
+    gets its lead's (`shared[i]`, a position in the chunk; `lead` the sorted lead positions)."""
+    rows = to_device(torch.searchsorted(lead, shared), x.device)
+    if final_only:
+        return x[rows]
+    for k in range(first):
+        for store, at in ((latents, k + 1), (velocities, k), (uncond_vs, k)):
+            if store[at] is not None:
+                store[at] = store[at][rows]
+    return latents[first] if latents[first] is not None else x[rows]
 
 
 def _ode_segment(predict, x, grid, solver: OdeSolverState, n: int, latents: list, velocities: list,

@@ -8,12 +8,16 @@
                              is a constant for the gradient, see grpo/loss.py), so a JAGG joint pass has 2B rows
     policy.reference_fn()    the KL reference's velocity, or None when grpo.kl_beta = 0
     policy.encode(prompts)   the conditioning; with guidance != 1 the pair (cond, uncond) of the prompts and of the
-                             model's negative prompt (an edit prompt's on its own input image)
+                             model's negative prompt (an edit prompt's on its own input image). Each distinct
+                             prompt is encoded once (distinct_prompts) and its rows are copies of that encoding
     policy.rollout(...)      the rollout an algorithm's RolloutSpec asks for (algorithm.py): trajectories of given
                              global rows on the training schedule `policy.sigmas`, every draw seeded per (run
                              seed, step, row) (x_0 per group with sampling.same_initial_noise); outside the SDE steps
                              the ODE runs sampling.ode_solver on sampling.ode_steps (grpo/solver.py); every step kept
-                             or only the final latents
+                             or only the final latents. With same_initial_noise, the rows of a group with the same
+                             prompt in a chunk take the ODE steps before the first SDE step from one of them
+                             (grpo/rollout.py sample_sde's shared prefix)
+    policy.take_counts()     what encode and rollout saved since the last call (the step's metrics)
 
 Used by the trainer and by `jagg-eval` (which needs only velocity_fn and encode: no optimizer, no engine).
 """
@@ -29,7 +33,7 @@ import torch
 from ..cond import expand_cond, index_cond
 from ..data.images import EditPrompt
 from ..grpo import StepBatch, Trajectories, guided_velocity, model_schedule, sample_sde
-from ..grpo.rollout import FinalLatents, to_device
+from ..grpo.rollout import FinalLatents, prefix_forwards, to_device
 from ..jagg import Plan, fill_interior, plan_knots
 from .algorithm import RolloutSpec
 from .config import Config
@@ -77,6 +81,30 @@ def agreed_rollout_batch(cfg: Config, dist, device: torch.device, *, gpu_gib: fl
     return agreed
 
 
+def distinct_prompts(prompts) -> tuple[list, torch.Tensor | None]:
+    """The distinct prompts in order of first appearance and each row's position among them (a host index), or
+    (prompts, None) when a prompt is not hashable. Equal is str equality, and for an edit prompt its input image's
+    too (data.EditPrompt: a path or bytes by value, an image object by identity), so rows of one prompt get the same
+    conditioning, text and image."""
+    first: dict = {}
+    try:
+        index = [first.setdefault(p, len(first)) for p in prompts]
+    except TypeError:  # an unhashable prompt: every row encoded on its own
+        return list(prompts), None
+    return list(first), torch.tensor(index, dtype=torch.long)
+
+
+def prefix_leads(keys: list, noise: torch.Tensor) -> torch.Tensor:
+    """Each row's lead for sample_sde's shared prefix: the first row of the chunk with its key (its prompt group and
+    distinct prompt, so the same conditioning) whose x_0 (host `noise`) is the row's own too, else the row itself."""
+    first: dict = {}
+    leads = []
+    for i, key in enumerate(keys):
+        j = first.setdefault(key, i)
+        leads.append(j if j == i or torch.equal(noise[i], noise[j]) else i)
+    return torch.tensor(leads, dtype=torch.long)
+
+
 class Policy:
     def __init__(self, model: torch.nn.Module, cfg: Config, device: torch.device, *,
                  ref_model: torch.nn.Module | None = None, rollout_batch: int | None = None):
@@ -89,6 +117,7 @@ class Policy:
         self.host_sigmas = sigmas.tolist()  # the rollout's ODE solver computes its coefficients from these
         self.sigmas = sigmas.to(device)
         self._uncond = None  # the negative prompt's conditioning (CFG), encoded on first use
+        self._counts: dict[str, int] = {}  # take_counts()
         # the model family's CFG: its rule (grpo/guidance.py) and negative prompt (models/base.py VelocityModel)
         self.guidance_rule = getattr(model, "guidance_rule", "plain")
         self.negative_prompt = getattr(model, "negative_prompt", "")
@@ -126,16 +155,36 @@ class Policy:
         return adapter_off
 
     def encode(self, prompts: list[str]):
-        cond = self.model.encode_prompts(prompts)
+        cond = self._encode_once(prompts, count=True)
         if self.guidance != 1.0 and any(getattr(p, "image", None) is not None for p in prompts):
             # edits: the negative half is the negative prompt on each row's own input image (the editing pipelines'
-            # true CFG encodes it so), so it is encoded per batch, not once
-            return cond, self.model.encode_prompts([EditPrompt(self.negative_prompt, p.image) for p in prompts])
+            # true CFG encodes it so), so it is encoded per distinct image, not once
+            return cond, self._encode_once([EditPrompt(self.negative_prompt, p.image) for p in prompts])
         if self.guidance != 1.0:
             if self._uncond is None:  # the negative prompt's embedding never changes (frozen encoders): encode once
                 self._uncond = self.model.encode_prompts([self.negative_prompt])
             return cond, expand_cond(self._uncond, len(prompts))
         return cond
+
+    def _encode_once(self, prompts: list, *, count: bool = False):
+        """The conditioning of `prompts`, each distinct one encoded once, its rows copies of it (index_cond)."""
+        distinct, index = distinct_prompts(prompts)
+        if count:
+            self._add_counts(encode_rows=len(prompts), encode_prompts=len(distinct))
+        cond = self.model.encode_prompts(distinct)
+        return cond if index is None or len(distinct) == len(prompts) else index_cond(cond, index)
+
+    def _add_counts(self, **counts: int) -> None:
+        for name, value in counts.items():
+            self._counts[name] = self._counts.get(name, 0) + value
+
+    def take_counts(self) -> dict[str, int]:
+        """Rows since the last call: encode_rows (the prompts encode was given) and encode_prompts (the distinct ones
+        the encoders ran on); rollout_prefix_rows (rollout rows that took the deterministic prefix from a group mate)
+        and rollout_prefix_forwards (the row-forwards of the prefix that saved: one per model call, CFG's two halves
+        one)."""
+        counts, self._counts = self._counts, {}
+        return counts
 
     def split_cond(self, cond):
         """(conditional, unconditional or None) of what `encode` returned."""
@@ -160,18 +209,23 @@ class Policy:
 
     @torch.no_grad()
     def rollout(self, cond, rows: torch.Tensor, step: int, *, spec: RolloutSpec | None = None,
-                on_chunk=None) -> Trajectories | FinalLatents:
+                on_chunk=None, prompts: list | None = None) -> Trajectories | FinalLatents:
         """Trajectories of the given global rows (cond holds their conditioning, in that order) as the algorithm's
         `spec` says (algorithm.RolloutSpec; None: the SDE and the KL reference on every step, every step kept), in
         chunks of self.rollout_batch rows, under the spec's weights; `on_chunk(rows, final_latents)` is called after
         each (reward scoring), `rows` the chunk's slice of `rows`. With the spec's `ref_plan` (a plan over its trained
         steps whose knots are its ref_steps: grpo.ref_at knots) the other trained steps' reference velocities are
         filled in, linear in sigma between the knots (fill_interior). Nothing here reads a device value back: noise
-        goes up once per chunk, asynchronously."""
+        goes up once per chunk, asynchronously.
+
+        `prompts`: the rows' prompts, `cond` their `encode` (so rows of one prompt have identical conditioning).
+        Given them with sampling.same_initial_noise, the rows of a chunk with the same group, prompt and x_0 run the
+        deterministic steps before the first SDE step once (sample_sde's shared_prefix): counted in take_counts."""
         cfg, spec = self.cfg, spec or RolloutSpec()
         if self.rollout_batch == "auto":
             raise ValueError("sampling.chunk_size auto: give Policy the resolved rollout_batch (rollout_batch())")
         gens = row_generators(cfg.run.seed, step, rows)
+        keys, saved = self._prefix_keys(rows, prompts, spec), 0
         parts = []
         with spec.weights():
             predict, ref = self.model_fn(), self.reference_fn()
@@ -181,17 +235,36 @@ class Policy:
                 # stream; sampling.same_initial_noise: x_0 its group's (rows.initial_noise)
                 noise = initial_noise(gens[chunk], rows[chunk], self.model.latent_shape, seed=cfg.run.seed, step=step,
                                       group_size=cfg.grpo.group_size if cfg.sampling.same_initial_noise else None)
+                leads = None if keys is None else prefix_leads(keys[chunk], noise)
+                saved += 0 if leads is None else len(leads) - len(leads.unique())
                 parts.append(sample_sde(predict, index_cond(cond, chunk), to_device(noise, self.device), self.sigmas,
                                         noise_level=cfg.sampling.noise_level, generator=gens[chunk],
                                         ref_velocity_fn=ref, sde_steps=spec.sde_steps, ref_steps=spec.ref_steps,
                                         guidance=self.guidance, guidance_rule=self.guidance_rule,
                                         ode_solver=cfg.sampling.ode_solver, ode_steps=cfg.sampling.ode_steps,
-                                        host_sigmas=self.host_sigmas, sde=cfg.sampling.sde, keep=spec.keep))
+                                        host_sigmas=self.host_sigmas, sde=cfg.sampling.sde, keep=spec.keep,
+                                        shared_prefix=leads))
                 if on_chunk is not None:
                     on_chunk(chunk, parts[-1].final)
+        if keys is not None:
+            self._add_counts(rollout_prefix_rows=saved, rollout_prefix_forwards=saved * prefix_forwards(
+                self.host_sigmas, spec.sde_steps, cfg.sampling.ode_solver, cfg.sampling.ode_steps))
         traj = type(parts[0]).cat(parts)
         trained, plan = list(spec.trained or ()), spec.ref_plan
         if plan is not None and getattr(traj, "ref_velocities", None) is not None and len(plan_knots(plan)) < len(
                 trained):
             traj.ref_velocities[trained] = fill_interior(plan, traj.ref_velocities[trained], traj.sigmas[trained])
         return traj
+
+    def _prefix_keys(self, rows: torch.Tensor, prompts: list | None, spec: RolloutSpec) -> list | None:
+        """Per row (group, distinct prompt): rows with equal keys and x_0 share the deterministic prefix. None where
+        nothing is shared: no shared x_0 (sampling.same_initial_noise false), no prefix (SDE from the first step),
+        no prompts given, or a prompt not hashable (encode then encodes every row on its own)."""
+        cfg = self.cfg
+        if not cfg.sampling.same_initial_noise or prompts is None or not prefix_forwards(
+                self.host_sigmas, spec.sde_steps, cfg.sampling.ode_solver, cfg.sampling.ode_steps):
+            return None
+        _, index = distinct_prompts(prompts)
+        if index is None:
+            return None
+        return list(zip((rows // cfg.grpo.group_size).tolist(), index.tolist()))

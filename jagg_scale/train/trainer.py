@@ -174,13 +174,14 @@ class Trainer:
                              self.dist.world_size, cfg.parallel.sequence_parallel)
         mine = rows.mine.tolist()
         prompts, metadata = [records[i].prompt for i in mine], [records[i].metadata for i in mine]
+        self.policy.take_counts()  # from here, this step's (not an evaluation's encodes)
         cond = self.policy.encode(prompts)
         self.model.eval()
         background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
         scorer = ChunkScorer(self.reward, self.model.decode, background=background, device=self.device)
         on_chunk = lambda chunk, final: scorer.add(final, prompts[chunk], metadata[chunk])
         with self._comm("rollout"):
-            traj = self.policy.rollout(cond, rows.mine, step, spec=spec, on_chunk=on_chunk)
+            traj = self.policy.rollout(cond, rows.mine, step, spec=spec, on_chunk=on_chunk, prompts=prompts)
         t1 = time.perf_counter()
         # 2. reward: gathered so that every rank sees the whole batch (and takes the same decisions)
         local = scorer.finish(deadline_s=cfg.reward_deadline_s if background else None)
@@ -202,6 +203,8 @@ class Trainer:
             **self._reward_metrics(parts, failed),
             "zero_std_groups": adv.zero_std_groups,
             "reward_late": scorer.late,  # this rank's samples masked by reward.deadline_s (mean over ranks)
+            # rows encoded vs distinct prompts encoded, rollout rows (and row-forwards) that shared a group's prefix
+            **self.policy.take_counts(),
             **update,
             "time_rollout": t1 - t0,  # includes the reward scoring that overlapped it
             "time_reward": t2 - t1,  # reward time not hidden behind the rollout
