@@ -162,8 +162,9 @@ def scale_table(args) -> list[dict]:
                        speedup=peer["step"] / own["step"])
             everything = cfg.train.prompts_per_step * cfg.grpo.group_size
             if (R // B) * cfg.grpo.inner_epochs > 1:  # one optimizer step per rollout: one minibatch of every row
-                one_cfg = load_config(args.config, [*overrides, f"train.minibatch_size={everything}"],
-                                      check_files=False)
+                # nothing is refreshed without a second optimizer step: grpo.refresh_at is refused there
+                one_cfg = load_config(args.config, [*overrides, f"train.minibatch_size={everything}",
+                                                    "grpo.refresh_at=null"], check_files=False)
                 one = prepare(one_cfg, world, args.shapes, False, args.overhead_gb, args.gpu_mem or 79.2)
                 one_step = steptime.step_seconds(one, estimate(one, args.micro), a2a_gbps=args.a2a_gbps,
                                                  links=links(args))["step"]

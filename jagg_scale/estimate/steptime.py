@@ -16,8 +16,10 @@ checkpointing there is no recompute (x 2/3).
                beta > 0)
     train      the planner's with-grad passes over every minibatch in micro-batches (a JAGG joint pass holds
                2 x micro rows), the interior forwards of a forward-mode window, CFG's refresh of the unconditional
-               predictions after the first minibatch; DiffusionNFT, AWM: the frozen models' forwards (the old or
-               EMA policy, the reference) at the K timesteps (or the knots: nft.old_at, awm.frozen_at), then the
+               predictions after the first minibatch (at every trained step, or at the plan's knots with
+               grpo.refresh_at knots: no interior forwards then, jagg.intermediate auto is interpolate);
+               DiffusionNFT, AWM: the frozen models' forwards (the old or EMA policy, the reference) at the K
+               timesteps (or the knots: nft.old_at, awm.frozen_at), then the
                plan's with-grad passes
     encode     the text encoders on the rank's prompts (once per row, as Policy.encode runs)
     decode     the VAE decoder and the reward models on the rank's samples
@@ -52,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from ..jagg.plans import pass_groups, plan_knots
+from ..jagg.plans import interpolate_forwards, pass_groups, plan_knots
 from . import collectives as C
 from .collectives import LINKS, Links
 from .measure import model_inputs
@@ -235,11 +237,15 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     else:
         # per minibatch on average; the first is on-policy (no optimizer step yet): its cached values are exact
         after_step = (minibatches - 1) / minibatches
-        # the interior forwards of a forward-mode window: every minibatch's under `forward`, under `auto` those after
-        # an optimizer step (train/update.py resolve_intermediate: cached while on-policy)
-        nograd_passes = interior * {"forward": 1.0, "auto": after_step}.get(cfg.jagg.intermediate, 0.0)
+        # after an optimizer step (grpo.refresh_at): every trained step recomputed (steps: auto runs `forward`), or
+        # the knots alone and the rest moved by their drift (knots: auto runs `interpolate`); train/update.py
+        at_knots = g.refresh_at == "knots"
+        share = {"forward": 1.0, "interpolate": 1.0, "auto": after_step}.get(cfg.jagg.intermediate, 0.0)
+        forward = cfg.jagg.intermediate == "forward" or (cfg.jagg.intermediate == "auto" and not at_knots)
+        # a forward-mode window's interior; interpolate's lookup of a right knot in a later pass (runner.py)
+        nograd_passes = share * (interior if forward else interpolate_forwards(plan, planner.rows_per_pass))
         if cfgg > 1 and not cfg_rows_with_grad:  # the uncond refresh of every minibatch after the first
-            nograd_passes += after_step * trained
+            nograd_passes += after_step * (knots if at_knots else trained)
     out["train"] = minibatches * train
     out["train_nograd"] = fwd(micro, times=minibatches * nograd_passes, phase="train_nograd")
     enc = sum(_frozen_flops(json.dumps(comps[n], sort_keys=True), "text", e["seq"]) for n, e in s["encoders"].items()
@@ -282,10 +288,11 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
 def flow_grpo_overrides(cfg) -> list[str]:
     """The config as Flow-GRPO's train_sd3.py would run it (see step_seconds' cfg_rows_with_grad): per-step
     backward over its first 0.99 of the steps, the KL reference on each of them, its 9-row sampling and training
-    batch per GPU, no activation checkpointing, no SDE window (yifan123/flow_grpo config/grpo.py pickscore_sd3,
-    commit ac4c86e: lines 118 sample.train_batch_size 9, 124 train.batch_size = it, 127 train.timestep_fraction
-    0.99)."""
-    return ["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps", "sampling.chunk_size=9", "train.micro_batch_size=9",
+    batch per GPU, no activation checkpointing, no SDE window, nothing refreshed at knots (yifan123/flow_grpo
+    config/grpo.py pickscore_sd3, commit ac4c86e: lines 118 sample.train_batch_size 9, 124 train.batch_size = it, 127
+    train.timestep_fraction 0.99)."""
+    return ["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps", "grpo.refresh_at=null", "sampling.chunk_size=9",
+            "train.micro_batch_size=9",
             *([] if cfg is not None and cfg.train.algorithm == "gcpo" else ["grpo.timestep_fraction=0.99"]),  # gcpo:
             # its own chunks (GCPO's own step is its peer)
             "parallel.activation_checkpointing=false", "grpo.sde_window=0", "sampling.ode_steps=0",

@@ -163,3 +163,27 @@ def test_the_no_grad_refresh_runs_after_an_optimizer_step_only():
     shipped, forward = seconds(), seconds("jagg.intermediate=forward")
     assert forward["train_nograd"] == pytest.approx(shipped["train_nograd"] * 17 / 13)
     assert seconds("train.minibatch_size=1152")["train_nograd"] == 0
+
+
+def test_the_refresh_at_the_knots_runs_the_unconditional_prediction_there_alone():
+    """grpo.refresh_at knots: the second minibatch runs CFG's unconditional prediction at the plan's 5 knots and no
+    interior forward (auto is interpolate): 5 row-forwards per refreshed sample instead of 13; interpolate's lookup
+    of a right knot in a later pass (rows_per_pass) is a no-grad forward more."""
+    import torch
+
+    from jagg_scale.jagg.plans import interpolate_forwards
+
+    shipped, knots = seconds(), seconds("grpo.refresh_at=knots")
+    assert knots["train_nograd"] == pytest.approx(shipped["train_nograd"] * 5 / 13)
+    assert {p: knots[p] for p in ("rollout", "reference", "train")} == {p: shipped[p] for p in ("rollout",
+                                                                                               "reference", "train")}
+    split = ["jagg.share_knots=true", "jagg.jagg_frac=null", "jagg.route_by=null", "jagg.rows_per_pass=3",
+             "grpo.ref_at=steps"]
+    s = E.prepare(load_config(CONFIG, split, check_files=False), 8)
+    planner = s["cfg"].jagg.make_planner()
+    plan = planner.plan(torch.randn(9, 2, 4), torch.linspace(1, 0, 10), grad_norms=lambda: torch.ones(9)).plan
+    lookups = interpolate_forwards(plan, planner.rows_per_pass)
+    assert lookups > 0
+    cached, lookup = seconds(*split, "jagg.intermediate=cached"), seconds(*split, "jagg.intermediate=interpolate")
+    per_forward = cached["train_nograd"] / 9  # the 9 unconditional forwards of the second minibatch, one of two
+    assert lookup["train_nograd"] == pytest.approx(cached["train_nograd"] + 2 * lookups * per_forward)
