@@ -240,8 +240,8 @@ def measure_nograd(comp: dict, what: str, dtype: torch.dtype, seq: int) -> list[
     layers_kept = per_token = 0
     if what in ("qwen", "qwen_lm"):  # a Qwen LM as the pipelines run it: output_hidden_states keeps every layer's
         # output; qwen (QwenImagePipeline's Qwen2.5-VL, ZImagePipeline's Qwen3Model) at the model's default use_cache,
-        # so each layer's K/V too; qwen_lm (Flux2KleinPipeline's Qwen3ForCausalLM) with use_cache=False, its logits
-        # over every token computed
+        # so each layer's K/V too; qwen_lm (Flux2KleinPipeline's Qwen3ForCausalLM) with use_cache=False and the LM
+        # head on the last token alone (models/flux2.py last_token_logits)
         nested = "text_config" in config  # Qwen2.5-VL nests its language model's config; Qwen3's is flat
         text = config["text_config"] if nested else config
         layers_kept = text["num_hidden_layers"] - 2  # measured on 2 layers; the other layers' tensors added below
@@ -286,7 +286,7 @@ def measure_nograd(comp: dict, what: str, dtype: torch.dtype, seq: int) -> list[
         else:
             x = torch.randint(0, 100, (n, seq)) % module.config.vocab_size
             # SD3 takes CLIP's penultimate hidden state, the Qwen pipelines some of the LM's: every output is kept
-            hidden = {"clip_hidden": {}, "qwen": {}, "qwen_lm": {"use_cache": False}}.get(what)
+            hidden = {"clip_hidden": {}, "qwen": {}, "qwen_lm": {"use_cache": False, "logits_to_keep": 1}}.get(what)
             fn = lambda x=x, hidden=hidden: module(x, output_hidden_states=True, **hidden) if hidden is not None \
                 else module(x)[0]
             pt = (n, 0, 0, seq)

@@ -138,7 +138,8 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
         else:
             what = "t5" if c["class"].startswith(("T5", "UMT5")) else ("clip_hidden" if kind == "sd3" else "clip")
             seq = tokens["t5" if what == "t5" else "clip"]
-        k = key(what, c["class"], clean(c["config"]), str(fdt), seq)
+        # qwen_lm: measured with the LM head on the last token (models/flux2.py), not the old fit over every token
+        k = key(what, c["class"], clean(c["config"]), str(fdt), seq, *(["last_token_logits"] * (what == "qwen_lm")))
         encoders[name] = {"seq": seq, "coef": cached(k, f"{name} ({c['class']}) no-grad, {fdt}, {seq} tokens",
                           lambda c=c, what=what, seq=seq: M.measure_nograd(c, what, fdt, seq), measure)}
     what = "video" if frames[0] > 1 else "vae"  # a video VAE fit over its frames too (measure.measure_nograd)

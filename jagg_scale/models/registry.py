@@ -39,7 +39,8 @@ class Family:
     pipeline: str | None = None  # the diffusers pipeline class its directories hold
     transformer: str | None = None  # the diffusers transformer class (what the estimator and sequence parallelism see)
     # the text encoder's layout: clip_t5 (CLIP + T5, model.max_sequence_length the T5 tokens), t5 (UMT5 alone), qwen
-    # (a Qwen LM run with its K/V cache, every hidden state kept), qwen_lm (a causal Qwen LM, use_cache off, logits)
+    # (a Qwen LM run with its K/V cache, every hidden state kept), qwen_lm (a causal Qwen LM, use_cache off, the
+    # logits of the last token only)
     text: str = ""
     prompt_tokens: int = 0  # model.max_sequence_length's default: the pipeline's own
     prompt_limit: int = 0  # the most model.max_sequence_length may be

@@ -25,7 +25,8 @@ QWEN_VL = dict(text_config=dict(vocab_size=1000, hidden_size=64, intermediate_si
 
 @pytest.mark.parametrize("cls, config, what, call", [
     ("Qwen3Model", QWEN3, "qwen", {}),  # Z-Image: every hidden state and the K/V cache kept
-    ("Qwen3ForCausalLM", QWEN3, "qwen_lm", {"use_cache": False}),  # FLUX.2 [klein]: hidden states and logits
+    # FLUX.2 [klein]: hidden states, the logits of the last token (models/flux2.py last_token_logits)
+    ("Qwen3ForCausalLM", QWEN3, "qwen_lm", {"use_cache": False, "logits_to_keep": 1}),
     ("Qwen2_5_VLForConditionalGeneration", QWEN_VL, "qwen", {}),  # Qwen-Image
 ])
 def test_a_qwen_encoder_measured_on_two_layers_predicts_the_whole_encoder(cls, config, what, call):

@@ -134,3 +134,20 @@ def test_dev_trains_and_its_lora_loads_into_a_plain_pipeline(flux2_dev_dir, tmp_
     check_trains_and_the_lora_loads(ROOT / "configs" / "flux2_tiny_cpu.yaml",
                                     [f"model.pretrained={flux2_dev_dir}", "model.resolution=32",
                                      "sampling.guidance=1.0"], tmp_path / "run", "jagg", load_plain)
+
+
+@pytest.mark.parametrize("kind", ["klein", "dev"])
+def test_the_encoder_runs_without_the_lm_head_over_every_token_and_embeds_the_same(model, dev, kind):
+    """encode_prompts calls the causal LM with logits_to_keep=1: the hidden states the pipeline concatenates are
+    bit-identical to its own encode_prompt's (every token's logits), and the LM head sees one token a row."""
+    m = model if kind == "klein" else dev
+    seen = []
+    hook = m.pipe.text_encoder.lm_head.register_forward_hook(lambda mod, args, out: seen.append(tuple(out.shape)))
+    try:
+        ours = m.encode_prompts(PROMPTS)
+        theirs, _ = m.pipe.encode_prompt(prompt=list(PROMPTS), device=m.device, max_sequence_length=48)
+    finally:
+        hook.remove()
+    assert torch.equal(ours, theirs.to(m.dtype))
+    vocab = seen[1][-1]
+    assert seen == [(2, 1, vocab), (2, 48, vocab)]  # ours: the last token only; the pipeline's own call: all 48
