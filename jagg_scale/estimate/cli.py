@@ -135,7 +135,7 @@ def step_time(cfg, s: dict, est: dict, args, overrides: list[str], world: int | 
     peer_cfg = load_config(args.config, [*overrides, *steptime.flow_grpo_overrides(cfg)], check_files=False)
     peer = prepare(peer_cfg, world, args.shapes, False, args.overhead_gb, args.gpu_mem or 79.2)
     return own, steptime.step_seconds(peer, estimate(peer), cfg_rows_with_grad=True, a2a_gbps=args.a2a_gbps,
-                                      links=links(args), engine=flow_grpo_engine(peer_cfg))
+                                      links=links(args), engine=flow_grpo_engine(peer_cfg), encode_every_row=True)
 
 
 SCALE = (8, 32, 64)  # the cluster sizes the table prices: one node, and 4 and 8 nodes of 8

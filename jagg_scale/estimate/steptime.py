@@ -11,7 +11,8 @@ model: ~3 forwards); a full fine-tune's backward also computes the weight gradie
 checkpointing there is no recompute (x 2/3).
 
     rollout    policy forwards: sampling.num_steps per sample (an SDE window with a compressed ODE: the window's
-               steps + sampling.ode_steps), in chunks of the rollout batch, doubled rows under CFG
+               steps + sampling.ode_steps), in chunks of the rollout batch, doubled rows under CFG; with
+               sampling.same_initial_noise the steps before the SDE window on one row per prompt group of a chunk
     reference  the KL reference's forwards on the trained steps, or on the plan's knots (grpo.ref_at; GRPO with
                beta > 0)
     train      the planner's with-grad passes over every minibatch in micro-batches (a JAGG joint pass holds
@@ -21,7 +22,8 @@ checkpointing there is no recompute (x 2/3).
                DiffusionNFT, AWM: the frozen models' forwards (the old or EMA policy, the reference) at the K
                timesteps (or the knots: nft.old_at, awm.frozen_at), then the
                plan's with-grad passes
-    encode     the text encoders on the rank's prompts (once per row, as Policy.encode runs)
+    encode     the text encoders on the rank's distinct prompts (Policy.encode: once each, its rows copies;
+               Flow-GRPO's peer on every row)
     decode     the VAE decoder and the reward models on the rank's samples
     eval       an evaluation's forwards and decodes, shared over eval.every steps (0 when eval.every is 0)
 
@@ -54,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from ..grpo.rollout import prefix_forwards
 from ..jagg.plans import interpolate_forwards, pass_groups, plan_knots
 from . import collectives as C
 from .collectives import LINKS, Links
@@ -151,7 +154,8 @@ def _count(fn, attention: bool = False):
 
 
 def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: dict | None = None,
-                 a2a_gbps: float = A2A_GBPS, links: Links = LINKS, engine: str | None = None) -> dict:
+                 a2a_gbps: float = A2A_GBPS, links: Links = LINKS, engine: str | None = None,
+                 encode_every_row: bool = False) -> dict:
     """{phase: seconds} of one training step on one rank and their sum ("step"), for the prepared config `s`
     (memory.prepare) at the estimate `est` (memory.estimate: its micro-batch and rollout batch).
     cfg_rows_with_grad: train the conditional and unconditional rows of CFG together with grad, as Flow-GRPO's
@@ -159,7 +163,8 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     calib: the measured passes to price with (rate()); default passes.json, the H200's. a2a_gbps: the GB/s a rank
     sends in sequence parallelism's all-to-alls (A2A_GBPS: within a node). links: the bandwidths the data-parallel
     collectives run at (collectives.py); engine: another engine's collectives than the config's (ddp: Flow-GRPO's
-    LoRA layout, collectives.flow_grpo_engine)."""
+    LoRA layout, collectives.flow_grpo_engine); encode_every_row: the text encoders on every row's prompt, as
+    Flow-GRPO's train_sd3.py runs them (this stack's Policy.encode: each distinct prompt once)."""
     cfg, comps = s["cfg"], s["components"]
     smp, g = cfg.sampling, cfg.grpo
     S, R, B, m = smp.num_steps, est["local_rows"], est["local_batch"], est["micro_batch_size"]
@@ -207,7 +212,12 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     plan = planner.plan(torch.randn(trained, 2, 4), torch.linspace(1, 0, trained + 1),
                         grad_norms=lambda: torch.ones(trained)).plan
     knots = len(plan_knots(plan))
-    out = {"rollout": fwd(chunks, x=cfgg, times=forwards, phase="rollout")}
+    # sampling.same_initial_noise: the deterministic steps before the SDE window once per prompt group in a chunk (its
+    # lead rows: Policy.sample's shared prefix), the rest on every row
+    prefix = expected_prefix(cfg) if smp.same_initial_noise else 0.0
+    leads = [distinct_prompts(n, cfg.train.prompts_per_step, g.group_size) for n in chunks] if prefix else chunks
+    out = {"rollout": fwd(chunks, x=cfgg, times=forwards - prefix, phase="rollout")
+           + (fwd(leads, x=cfgg, times=prefix, phase="rollout", group=1) if prefix else 0.0)}
     ref_runs = knots if g.ref_at == "knots" else cfg.reference_steps  # on the trained (or candidate) steps, or knots
     out["reference"] = (fwd(chunks, x=cfgg, times=ref_runs, phase="reference") if cfg.uses_reference and not fp
                         else 0.0)
@@ -250,7 +260,9 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     out["train_nograd"] = fwd(micro, times=minibatches * nograd_passes, phase="train_nograd")
     enc = sum(_frozen_flops(json.dumps(comps[n], sort_keys=True), "text", e["seq"]) for n, e in s["encoders"].items()
               if n in comps)
-    out["encode"] = fwd([R], enc)
+    # Policy.encode: each distinct prompt of the rank's rows once, the rows copies of its conditioning
+    out["encode"] = fwd([R if encode_every_row else distinct_prompts(R, cfg.train.prompts_per_step, g.group_size)],
+                        enc)
     lf = s["frames"][0]
     vae = _frozen_flops(json.dumps(comps["vae"], sort_keys=True), "vae", (lf, s["latent"][-1]) if lf > 1
                         else s["latent"][-1])
@@ -268,7 +280,8 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     # sequence parallelism: every pass's all-to-alls (q, k, v and the output of each attention layer; a with-grad
     # pass's backward and recomputed forward again), not overlapped with compute (diffusers' Ulysses waits on them)
     grad_rows = minibatches * sum(len(k) for k in groups) * B * rows_x
-    rows = {"rollout": forwards * R * cfgg, "reference": (ref_runs * R * cfgg) if out["reference"] else 0,
+    rows = {"rollout": ((forwards - prefix) * R + prefix * sum(leads)) * cfgg,
+            "reference": (ref_runs * R * cfgg) if out["reference"] else 0,
             "train": grad_rows, "train_nograd": minibatches * nograd_passes * B}
     passes = sum(rows.values()) + eval_rows + rows["train"] * (2 if cfg.parallel.activation_checkpointing else 1)
     out["sp_all_to_all"] = passes * s["a2a_row"] / (a2a_gbps * 1e9)
@@ -283,6 +296,23 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     per_row = {"rollout": flops(bs), "reference": flops(bs), "train": flops(m), "train_nograd": flops(m)}
     out["tflop"] = {p: (3 * factor if p == "train" else 1) * n * per_row[p] / 1e12 for p, n in rows.items()}
     return out
+
+
+def expected_prefix(cfg) -> float:
+    """The model calls before the SDE window (grpo/rollout.py prefix_forwards: the ODE steps, or the compressed
+    grid's before it), averaged over the window's starts (train/update.py trained_steps_at: uniform over the range's
+    starts, cycled through by `sliding`, the first of `scattered`'s steps); 0 without a window (SDE from step 0)."""
+    g, T = cfg.grpo, cfg.sampling.num_steps
+    if not g.sde_window:
+        return 0.0
+    lo, hi = g.sde_window_range or [0, T]
+    if g.sde_window_mode == "scattered":  # Euler (config.py refuses the compressed ODE): its first step's index,
+        n, k = hi - lo, g.sde_window  # E[min of k of n] = sum_j P(min >= j)
+        return lo + sum(math.comb(n - j, k) for j in range(1, n)) / math.comb(n, k)
+    sigmas = [1 - i / T for i in range(T + 1)]  # the grids' sizes depend on the step counts alone
+    starts = range(lo, hi - g.sde_window + 1)
+    return sum(prefix_forwards(sigmas, frozenset(range(a, a + g.sde_window)), cfg.sampling.ode_solver,
+                               cfg.sampling.ode_steps) for a in starts) / len(starts)
 
 
 def flow_grpo_overrides(cfg) -> list[str]:

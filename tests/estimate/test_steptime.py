@@ -187,3 +187,48 @@ def test_the_refresh_at_the_knots_runs_the_unconditional_prediction_there_alone(
     cached, lookup = seconds(*split, "jagg.intermediate=cached"), seconds(*split, "jagg.intermediate=interpolate")
     per_forward = cached["train_nograd"] / 9  # the 9 unconditional forwards of the second minibatch, one of two
     assert lookup["train_nograd"] == pytest.approx(cached["train_nograd"] + 2 * lookups * per_forward)
+
+
+def test_each_distinct_prompt_is_encoded_once_and_flow_grpo_encodes_every_row():
+    """Policy.encode runs the encoders on a rank's distinct prompts (sd35m_pickscore on 8 GPUs: ~46 of 144 rows'),
+    Flow-GRPO's train_sd3.py on every row."""
+    import json
+
+    from jagg_scale.estimate.prompt_tokens import distinct_prompts
+
+    s = E.prepare(load_config(CONFIG, [], check_files=False), 8)
+    est = E.estimate(s)
+    F = sum(T._frozen_flops(json.dumps(s["components"][n], sort_keys=True), "text", e["seq"])
+            for n, e in s["encoders"].items())
+    d = distinct_prompts(144, 48, 24)
+    assert 45 < d < 47 and est["local_rows"] == 144
+    assert T.step_seconds(s, est)["encode"] == pytest.approx(T.pass_seconds(d, F))
+    assert T.step_seconds(s, est, encode_every_row=True)["encode"] == pytest.approx(T.pass_seconds(144, F))
+
+
+WINDOW = ["grpo.sde_window=4", "grpo.sde_window_range=[0, 5]", "grpo.timestep_fraction=1.0"]
+
+
+@pytest.mark.parametrize("overrides, prefix", [
+    ([], 0.0),  # SDE from step 0: nothing before it
+    (WINDOW, 0.5),  # starts 0 and 1: 0 or 1 Euler step before the window
+    ([*WINDOW, "sampling.ode_solver=dpm2", "sampling.ode_steps=3"], 0.5),  # start 1: 1 of 3 dpm2 steps before it
+    ([*WINDOW, "grpo.sde_window_range=[2, 8]"], 3.0),  # starts 2, 3, 4
+    (["grpo.sde_window=3", "grpo.sde_window_range=[0, 5]", "grpo.timestep_fraction=1.0",
+      "grpo.sde_window_mode=scattered"], 0.5),  # E[the first of 3 of 5 steps] = (C(4,3) + C(3,3)) / C(5,3)
+])
+def test_the_prefix_before_the_sde_window_by_hand(overrides, prefix):
+    assert T.expected_prefix(load_config(CONFIG, overrides, check_files=False)) == pytest.approx(prefix)
+
+
+def test_a_groups_prefix_runs_once_per_chunk_with_a_shared_initial_noise():
+    """sampling.same_initial_noise: the steps before the SDE window run on one row per prompt group of a chunk; the
+    rollout's other steps and every other phase are unchanged; no window (SDE from step 0), no saving."""
+    w = [*WINDOW, "grpo.sde_window_range=[2, 8]", "sampling.ode_solver=dpm2", "sampling.ode_steps=3"]
+    own, shared = seconds(*w), seconds(*w, "sampling.same_initial_noise=true")
+    # starts 2, 3, 4: 1, 2, 2 of the 3 dpm2 steps before the window, of 7 model calls a row
+    assert T.expected_prefix(load_config(CONFIG, w, check_files=False)) == pytest.approx(5 / 3)
+    assert own["rollout"] * (1 - 5 / 3 / 7) < shared["rollout"] < own["rollout"]
+    assert {p: own[p] for p in ("reference", "train", "train_nograd", "encode")} == {
+        p: shared[p] for p in ("reference", "train", "train_nograd", "encode")}
+    assert seconds("sampling.same_initial_noise=true")["rollout"] == seconds()["rollout"]
