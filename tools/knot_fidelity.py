@@ -115,9 +115,10 @@ def ref_at(beta: float, window: int, steps: int, quick: bool, work: Path) -> dic
     for step in range(steps):
         traj, cond, adv, rows, trained = rollout(trainer, step)
         filled = copy.copy(traj)
-        filled.ref_velocities = traj.ref_velocities.clone()
-        plan = plan_uniform(len(trained), window)
-        filled.ref_velocities[trained] = fill_interior(plan, traj.ref_velocities[trained], traj.sigmas[trained])
+        # float32: the blends between the knots are float32 math (the rollout may store the reference in bf16)
+        filled.ref_velocities = traj.ref_velocities.to(torch.float32, copy=True)
+        plan, at = plan_uniform(len(trained), window), traj.positions(trained)  # positions in what it stores
+        filled.ref_velocities[at] = fill_interior(plan, filled.ref_velocities[at], traj.sigmas[at])
         grads = {}
         with Capture(trainer) as cap:
             for name, t, planner in (("knots", filled, None), ("steps", traj, None), ("exact", traj, ExactPlanner())):

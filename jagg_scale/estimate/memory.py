@@ -210,7 +210,7 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     planner = cfg.jagg.make_planner()
     Pt = st["lora_params"] if lora else st["params"]
     cdt = 2 if s["bf16"] else 4
-    cfgg, ref, lat, S = cfg.sampling.guidance != 1.0, cfg.uses_reference, math.prod(s["latent"]), cfg.sampling.num_steps
+    cfgg, ref, lat = cfg.sampling.guidance != 1.0, cfg.uses_reference, math.prod(s["latent"])
     fp = cfg.forward_process  # DiffusionNFT, AWM: a final-latents rollout, trained on the forward process
     cond = 4 * s["cond_row"]  # conditioning is float32 (models/sd3.py)
     n_img, T = s["rank_tokens"]  # this rank's share of a pass's tokens: all of them unless sequence parallel
@@ -248,9 +248,7 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     grads = 4 * Pt if not shard or sync == "boundary" else 4 * Pt / div
     if shard and sync == "boundary":
         grads += 4 * Pt / div  # the reduced shard next to the unsharded accumulation at the boundary
-    # a row's rollout store: latents, velocities, uncond, ref, log-probs of every step (GRPO); a forward-process
-    # rollout keeps only the final latents (rollout_spec keep final: its KL is evaluated at training time)
-    row = 4 * lat if fp else 4 * lat * ((S + 1) + S * (1 + cfgg + ref)) + 4 * S
+    row, K, rdt = rollout_row(cfg, lat, cdt, planner)
     store, cond_all = R * row, R * cond * (1 + cfgg)
     steps_per_rollout = (R // B) * cfg.grpo.inner_epochs
     off_policy_cfg = cfgg and steps_per_rollout > 1  # GRPO: the uncond of later minibatches is recomputed
@@ -258,15 +256,17 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     # copy of a later epoch's permuted rows (grpo/rollout.py row_index); index_cond's copies; micro-batches are views
     mb = B * row * (cfg.grpo.inner_epochs > 1) + B * cond * (1 + off_policy_cfg)
     gcpo = cfg.train.algorithm == "gcpo"
-    if cfg.grpo.step_selection != "first" or gcpo:  # grpo/steps.py positioned: 2K latents, sigmas, 2K-spaced values
-        mb += B * (4 * lat * 2 * cfg.trained_per_sample * (2 + cfgg + ref) + 4 * 4 * cfg.trained_per_sample)
+    positioned = cfg.grpo.step_selection != "first" or gcpo
+    if positioned:  # grpo/steps.py positioned: 2K latents, sigmas, 2K-spaced values (in their stored dtypes)
+        mb += B * 2 * cfg.trained_per_sample * (lat * (4 + cdt * (1 + cfgg) + rdt * ref) + 4 * 2)
     if fp:  # train/forward_process.py: per minibatch the clean latents, per timestep x_t and the noise, and the
         # frozen models' velocities (DiffusionNFT's old policy, AWM's EMA policy where read; the reference)
         frozen = cfg.algorithm_section.frozen_policies + ref
         mb = B * cond + B * lat * 4 * (1 + cfg.trained_per_sample * (2 + frozen))
-    mb += m * S * lat * 4 if off_policy_cfg and not gcpo else 0  # Policy.fresh_uncond's clone, per micro-batch
+    # Policy.fresh_uncond's float32 copy of the micro-batch's uncond (the stored range, or 2K positions)
+    mb += m * lat * 4 * (2 * cfg.trained_per_sample if positioned else K) if off_policy_cfg and not gcpo else 0
     if gcpo and steps_per_rollout > 1:  # train/gcpo.py _current: the fresh velocities (and uncond) of every position
-        mb += B * 4 * lat * 2 * cfg.trained_per_sample * (1 + cfgg)
+        mb += B * cdt * lat * 2 * cfg.trained_per_sample * (1 + cfgg)
     rows = planner.knots_per_pass * m
     pass_in = rows * (4 * 4 * lat + cond)  # stacked latents, v, G and its parts (float32), repeated conditioning
     mode = "ckpt" if ckpt else "grad"
@@ -337,6 +337,36 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
             "pass_rows": rows, "local_rows": R, "local_batch": B, "grad_sync": sync, "checkpointing": ckpt,
             "sampling_batch": bs,
             "planner": repr(planner)}
+
+
+def rollout_row(cfg, lat: int, cdt: int, planner) -> tuple[float, int, int]:
+    """(bytes, K, the reference's bytes per element) of one row's rollout store (grpo/rollout.py), `lat` elements a
+    latent, `cdt` bytes the compute dtype's: over the K steps of the trained range its K + 1 latents (and x_T beside
+    them where the range ends before it) and log-probs in float32, the predictions (CFG's uncond too) in the compute
+    dtype, the reference's in it where it is the model's own output (guidance 1, nothing filled between knots), else
+    float32. A forward-process rollout keeps only the final latents (rollout_spec keep final)."""
+    cfgg, ref = cfg.sampling.guidance != 1.0, cfg.uses_reference
+    K, n_lat = stored_steps(cfg)
+    fill = cfg.grpo.ref_at == "knots" and planner.max_interior(cfg.trained_per_sample) > 0
+    rdt = cdt if not cfgg and not fill else 4
+    if cfg.forward_process:
+        return 4 * lat, K, rdt
+    return 4 * lat * n_lat + lat * K * (cdt * (1 + cfgg) + rdt * ref) + 4 * K, K, rdt
+
+
+def stored_steps(cfg) -> tuple[int, int]:
+    """(K, latents): the steps a row's trajectory stores (grpo/rollout.py keep_steps: the range from the first to the
+    last step of the algorithm's RolloutSpec.trained) and the latents beside them (x_first .. x_{first+K}, and x_T
+    where the range ends before it); the widest over the training steps (a scattered SDE window spans its range)."""
+    S, g = cfg.sampling.num_steps, cfg.grpo
+    if cfg.train.algorithm == "gcpo":  # its candidates: the chunks' steps (train/gcpo.py)
+        K, start = sum(cfg.gcpo.layout(S)), 0
+    elif g.sde_window:
+        lo, hi = g.sde_window_range or [0, S]
+        K, start = (hi - lo if g.sde_window_mode == "scattered" else g.sde_window), lo
+    else:  # the first timestep_fraction, or every candidate of a per-row selection
+        K, start = cfg.reference_steps, 0
+    return K, K + 1 + (start + K < S)
 
 
 def rollout_cap(cfg, world: int) -> int:

@@ -79,7 +79,9 @@ class GCPOStepLoss(GRPOStepLoss):
 
     def log_probs_at(self, b: ChunkBatch, velocities: torch.Tensor) -> torch.Tensor:
         """[K, B] log p_k at the velocities [2K, B, ...] (spaced as the batch), every position."""
-        return torch.stack([self.transition(b, k, velocities[k]).log_prob for k in range(0, b.latents.shape[0], 2)])
+        # each step's upcast apart: the stored predictions may be bf16 / fp16 (grpo/rollout.py), the SDE math float32
+        return torch.stack([self.transition(b, k, velocities[k].float()).log_prob
+                            for k in range(0, b.latents.shape[0], 2)])
 
     def prepared(self, b: ChunkBatch, velocities: torch.Tensor | None = None) -> ChunkBatch:
         """The batch with every position's factor and value share, from the log-probabilities at `velocities`
@@ -88,7 +90,7 @@ class GCPOStepLoss(GRPOStepLoss):
             v = b.velocities if velocities is None else velocities
             real = b.real[0::2].float()  # [K, B]
             K, B = real.shape
-            lp = self.log_probs_at(b, v.float())
+            lp = self.log_probs_at(b, v)
             diff = (lp - b.log_probs[0::2].float()) * real
             n_c = real.reshape(b.slots, K // b.slots, B).sum(1)  # [n, B]
             m = diff.reshape(b.slots, K // b.slots, B).sum(1) / n_c

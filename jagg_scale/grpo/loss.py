@@ -24,9 +24,11 @@ from .sde import SDE_STEPS, kl_to_reference
 
 @dataclass
 class StepBatch:
-    """What the loss of one minibatch needs from the rollout, for every sampling step."""
+    """What the loss of one minibatch needs from the rollout, for every step the trajectory stores (T of them: the
+    trained range, grpo/rollout.py; position k is its k-th step). The predictions may be the model's bf16 / fp16:
+    whoever reads them upcasts before float32 math."""
 
-    latents: torch.Tensor  # [T + 1, B, ...] the latents x_0 .. x_T of the sampling steps
+    latents: torch.Tensor  # [T + 1, B, ...] the latents of the stored steps and the one after the last
     velocities: torch.Tensor  # [T, B, ...] the rollout's v_k
     log_probs: torch.Tensor  # [T, B] the rollout's log p_k
     sigmas: torch.Tensor  # [T + 1], or [T + 1, B] when rows train different steps (grpo/steps.py positioned)

@@ -1,9 +1,23 @@
 """Rollout: sample trajectories with the Flow-GRPO SDE and keep what training needs.
 
-Per trajectory we store the latents x_0 .. x_T of the sampling steps (x_0 the starting noise at s_0 = 1), the model's
-predictions v_0 .. v_{T-1}, the log-probs log p_k, and (when beta > 0) the reference model's velocities at the same
-x_k. The stored predictions are what makes JAGG's `cached`
-intermediate mode free: on-policy they equal what a training forward would compute.
+Per trajectory we store the latents x_k of the sampling steps (x_0 the starting noise at s_0 = 1), the model's
+predictions v_k, the log-probs log p_k (of the steps training reads: below), and (when beta > 0) the reference
+model's velocities at the same x_k. The stored predictions are what makes JAGG's `cached` intermediate mode free:
+on-policy they equal what a training forward would compute.
+
+What is stored, and in which dtype (sample_sde's keep_steps, prediction_dtype, ref_dtype; Policy.rollout passes
+the RolloutSpec's trained steps and the compute dtype):
+- only the steps training reads: the range from the first to the last trained step (their x_k and x_{k+1},
+  predictions, log-probs), so a trajectory starts at step `first`; x_T beside it where the range ends before T (the
+  reward's input). Steps outside it (an ODE prefix, the steps after an SDE window, Flow-GRPO's untrained last step)
+  are dropped as they are sampled, never allocated.
+- predictions c_k, u_k (and the reference's where it is its model's own output: guidance 1, no fill between knots)
+  in the dtype the model computed them in: an adapter returns its transformer's bf16 / fp16 output upcast to
+  float32, so storing it in that dtype loses nothing, and every reader upcasts before its float32 math.
+- latents and log-probs in float32: they are the SDE's float32 results (x_{k+1} = mean + std noise), which a bf16
+  copy would round (the loss scores the stored x_{k+1} against its mean: the log-ratio would no longer be 0
+  on-policy). The same for the reference under CFG (the guided combination is float32 math) or filled between its
+  knots (a float32 blend).
 
 Classifier-free guidance (guidance g != 1): the sampler moves along the guided velocity u + g (c - u), computed
 from one batched forward of the conditional and unconditional rows, exactly as before. What is stored is the two
@@ -48,18 +62,27 @@ def guided_velocity(model: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, con
 
 @dataclass
 class Trajectories:
-    """A batch of N sampled trajectories (all tensors on the rollout device, latents in float32)."""
+    """A batch of N sampled trajectories over the K stored steps first .. first + K - 1 (all tensors on the rollout
+    device; latents and log-probs in float32, predictions in the model's dtype: module docstring). Position q of
+    every per-step tensor is trajectory step first + q."""
 
-    latents: torch.Tensor  # [T + 1, N, ...]
-    velocities: torch.Tensor  # [T, N, ...] the model's (conditional) predictions
-    log_probs: torch.Tensor  # [T, N]
-    sigmas: torch.Tensor  # [T + 1]
-    ref_velocities: torch.Tensor | None = None  # [T, N, ...]
-    uncond_velocities: torch.Tensor | None = None  # [T, N, ...] with guidance != 1: the unconditional predictions
+    latents: torch.Tensor  # [K + 1, N, ...] x_first .. x_{first+K}
+    velocities: torch.Tensor  # [K, N, ...] the model's (conditional) predictions
+    log_probs: torch.Tensor  # [K, N]
+    sigmas: torch.Tensor  # [K + 1] their noise levels
+    ref_velocities: torch.Tensor | None = None  # [K, N, ...]
+    uncond_velocities: torch.Tensor | None = None  # [K, N, ...] with guidance != 1: the unconditional predictions
+    first: int = 0  # the trajectory step of position 0
+    sigma_max: torch.Tensor | None = None  # the schedule's s_1 (the SDE's std at s = 1); None: sigmas[1]
+    last: torch.Tensor | None = None  # [N, ...] x_T where the stored range ends before it
 
     @property
     def final(self) -> torch.Tensor:
-        return self.latents[-1]
+        return self.latents[-1] if self.last is None else self.last
+
+    def positions(self, steps):
+        """Trajectory steps (a list, or a tensor of them) as positions in the stored tensors."""
+        return [k - self.first for k in steps] if isinstance(steps, (list, tuple)) else steps - self.first
 
     def step_batch(self, index: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> StepBatch:
         """The rows `index` (a host index: the trainer's local positions) of every per-step tensor, as the loss's
@@ -74,7 +97,7 @@ class Trajectories:
         return StepBatch(latents=per_step(self.latents), velocities=per_step(self.velocities),
                          log_probs=per_step(self.log_probs), sigmas=self.sigmas, advantages=advantages[rows],
                          mask=mask[rows], ref_velocities=per_step(self.ref_velocities),
-                         uncond_velocities=per_step(self.uncond_velocities))
+                         uncond_velocities=per_step(self.uncond_velocities), sigma_max=self.sigma_max)
 
     @staticmethod
     def cat(parts: list["Trajectories"]) -> "Trajectories":
@@ -84,7 +107,9 @@ class Trajectories:
 
         return Trajectories(latents=cat("latents"), velocities=cat("velocities"), log_probs=cat("log_probs"),
                             sigmas=parts[0].sigmas, ref_velocities=cat("ref_velocities"),
-                            uncond_velocities=cat("uncond_velocities"))
+                            uncond_velocities=cat("uncond_velocities"), first=parts[0].first,
+                            sigma_max=parts[0].sigma_max,
+                            last=None if parts[0].last is None else torch.cat([p.last for p in parts]))
 
 
 def row_index(index: torch.Tensor, device: torch.device) -> slice | torch.Tensor:
@@ -109,11 +134,25 @@ class FinalLatents:
         return FinalLatents(torch.cat([p.final for p in parts]))
 
 
-class _Dropped:
-    """A per-step store that keeps nothing (keep="final"): the sampler's assignments into it are discarded."""
+class _Kept:
+    """A per-step store of the sampler that keeps the entries of steps lo .. hi - 1, each in `dtype`, and drops the
+    others as they are assigned (nothing outside the range is held, even while sampling; keep="final": nothing)."""
 
-    def __setitem__(self, k, value) -> None:
-        pass
+    def __init__(self, lo: int, hi: int, dtype: torch.dtype):
+        self.lo, self.hi, self.dtype, self.kept = lo, hi, dtype, {}
+
+    def __setitem__(self, k: int, value: torch.Tensor | None) -> None:
+        if value is not None and self.lo <= k < self.hi:
+            self.kept[k] = value.to(self.dtype)
+
+    def __getitem__(self, k: int) -> torch.Tensor | None:
+        return self.kept.get(k)
+
+    def stack(self, like: torch.Tensor) -> torch.Tensor:
+        """[hi - lo, ...]: zeros in like's shape where nothing was computed (a compressed rollout's unvisited grid
+        points, the reference off its knots before they are filled: training never reads them)."""
+        zero = torch.zeros(like.shape, dtype=self.dtype, device=like.device)
+        return torch.stack([self.kept.get(k, zero) for k in range(self.lo, self.hi)])
 
 
 def draw_step_noise(generator, shape, num_steps: int, device: torch.device) -> torch.Tensor:
@@ -145,6 +184,9 @@ def sample_sde(
     sde: str = "flow_grpo",
     keep: str = "trajectory",
     shared_prefix: torch.Tensor | None = None,
+    keep_steps: Collection[int] | None = None,
+    prediction_dtype: torch.dtype | None = None,
+    ref_dtype: torch.dtype | None = None,
 ) -> Trajectories | FinalLatents:
     """Run the sampler from `noise` (the latent x_0 at s_0 = 1) through all T steps of `sigmas`: the SDE (with
     log-probs) on `sde_steps` (all when None), the deterministic ODE elsewhere (Flow-GRPO-Fast / MixGRPO: only the SDE
@@ -157,12 +199,16 @@ def sample_sde(
     Compressed rollout (MixGRPO-Flash; `sde_steps` one window of consecutive steps): `ode_solver` (euler | dpm2)
     steps the deterministic parts, on `ode_steps` steps in all around the window (0: the schedule's own grid
     points), re-spaced as grpo/solver.py describes; the window's SDE steps are unchanged. The trajectory keeps the
-    schedule's layout, so trained steps index it as before: latents, velocities and log-probs of the window at
-    their own indices, x_T the final sample; grid points the compressed parts do not visit hold zeros (training
-    never reads them). The solver's coefficients are Python floats computed from `host_sigmas` (the schedule's
-    values as a list; read from `sigmas` when not given: one read of the device), never per step on the device.
+    schedule's layout over its stored range, so trained steps index it as before (at positions k - first):
+    latents, velocities and log-probs of the window, x_T the final sample; grid points of the range the compressed
+    parts do not visit hold zeros (training never reads them). The solver's coefficients are Python floats computed
+    from `host_sigmas` (the schedule's values as a list; read from `sigmas` when not given: one read of the device),
+    never per step on the device.
 
     `keep` final: only x_T is returned (FinalLatents); nothing per step is held, not even while sampling.
+    `keep_steps` (the steps training reads; None: every step): the trajectory holds the range from the first to the
+    last of them only, and x_T (module docstring); the predictions are stored in `prediction_dtype`, the reference's
+    in `ref_dtype` (None: float32), each where that loses nothing (the caller's decision: Policy.rollout).
 
     Shared prefix (`shared_prefix`, a host index [N]: row i's lead row, the lead's entry itself): the deterministic
     steps before the first SDE step depend only on x_0 and the conditioning, so rows whose x_0 and conditioning
@@ -183,17 +229,17 @@ def sample_sde(
     def predict(x, s, cond=cond):
         """(the guided velocity the sampler moves along, the stored prediction, the unconditional one or None)."""
         if guidance == 1.0:
-            v = velocity_fn(x, s, cond).float()
-            return v, v, None
+            v = velocity_fn(x, s, cond)
+            return v.float(), v, None
         c, u = cfg_predictions(velocity_fn, x, s, cond)
-        return guide(c, u, guidance, guidance_rule).float(), c.float(), u.float()  # guided_velocity's very ops
+        return guide(c, u, guidance, guidance_rule).float(), c, u  # guided_velocity's very ops
 
     final_only = keep == "final"
-    latents: list = _Dropped() if final_only else [x] + [None] * T
-    velocities: list = _Dropped() if final_only else [None] * T
-    uncond_vs: list = _Dropped() if final_only else [None] * T
-    ref_vs: list = _Dropped() if final_only else [None] * T
-    log_probs: list = _Dropped() if final_only else [None] * T
+    lo, hi = (0, 0) if final_only else (0, T) if keep_steps is None else (min(keep_steps), max(keep_steps) + 1)
+    latents, log_probs = _Kept(lo, hi + 1, torch.float32), _Kept(lo, hi, torch.float32)
+    velocities, uncond_vs = (_Kept(lo, hi, prediction_dtype or torch.float32) for _ in range(2))
+    ref_vs = _Kept(lo, hi, ref_dtype or torch.float32)
+    latents[0] = x
 
     def sde(k, x):
         s = sigmas[k].expand(n)
@@ -201,7 +247,7 @@ def sample_sde(
         step = sde_step(x, v, sigmas[k], sigmas[k + 1], noise_level=noise_level, sigma_max=sigma_max,
                         noise=step_noise[trained.index(k)])
         if ref_velocity_fn is not None and (ref_steps is None or k in ref_steps):  # the KL term's, where trained
-            ref_vs[k] = ref_velocity_fn(x, s, cond).float()
+            ref_vs[k] = ref_velocity_fn(x, s, cond)
         latents[k + 1], log_probs[k] = step.prev_sample, step.log_prob
         return step.prev_sample
 
@@ -239,17 +285,15 @@ def sample_sde(
     if final_only:
         return FinalLatents(x)
 
-    def stack(ts: list, like: torch.Tensor) -> torch.Tensor:  # zeros where nothing was computed (see above)
-        return torch.stack([t if t is not None else torch.zeros_like(like) for t in ts])
-
-    no_log_prob = torch.zeros(n, device=x.device)
     return Trajectories(
-        latents=stack(latents, x),
-        velocities=stack(velocities, x),
-        log_probs=stack(log_probs, no_log_prob),
-        sigmas=sigmas.clone(),
-        ref_velocities=None if ref_velocity_fn is None else stack(ref_vs, x),
-        uncond_velocities=None if guidance == 1.0 else stack(uncond_vs, x),
+        latents=latents.stack(x),
+        velocities=velocities.stack(x),
+        log_probs=log_probs.stack(torch.zeros(n, device=x.device)),
+        sigmas=sigmas[lo : hi + 1].clone(),
+        ref_velocities=None if ref_velocity_fn is None else ref_vs.stack(x),
+        uncond_velocities=None if guidance == 1.0 else uncond_vs.stack(x),
+        first=lo, sigma_max=sigma_max.clone(),
+        last=x if hi < T else None,
     )
 
 

@@ -84,7 +84,7 @@ def positioned(batch: StepBatch, steps: torch.Tensor) -> tuple[StepBatch, list[i
     sigmas = batch.sigmas.to(at.device)
     return dataclasses.replace(
         batch, latents=per_row(batch.latents, pair), velocities=spaced(batch.velocities),
-        log_probs=spaced(batch.log_probs), sigmas=sigmas[pair], sigma_max=sigmas[1],
+        log_probs=spaced(batch.log_probs), sigmas=sigmas[pair], sigma_max=batch.s_max,
         ref_velocities=spaced(batch.ref_velocities), uncond_velocities=spaced(batch.uncond_velocities),
         rollout_uncond=spaced(batch.rollout_uncond),
     ), list(range(0, 2 * K, 2))

@@ -72,7 +72,7 @@ class GCPO(GRPO):
                                 guidance=guidance, guidance_rule=self.policy.guidance_rule, sde=cfg.sampling.sde)
             drawn = draw_chunks(len(self.sizes), self.n_train, cfg.run.seed, step, rows.mine[local], epoch)
             layout, real = slot_layout(self.sizes, drawn)  # host tensors [n P, B]
-            batch, positions = positioned(traj.step_batch(local, adv_values, adv_mask), layout)
+            batch, positions = positioned(traj.step_batch(local, adv_values, adv_mask), traj.positions(layout))
             batch = ChunkBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(StepBatch)},
                                real=to_device(real.repeat_interleave(2, 0), device), slots=self.n_train)
             mb_cond = index_cond(cond, local)

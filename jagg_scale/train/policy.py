@@ -197,7 +197,8 @@ class Policy:
         minibatch's knot plan over `steps`: grpo.refresh_at knots) only its knots are recomputed, and every other
         trained step's u_k is the rollout's moved by its segment's knots' drift, linear in sigma (fill_interior's
         `moved`: u_k + (1 - a_k)(u_a' - u_a) + a_k (u_b' - u_b), as knot_backward's `interpolate` values)."""
-        fresh = batch.uncond_velocities.clone()
+        # float32: the stored u_k are the model's bf16 / fp16 output, but the moved interior values are float32 math
+        fresh = batch.uncond_velocities.to(torch.float32, copy=True)
         predict = self.model_fn()
         B = batch.latents.shape[1]
         for k in steps if plan is None else [steps[q] for q in plan_knots(plan)]:
@@ -226,6 +227,12 @@ class Policy:
             raise ValueError("sampling.chunk_size auto: give Policy the resolved rollout_batch (rollout_batch())")
         gens = row_generators(cfg.run.seed, step, rows)
         keys, saved = self._prefix_keys(rows, prompts, spec), 0
+        trained, plan = list(spec.trained or ()), spec.ref_plan
+        fill = plan is not None and len(plan_knots(plan)) < len(trained)
+        # stored in the compute dtype where that is the model's own output (grpo/rollout.py's docstring): the
+        # predictions always, the reference unless it is CFG's guided combination or filled between its knots
+        dtype = getattr(torch, cfg.model.dtype)
+        ref_dtype = dtype if self.guidance == 1.0 and not fill else torch.float32
         parts = []
         with spec.weights():
             predict, ref = self.model_fn(), self.reference_fn()
@@ -243,17 +250,17 @@ class Policy:
                                         guidance=self.guidance, guidance_rule=self.guidance_rule,
                                         ode_solver=cfg.sampling.ode_solver, ode_steps=cfg.sampling.ode_steps,
                                         host_sigmas=self.host_sigmas, sde=cfg.sampling.sde, keep=spec.keep,
-                                        shared_prefix=leads))
+                                        shared_prefix=leads, keep_steps=spec.trained, prediction_dtype=dtype,
+                                        ref_dtype=ref_dtype))
                 if on_chunk is not None:
                     on_chunk(chunk, parts[-1].final)
         if keys is not None:
             self._add_counts(rollout_prefix_rows=saved, rollout_prefix_forwards=saved * prefix_forwards(
                 self.host_sigmas, spec.sde_steps, cfg.sampling.ode_solver, cfg.sampling.ode_steps))
         traj = type(parts[0]).cat(parts)
-        trained, plan = list(spec.trained or ()), spec.ref_plan
-        if plan is not None and getattr(traj, "ref_velocities", None) is not None and len(plan_knots(plan)) < len(
-                trained):
-            traj.ref_velocities[trained] = fill_interior(plan, traj.ref_velocities[trained], traj.sigmas[trained])
+        if fill and getattr(traj, "ref_velocities", None) is not None:
+            at = traj.positions(trained)
+            traj.ref_velocities[at] = fill_interior(plan, traj.ref_velocities[at], traj.sigmas[at])
         return traj
 
     def _prefix_keys(self, rows: torch.Tensor, prompts: list | None, spec: RolloutSpec) -> list | None:

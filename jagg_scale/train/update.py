@@ -167,11 +167,12 @@ class GRPO(Algorithm):
             # the minibatch's mean is over its valid rows on all ranks (see GRPOStepLoss.denominator)
             loss = self.make_loss(scale=1.0 / K, denominator=float(adv.mask[global_rows].sum()) / rows.world_size,
                                   guidance=guidance)
-            batch, trained = traj.step_batch(local, adv_values, adv_mask), steps
+            # the trained steps as positions in what the trajectory stores (it starts at traj.first)
+            batch, trained = traj.step_batch(local, adv_values, adv_mask), traj.positions(steps)
             if g.step_selection != "first":
                 drawn = select_steps(g.step_selection, cfg.sampling.num_steps, g.timestep_fraction,
                                      cfg.selection_window, cfg.run.seed, step, rows.mine[local])
-                batch, trained = positioned(batch, drawn)
+                batch, trained = positioned(batch, traj.positions(drawn))
             # the rollout's uncond is stale: recomputed (grpo.refresh_at)
             refresh = (UncondRefresh(self.policy, index_cond(uncond, local), trained, g.refresh_at)
                        if uncond is not None and not on_policy else None)

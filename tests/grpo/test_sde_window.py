@@ -63,7 +63,11 @@ def test_scattered_sde_steps_are_any_of_the_range_drawn_per_step(tmp_path):
         assert any(d[-1] - d[0] > 2 for d in drawn) and len({tuple(d) for d in drawn}) > 5  # scattered, varied
         spec = trainer.algorithm.rollout_spec(0)
         traj = trainer.policy.rollout(trainer.policy.encode(["a", "b"]), torch.arange(2), 0, spec=spec)
-        assert [bool((traj.log_probs[k] != 0).all()) for k in range(8)] == [k in drawn[0] for k in range(8)]
+        # the trajectory keeps the trained range alone (grpo/rollout.py): the first to the last drawn step
+        span = range(drawn[0][0], drawn[0][-1] + 1)
+        assert traj.first == drawn[0][0] and traj.log_probs.shape[0] == len(span) == traj.latents.shape[0] - 1
+        assert [bool((traj.log_probs[q] != 0).all()) for q in traj.positions(list(span))] == [
+            k in drawn[0] for k in span]
         m = trainer.train_step(0)
     finally:
         trainer.close()

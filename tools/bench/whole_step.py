@@ -92,7 +92,7 @@ class FlowGRPOUpdater(GRPO):
                     sub, idx = batch.rows(mrows), local[mrows]
                     c, u_cond = index_cond(c_all, idx), index_cond(u_all, idx)
                     n = sub.latents.shape[1]
-                    for j, k in enumerate(steps):
+                    for j, k in enumerate(traj.positions(steps)):  # positions in what it stores
                         x, s = sub.latents[k], sub.sigmas[k].expand(n)
                         if ref is not None:
                             with torch.no_grad():
