@@ -159,6 +159,20 @@ def write_markdown(results: dict, out: Path, plots: dict[str, str]) -> Path:
         from tools.gpu_check import markdown as gpu_markdown
 
         lines += ["## On a GPU: tools/gpu_check.sh", "", gpu_markdown(json.loads(gpu.read_text())["runs"]), ""]
+    fidelity = out.parent / "refresh_fidelity.json"
+    if fidelity.exists():  # tools/knot_fidelity.py --parts refresh_at: a gradient, not a speed, kept across re-runs
+        import json
+
+        from tools.knot_fidelity import table as fidelity_table
+
+        res = json.loads(fidelity.read_text())
+        lines += ["## Gradient fidelity of the refresh at the knots (grpo.refresh_at): tools/knot_fidelity.py", "",
+                  f"Command: `{res['command']}` ({res['refresh_seconds']:.0f} s on 1 torch thread; raw results in "
+                  "docs/results/refresh_fidelity.json). GRPO on configs/digits_cpu.yaml under CFG 4.5 with two "
+                  "minibatches per rollout; per rollout the first minibatch takes a real Adam step, then the second "
+                  "minibatch's gradient through the same JAGG plan is compared with the full refresh's (unconditional "
+                  "prediction at every trained step, interiors forwarded). docs/algorithm.md section 1 reads it.", "",
+                  fidelity_table(res), ""]
     lines += [
         "## Caveats",
         "",
