@@ -115,10 +115,10 @@ class GCPO(GRPO):
             ks, rows = (k_of[part], b[part]) if len(b[part]) else (k_of[:1], b[:1])  # a rank with fewer: a dummy
             kd, rd = ks.to(batch.latents.device), rows.to(batch.latents.device)
             x, s = batch.latents[kd, rd], batch.sigmas[kd, rd]
-            v = fn(x, s, index_cond(cond, rows)).float()
-            u = None if unc is None else fn(x, s, index_cond(uncond, rows)).float()
-            if len(b[part]):
-                velocities[kd, rd] = v
+            v = fn(x, s, index_cond(cond, rows))
+            u = None if unc is None else fn(x, s, index_cond(uncond, rows))
+            if len(b[part]):  # in the rollout's storage dtype, the model's own (lossless: v is its output)
+                velocities[kd, rd] = v.to(velocities.dtype)
                 if unc is not None:
-                    unc[kd, rd] = u
+                    unc[kd, rd] = u.to(unc.dtype)
         return dataclasses.replace(batch, velocities=velocities, uncond_velocities=unc)

@@ -149,13 +149,16 @@ def test_the_eval_grid_shows_input_before_and_after(flux_kontext_dir, tmp_path):
 def test_true_cfg_with_the_negative_prompt_on_the_same_image_equals_the_pipelines(model, prompts):
     """sampling.guidance 2: the policy's (cond, uncond) pair, the negative prompt encoded on each row's own input image,
     through the plain rule, against FluxKontextPipeline's true_cfg_scale 2 loop given the same embeddings."""
-    from types import SimpleNamespace
-
     from jagg_scale.grpo.rollout import guided_velocity
     from jagg_scale.train.policy import Policy
 
-    policy = SimpleNamespace(guidance=2.0, negative_prompt=model.negative_prompt, model=model, _uncond=None)
-    cond, uncond = Policy.encode(policy, prompts)
+    class Encoder(Policy):  # the policy's encode alone: no config, schedule or device
+        guidance = 2.0
+
+        def __init__(self, model):
+            self.model, self.negative_prompt, self._uncond, self._counts = model, model.negative_prompt, None, {}
+
+    cond, uncond = Encoder(model).encode( prompts)
     assert torch.equal(uncond[2], cond[2])  # the same input images in both halves
     noise = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(5))
     out = model.pipe(image=cond[2], prompt_embeds=cond[0], pooled_prompt_embeds=cond[1],

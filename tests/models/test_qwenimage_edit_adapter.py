@@ -93,15 +93,18 @@ def test_adapter_ode_equals_the_pipeline_sampling_loop(model, prompts, pipeline_
 def test_true_cfg_with_the_negative_prompt_on_the_same_image_equals_the_pipelines(model, prompts, pipeline_at_16px):
     """sampling.guidance 2: the policy's (cond, uncond) pair, the negative prompt " " read with the row's own input
     image, through Qwen-Image's token_norm rule, against the pipeline's true_cfg_scale 2 loop."""
-    from types import SimpleNamespace
-
     from PIL import Image
 
     from jagg_scale.grpo.rollout import guided_velocity
     from jagg_scale.train.policy import Policy
 
-    policy = SimpleNamespace(guidance=2.0, negative_prompt=model.negative_prompt, model=model, _uncond=None)
-    cond, uncond = Policy.encode(policy, prompts[:1])
+    class Encoder(Policy):  # the policy's encode alone: no config, schedule or device
+        guidance = 2.0
+
+        def __init__(self, model):
+            self.model, self.negative_prompt, self._uncond, self._counts = model, model.negative_prompt, None, {}
+
+    cond, uncond = Encoder(model).encode( prompts[:1])
     assert torch.equal(uncond[1], cond[1]) and model.guidance_rule == "token_norm"
     noise = torch.randn(1, *model.latent_shape, generator=torch.Generator().manual_seed(5))
     out = model.pipe(image=Image.open(prompts[0].image).convert("RGB"), prompt=str(prompts[0]), negative_prompt=" ",

@@ -165,8 +165,9 @@ def test_no_call_sees_more_than_a_batch_whatever_the_number_of_prompts(tmp_path,
         assert result["num_images"] == 2 * n_prompts and result["num_failed"] == 0
         pair = 1 if guidance == 1.0 else 2  # CFG: the conditional and unconditional rows of a batch in one call
         assert max(seen["model"]) == batch * pair
-        for name in ("decode", "encode", "reward", "noise_chunk"):
+        for name in ("decode", "reward", "noise_chunk"):
             assert max(seen[name]) == batch, (name, n_prompts)
+        assert max(seen["encode"]) == batch // 2, n_prompts  # a chunk's distinct prompts once: 2 rows a prompt
         assert len(seen["decode"]) == len(seen["reward"]) == 2 * n_prompts // batch
 
 
