@@ -20,9 +20,12 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 
 # DeepSpeed's CPU collectives (its shm_comm extension) are JIT-compiled on first use (~40 s, cached in
 # ~/.cache/torch_extensions): built here, with the install, so that the first DeepSpeed test does not spend it
+# (the venv's bin first on PATH, as tests/conftest.py puts it: torch builds with the first `ninja` there, and the
+# venv's and the system's keep build logs that each rebuild the op from scratch)
 $(BIN)/.installed-extras: $(BIN)/.installed
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,tools,models,rewards,data,deepspeed,mpi,server]'
-	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" > /dev/null
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
+		> /dev/null
 	touch $@
 
 setup: $(BIN)/.installed

@@ -21,6 +21,13 @@ from extras import missing, need, required  # noqa: E402 - after the helpers' di
 
 
 def pytest_configure(config):
+    # the venv's executables first on PATH, for this process and every one it starts, as the launchers' tests put
+    # them: torch JIT-builds DeepSpeed's CPU collectives with the first `ninja` on PATH, and the venv's (1.13, a
+    # DeepSpeed dependency) and the system's (1.11) keep different build logs, so each switch between them rebuilt
+    # the op from scratch (25-60 s, four times a suite run); the Makefile builds it with the same PATH
+    venv_bin = str(Path(sys.executable).parent)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != venv_bin:
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     # make test runs the suite in pytest-xdist workers, one per core: each worker, and every process it starts,
     # runs one torch thread (two workers of two OpenMP threads each on 2 cores spin at every barrier; a step ran
     # 6x slower so). The trainers keep an OMP_NUM_THREADS they find (parallel/dist.py).
