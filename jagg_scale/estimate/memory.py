@@ -377,11 +377,12 @@ def rollout_cap(cfg, world: int) -> int:
 def rollout_batch(s: dict, gpu_gib: float, headroom: float = 0.10) -> int:
     """sampling.chunk_size auto: the largest rollout chunk (rows, before CFG doubles them) whose rollout phase fits
     `gpu_gib` with `headroom`, at most half of a rank's rows (two chunks or more: the reward of one is scored while
-    the next samples); 1 when none fits (the update phase then decides whether the config fits at all)."""
+    the next samples); 1 when none fits (the update phase then decides whether the config fits at all). Of the chunk
+    sizes that cut the rank's rows into as few chunks, the smallest (even chunks): the same forwards, a lower peak."""
     limit = (1 - headroom) * gpu_gib * GiB
     for bs in range(rollout_cap(s["cfg"], s["world"]), 1, -1):
         if estimate(s, sampling_batch=bs)["phases"]["rollout"]["total"] <= limit:
-            return bs
+            return balanced(bs, local_rows(s["cfg"], s["world"])[0])
     return 1
 
 

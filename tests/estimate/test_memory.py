@@ -281,19 +281,22 @@ def test_the_t5_length_is_the_configs():
     assert E.estimate(shipped, sampling_batch=48)["total"] < E.estimate(default, sampling_batch=48)["total"]
 
 
-def test_rollout_batch_auto_is_the_largest_chunk_that_fits_in_two_chunks_or_more():
+def test_rollout_batch_auto_is_the_fewest_even_chunks_that_fit_in_two_chunks_or_more():
     """sampling.chunk_size auto: half a rank's rows when they fit (the reward of one chunk overlaps the next
-    chunk's sampling), fewer on a smaller GPU, each the largest whose rollout phase fits; the trainer's resolver
-    gives the estimator's number."""
+    chunk's sampling), more chunks on a smaller GPU: the fewest whose rollout phase fits, each as small as that count
+    allows (the same forwards at a lower peak); the trainer's resolver gives the estimator's number."""
     cfg = load(ROOT / "configs" / "sd35m_pickscore.yaml")
     assert cfg.sampling.chunk_size == "auto"
     s = E.prepare(cfg, 8)
     big, small = E.rollout_batch(s, GPU_80GB), E.rollout_batch(s, 40.0)
-    # 144 rows per rank: at most two chunks of 72 (57 a chunk under float16's float32 VAE decode)
+    # 144 rows per rank: at most two chunks of 72 (three of 48 under float16's float32 VAE decode)
     assert big == E.estimate(s)["sampling_batch"] and 1 <= big <= 72
     assert 1 <= small < big
     fits = lambda bs, gib: E.estimate(s, sampling_batch=bs)["phases"]["rollout"]["total"] <= 0.9 * gib * E.GiB
-    assert fits(small, 40.0) and not fits(small + 1, 40.0) and fits(big, GPU_80GB)
+    for bs, gib in ((big, GPU_80GB), (small, 40.0)):
+        chunks = -(-144 // bs)
+        assert fits(bs, gib) and bs == -(-144 // chunks)  # even chunks: the smallest size that many chunks take
+        assert chunks == 2 or not fits(-(-144 // (chunks - 1)), gib)  # one chunk fewer does not fit
 
 
 def test_rollout_batch_auto_off_a_gpu_is_half_a_ranks_rows(tmp_path):
