@@ -199,4 +199,7 @@ def _forwards(overrides: list[str], num_steps: int) -> tuple[int, int]:
         return num_steps, len(plan_knots(plan_uniform(K, int(kv["jagg.window"])))) if knots else K
     window = int(kv.get("grpo.sde_window", 0))
     ode = int(kv.get("sampling.ode_steps", 0))
-    return (window + ode if window and ode else num_steps), (window or num_steps)
+    sde = window or num_steps
+    if kv.get("grpo.ref_at") == "knots":  # the reference on the JAGG windows' knots alone
+        sde = len(plan_knots(plan_uniform(sde, int(kv["jagg.window"]))))
+    return (window + ode if window and ode else num_steps), sde
