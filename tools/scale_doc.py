@@ -19,6 +19,7 @@ GiB = 2 ** 30
 GPU_GIB = 79.2
 CONFIGS = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "sd35m_pickscore_nocfg", "sd35m_geneval_nocfg",
            "sd35m_nft_pickscore", "sd35m_gcpo_pickscore", "sd35m_dppo_pickscore", "sd35m_awm_pickscore",
+           "sd35m_pickscore_fast",
            "sd35l_pickscore", "flux1_dev_hps", "flux1_dev_1024_hps", "flux1_kontext_pickscore", "qwenimage_hps",
            "qwenimage_edit_pickscore", "flux2_klein_pickscore", "zimage_pickscore", "wan21_t2v_14b_hps"]
 # the peer a recipe names, run as that peer runs it (docs/scale.md says why each): its tag and overrides
