@@ -23,7 +23,7 @@ Sections, each in its own try block (a failing one is recorded and the next runs
     train    `jagg-train` of the tiny SD3 pipeline for 2 steps with run.device=<device>: backend none, then fsdp2
              under torchrun with one process (NCCL on a GPU)
     step     one rank's share of sd35m_pickscore's whole training step at the real shape, every pipeline component
-             at its published size, Flow-GRPO's update beside the shipped recipe and SDE k4 + dpm2, phase by phase
+             at its published size, Flow-GRPO's update beside the shipped and the fast recipe, phase by phase
              with achieved TFLOP/s and peak memory (tools/gpu_step.py)
     profile  device time by kernel class of one with-grad and one no-grad pass at the production micro-batch,
              eager and under parallel.compile (tools/gpu_step.py)

@@ -7,7 +7,7 @@ step     one rank's share of configs/sd35m_pickscore.yaml's training step (estim
          pipeline directory and a reward directory and loaded by jagg_scale.train.Trainer itself; the tokenizers are
          the tiny pipelines' (their ids index the real vocabularies: the FLOPs do not depend on the ids). Three arms
          one after another (tools/bench/whole_step.py: Flow-GRPO's train_sd3.py update with its own 9-row batch,
-         the shipped recipe, SDE k4 + dpm2), each one warm-up pass and one timed step, phase by phase
+         the shipped recipe, the fast recipe), each one warm-up pass and one timed step, phase by phase
          (whole_step.PhaseClock, every timed call closed by a CUDA synchronize): seconds, the achieved TFLOP/s of
          each phase (the step-time model's arithmetic count over the measured seconds), the step's peak memory.
 profile  torch.profiler over one with-grad pass and one no-grad forward of the production micro-batch through the
@@ -102,12 +102,12 @@ def _write_sd35_medium(out: Path, device: torch.device, clip_tokenizer, t5_token
 # ------------------------------------------------------------------------------------------------------------------
 
 def arm_config(arm: str, args, pipe: Path, reward: Path, out: Path):
-    from tools.bench.whole_step import own_overrides
+    from tools.bench.whole_step import CONFIGS, own_overrides
 
     from jagg_scale.estimate.layout import rank_share
     from jagg_scale.train import load_config
 
-    config = ROOT / "configs" / "sd35m_pickscore.yaml"
+    config = ROOT / CONFIGS.get(arm, "configs/sd35m_pickscore.yaml")
     world = args.step_world
     share = rank_share(load_config(config, check_files=False), world)
     tiny = ["train.prompts_per_step=1", "train.minibatch_size=12", "train.micro_batch_size=12", "grpo.group_size=24",
@@ -142,7 +142,7 @@ def section_step(args, device, state) -> dict:
            "components": built, "arms": {}}
     print(f"  components written in {built['seconds']} s", flush=True)
     t_section = time.perf_counter()
-    for arm in ("shipped", "Flow-GRPO", "SDE k4 + dpm2"):  # the ratio's two arms first
+    for arm in ("shipped", "Flow-GRPO", "fast recipe"):  # the ratio's two arms first
         assert arm in ARMS
         if time.perf_counter() - t_section > args.step_budget:  # the device's minutes are counted: stop in time
             out["arms"][arm] = {"skipped": f"the section had run {args.step_budget} s (--step-budget)"}

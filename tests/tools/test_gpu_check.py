@@ -26,7 +26,7 @@ def test_the_gpu_check_runs_every_section_at_toy_scale(tmp_path):
     assert proc.returncode == 0 and not failed, f"{failed}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert list(sections) == ["env", "window", "memory", "syncs", "train", "step", "profile", "families"]
     step = sections["step"]  # the whole step of one rank, three arms through the Trainer, every phase timed
-    assert set(step["arms"]) == {"Flow-GRPO", "shipped", "SDE k4 + dpm2"}
+    assert set(step["arms"]) == {"Flow-GRPO", "shipped", "fast recipe"}
     for arm, r in step["arms"].items():
         assert r["seconds"]["step"] > 0 and r["seconds"]["sampling"] > 0 and r["seconds"]["train"] > 0, arm
     fg, shipped = step["arms"]["Flow-GRPO"]["seconds"], step["arms"]["shipped"]["seconds"]

@@ -66,4 +66,15 @@ def test_the_study_runs_at_toy_size_with_every_phase_and_the_models_prices():
     fg, shipped = res["arms"]["Flow-GRPO"], res["arms"]["shipped"]
     assert fg["reference"] > 0 and fg["train_nograd"] == 0  # Flow-GRPO: the reference at training, no refresh
     assert shipped["train_nograd"] > 0 and shipped["backward_passes"] < fg["backward_passes"]
+    one, fast = res["arms"]["one step a rollout"], res["arms"]["fast recipe"]
+    assert one["train_nograd"] == 0  # one on-policy minibatch: nothing refreshed after an optimizer step
+    assert fast["backward_passes"] < one["backward_passes"] and fast["per_step_equiv"] == 4  # its 4-step window
+    assert res["setup"]["configs"]["fast recipe"] == "configs/sd35m_pickscore_fast.yaml"
     assert "| Flow-GRPO |" in W.markdown(res)
+
+
+def test_the_cluster_size_setting_scales_a_ranks_rows_and_refuses_what_does_not_split():
+    assert W.parse_settings({"gpus": "32"}) == {"gpus": 32}
+    for bad in ({"gpus": "7"}, {"gpus": "256"}, {"rows": "4"}):
+        with pytest.raises(SystemExit, match="whole_step"):
+            W.parse_settings(bad)

@@ -21,6 +21,7 @@ from jagg_scale.jagg import trained_steps
 from jagg_scale.rewards import available
 from jagg_scale.rewards.base import _REGISTRY, _check_options
 from jagg_scale.train import ConfigError, Trainer, load_config
+from recipe_paths import recipe_paths
 from stand_ins import stand_in_paths
 from extras import need
 
@@ -34,11 +35,7 @@ GCPO = ["sd35m_gcpo_pickscore"]  # GCPO's chunk-level recipe (below)
 
 
 def _paths(name, pipe_dir, tmp_path):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a cat holding a sign that says \"hello\"\na red apple\na dog\na blue car\n")
-    # model.lora.expect_modules: the recipe's count is its real model's, not the tiny pipeline's
-    return [f"model.pretrained={pipe_dir}", f"data.prompt_file={prompts}", f"eval.prompt_file={prompts}",
-            f"run.output_dir={tmp_path / 'run'}", "model.lora.expect_modules=null"]
+    return recipe_paths(pipe_dir, tmp_path)
 
 
 @pytest.fixture
@@ -429,50 +426,6 @@ def test_the_nocfg_recipes_train_a_step_on_the_tiny_pipeline(name, sd3_dir, tmp_
         assert row["sde_window_start"] == window[0]
         assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
         assert (out / "run" / "lora" / "pytorch_lora_weights.safetensors").exists()
-
-
-def test_the_fast_recipe_is_the_shipped_one_with_its_departures_alone(sd3_dir, tmp_path):
-    """configs/sd35m_pickscore_fast.yaml = configs/sd35m_pickscore.yaml but for the keys its header names: a 4-step
-    SDE window in [0, 5] trained whole, dpm2 on 2 ODE steps, one optimizer step a rollout (EMA every 4 of them); not
-    the shared x_T (the header says why). Any other difference is a value the header does not say."""
-    import dataclasses
-
-    def flat(cfg):
-        out = {}
-        for section in dataclasses.fields(cfg):
-            value = getattr(cfg, section.name)
-            if dataclasses.is_dataclass(value):
-                out.update({f"{section.name}.{f.name}": getattr(value, f.name) for f in dataclasses.fields(value)})
-        return out
-
-    base, fast = (flat(load_config(ROOT / "configs" / f"{n}.yaml", _paths(n, sd3_dir, tmp_path)))
-                  for n in ("sd35m_pickscore", "sd35m_pickscore_fast"))
-    diff = {k: fast[k] for k in base if base[k] != fast[k]}
-    assert diff == {"grpo.sde_window": 4, "grpo.sde_window_range": [0, 5], "grpo.timestep_fraction": 1.0,
-                    "sampling.ode_solver": "dpm2", "sampling.ode_steps": 2, "train.minibatch_size": 48 * 24,
-                    "train.ema_every": 4}, diff  # (run.output_dir: _paths sets both)
-
-
-@pytest.mark.slow
-def test_the_fast_recipe_trains_a_step_on_the_tiny_pipeline(sd3_dir, tmp_path):
-    """One step as shipped on the tiny SD3 pipeline (FSDP2, one process): the window's 4 steps trained by one JAGG
-    joint pass (2 backwards a sample's minibatch instead of 4), on-policy (ratio 1), one optimizer step; the rollout
-    runs the ODE before the window (drawn at step 1 under run.seed 1) on every row, no group sharing it."""
-    shrink = ["model.resolution=null", "grpo.group_size=4", "train.prompts_per_step=2", "train.minibatch_size=8",
-              "train.micro_batch_size=8", "sampling.chunk_size=8", "train.steps=1", "eval.enabled=false",
-              "log.wandb=false", "log.progress=false", "reward.name=jpeg_compressibility", "reward.options={}",
-              "run.resume=none", "run.seed=1"]
-    name = "sd35m_pickscore_fast"
-    trainer = Trainer(load_config(ROOT / "configs" / f"{name}.yaml", _paths(name, sd3_dir, tmp_path) + shrink))
-    try:
-        window = list(trainer.algorithm.rollout_spec(0).trained)
-        (row,) = trainer.fit()
-    finally:
-        trainer.close()
-    assert window == [1, 2, 3, 4] and row["sde_window_start"] == 1
-    assert row["backward_passes"] == 2 and row["per_step_equiv"] == 4  # one minibatch: one window a sample
-    assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
-    assert row.get("rollout_prefix_rows", 0) == 0  # sampling.same_initial_noise off (the header)
 
 
 # GCPO's published PickScore recipe (xingzhejun/GCPO ea6cc4d scripts/finetune/finetune_pickscore_chunk.sh), the values

@@ -16,8 +16,9 @@ Studies (run only when named in --parts; they train for longer than the whole de
     time_to_reward  held-out reward vs wall-clock on digits: Flow-GRPO, JAGG, the planner, SDE windows, the
                     compressed ODE rollout (python -m tools.bench --parts time_to_reward --merge)
     whole_step      one rank's share of sd35m_pickscore's step at production proportions, phase by phase:
-                    Flow-GRPO as its train_sd3.py runs it, the shipped recipe, SDE k4 + dpm2; the step-time model
-                    priced with passes measured here (python -m tools.bench --parts whole_step --merge)
+                    Flow-GRPO as its train_sd3.py runs it, the shipped recipe, one step a rollout, the fast recipe;
+                    the step-time model priced with passes measured here (python -m tools.bench --parts whole_step
+                    --merge; --set gpus=32 at 32 GPUs' proportions)
 
 Outputs (--out OUT, default docs/results/benchmarks): OUT.json (every number), OUT_<part>.png (plots) and the
 generated report (docs/benchmarks.md; OUT.md for an OUT outside a results/ folder).

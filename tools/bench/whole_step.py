@@ -1,12 +1,14 @@
 """Study whole_step: one rank's share of sd35m_pickscore's training step at production proportions, phase by phase.
 
 One rank's share of `configs/sd35m_pickscore.yaml`'s training step at production proportions
-(`tools/bench/whole_step.py`): three trainers built from that config on the SD3-shaped bench model, scaled by rows
-only, step round-robin after a warm-up step each. Flow-GRPO runs its train_sd3.py update (FlowGRPOUpdater: its 9-row
-batch scaled, the conditional and unconditional rows in one forward with grad, the reference at training, no
-checkpointing); the shipped recipe as shipped; SDE k4 + dpm2 the fastest recipe we ship. Phases are timed by
-wrapping the trainer's own callables. The step-time model (`jagg_scale/estimate/steptime.py`) is priced with this
-model's passes measured in the same run and set beside the measured phases. A study, not in the default run.
+(`tools/bench/whole_step.py`): four trainers built from that config (the fast recipe from its own,
+configs/sd35m_pickscore_fast.yaml) on the SD3-shaped bench model, scaled by rows only, step round-robin after a
+warm-up step each; `--set gpus=32` takes a rank's share on 32 GPUs (36 rows in production, 4 here). Flow-GRPO runs
+its train_sd3.py update (FlowGRPOUpdater: its 9-row batch scaled, the conditional and unconditional rows in one
+forward with grad, the reference at training, no checkpointing); the shipped recipe as shipped; then one optimizer
+step a rollout; then the fast recipe, each arm one change on the one before. Phases are timed by wrapping the
+trainer's own callables. The step-time model (`jagg_scale/estimate/steptime.py`) is priced with this model's passes
+measured in the same run and set beside the measured phases. A study, not in the default run.
 
 The arms, on common.SD3_FULL as a diffusers StableDiffusion3Pipeline with tiny text encoders and VAE:
 
@@ -18,8 +20,10 @@ The arms, on common.SD3_FULL as a diffusers StableDiffusion3Pipeline with tiny t
                      the minibatch's end; no activation checkpointing. FlowGRPOUpdater below, in this bench only.
     shipped          the config as shipped (JAGG windows, rollout at `auto`, reference where grpo.ref_at says,
                      per-block checkpointing)
-    SDE k4 + dpm2    the fastest recipe we ship: a 4-step SDE window in the first half, JAGG over it,
-                     DPM-Solver++(2M) on 3 ODE steps outside it (MixGRPO-Flash's compressed rollout)
+    one step a rollout  the shipped config with one minibatch of every row (nothing to refresh)
+    fast recipe      configs/sd35m_pickscore_fast.yaml: a 4-step SDE window in the first half, JAGG over it,
+                     DPM-Solver++(2M) on 2 ODE steps outside it (MixGRPO-Flash's compressed rollout), one
+                     optimizer step a rollout
 
 Proportions: a rank of the 8-GPU production step holds 144 rows (48 prompts x 24 / 8) in 2 minibatches of 72,
 samples in 72-row chunks (sampling.chunk_size auto) where Flow-GRPO samples and trains 9 rows at a time; here a
@@ -61,7 +65,10 @@ PROD_ROWS, FG_BATCH_PROD = 144, 9  # a rank's rows on 8 GPUs; Flow-GRPO's per-GP
 PHASES = ("sampling", "reference", "train", "train_nograd", "encode", "decode", "reward")
 MODEL_PHASES = {"sampling": "rollout", "reference": "reference", "train": "train", "train_nograd": "train_nograd",
                 "encode": "encode", "decode": "decode"}
-ARMS = ("Flow-GRPO", "shipped", "SDE k4 + dpm2")
+# each arm one change on the one before it: the faithful recipe as shipped, then one optimizer step a rollout (no
+# refresh), then the fast recipe (configs/sd35m_pickscore_fast.yaml: its SDE window, dpm2 and one step a rollout)
+ARMS = ("Flow-GRPO", "shipped", "one step a rollout", "fast recipe")
+CONFIGS = {"fast recipe": "configs/sd35m_pickscore_fast.yaml"}  # the others: configs/sd35m_pickscore.yaml
 FULL = {"rows": 16, "shape": SD3_FULL, "t5": 16, "rounds": 3, "calib_rows": (1, 2, 4, 8, 16), "reps": 3}
 QUICK = {"rows": 4, "shape": SD3_QUICK, "t5": 4, "rounds": 1, "calib_rows": (1, 2), "reps": 1}
 
@@ -179,20 +186,21 @@ class PhaseClock:
                 "backward_passes": float(m["backward_passes"]), "per_step_equiv": float(m["per_step_equiv"])}
 
 
-def fg_batch(rows: int) -> int:
-    """Flow-GRPO's 9-row batch at this many rows per rank (144 in production)."""
-    return max(1, round(rows * FG_BATCH_PROD / PROD_ROWS))
+def fg_batch(rows: int, production_rows: int = PROD_ROWS) -> int:
+    """Flow-GRPO's 9-row batch at this many rows per rank (`production_rows` in production)."""
+    return max(1, round(rows * FG_BATCH_PROD / production_rows))
 
 
-def own_overrides(arm: str, rows: int) -> list[str]:
-    """What an arm changes in the shipped config (beyond the scale)."""
-    fg = fg_batch(rows)
+def own_overrides(arm: str, rows: int, production_rows: int = PROD_ROWS) -> list[str]:
+    """What an arm changes in its config (beyond the scale)."""
+    fg = fg_batch(rows, production_rows)
+    every = [f"train.minibatch_size={rows}"]  # one minibatch of every row (micro-batches of half: 2 chunks)
     return {
         "Flow-GRPO": ["jagg=null", "jagg.mode=exact", "grpo.ref_at=steps", f"sampling.chunk_size={fg}",
                       f"train.micro_batch_size={fg}", "parallel.activation_checkpointing=false"],
         "shipped": [],
-        "SDE k4 + dpm2": ["grpo.sde_window=4", "grpo.sde_window_range=[0, 5]", "grpo.timestep_fraction=1.0",
-                          "sampling.ode_solver=dpm2", "sampling.ode_steps=3"],
+        "one step a rollout": every,
+        "fast recipe": every,
     }[arm]
 
 
@@ -208,11 +216,12 @@ def arm_overrides(arm: str, size: dict, pipe: Path, out: Path) -> list[str]:
              "reward.options={}", "reward.background=false", "eval.enabled=false", "log.wandb=false",
              "log.progress=false", "run.checkpoint_every=0", "run.resume=none", "train.steps=1000", "run.device=cpu",
              f"run.output_dir={out / arm.replace(' ', '_').replace('+', 'plus')}"]
-    return scale + own_overrides(arm, rows)
+    return scale + own_overrides(arm, rows, size["production_rows"])
 
 
 def build(arm: str, size: dict, pipe: Path, out: Path) -> Trainer:
-    cfg = load_config(str(ROOT / "configs" / "sd35m_pickscore.yaml"), arm_overrides(arm, size, pipe, out))
+    config = CONFIGS.get(arm, "configs/sd35m_pickscore.yaml")
+    cfg = load_config(str(ROOT / config), arm_overrides(arm, size, pipe, out))
     trainer = Trainer(cfg)
     if arm == "Flow-GRPO":
         trainer.algorithm = FlowGRPOUpdater(cfg, trainer.policy, trainer.engine, trainer.dist)
@@ -253,8 +262,22 @@ def calibrate(trainer: Trainer, F: float, size: dict) -> dict:
     return out
 
 
-def run(quick: bool) -> dict:
-    size = QUICK if quick else FULL
+def parse_settings(settings: dict[str, str]) -> dict:
+    """`--set gpus=N`: a rank's share at N GPUs' proportions (8: 16 rows a rank for production's 144; 32: 4 for
+    36); an unknown key or a count that leaves no row is an error naming it."""
+    bad = sorted(set(settings) - {"gpus"})
+    if bad:
+        raise SystemExit(f"whole_step: unknown --set keys {bad}; known: ['gpus']")
+    gpus = int(settings["gpus"])
+    if gpus < 1 or PROD_ROWS * 8 % gpus or FULL["rows"] * 8 % gpus or FULL["rows"] * 8 // gpus < 2:
+        raise SystemExit(f"whole_step: --set gpus={gpus} must split 144 x 8 rows and leave >= 2 here (8, 16, 32, 64)")
+    return {"gpus": gpus}
+
+
+def run(quick: bool, gpus: int = 8) -> dict:
+    size = dict(QUICK if quick else FULL)
+    # a rank's rows at this cluster size, in production and here (the same ratio)
+    size.update(rows=max(2, size["rows"] * 8 // gpus), production_rows=PROD_ROWS * 8 // gpus)
     quiet()
     from jagg_scale.models.tiny import make_tiny_sd3
 
@@ -279,13 +302,14 @@ def run(quick: bool) -> dict:
         calib = calibrate(trainers["shipped"], F, size)
         model = {a: T.step_seconds(prepared[a], _shares(trainers[a]), cfg_rows_with_grad=a == "Flow-GRPO",
                                    calib=calib) for a in ARMS}
-        setup = {"rows_per_rank": size["rows"], "production_rows_per_rank": PROD_ROWS,
-                 "flow_grpo_batch": fg_batch(size["rows"]),
+        setup = {"rows_per_rank": size["rows"], "production_rows_per_rank": size["production_rows"], "gpus": gpus,
+                 "flow_grpo_batch": fg_batch(size["rows"], size["production_rows"]),
                  "transformer": size["shape"], "tokens_per_row": [s0["image_tokens"], s0["text_tokens"]],
                  "parameters": sum(p.numel() for p in trainers["shipped"].model.parameters()),
                  "trainable": sum(p.numel() for p in trainers["shipped"].engine.params),
                  "rounds": size["rounds"], "config": "configs/sd35m_pickscore.yaml",
-                 "overrides": {a: own_overrides(a, size["rows"]) for a in ARMS}}
+                 "configs": {a: CONFIGS.get(a, "configs/sd35m_pickscore.yaml") for a in ARMS},
+                 "overrides": {a: own_overrides(a, size["rows"], size["production_rows"]) for a in ARMS}}
         for t in trainers.values():
             t.close()
     arms = {}
@@ -303,14 +327,16 @@ def run(quick: bool) -> dict:
         arms[a]["all"] = rec
     ratio = {a: arms["Flow-GRPO"]["step"] / arms[a]["step"] for a in ARMS}
     model_ratio = {a: model["Flow-GRPO"]["step"] / model[a]["step"] for a in ARMS}
-    worst = max(abs(arms[a]["model_vs_measured"]["counted phases"] - 1) for a in ARMS)
+    # the model per phase against the measured phase, where the phase is at least 5% of the arm's step (a smaller
+    # one's ratio is noise on a CPU: the encode of tiny text encoders, the decode of a tiny VAE)
+    phase_errors = [abs(arms[a]["model_vs_measured"][p] - 1) for a in ARMS for p in MODEL_PHASES
+                    if arms[a]["model_vs_measured"][p] is not None and arms[a][p] >= 0.05 * arms[a]["step"]]
+    worst = max(phase_errors, default=0.0)
     return {"setup": setup, "arms": arms, "calibration": calib,
-            "summary": {"step_speedup_shipped": ratio["shipped"], "step_speedup_sde": ratio["SDE k4 + dpm2"],
-                        "model_speedup_shipped": model_ratio["shipped"],
-                        "model_speedup_sde": model_ratio["SDE k4 + dpm2"], "model_worst_error": worst},
-            "target": {"name": "whole step >= 2.0x Flow-GRPO's as shipped, >= 3x with SDE k4 + dpm2; the step-time "
-                               "model within 20% of the measured step",
-                       "met": ratio["shipped"] >= 2.0 and ratio["SDE k4 + dpm2"] >= 3.0 and worst <= 0.2}}
+            "summary": {"step_speedup": ratio, "model_speedup": model_ratio, "model_worst_phase_error": worst},
+            "target": {"name": "whole step >= 2.0x Flow-GRPO's as shipped, >= 3.5x with the fast recipe; the "
+                               "step-time model within 15% of each measured phase of >= 5% of a step",
+                       "met": ratio["shipped"] >= 2.0 and ratio["fast recipe"] >= 3.5 and worst <= 0.15}}
 
 
 def markdown(res: dict) -> str:
