@@ -16,15 +16,9 @@ def test_the_fast_recipe_is_the_shipped_one_with_its_departures_alone(sd3_dir, t
     """configs/sd35m_pickscore_fast.yaml = configs/sd35m_pickscore.yaml but for the keys its header names: a 4-step
     SDE window in [0, 5] trained whole, dpm2 on 2 ODE steps, one optimizer step a rollout (EMA every 4 of them); not
     the shared x_T (the header says why). Any other difference is a value the header does not say."""
-    import dataclasses
-
-    def flat(cfg):
-        out = {}
-        for section in dataclasses.fields(cfg):
-            value = getattr(cfg, section.name)
-            if dataclasses.is_dataclass(value):
-                out.update({f"{section.name}.{f.name}": getattr(value, f.name) for f in dataclasses.fields(value)})
-        return out
+    def flat(cfg):  # section.key -> value, from the config's own plain form (what resume compares)
+        return {f"{name}.{key}": value for name, section in cfg.to_dict().items() if isinstance(section, dict)
+                for key, value in section.items()}
 
     base, fast = (flat(load_config(ROOT / "configs" / f"{n}.yaml", recipe_paths(sd3_dir, tmp_path)))
                   for n in ("sd35m_pickscore", "sd35m_pickscore_fast"))
