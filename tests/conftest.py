@@ -18,6 +18,7 @@ if str(TESTS) not in sys.path:  # the shared helpers
     sys.path.insert(0, str(TESTS))
 
 from extras import missing, need, required  # noqa: E402 - after the helpers' directory is on the path
+from once import once  # noqa: E402
 
 
 def pytest_configure(config):
@@ -103,10 +104,11 @@ def _maker(name: str):
 
 def _tiny_pipeline(kind: str):
     """A session fixture `<kind>_dir`: the tiny random pipeline of a diffusers family (jagg_scale/models/tiny.py),
-    built once per session."""
+    built once per session (and shared by the xdist workers: once.py)."""
     @pytest.fixture(scope="session", name=f"{kind}_dir")
     def fixture(tmp_path_factory):
-        return _maker(f"make_tiny_{kind}")(tmp_path_factory.mktemp(f"tiny_{kind}") / "pipe", seed=0)
+        make = _maker(f"make_tiny_{kind}")
+        return Path(once(tmp_path_factory, f"tiny_{kind}", lambda d: str(make(d / "pipe", seed=0)))[1])
 
     return fixture
 

@@ -20,8 +20,11 @@ def metrics(out: Path, *, timing: bool = True) -> list[dict]:
     return rows if timing else [{k: v for k, v in r.items() if not k.startswith(("time_", "comm_"))} for r in rows]
 
 
-def fit_metrics(config, overrides: list[str], out: Path) -> list[dict]:
-    """A Trainer of `config` with `overrides` fitted into `out` in this process: its metrics rows, timing dropped."""
+def fit_metrics(config, overrides: list[str], out: Path, *, timing: bool = False) -> list[dict]:
+    """A Trainer of `config` with `overrides` fitted into `out` in this process: its metrics rows, timing dropped
+    unless asked for. The 1-process reference of a multi-process test runs here: what jagg-train adds around the
+    Trainer (argument parsing, exit codes) is tested by the launches, and a process start with diffusers' and
+    transformers' imports costs 3-8 s of a 2-core machine."""
     from jagg_scale.train import Trainer, load_config
 
     trainer = Trainer(load_config(config, [*overrides, "log.progress=false", f"run.output_dir={out}"]))
@@ -29,7 +32,7 @@ def fit_metrics(config, overrides: list[str], out: Path) -> list[dict]:
         trainer.fit()
     finally:
         trainer.close()
-    return metrics(out, timing=False)
+    return metrics(out, timing=timing)
 
 
 def launch_metrics(args: list[str], nproc: int, out: Path) -> list[dict]:

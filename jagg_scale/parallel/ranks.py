@@ -218,7 +218,15 @@ def _from_mpi_env(env: Mapping[str, str]) -> RankInfo | None:
     return RankInfo(rank, world, local_rank, local_world, addr, port, "mpi")
 
 
+# Variables every MPI launcher we know sets in its ranks (PMIx under srun / Open MPI 5, PMI under Hydra, MVAPICH, Intel
+# MPI, Cray ALPS). mpi4py is probed only where one is present: importing it initialises MPI (~1 s, and a singleton
+# MPI world) in every plain process otherwise.
+_MPI_HINTS = ("PMIX_", "PMI_", "OMPI_", "MV2_", "I_MPI_", "HYDRA_", "MPI_LOCALRANKID", "ALPS_APP_PE", "CRAY_MPICH")
+
+
 def _from_mpi4py(env: Mapping[str, str]) -> RankInfo | None:
+    if not any(k.startswith(_MPI_HINTS) for k in env):
+        return None
     try:
         from mpi4py import MPI  # optional; only imported when asked for
     except Exception:  # not installed, or no MPI library underneath

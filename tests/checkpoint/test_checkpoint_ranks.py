@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from hang_guard import RUN_S, WAIT_S
+from once import once
 from jagg_scale.parallel.ranks import free_port
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # one torchrun launch shared by the module (~15 s idle)
@@ -22,7 +23,10 @@ WORKER = ROOT / "tests" / "dist_workers" / "checkpoint_worker.py"
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("ckpt_ranks")
+    return once(tmp_path_factory, "checkpoint_ranks", _launch)[1]
+
+
+def _launch(out: Path) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore")
     # WAIT_S as the process group's timeout: a rank stuck in a collective fails after it (a hang guard)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hang_guard import RUN_S
+from once import once
 
 # dist and slow: one torchrun launch shared by the module (~50 s where DeepSpeed's shm_comm extension is compiled on
 # first use; `make setup-extras` builds it with the install) and the single-process DeepSpeed check (~6 s)
@@ -44,9 +45,9 @@ def _run(args: list[str], out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("deepspeed")
-    return _run(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                              "--master_port", str(port), str(WORKER), str(out)], out)
+    return once(tmp_path_factory, "deepspeed_engine", lambda out: _run(
+        lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                      str(port), str(WORKER), str(out)], out))[1]
 
 
 def test_jagg_and_exact_backward_accumulate_into_one_step(result):

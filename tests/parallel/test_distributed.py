@@ -34,6 +34,9 @@ import torch
 from hang_guard import POLL_S, RUN_S, WAIT_S
 from jagg_scale.parallel.ranks import free_port, launcher_env
 from extras import need
+from once import once
+from process_tree import children, kill, wait_gone
+from train_runs import fit_metrics
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # every test runs trainer processes (or uses fsdp2_run's)
 
@@ -64,6 +67,11 @@ def run(nproc: int, out: Path, *overrides: str) -> list[dict]:
     return metrics(out)
 
 
+def reference(out: Path, *overrides: str) -> list[dict]:
+    """The 1-process run a 2-process run is compared with, in this process (train_runs.fit_metrics says why)."""
+    return fit_metrics(TINY, [*SMALL, *overrides], out, timing=True)
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -92,14 +100,17 @@ def close(a: list[dict], b: list[dict]):
 @pytest.fixture(scope="module")
 def fsdp2_run(tmp_path_factory):
     """The reference 2-process fsdp2 run: 3 steps, a checkpoint after every step."""
-    out = tmp_path_factory.mktemp("fsdp2") / "run"
-    rows = run(2, out, "parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3", *EMA)
-    return out, rows
+    def make(d: Path) -> list[dict]:
+        return run(2, d / "run", "parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=1",
+                   "run.keep_last=3", *EMA)
+
+    d, rows = once(tmp_path_factory, "fsdp2_run", make)  # read-only: the tests copy what they change
+    return d / "run", rows
 
 
 def test_fsdp2_two_processes_match_one_process(fsdp2_run, tmp_path):
     _, two = fsdp2_run
-    one = run(1, tmp_path / "one", "train.steps=3")
+    one = reference(tmp_path / "one", "train.steps=3")
     close(two, one)
     assert all(r["backward_passes"] == q["backward_passes"] for r, q in zip(two, one))
 
@@ -128,41 +139,6 @@ def test_collective_counter_shows_one_gather_cycle_per_jagg_window(tmp_path):
     assert every["grad_norm"] == pytest.approx(j["grad_norm"], rel=1e-5)
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is pid (torchrun's workers: each in a session of its own, so not in its group)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
-    except OSError:
-        return True
-
-
-def _wait_gone(pids: list[int]) -> None:
-    deadline = time.monotonic() + WAIT_S  # a hang guard: a checkpoint save, then exit
-    while not all(_gone(p) for p in pids):
-        assert time.monotonic() < deadline, f"workers {pids} still running"
-        time.sleep(POLL_S)
-
-
-def _kill(pids: list[int]) -> None:
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _start_plain_torchrun(out: Path, *overrides: str) -> tuple[subprocess.Popen, list[int]]:
     """2 workers under plain torchrun (no --signals-to-handle); returns once step 0 is logged, with the worker pids.
     torchrun's shutdown grace (30 s by default) is raised so that a slow machine cannot turn the save into a kill."""
@@ -174,7 +150,7 @@ def _start_plain_torchrun(out: Path, *overrides: str) -> tuple[subprocess.Popen,
         assert proc.poll() is None, proc.communicate()[0][-5000:]
         assert time.monotonic() < deadline
         time.sleep(POLL_S)
-    workers = _children(proc.pid)
+    workers = children(proc.pid)
     assert len(workers) == 2, workers
     return proc, workers
 
@@ -189,11 +165,11 @@ def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(fsdp2_run, tmp_p
     deadline = time.monotonic() + RUN_S  # a hang guard: the run writes its first checkpoint after one step
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    workers = _children(proc.pid)  # in sessions of their own: killpg does not reach them
-    _kill(workers)  # both workers and torchrun, mid-run, no chance to clean up
+    workers = children(proc.pid)  # in sessions of their own: killpg does not reach them
+    kill(workers)  # both workers and torchrun, mid-run, no chance to clean up
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    _wait_gone(workers)
+    wait_gone(workers)
     assert marker.exists()
     resumed = run(2, out, "parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3",
                   *EMA, "run.resume=auto")
@@ -270,9 +246,9 @@ def test_sigterm_to_plain_torchrun_reaches_the_workers_which_checkpoint_and_resu
     try:
         proc.send_signal(signal.SIGTERM)
         log = proc.communicate(timeout=WAIT_S)[0]  # a hang guard: one step, one save, then exit
-        _wait_gone(workers)
+        wait_gone(workers)
     finally:
-        _kill(workers)
+        kill(workers)
     assert "received signal 15: will checkpoint" in log, log[-5000:]
     assert (out / "PREEMPTED").read_text().startswith("signal 15;")
     done = len(metrics(out))
@@ -292,9 +268,9 @@ def test_sigusr1_kills_plain_torchrun_and_its_workers_still_checkpoint(tmp_path)
         proc.send_signal(signal.SIGUSR1)
         proc.communicate(timeout=WAIT_S)  # a hang guard: the agent dies at once
         assert proc.returncode == -signal.SIGUSR1
-        _wait_gone(workers)
+        wait_gone(workers)
     finally:
-        _kill(workers)  # on failure: no orphan left training
+        kill(workers)  # on failure: no orphan left training
     assert (out / "PREEMPTED").read_text().startswith("signal 15;")
     done = len(metrics(out))
     assert 1 <= done < 200
@@ -332,7 +308,7 @@ def test_knot_planner_agrees_across_ranks(tmp_path):
     plan per rank would deadlock FSDP2), and the result is the 1-process plan and update."""
     common = ["train.steps=2", "jagg.planner=budget", "jagg.window=null", "jagg.speedup=2"]
     two = run(2, tmp_path / "two", "parallel.engine=fsdp2", *common)
-    one = run(1, tmp_path / "one", *common)
+    one = reference(tmp_path / "one", *common)
     assert [r["knots"] for r in two] == [r["knots"] for r in one]
     close(two, one)
 
@@ -389,7 +365,7 @@ def test_fsdp2_bf16_samples_with_the_exact_sigma_of_one_process_bf16(tmp_path):
     cast rounded sigma to bf16: timesteps off by up to 2/1000, the reward off at the 4th digit)."""
     bf16 = ["model.dtype=bfloat16", "train.steps=1"]
     two = run(2, tmp_path / "fsdp2", "parallel.engine=fsdp2", *bf16)[0]
-    one = run(1, tmp_path / "none", *bf16)[0]
+    one = run(1, tmp_path / "none", *bf16)[0]  # a process of its own: the exact bf16 rounding of a fresh one
     for k in ("reward_mean", "reward_std"):  # the rollout: the same bf16 matmuls on the same rows, all-gathered
         assert two[k] == one[k], (k, two[k], one[k])
     close([two], [one])
@@ -401,7 +377,7 @@ def test_fsdp2_fp16_two_processes_match_one_process(tmp_path):
     the unscaled gradient norm and the loss within the float tolerance."""
     fp16 = ["model.dtype=float16", "train.steps=1"]
     two = run(2, tmp_path / "fsdp2", "parallel.engine=fsdp2", *fp16)[0]
-    one = run(1, tmp_path / "none", *fp16)[0]
+    one = run(1, tmp_path / "none", *fp16)[0]  # as the bf16 test: a fresh process
     keys = ("loss_scale", "loss_scale_skips", "nonfinite_steps", "optimizer_steps")
     assert [two[k] for k in keys] == [one[k] for k in keys] and one["loss_scale"] == 2.0**16
     close([two], [one])
@@ -434,7 +410,7 @@ def test_nft_two_processes_match_one_process(tmp_path, engine):
     nft = ["train.algorithm=nft", "sampling.ode_solver=dpm2", "nft.noise=per_sample", "nft.kl_beta=0.01",
            "train.steps=2", "run.checkpoint_every=1"]
     two = run(2, tmp_path / "two", f"parallel.engine={engine}", *nft)
-    one = run(1, tmp_path / "one", *nft)
+    one = reference(tmp_path / "one", *nft)
     for ra, rb in zip(two, one):
         assert ra["reward_mean"] == pytest.approx(rb["reward_mean"], rel=1e-4 if ra["step"] == 0 else 1e-3)
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-3) and ra["grad_norm"] == pytest.approx(rb["grad_norm"],
@@ -452,7 +428,7 @@ def test_gcpo_two_processes_match_one_process(tmp_path, engine="fsdp2"):
     gcpo = ["train.algorithm=gcpo", "gcpo.chunks=[3, 4]", "gcpo.chunk_fraction=0.5", "train.steps=1",
             "train.micro_batch_size=1"]  # 7 candidates of 8 steps, one chunk a row in a slot of 4 = jagg.window
     two = run(2, tmp_path / "two", f"parallel.engine={engine}", *gcpo)
-    one = run(1, tmp_path / "one", *gcpo)
+    one = reference(tmp_path / "one", *gcpo)
     for ra, rb in zip(two, one):
         assert ra["reward_mean"] == pytest.approx(rb["reward_mean"], rel=1e-4)
         for key in ("loss", "chunk_ratio_mean"):
@@ -487,7 +463,7 @@ def test_awm_two_processes_match_one_process(tmp_path):
     awm = ["train.algorithm=awm", "awm.noise=per_sample", "awm.num_train_timesteps=4", "awm.weighting=ghuber",
            "awm.kl_beta=0.01", "awm.ema_kl_beta=1", "awm.ema_decay=0.3", "awm.ema_update_interval=1", "train.steps=2"]
     two = run(2, tmp_path / "two", "parallel.engine=fsdp2", *awm)
-    one = run(1, tmp_path / "one", *awm)
+    one = reference(tmp_path / "one", *awm)
     for ra, rb in zip(two, one):
         assert ra["reward_mean"] == pytest.approx(rb["reward_mean"], rel=1e-4 if ra["step"] == 0 else 1e-3)
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-3, abs=1e-8)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hang_guard import RUN_S, WAIT_S
+from once import once
 from jagg_scale.checkpoint.local import save_checkpoint_dir
 from jagg_scale.parallel.dist import DistContext
 from jagg_scale.parallel.ranks import free_port, launcher_env
@@ -31,7 +32,10 @@ def _checkpoint(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("rank_failures")
+    return once(tmp_path_factory, "rank_failures", _launch)[1]
+
+
+def _launch(tmp: Path) -> list[dict]:
     corrupt, sound = _checkpoint(tmp / "corrupt"), _checkpoint(tmp / "sound")
     (corrupt / "model.safetensors").write_bytes(b"x" * 64)  # same size, other bytes: a sha256 mismatch
     port = str(free_port())

@@ -102,10 +102,12 @@ def test_mpi4py_probe_is_lazy_and_used(monkeypatch):
     fake = types.ModuleType("mpi4py")
     fake.MPI = types.SimpleNamespace(COMM_WORLD=Comm(3, 4), COMM_TYPE_SHARED=0)
     monkeypatch.setitem(sys.modules, "mpi4py", fake)
-    assert discover({}) == RankInfo(3, 4, 1, 2, "127.0.0.1", 29500, "mpi")
-    assert discover({}, use_mpi=False).source == "single"
+    pmix = {"PMIX_RANK": "3"}  # srun --mpi=pmix sets no OMPI_ / PMI_RANK: only mpi4py knows the world
+    assert discover(pmix) == RankInfo(3, 4, 1, 2, "127.0.0.1", 29500, "mpi")
+    assert discover(pmix, use_mpi=False).source == "single"
+    assert discover({}).source == "single"  # no launcher's variable: mpi4py is not asked (it would init MPI)
     fake.MPI.COMM_WORLD = Comm(0, 1)
-    assert discover({}).source == "single"
+    assert discover(pmix).source == "single"
 
 
 def test_single():

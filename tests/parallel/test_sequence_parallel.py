@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from hang_guard import RUN_S
-from train_runs import launch_metrics
+from once import once
+from train_runs import fit_metrics, launch_metrics
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -24,9 +25,10 @@ CONFIGS = {"wan": "wan_tiny_cpu.yaml", "flux": "flux_tiny_cpu.yaml", "sd3": "sd3
 
 
 def run(kind: str, pipe: Path, nproc: int, out: Path, *overrides: str) -> list[dict]:
+    """jagg-train on `nproc` processes; nproc 1 is the reference, fitted in this process (train_runs.fit_metrics)."""
     args = [str(ROOT / "configs" / CONFIGS[kind]), f"model.pretrained={pipe}", "log.progress=false",
             "eval.enabled=false", *overrides]
-    return launch_metrics(args, nproc, out)
+    return fit_metrics(args[0], args[1:], out, timing=True) if nproc == 1 else launch_metrics(args, nproc, out)
 
 
 def close(a: dict, b: dict) -> None:
@@ -37,27 +39,51 @@ def close(a: dict, b: dict) -> None:
 SP = ["parallel.engine=fsdp2", "parallel.sequence_parallel=2"]
 
 
-@pytest.mark.parametrize("kind, nproc, extra", [
-    ("wan", 2, []), ("wan", 4, []),
-    ("sd3", 2, ["grpo.kl_beta=0.04"]),  # this stack's own plan; a full fine-tune: its KL reference copy split too
-])
-def test_groups_of_two_ranks_splitting_the_tokens_train_as_one_process(kind, nproc, extra, request, tmp_path):
-    pipe = request.getfixturevalue(f"{kind}_dir")
-    common = ["train.steps=2", "run.checkpoint_every=0", *extra]
-    one = run(kind, pipe, 1, tmp_path / "one", *common)
-    split = run(kind, pipe, nproc, tmp_path / "split", *common, *SP)
+@pytest.fixture(scope="module")
+def wan_sp2(wan_dir, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """Tiny Wan2.1, 2 steps with sp = 2 on 2 ranks, a checkpoint after each: the sp run two tests compare."""
+    d, rows = once(tmp_path_factory, "wan_sp2",
+                   lambda d: run("wan", wan_dir, 2, d / "run", "train.steps=2", "run.checkpoint_every=1", *SP))
+    return d / "run", rows
+
+
+def _trains_as_one_process(split: list[dict], one: list[dict]) -> None:
     assert [r["step"] for r in split] == [r["step"] for r in one] == [0, 1]
     for a, b in zip(split, one):
         assert a["backward_passes"] == b["backward_passes"] and a["windows_jagg"] == b["windows_jagg"] > 0
         close(a, b)
 
 
-def test_a_checkpoint_written_with_sp2_resumes_with_sp1(wan_dir, tmp_path):
+COMMON = ["train.steps=2", "run.checkpoint_every=0"]
+
+
+@pytest.mark.parametrize("kind, nproc, extra", [
+    ("wan", 4, []),
+    ("sd3", 2, ["grpo.kl_beta=0.04"]),  # this stack's own plan; a full fine-tune: its KL reference copy split too
+])
+def test_groups_of_two_ranks_splitting_the_tokens_train_as_one_process(kind, nproc, extra, request, tmp_path):
+    pipe = request.getfixturevalue(f"{kind}_dir")
+    one = run(kind, pipe, 1, tmp_path / "one", *COMMON, *extra)
+    _trains_as_one_process(run(kind, pipe, nproc, tmp_path / "split", *COMMON, *extra, *SP), one)
+
+
+def test_two_ranks_splitting_wans_tokens_train_as_one_process(wan_dir, wan_sp2, tmp_path):
+    """The module's sp = 2 run (its checkpoints change no metric) against one process."""
+    _trains_as_one_process(wan_sp2[1], run("wan", wan_dir, 1, tmp_path / "one", *COMMON))
+
+
+def test_a_checkpoint_written_with_sp2_resumes_with_sp1(wan_dir, wan_sp2, tmp_path):
     """A step with sp = 2 on 2 ranks, a checkpoint, the second step with sp = 1 on the same 2 ranks (FSDP2 shards
-    over every rank either way): the metrics of an uninterrupted sp = 2 run, within the reduction-order tolerance."""
-    whole = run("wan", wan_dir, 2, tmp_path / "whole", "train.steps=2", "run.checkpoint_every=1", *SP)
-    run("wan", wan_dir, 2, tmp_path / "split", "train.steps=1", "run.checkpoint_every=1", *SP)
-    resumed = run("wan", wan_dir, 2, tmp_path / "split", "train.steps=2", "run.checkpoint_every=1",
+    over every rank either way): the metrics of an uninterrupted sp = 2 run, within the reduction-order tolerance.
+    The sp = 2 run's directory as it stood after its first step: its step-1 checkpoint and metrics row."""
+    import json
+    import shutil
+
+    whole_out, whole = wan_sp2
+    split = tmp_path / "split"
+    shutil.copytree(whole_out / "checkpoints" / "step_00000001", split / "checkpoints" / "step_00000001")
+    (split / "metrics.jsonl").write_text(json.dumps(whole[0]) + "\n")
+    resumed = run("wan", wan_dir, 2, split, "train.steps=2", "run.checkpoint_every=1",
                   "run.resume=auto", "parallel.engine=fsdp2")
     assert [r["step"] for r in resumed] == [0, 1]
     for a, b in zip(resumed, whole):

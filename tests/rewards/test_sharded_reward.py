@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hang_guard import RUN_S
+from once import once
 from jagg_scale.rewards.sharded import repeated_layers, shard_reward
 from extras import need
 
@@ -34,7 +35,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("sharded_reward")
+    return once(tmp_path_factory, "sharded_reward", _launch)[1]
+
+
+def _launch(out: Path) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     for _ in range(3):  # the free port can be taken between probing and binding

@@ -21,6 +21,7 @@ import pytest
 
 from hang_guard import POLL_S, RUN_S, WAIT_S
 from jagg_scale.parallel.ranks import free_port, launcher_env
+from process_tree import gone
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # trainer processes under torchrun
 
@@ -63,15 +64,6 @@ def test_every_rank_of_a_second_job_fails_naming_the_holder(tmp_path):
     assert not (out / "metrics.jsonl").exists()
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for a reaper that is not there counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def test_a_worker_exits_when_its_torchrun_agent_is_killed(tmp_path):
     out = tmp_path / "run"
     agent = subprocess.Popen(torchrun(1, out, "train.steps=400"), env=launcher_env(), stdout=subprocess.DEVNULL,
@@ -84,13 +76,13 @@ def test_a_worker_exits_when_its_torchrun_agent_is_killed(tmp_path):
                 break
             time.sleep(POLL_S)
         worker = json.loads((out / ".lock").read_text())["pid"]  # rank 0 wrote its pid into the lock
-        assert worker != agent.pid and _alive(worker)
+        assert worker != agent.pid and not gone(worker)
         os.kill(agent.pid, signal.SIGKILL)  # the agent alone: its worker is orphaned
         agent.wait()
         deadline = time.monotonic() + WAIT_S  # a hang guard: one step and a checkpoint, then exit
-        while _alive(worker) and time.monotonic() < deadline:
+        while not gone(worker) and time.monotonic() < deadline:
             time.sleep(POLL_S)
-        assert not _alive(worker), "the orphaned worker trains on"
+        assert gone(worker), "the orphaned worker trains on"
     finally:
         try:
             os.killpg(agent.pid, signal.SIGKILL)  # whatever is left of the job (nothing, when the test passes)
