@@ -60,6 +60,7 @@ from ..grpo.rollout import prefix_forwards
 from ..jagg.plans import interpolate_forwards, pass_groups, plan_knots
 from . import collectives as C
 from .collectives import LINKS, Links
+from .flops import count as count_flops, count_blocks
 from .measure import model_inputs
 from .prompt_tokens import distinct_prompts, expected_longest
 from .shapes import meta_module
@@ -117,7 +118,7 @@ def _transformer_flops(comp_json: str, kind: str, latent: tuple, patch: int, tex
     def count(w: int, t: int) -> tuple[float, float]:
         args = model_inputs(kind, comp["config"], 1, H // patch, w, t, device="meta",
                             frames=latent[1] if len(latent) == 4 else 1)
-        return _count(lambda: m(**args), attention=True)
+        return count_blocks(m, lambda: m(**args))
 
     total, attention = count(W // patch, text_tokens)
     if sp == 1:
@@ -139,25 +140,11 @@ def _frozen_flops(comp_json: str, what: str, arg: int) -> float:
             frames, side = arg if isinstance(arg, tuple) else (1, arg)
             z = torch.zeros(1, comp["config"]["z_dim" if video else "latent_channels"], *([frames] if video else []),
                             side, side, device="meta")
-            return _count(lambda: m.decode(z, return_dict=False))
+            return count_flops(lambda: m.decode(z, return_dict=False))
         ids = torch.zeros(1, arg, dtype=torch.long, device="meta")
-        return _count(lambda: m(ids))
+        return count_flops(lambda: m(ids))
     except Exception:  # noqa: BLE001 - an encoder the meta device cannot run counts nothing; said in the report
         return 0.0
-
-
-def _count(fn, attention: bool = False):
-    """fn's FLOPs; attention=True: (all, the attention's) (on the meta device SDPA runs as its math: the batched
-    matmuls, which nothing else in these transformers uses)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with torch.no_grad(), FlopCounterMode(display=False) as fc:
-        fn()
-    total = float(fc.get_total_flops())
-    if not attention:
-        return total
-    return total, float(sum(v for op, v in fc.get_flop_counts()["Global"].items()
-                            if "bmm" in str(op) or "scaled_dot_product" in str(op)))
 
 
 def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: dict | None = None,
