@@ -16,9 +16,11 @@ from typing import Callable
 import torch
 
 
-def _is_attention(op) -> bool:
-    # on the meta device SDPA runs as its math: the batched matmuls, which nothing else in these transformers uses
-    return "bmm" in str(op) or "scaled_dot_product" in str(op)
+def _split(ops: dict) -> tuple[float, float]:
+    """(all, the attention's) FLOPs of one module's op counts. On the meta device SDPA runs as its math: the batched
+    matmuls, which nothing else in these transformers uses."""
+    return (float(sum(ops.values())),
+            float(sum(v for op, v in ops.items() if "bmm" in str(op) or "scaled_dot_product" in str(op))))
 
 
 def count(fn: Callable[[], object], attention: bool = False):
@@ -27,19 +29,18 @@ def count(fn: Callable[[], object], attention: bool = False):
 
     with torch.no_grad(), FlopCounterMode(display=False) as fc:
         fn()
-    total = float(fc.get_total_flops())
-    if not attention:
-        return total
-    return total, float(sum(v for op, v in fc.get_flop_counts()["Global"].items() if _is_attention(op)))
+    both = _split(fc.get_flop_counts()["Global"])
+    return both if attention else both[0]
 
 
 def count_blocks(module: torch.nn.Module, fn: Callable[[], object]) -> tuple[float, float]:
     """(all, the attention's) FLOPs of fn, a forward of `module`, with its repeated blocks counted once each."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    lists = [(n, m) for n, m in module.named_children() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
     kept: list[tuple[str, torch.nn.ModuleList, list[int], list[int]]] = []  # name, whole list, kept indices, repeats
-    for name, blocks in lists:
+    for name, blocks in module.named_children():
+        if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) < 2:
+            continue
         first: dict[str, int] = {}
         repeats: dict[str, int] = {}
         for i, b in enumerate(blocks):
@@ -49,28 +50,24 @@ def count_blocks(module: torch.nn.Module, fn: Callable[[], object]) -> tuple[flo
         kept.append((name, blocks, list(first.values()), [repeats[k] - 1 for k in first]))
     if all(len(idx) == len(blocks) for _, blocks, idx, _ in kept):
         return count(fn, attention=True)
+    counts: dict = {}
     try:
         for name, blocks, idx, _ in kept:
             setattr(module, name, torch.nn.ModuleList([blocks[i] for i in idx]))
         with torch.no_grad(), FlopCounterMode(display=False) as fc:
             fn()
-        ran = True
-    except (IndexError, KeyError, ValueError, RuntimeError):  # a forward tied to its whole lists
-        ran = False
+        counts = fc.get_flop_counts()
+    except (IndexError, KeyError, ValueError, RuntimeError):  # a forward tied to its whole lists: counts stays empty
+        pass
     finally:
         for name, blocks, _, _ in kept:
             setattr(module, name, blocks)
-    if not ran:  # counted whole, on the whole lists again
-        return count(fn, attention=True)
-    counts = fc.get_flop_counts()
     root = type(module).__name__
-    if any(f"{root}.{name}.{j}" not in counts for name, _, idx, _ in kept for j in range(len(idx))):
-        return count(fn, attention=True)  # a kept block that did not run (or ran under another name): whole
-    total = float(fc.get_total_flops())
-    attention = float(sum(v for op, v in counts["Global"].items() if _is_attention(op)))
+    if not counts or any(f"{root}.{name}.{j}" not in counts for name, _, idx, _ in kept for j in range(len(idx))):
+        return count(fn, attention=True)  # it did not run, or a kept block did not (or under another name): whole
+    total, attention = _split(counts["Global"])
     for name, _, _, extra in kept:
         for j, n in enumerate(extra):
-            ops = counts.get(f"{root}.{name}.{j}", {})
-            total += n * float(sum(ops.values()))
-            attention += n * float(sum(v for op, v in ops.items() if _is_attention(op)))
+            block, block_attention = _split(counts[f"{root}.{name}.{j}"])
+            total, attention = total + n * block, attention + n * block_attention
     return total, attention
