@@ -49,11 +49,19 @@ def _train(argv: list[str] | None) -> int:
         return _failed(err, 2)
     from .checkpoint import CheckpointError
     from .parallel.engine import NonFiniteError
+    from .pools.bridge import PoolError
     from .train.invariants import InvariantError
     from .train.run_lock import RunDirLocked
 
+    dist = None
+    if cfg.pools.enabled:  # the launch split into a trainer and a rollout pool (pools/)
+        from .parallel.dist import init_distributed
+
+        dist = init_distributed(cfg.run.device, timeout_s=cfg.parallel.collective_timeout_s, pools=cfg.pools)
+        if dist.pool.role == "rollout":
+            return _rollout(cfg, dist)
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, dist=dist)
     except ImportError as err:  # a package of an optional extra the core install leaves out: name the extra
         return _failed(_extra_or_raise(err), 2)
     except (ConfigError, RunDirLocked, CheckpointError) as err:
@@ -65,11 +73,31 @@ def _train(argv: list[str] | None) -> int:
         history = trainer.fit()
         if trainer.is_main:
             _summary(trainer, cfg, history, time.perf_counter() - started)
-    except (NonFiniteError, InvariantError, OSError) as err:  # diverged, an invariant broke; the disk: said plainly
-        return _failed(err, 1)
+    except (NonFiniteError, InvariantError, PoolError, OSError) as err:  # diverged, an invariant broke, the other
+        return _failed(err, 1)  # pool failed; the disk: said plainly
     finally:
         trainer.close()  # the process group, then the run lock (after the last write into the run directory)
     return 0
+
+
+def _rollout(cfg, dist) -> int:
+    """A rank of the rollout pool (pools/rollout_pool.py): its loop until the trainers have the last rollout."""
+    from .pools.bridge import PoolError
+    from .pools.rollout_pool import RolloutWorker
+    from .train import ConfigError
+
+    try:
+        try:
+            worker = RolloutWorker(cfg, dist)
+        except ImportError as err:
+            return _failed(_extra_or_raise(err), 2)
+        except (ConfigError, FileNotFoundError, ValueError) as err:  # a reward's model path or option: the input's
+            return _failed(err, 2)
+        return worker.run()
+    except PoolError as err:
+        return _failed(err, 1)
+    finally:
+        dist.close()
 
 
 def _failed(err: Exception, code: int) -> int:

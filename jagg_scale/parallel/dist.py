@@ -65,6 +65,9 @@ class DistContext:
     owns_group: bool = False  # a one-process group started for a sharding engine (closed with the context)
     # parallel.sequence_parallel: consecutive groups of this many ranks hold the same rows (parallel/sequence.py)
     sequence_parallel: int = 1
+    # pools.rollout_ranks > 0: this process's place in the rollout / trainer pools (pools/world.py PoolMember); the
+    # fields above are then its pool's (rank in the pool, the pool's size), the collectives the pool's
+    pool: object | None = None
 
     @property
     def is_main(self) -> bool:
@@ -238,8 +241,11 @@ def _check_one_gpu_each(info, dev: torch.device) -> None:
             "process (one per local rank)")
 
 
-def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistContext:
+def init_distributed(device: str = "auto", timeout_s: int = 1800, pools=None) -> DistContext:
     """Discover ranks and start the process group when there is more than one process.
+
+    pools: the config's PoolsConfig; with rollout_ranks > 0 the launch is split into a trainer and a rollout pool,
+    each with its own process group, and the bridge between them (pools/world.py): the context is the pool's.
 
     device: auto | cpu | cuda. With CUDA each process takes GPU `local_rank` (the launcher decides how many
     processes a node runs; more than it has visible GPUs is refused, see local_device_index), or the one GPU a
@@ -257,6 +263,14 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistContext
         return DistContext(0, 1, 0, dev, "none")
     export_env(info)
     library = "nccl" if use_cuda else "gloo"
+    if pools is not None and pools.enabled:
+        from ..pools.world import Layout, start_pools
+
+        rank, world, member = start_pools(info, Layout(info.world_size, pools.rollout_ranks), dev,
+                                          timeout_s=timeout_s, pool_timeout_s=pools.timeout_s,
+                                          limit_bytes=int(pools.max_message_gib * 2**30))
+        _share_cores(use_cuda, info.local_world_size)
+        return DistContext(rank, world, info.local_rank, dev, library if world > 1 else "none", pool=member)
     if not dist.is_initialized():
         dist.init_process_group(backend=library, timeout=timedelta(seconds=timeout_s),
                                 **({"device_id": dev} if use_cuda else {}))
@@ -264,11 +278,15 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistContext
         _check_one_gpu_each(info, dev)
     log.info("rank %d/%d (local %d, %s) on %s via %s", info.rank, info.world_size, info.local_rank, info.source,
              dev, library)
-    # one thread pool per process: on a shared CPU node N ranks x all cores would thrash
-    if not use_cuda and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, info.local_world_size)))
+    _share_cores(use_cuda, info.local_world_size)
     assert default_backend() in ("nccl", "gloo")
     return DistContext(info.rank, info.world_size, info.local_rank, dev, library)
+
+
+def _share_cores(use_cuda: bool, local_world_size: int) -> None:
+    """One thread pool per process: on a shared CPU node N ranks x all cores would thrash."""
+    if not use_cuda and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
 
 
 def leave_launch(code: int = 0) -> None:

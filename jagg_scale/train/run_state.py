@@ -114,6 +114,9 @@ class RunState:
         self.ckpt_root = self.out / "checkpoints"
         self.exported_step: int | None = None  # the step of the export this process wrote, if any
         self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote, if any
+        # more state a checkpoint holds (the pools' earlier policy versions): save_into(tmp, next_step) -> the files
+        # this rank wrote, load_from(path) on resume
+        self.parts: list = []
 
     @functools.cached_property
     def export_dtype(self) -> str:
@@ -155,6 +158,7 @@ class RunState:
 
         def write(tmp: Path) -> list[Path]:  # the files this rank wrote: it hashes them itself
             files = self.engine.save(tmp)
+            files += [f for part in self.parts for f in part.save_into(tmp, next_step)]
             return [*files, write_object(tmp / f"rng_rank{self.dist.rank:05d}.pt", capture_rng_state())]
 
         path = save_checkpoint_dir(self.ckpt_root, next_step, write=write, state=state,
@@ -212,6 +216,8 @@ class RunState:
                               f"metrics.jsonl. Raise train.steps to at least {step}, or resume an earlier checkpoint")
         self._check_metrics()
         self._load_engine(path)  # verified above: not hashed again
+        for part in self.parts:
+            self.dist.on_every_rank(lambda part=part: part.load_from(path))
         self.engine.optimizer_steps = step * self.cfg.optimizer_steps_per_step  # the EMA rule's count (ema.py)
         if state.get("world_size", 1) == self.dist.world_size:  # the same decision on every rank
             self.dist.on_every_rank(lambda: self._restore_rng(path))

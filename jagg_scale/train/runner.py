@@ -296,17 +296,19 @@ class MinibatchRunner:
         self.nonfinite_run = 0  # optimizer steps skipped in a row (train.max_nonfinite_steps stops the run)
 
     def run(self, model_fn: ModelFn, rows, step: int,
-            minibatch: Callable[[int, torch.Tensor, torch.Tensor, bool], Minibatch]) -> UpdateTotals:
+            minibatch: Callable[[int, torch.Tensor, torch.Tensor, bool], Minibatch], *, fresh: bool = True
+            ) -> UpdateTotals:
         """Every minibatch of every inner epoch (grpo.inner_epochs) of this rank's `rows` (StepRows), one optimizer
         step each. `minibatch(epoch, local, global_rows, on_policy)` builds each (`local`: this rank's positions in
-        its rows, a host index; `global_rows`: the whole minibatch's global rows, every rank's; `on_policy`: no
-        optimizer step applied yet on this rollout)."""
+        its rows, a host index; `global_rows`: the whole minibatch's global rows, every rank's; `on_policy`: the
+        rollout was sampled with these weights (`fresh`: not an earlier version's) and no optimizer step was
+        applied on it yet)."""
         cfg = self.cfg
         done = UpdateTotals()
         probing = cfg.jagg.probe_every > 0 and step % cfg.jagg.probe_every == 0
         for epoch in range(cfg.grpo.inner_epochs):
             for local, global_rows in rows.minibatches(epoch, cfg.run.seed, step):
-                mb = minibatch(epoch, local, global_rows, done.applied == 0)  # a skipped step changed nothing
+                mb = minibatch(epoch, local, global_rows, fresh and done.applied == 0)  # a skipped step changed nothing
                 planned = plan_minibatch(self.planner, mb, self.reduce)
                 if probing and done.optimizer_steps == 0:  # before the update's backward: it leaves .grad cleared
                     t_probe = time.perf_counter()

@@ -36,6 +36,7 @@ from ..data import ListPromptSource, PromptSet, StreamPromptSource
 from ..models import build_model
 from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
+from ..pools.trainer_link import TrainerLink, refuse_start
 from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
 from .algorithm import build_algorithm
 from .config import Config, ConfigError, load_prompt_file, validate_world
@@ -54,21 +55,25 @@ __all__ = ["Trainer", "summarize", "step_seed"]
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, dist=None):
+        """`dist`: the process context when the caller started it (the trainer pool's, pools.rollout_ranks > 0)."""
         self.cfg = cfg
         self.out = Path(cfg.run.output_dir)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.dist = init_distributed(cfg.run.device, timeout_s=cfg.parallel.collective_timeout_s)
+        self.dist = dist or init_distributed(cfg.run.device, timeout_s=cfg.parallel.collective_timeout_s)
         self.lock = None
+        self.link = None  # pools: the trainer pool's side of the split pipeline (pools/trainer_link.py)
         try:
-            validate_world(cfg, self.dist.world_size)
+            pool = self.dist.pool
+            validate_world(cfg, pool.layout.world if pool is not None else self.dist.world_size)
             self.dist.on_main(lambda: check_run_dir(self.out))  # someone's own directory: before the lock is made
             self.lock = RunLock.acquire(self.out, self.dist)  # one job per run directory: fails on every rank if taken
             # run.resume none into an earlier run: refused (unless run.overwrite), before any model is built
             self.dist.on_main(lambda: check_fresh_start(cfg, self.out))
             self._build()
-        except BaseException:  # a refused start leaves no lock (nor a lock file it created) and no process group
+        except BaseException as err:  # a refused start leaves no lock (nor a lock file it created) and no process group
+            refuse_start(self.dist, err)  # pools: the rollout ranks stop with this line too
             self.close(refused=True)
             raise
 
@@ -111,7 +116,12 @@ class Trainer:
         self.algorithm = build_algorithm(cfg, self.policy, self.engine, self.dist)  # train.algorithm's unit
         self.preemption = Preemption()
         self.run_state = RunState(cfg, self.dist, self.engine, self.out)
+        if self.dist.pool is not None:
+            self.link = TrainerLink(cfg, self.dist, self.engine)
+            self.run_state.parts.append(self.link)  # the earlier policy versions the next rollouts sample with
         self.start_step = self.run_state.resume(self.source)
+        if self.link is not None:
+            self.link.start(self.start_step, self.source)
 
     @property
     def is_main(self) -> bool:
@@ -176,6 +186,51 @@ class Trainer:
         prompts, metadata = [records[i].prompt for i in mine], [records[i].metadata for i in mine]
         self.policy.take_counts()  # from here, this step's (not an evaluation's encodes)
         cond = self.policy.encode(prompts)
+        if self.link is None:
+            traj, parts, late, behind, t1 = self._rollout_and_reward(step, spec, cond, rows, prompts, metadata,
+                                                                     len(records), t0)
+        else:  # pools: the rollout pool sampled and scored this trainer's rows, with the version the step says
+            traj, parts, meta = self.link.receive(step, prompts, self.reward.names)
+            late, behind, t1 = meta["late"], step - meta["version"], t0 + meta["time_rollout"]
+        failed = check_failures(parts, cfg.reward.max_fail_frac)
+        t2 = time.perf_counter()
+        # 3. advantages over the prompt groups (row i is in group i // G)
+        adv = algorithm.advantages(parts, self.reward.weights, [i // g for i in range(len(records))])
+        # 4. update on this rank's slice of every minibatch
+        self.model.train()
+        with self._comm("train"):
+            update = algorithm.update(traj, cond, adv, rows, step, **({"behind": behind} if self.link else {}))
+        if self.link is not None:
+            self.link.after_update(step)  # the weights to the rollout pool, when a later rollout samples with them
+        t3 = time.perf_counter()
+        # 5. log
+        metrics = {
+            "step": step,
+            **self._reward_metrics(parts, failed),
+            "zero_std_groups": adv.zero_std_groups,
+            "reward_late": late,  # this rank's samples masked by reward.deadline_s (mean over ranks)
+            # rows encoded vs distinct prompts encoded, rollout rows (and row-forwards) that shared a group's prefix
+            **self.policy.take_counts(),
+            **update,
+            "time_rollout": t1 - t0,  # includes the reward scoring that overlapped it
+            "time_reward": t2 - t1,  # reward time not hidden behind the rollout
+            "time_train": t3 - t2 - update.get("time_probe", 0.0),  # the probe is diagnostics, not training
+        }
+        if self.link is not None:  # the policy version the rollout sampled with, steps behind the trained one
+            metrics.update(policy_version=step - behind, staleness=behind, **meta["counts"],
+                           time_reward_pool=meta["time_reward"], time_wait=t2 - t0)
+        metrics.update(self.engine.comm.take())  # collectives per phase (nothing on one process)
+        metrics = fetch_metrics(metrics)  # the step's one device-to-host read of its loss statistics
+        metrics = self.dist.mean_over_ranks(metrics, {"ratio_max": "max", "ratio_min": "min",
+                                                      "onpolicy_log_ratio": "max", "kl_new_old_max": "max"})
+        check_on_policy(metrics, cfg.grpo.onpolicy_tolerance, step)  # every rank: the same reduced value
+        return metrics
+
+    def _rollout_and_reward(self, step, spec, cond, rows, prompts, metadata, n: int, t0: float):
+        """Steps 1-2 on this rank: its rows sampled, each chunk scored in the background while the next samples,
+        the scores gathered over ranks. Returns (trajectories, every row's reward components, this rank's late
+        samples, 0 steps behind, the rollout's end time)."""
+        cfg = self.cfg
         self.model.eval()
         background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
         scorer = ChunkScorer(self.reward, self.model.decode, background=background, device=self.device)
@@ -186,36 +241,8 @@ class Trainer:
         # 2. reward: gathered so that every rank sees the whole batch (and takes the same decisions)
         local = scorer.finish(deadline_s=cfg.reward_deadline_s if background else None)
         with self._comm("reward"):
-            parts = gather_components(local, rows.all_rows, len(records),
-                                      lambda t: self.dist.all_gather_tensor(t.to(self.device)))
-        failed = check_failures(parts, cfg.reward.max_fail_frac)
-        t2 = time.perf_counter()
-        # 3. advantages over the prompt groups (row i is in group i // G)
-        adv = algorithm.advantages(parts, self.reward.weights, [i // g for i in range(len(records))])
-        # 4. update on this rank's slice of every minibatch
-        self.model.train()
-        with self._comm("train"):
-            update = algorithm.update(traj, cond, adv, rows, step)
-        t3 = time.perf_counter()
-        # 5. log
-        metrics = {
-            "step": step,
-            **self._reward_metrics(parts, failed),
-            "zero_std_groups": adv.zero_std_groups,
-            "reward_late": scorer.late,  # this rank's samples masked by reward.deadline_s (mean over ranks)
-            # rows encoded vs distinct prompts encoded, rollout rows (and row-forwards) that shared a group's prefix
-            **self.policy.take_counts(),
-            **update,
-            "time_rollout": t1 - t0,  # includes the reward scoring that overlapped it
-            "time_reward": t2 - t1,  # reward time not hidden behind the rollout
-            "time_train": t3 - t2 - update.get("time_probe", 0.0),  # the probe is diagnostics, not training
-        }
-        metrics.update(self.engine.comm.take())  # collectives per phase (nothing on one process)
-        metrics = fetch_metrics(metrics)  # the step's one device-to-host read of its loss statistics
-        metrics = self.dist.mean_over_ranks(metrics, {"ratio_max": "max", "ratio_min": "min",
-                                                      "onpolicy_log_ratio": "max", "kl_new_old_max": "max"})
-        check_on_policy(metrics, cfg.grpo.onpolicy_tolerance, step)  # every rank: the same reduced value
-        return metrics
+            parts = gather_components(local, rows.all_rows, n, lambda t: self.dist.all_gather_tensor(t.to(self.device)))
+        return traj, parts, scorer.late, 0, t1
 
     def _reward_metrics(self, parts, failed: dict[str, int]) -> dict:
         total, valid = self.reward.weighted_sum(parts)

@@ -132,15 +132,19 @@ class GRPO(Algorithm):
                            ref_steps=frozenset(steps[q] for q in plan_knots(ref_plan)), ref_plan=ref_plan)
 
     # ------------------------------------------------------------------ the update
-    def update(self, traj, cond, adv, rows, step: int) -> dict:
+    def update(self, traj, cond, adv, rows, step: int, *, behind: int = 0) -> dict:
+        """`behind`: the rollout was sampled `behind` policy versions before the weights trained now (pools:
+        pools.max_staleness); then no minibatch is on-policy, and the first one's log-ratio is to the behaviour
+        policy (behaviour_log_ratio), not the on-policy invariant's."""
         steps = self.trained_steps_at(step)
         cond, uncond = self.policy.split_cond(cond)
         minibatch = self._minibatches(traj, cond, uncond, adv, rows, step, steps, self.policy.guidance)
-        done = self.runner.run(self.policy.model_fn(), rows, step, minibatch)
+        done = self.runner.run(self.policy.model_fn(), rows, step, minibatch, fresh=behind == 0)
         # the first minibatch ran at the rollout's parameters: training must reproduce its log-probs
-        onpolicy = done.first_loss.log_ratio_max() if done.first_loss is not None else None
+        first = done.first_loss.log_ratio_max() if done.first_loss is not None else None
         window = {"sde_window_start": steps[0]} if self.cfg.grpo.sde_window else {}
-        return {**done.metrics(**done.probe, onpolicy_log_ratio=onpolicy), **window}
+        ratio = {"onpolicy_log_ratio": first} if behind == 0 else {"behaviour_log_ratio": first}
+        return {**done.metrics(**done.probe, **ratio), **window}
 
     def make_loss(self, *, scale: float, denominator: float, guidance: float):
         """A minibatch's per-step loss: Flow-GRPO's clipped surrogate (grpo/loss.py), each L_k times `scale` (1 / the

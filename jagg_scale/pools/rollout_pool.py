@@ -1,0 +1,170 @@
+"""The rollout pool's loop: sample each served trainer's rows of a step, score them, send them; bind the weights.
+
+    start      trainer 0's start message: the first step and the prompt source's position (a resumed run's), or the
+               trainer pool's refusal to start (then this rank stops with its line)
+    per step s
+      weights  the policy version v = max(0, s - pools.max_staleness), received from trainer 0 in version order and
+               bound by parameter name into this rank's replica: every trainable parameter bound, none unknown, each
+               one's digest read back from the replica equal to the sender's (bind); otherwise the run stops
+      rollout  for each served trainer t, t's rows exactly as a synchronous run's rank t samples them (StepRows of the
+               trainer pool's size, the same chunks), each chunk decoded and scored in the reward's worker thread
+      reward   every row's components gathered over the rollout pool (trainer order: the trainers' own layout)
+      send     to each trainer its trajectories, every row's rewards, the version sampled with and the digest of what
+               was bound (the trainer checks both against what it sent)
+
+The replica holds the weights as the trainer's model computes with them (the master dtype of a one-process engine), so
+a rollout at max_staleness 0 is the synchronous run's, bit for bit."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import torch
+
+from ..models import build_model
+from ..parallel.engine import place_
+from ..rewards.multi import ChunkScorer, build_reward_mix, gather_components
+from ..train.algorithm import build_algorithm
+from ..train.config import load_prompt_file
+from ..train.policy import Policy, rollout_batch
+from ..train.rows import StepRows
+from ..data import ListPromptSource, PromptSet
+from .bridge import PoolError
+from .messages import combined, pack_rollout, prompts_digest, weight_digests
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RolloutWorker", "bind"]
+
+
+def bind(model: torch.nn.Module, state: dict[str, torch.Tensor], digests: dict[str, str], *, version: int,
+         rank: int) -> str:
+    """Copy `state` into `model`'s trainable parameters by name and check what was bound: every trainable parameter
+    given, no name unknown, shapes and dtypes equal, each bound parameter's digest (read back from the model) equal to
+    the sender's. Returns the combined digest of the bound parameters; PoolError (one line) otherwise."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    where = f"pools: rank {rank} binding policy version {version}"
+    known = params.keys() & state.keys()
+    if not known or known != params.keys() or known != state.keys():
+        missing, unknown = sorted(params.keys() - state.keys()), sorted(state.keys() - params.keys())
+        raise PoolError(f"{where}: {len(known)} of its {len(params)} trainable parameters bound from the "
+                        f"{len(state)} sent" + (f"; none sent for {missing[0]!r}" if missing else "")
+                        + (f"; no parameter named {unknown[0]!r}" if unknown else "")
+                        + ": the rollouts would sample other weights than the trainer's; stopping")
+    if state.keys() != digests.keys():
+        raise PoolError(f"{where}: the digests name other parameters than the tensors sent")
+    with torch.no_grad():
+        for name, p in params.items():
+            t = state[name]
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise PoolError(f"{where}: {name!r} was sent as {t.dtype} {tuple(t.shape)}, the replica holds "
+                                f"{p.dtype} {tuple(p.shape)}; stopping")
+            p.copy_(t)
+    bound = weight_digests({n: p for n, p in params.items()})
+    wrong = [n for n in params if bound[n] != digests[n]]
+    if wrong:
+        raise PoolError(f"{where}: {len(wrong)} of {len(params)} parameters read back other than sent (first "
+                        f"{wrong[0]!r}); stopping")
+    return combined(bound)
+
+
+class RolloutWorker:
+    """One rank of the rollout pool (module docstring). `dist`: the pool's DistContext (its `pool` the PoolMember)."""
+
+    def __init__(self, cfg, dist):
+        self.cfg, self.dist, self.member = cfg, dist, dist.pool
+        self.bridge, self.layout = self.member.bridge, self.member.layout
+        self.device = dist.device
+        self.k = cfg.pools.max_staleness
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        prompts = (load_prompt_file("data.prompt_file", cfg.data.prompt_file) if cfg.data.prompt_file
+                   else PromptSet.from_list(cfg.data.prompts))
+        self.source = ListPromptSource(prompts, cfg.train.prompts_per_step, cfg.run.seed)
+        self.reward = build_reward_mix(cfg.reward)
+        torch.manual_seed(cfg.run.seed)
+        model = build_model(cfg.model, keep_stored_dtype=True)
+        # the KL reference: with LoRA the replica with its adapter off; a full fine-tune's frozen copy of the start
+        ref = model.reference_copy() if cfg.uses_reference and not cfg.model.lora.enabled else None
+        self.model = place_(model, self.device, getattr(model, "master_dtype", None))
+        model.place_frozen(self.device)
+        self.model.eval()
+        # the trainer pool's chunks: a served trainer's rows sampled as that trainer would (auto: for its pool size)
+        chunk = rollout_batch(cfg, self.layout.trainers, self.device)
+        if cfg.sampling.chunk_size == "auto":
+            chunk = min(dist.all_gather_object(chunk))
+        self.policy = Policy(self.model, cfg, self.device, rollout_batch=chunk,
+                             ref_model=place_(ref, self.device) if ref is not None else None)
+        self.algorithm = build_algorithm(cfg, self.policy, None, dist)  # its rollout_spec alone
+        self.version, self.bound = -1, ""
+        self.waiting: dict[int, tuple[dict, dict]] = {}  # versions received, not yet bound
+        self.signalled = None
+        for sig in (signal.SIGUSR1, signal.SIGTERM):  # preemption: the trainers checkpoint; this rank follows them
+            signal.signal(sig, self._note_signal)
+
+    def _note_signal(self, signum, frame) -> None:
+        self.signalled = signum
+
+    def run(self) -> int:
+        """The pool's loop until the last step's rollout is sent; the exit code (0, or 128 + a preemption signal
+        once the trainers have gone away after it)."""
+        try:
+            start = self._start()
+            for step in range(start, self.cfg.train.steps):
+                self._bind(max(0, step - self.k))
+                self._step(step)
+            self.bridge.flush()
+        except PoolError:
+            if self.signalled is not None:  # the trainers checkpointed on the signal and left: so does this rank
+                log.warning("pools: rank %d stops after signal %d", self.member.rank, self.signalled)
+                return 128 + int(self.signalled)
+            raise
+        return 0
+
+    def _start(self) -> int:
+        meta, _ = self.bridge.recv(0, "start")
+        if not meta.get("ok"):
+            raise PoolError(f"pools: the trainer pool did not start: {meta.get('error', 'no reason given')}")
+        self.source.load_state_dict(meta["source"])
+        return int(meta["start_step"])
+
+    def _bind(self, version: int) -> None:
+        while self.version < version:
+            while version not in self.waiting:
+                meta, tensors = self.bridge.recv(0, "weights")
+                self.waiting[int(meta["version"])] = (meta, tensors)
+            meta, tensors = self.waiting.pop(version)
+            self.bound = bind(self.model, tensors, meta["digests"], version=version, rank=self.member.rank)
+            self.version = version
+            self.waiting = {v: m for v, m in self.waiting.items() if v > version}
+
+    def _step(self, step: int) -> None:
+        cfg, T = self.cfg, self.layout.trainers
+        t0 = time.perf_counter()
+        records = self.source.next_prompts()
+        records = [r for r in records for _ in range(cfg.grpo.group_size)]
+        spec = self.algorithm.rollout_spec(step)
+        scorer = ChunkScorer(self.reward, self.model.decode, background=cfg.reward.background, device=self.device)
+        shares = []
+        for t in self.layout.trainers_of(self.member.rank):
+            rows = StepRows.draw(len(records), cfg.train.minibatch_size, cfg.run.seed, step, t, T)
+            mine = rows.mine.tolist()
+            prompts, metadata = [records[i].prompt for i in mine], [records[i].metadata for i in mine]
+            self.policy.take_counts()
+            cond = self.policy.encode(prompts)
+            traj = self.policy.rollout(cond, rows.mine, step, spec=spec, prompts=prompts,
+                                       on_chunk=lambda c, final, p=prompts, m=metadata: scorer.add(final, p[c], m[c]))
+            shares.append((t, traj, prompts_digest(prompts), self.policy.take_counts()))
+        t1 = time.perf_counter()
+        local = scorer.finish(deadline_s=cfg.reward_deadline_s if cfg.reward.background else None)
+        layout = StepRows.draw(len(records), cfg.train.minibatch_size, cfg.run.seed, step, 0, T).all_rows
+        parts = gather_components(local, layout, len(records), lambda x: self.dist.all_gather_tensor(x.to(self.device)))
+        late = self.dist.all_gather_object(scorer.late)
+        t2 = time.perf_counter()
+        for t, traj, digest, counts in shares:
+            meta = {"step": step, "version": self.version, "bound": self.bound, "prompts": digest,
+                    "first": traj.first, "late": late[(t // self.layout.per_rollout)], "counts": counts,
+                    "time_rollout": t1 - t0, "time_reward": t2 - t1}
+            self.bridge.send(t, "rollout", meta, pack_rollout(traj, parts))
