@@ -50,13 +50,13 @@ class Bridge:
                  limit_bytes: int):
         self.group, self.rank, self.world_size = group, rank, world_size
         self.device, self.timeout_s, self.limit_bytes = device, timeout_s, limit_bytes
-        self._pending: dict[int, list] = {}  # dst -> the works (and buffers) of the last message sent to it
+        self._pending: dict[tuple, list] = {}  # (dst, kind) -> the works (and buffers) of the last such message
 
     # ------------------------------------------------------------------ sending
     def send(self, dst: int, kind: str, meta: dict, tensors: dict[str, torch.Tensor | None] | None = None) -> None:
-        """Start sending one message to `dst` (asynchronous: the previous message to `dst` is waited for first, so
-        at most one is in flight per peer and its buffers stay alive until sent)."""
-        self.flush(dst)
+        """Start sending one message to `dst` (asynchronous: the previous message of this kind to `dst` is waited for
+        first, so at most one of a kind is in flight per peer, its buffers alive until sent)."""
+        self.flush(dst, kind)
         tensors = {k: v for k, v in (tensors or {}).items() if v is not None}
         spec = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()]
         for name, dtype, _ in spec:
@@ -72,24 +72,25 @@ class Bridge:
         tag = TAGS[kind]
         parts = [sizes, header.to(self.device)] + ([payload] if payload.numel() else [])
         try:
-            self._pending[dst] = [(self.group.send([p], dst, tag), p) for p in parts]
+            self._pending[dst, kind] = [(self.group.send([p], dst, tag), p) for p in parts]
         except RuntimeError as err:
             raise PoolError(f"pools: rank {self.rank} could not send the {kind} message to rank {dst}: "
                             f"{_first_line(err)}") from err
 
-    def flush(self, dst: int | None = None) -> None:
-        """Wait until the messages in flight (to `dst`, or to every peer) are sent."""
-        for peer in [dst] if dst is not None else list(self._pending):
-            for work, _ in self._pending.pop(peer, []):
-                self._wait(work, peer, "sending a message to")
+    def flush(self, dst: int | None = None, kind: str | None = None) -> None:
+        """Wait until the messages in flight (to `dst` of `kind`, or to every peer) are sent."""
+        for key in [(dst, kind)] if dst is not None else list(self._pending):
+            for work, _ in self._pending.pop(key, []):
+                self._wait(work, key[0], f"sending the {key[1]} message to")
 
     # ------------------------------------------------------------------ receiving
-    def recv(self, src: int, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    def recv(self, src: int, kind: str, timeout_s: float | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
         """One message of `kind` from `src`: (meta, {name: tensor on self.device}); PoolError naming `src` when it
-        died, hung past the timeout, or sent more than the bounds allow."""
+        died, hung past the timeout (`timeout_s` for its first part: the start, which waits for the other pool's
+        set-up; else pools.timeout_s), or sent more than the bounds allow."""
         tag, what = TAGS[kind], f"the {kind} message from"
         sizes = torch.empty(3, dtype=torch.int64, device=self.device)
-        self._wait(self.group.recv([sizes], src, tag), src, f"waiting for {what}")
+        self._wait(self.group.recv([sizes], src, tag), src, f"waiting for {what}", timeout_s)
         magic, header_len, payload_len = sizes.tolist()
         if magic != MAGIC or not 0 < header_len <= HEADER_LIMIT or not 0 <= payload_len <= self.limit_bytes:
             raise PoolError(f"pools: {what} rank {src} announces a header of {header_len} bytes and a payload of "
@@ -117,12 +118,14 @@ class Bridge:
             at += _padded(n)
         return meta, out
 
-    def _wait(self, work, peer: int, doing: str) -> None:
+    def _wait(self, work, peer: int, doing: str, timeout_s: float | None = None) -> None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            work.wait(timedelta(seconds=self.timeout_s))
+            work.wait(timedelta(seconds=timeout_s))
         except RuntimeError as err:
             text = _first_line(err)
-            cause = (f"nothing within pools.timeout_s={self.timeout_s:g} s: rank {peer} is hung or stopped"
+            cause = (f"nothing within {timeout_s:g} s (pools.timeout_s, or the set-up's collective timeout): rank "
+                     f"{peer} is hung or stopped"
                      if "timeout" in text.lower() or "timed out" in text.lower() else
                      f"rank {peer} is gone ({text})")
             raise PoolError(f"pools: rank {self.rank} {doing} rank {peer}: {cause}; stopping the job") from err

@@ -124,7 +124,8 @@ class RolloutWorker:
         return 0
 
     def _start(self) -> int:
-        meta, _ = self.bridge.recv(0, "start")
+        # the trainers build, verify and load a checkpoint first: waited for as long as a collective may wait
+        meta, _ = self.bridge.recv(0, "start", timeout_s=self.cfg.parallel.collective_timeout_s)
         if not meta.get("ok"):
             raise PoolError(f"pools: the trainer pool did not start: {meta.get('error', 'no reason given')}")
         self.source.load_state_dict(meta["source"])

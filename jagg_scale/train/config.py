@@ -260,7 +260,7 @@ def _check_pools(cfg: Config) -> None:
              f"{p.timeout_s} s must end {DEADLINE_MARGIN_S} s inside parallel.collective_timeout_s={c} (a trainer "
              "waiting for its rollout keeps the others waiting in their next collective): lower it or raise the "
              "collective timeout")
-    _require(cfg.reward_deadline_s + DEADLINE_MARGIN_S <= p.timeout_s, "reward.deadline_s",
+    _require(not cfg.reward.background or cfg.reward_deadline_s + DEADLINE_MARGIN_S <= p.timeout_s, "reward.deadline_s",
              f"{cfg.reward_deadline_s:g} s must end {DEADLINE_MARGIN_S} s inside pools.timeout_s={p.timeout_s} (the "
              "trainers wait that long for a rollout and its rewards)")
 

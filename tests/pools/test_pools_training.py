@@ -1,0 +1,120 @@
+"""Training on a trainer pool and a rollout pool through `jagg-train` under torchrun (pools/), on real gloo processes:
+at max_staleness 0 the split run is the synchronous run bit for bit; a rollout rank hung mid-run stops the job within
+pools.timeout_s with one line naming it (a killed one torchrun's agent stops at once); the stopped run resumes to the
+uninterrupted run's metrics; a trainer pool that refuses to start stops the rollout ranks with its line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hang_guard import POLL_S, RUN_S
+from process_tree import children, kill, wait_gone
+from train_runs import BIN, TINY, launch_metrics, metrics, small_dit
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # trainer and rollout processes under torchrun
+
+BASE = [TINY, *small_dit(4, 6), "run.keep_last=3"]
+POOL_KEYS = ("policy_version", "staleness", "time_", "comm_")  # what only a split run logs, and the clocks
+
+
+def strip(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(POOL_KEYS)} for r in rows]
+
+
+def test_one_trainer_and_one_rollout_rank_at_staleness_0_train_as_one_process(tmp_path):
+    steps = ["train.steps=3", "run.checkpoint_every=3"]
+    split = launch_metrics([*BASE, *steps, "pools.rollout_ranks=1"], 2, tmp_path / "split")
+    # the reference in a process of its own, as the split run's: in this one the last bits of a gradient differed
+    one = launch_metrics([*BASE, *steps], 1, tmp_path / "one")
+    assert [r["staleness"] for r in split] == [0, 0, 0] and [r["policy_version"] for r in split] == [0, 1, 2]
+    assert strip(split) == strip(one)  # every loss, ratio, reward and gradient norm, exactly
+    weights = [load_file(p / "checkpoints" / "step_00000003" / "model.safetensors") for p in (tmp_path / "split",
+                                                                                             tmp_path / "one")]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def _rank_of(pid: int) -> int:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(e for e in env if e.startswith(b"RANK=")).split(b"=")[1])
+
+
+def _torchrun(out: Path, *overrides: str) -> list[str]:
+    from jagg_scale.parallel.ranks import free_port
+
+    return [str(BIN / "torchrun"), "--nproc_per_node", "4", "--master_port", str(free_port()), str(BIN / "jagg-train"),
+            *BASE, "parallel.engine=fsdp2", "pools.rollout_ranks=2", "pools.max_staleness=1", "pools.timeout_s=120",
+            "run.checkpoint_every=2", f"run.output_dir={out}", *overrides]
+
+
+# pools.timeout_s of the hung run (its reward scored inline: no reward deadline to nest in it): a tiny step takes
+# < 1 s here, ~10 s on a loaded 2-core machine
+HUNG_S = 20
+
+
+def test_a_hung_rollout_rank_stops_the_job_and_the_run_resumes_as_the_uninterrupted_one(tmp_path):
+    from jagg_scale.parallel.ranks import free_port, launcher_env
+
+    # 2 trainers (FSDP2) and 2 rollout ranks, the rollout one step ahead; the reference: 4 steps uninterrupted
+    proc = subprocess.run(_torchrun(tmp_path / "ref", "train.steps=4"), env=launcher_env(), capture_output=True,
+                          text=True, timeout=RUN_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ref = metrics(tmp_path / "ref")
+    assert [r["staleness"] for r in ref] == [0, 1, 1, 1] and [r["policy_version"] for r in ref] == [0, 0, 1, 2]
+
+    # the same run, 200 steps long, its rollout rank 3 stopped (SIGSTOP: hung, its connections open) once the
+    # step-2 checkpoint is written: the trainer it serves stops the job within pools.timeout_s, naming it
+    out = tmp_path / "hung"
+    proc = subprocess.Popen(_torchrun(out, "train.steps=200", f"pools.timeout_s={HUNG_S}",
+                                     "reward.background=false"), env=launcher_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    marker = out / "checkpoints" / "step_00000002" / "COMPLETE"
+    deadline = time.monotonic() + RUN_S  # a hang guard
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    assert proc.poll() is None, proc.stderr.read()[-4000:]
+    workers = children(proc.pid)
+    hung = next(p for p in workers if _rank_of(p) == 3)
+    os.kill(hung, signal.SIGSTOP)
+    stopped = time.monotonic()
+    said = []
+    try:
+        for line in proc.stderr:  # until the first rank says why it stops (EOF: the job ended without a word)
+            if line.startswith("jagg-train [rank"):
+                said.append(line.strip())
+                break
+        took = time.monotonic() - stopped
+        os.kill(hung, signal.SIGKILL)  # a stopped process ignores the launcher's SIGTERM: its grace period saved
+        proc.communicate(timeout=RUN_S)  # a hang guard
+    finally:
+        kill(workers)
+        wait_gone(workers)
+    assert proc.returncode != 0
+    assert said and said[0].startswith("jagg-train [rank 1/4]: pools: rank 1 waiting for the rollout message from "
+                                       f"rank 3: nothing within {HUNG_S} s"), said
+    assert took < HUNG_S + 30, took  # the pools' timeout: not the collective timeout (1800 s)
+
+    # the stopped run resumed with the reference's length: the uninterrupted run's metrics, step for step
+    proc = subprocess.run(_torchrun(out, "train.steps=4", "run.resume=auto"), env=launcher_env(),
+                          capture_output=True, text=True, timeout=RUN_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert strip(metrics(out)) == strip(ref)
+    assert [r["policy_version"] for r in metrics(out)] == [0, 0, 1, 2]
+
+    # a start the trainer pool refuses (a fresh start into this run's directory): the rollout rank stops with its line
+    refused = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+                              str(BIN / "jagg-train"), *BASE, "pools.rollout_ranks=1", "train.steps=4",
+                              f"run.output_dir={out}"], env=launcher_env(), capture_output=True, text=True,
+                             timeout=RUN_S)
+    assert refused.returncode != 0
+    said = [line for line in refused.stderr.splitlines() if line.startswith("jagg-train [rank")]
+    assert any(line.startswith("jagg-train [rank 0/2]: config key 'run.output_dir'") for line in said), said
+    assert any(line.startswith("jagg-train [rank 1/2]: pools: the trainer pool did not start: config key "
+                               "'run.output_dir'") for line in said), said
