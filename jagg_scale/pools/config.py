@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..sections import Section, require
 
-__all__ = ["PoolsConfig"]
+__all__ = ["PoolsConfig", "check_pools"]
 
 
 @dataclass
@@ -36,6 +36,19 @@ class PoolsConfig(Section):
         """The trainer pool's size in a launch of `world_size` processes."""
         return world_size - self.rollout_ranks
 
+    def checked_trainers(self, world_size: int) -> int:
+        """The trainer pool's size in a launch of `world_size` processes (all of them without pools), refused by key
+        when the split cannot be made."""
+        if not self.enabled:
+            return world_size
+        trainers = self.trainer_world(world_size)
+        require(trainers >= 1, "pools.rollout_ranks", f"{self.rollout_ranks} leaves no trainer among the "
+                f"{world_size} processes the launcher started")
+        require(trainers % self.rollout_ranks == 0, "pools.rollout_ranks",
+                f"{self.rollout_ranks} must divide the trainer pool's {trainers} ranks (each rollout rank serves the "
+                "same number of trainers)")
+        return trainers
+
     def check(self, prefix: str) -> None:
         require(self.rollout_ranks >= 0, f"{prefix}.rollout_ranks", f"must be >= 0, got {self.rollout_ranks}")
         require(self.max_staleness >= 0, f"{prefix}.max_staleness", f"must be >= 0, got {self.max_staleness}")
@@ -45,3 +58,30 @@ class PoolsConfig(Section):
         require(self.timeout_s >= 1, f"{prefix}.timeout_s", f"must be >= 1 second, got {self.timeout_s}")
         require(0 < self.max_message_gib <= 1024, f"{prefix}.max_message_gib",
                 f"must be in (0, 1024], got {self.max_message_gib}")
+
+
+def check_pools(cfg, margin_s: float) -> None:
+    """The checks across sections when pools.rollout_ranks > 0: what the split pipeline does not support yet is
+    refused by key, and its deadlines nest: a rollout rank's reward deadline inside the trainers' wait for its rollout
+    (`margin_s` apart), that wait inside the collective timeout (a trainer whose rollout never comes stops with the
+    pool's one line, not the watchdog's)."""
+    p = cfg.pools
+    if not p.enabled:
+        return
+    why = "pools.rollout_ranks splits rollout and training"
+    require(cfg.train.algorithm == "grpo", "pools.rollout_ranks", f"{why}, which supports train.algorithm grpo "
+            f"(the behaviour policy's log-probs travel with the rollout), not {cfg.train.algorithm}")
+    require(cfg.data.source == "list", "pools.rollout_ranks", f"{why}: both pools read the step's prompts from a "
+            "prompt list (data.source list); a wds stream is sharded over one pool's ranks")
+    require(cfg.parallel.sequence_parallel == 1, "pools.rollout_ranks", f"{why}: not combined with "
+            "parallel.sequence_parallel yet")
+    require(not cfg.reward.shard, "pools.rollout_ranks", f"{why}: the rollout pool scores its rows itself "
+            "(reward.shard false)")
+    require(cfg.jagg.probe_every == 0, "pools.rollout_ranks", f"{why}: the exact-gradient probe runs on one process")
+    c = cfg.parallel.collective_timeout_s
+    require(p.timeout_s + margin_s <= c, "pools.timeout_s",
+            f"{p.timeout_s} s must end {margin_s} s inside parallel.collective_timeout_s={c} (a trainer waiting for "
+            "its rollout keeps the others waiting in their next collective): lower it or raise the collective timeout")
+    require(not cfg.reward.background or cfg.reward_deadline_s + margin_s <= p.timeout_s, "reward.deadline_s",
+            f"{cfg.reward_deadline_s:g} s must end {margin_s} s inside pools.timeout_s={p.timeout_s} (the trainers "
+            "wait that long for a rollout and its rewards)")

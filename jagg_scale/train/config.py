@@ -20,7 +20,7 @@ from ..gcpo.config import GCPOConfig
 from ..jagg import trained_steps
 from ..models.registry import families, family
 from ..paths import resolve_path
-from ..pools.config import PoolsConfig
+from ..pools.config import PoolsConfig, check_pools
 from .config_sections import *  # noqa: F403 - the sections, their choices and ConfigError are this module's API
 from .config_sections import (AWMConfig, ConfigError, DataConfig, DPPOConfig, EvalConfig, GRPOConfig, JAGGConfig,
                               LogConfig, ModelConfig, NFTConfig, ParallelConfig, RewardConfig, RunConfig,
@@ -228,7 +228,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     _require(cfg.reward_deadline_s + DEADLINE_MARGIN_S <= c, "reward.deadline_s",
              f"{cfg.reward_deadline_s:g} s must end {DEADLINE_MARGIN_S} s inside parallel.collective_timeout_s={c} "
              "(the other ranks wait for this one in the reward all-gather): lower it or raise the collective timeout")
-    _check_pools(cfg)
+    check_pools(cfg, DEADLINE_MARGIN_S)
     if check_files:
         _require(cfg.run.device != "cuda" or torch.cuda.is_available(), "run.device",
                  "is cuda, but torch sees no CUDA device here (use auto or cpu, or run on a GPU node)")
@@ -236,33 +236,6 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
 
 
 DEADLINE_MARGIN_S = 30  # reward.deadline_s's distance from parallel.collective_timeout_s: the gather's own time
-
-
-def _check_pools(cfg: Config) -> None:
-    """pools.rollout_ranks > 0 (pools/): what the split pipeline supports so far is refused otherwise, by key, and
-    its deadlines nest: a rollout rank's reward deadline inside the trainer's wait for its rollout, that wait inside
-    the collective timeout (a trainer whose rollout never comes stops with the pool's one line, not the watchdog's)."""
-    p = cfg.pools
-    if not p.enabled:
-        return
-    why = "pools.rollout_ranks splits rollout and training"
-    _require(cfg.train.algorithm == "grpo", "pools.rollout_ranks", f"{why}, which supports train.algorithm grpo "
-             f"(the behaviour policy's log-probs travel with the rollout), not {cfg.train.algorithm}")
-    _require(cfg.data.source == "list", "pools.rollout_ranks", f"{why}: both pools read the step's prompts from a "
-             "prompt list (data.source list); a wds stream is sharded over one pool's ranks")
-    _require(cfg.parallel.sequence_parallel == 1, "pools.rollout_ranks", f"{why}: not combined with "
-             "parallel.sequence_parallel yet")
-    _require(not cfg.reward.shard, "pools.rollout_ranks", f"{why}: the rollout pool scores its rows itself "
-             "(reward.shard false)")
-    _require(cfg.jagg.probe_every == 0, "pools.rollout_ranks", f"{why}: the exact-gradient probe runs on one process")
-    c = cfg.parallel.collective_timeout_s
-    _require(p.timeout_s + DEADLINE_MARGIN_S <= c, "pools.timeout_s",
-             f"{p.timeout_s} s must end {DEADLINE_MARGIN_S} s inside parallel.collective_timeout_s={c} (a trainer "
-             "waiting for its rollout keeps the others waiting in their next collective): lower it or raise the "
-             "collective timeout")
-    _require(not cfg.reward.background or cfg.reward_deadline_s + DEADLINE_MARGIN_S <= p.timeout_s, "reward.deadline_s",
-             f"{cfg.reward_deadline_s:g} s must end {DEADLINE_MARGIN_S} s inside pools.timeout_s={p.timeout_s} (the "
-             "trainers wait that long for a rollout and its rewards)")
 
 
 def _check_step_selection(cfg: Config) -> None:
@@ -413,15 +386,7 @@ def validate_world(cfg: Config, world_size: int) -> None:
     """The checks that need the launch's process count (jagg-train runs them before building anything, with the
     world size the launcher's environment gives: parallel.ranks.discover). Without them a config that cannot run
     on this many ranks fails only after every rank has loaded its models, or at the first step."""
-    pools = cfg.pools
-    if pools.enabled:
-        trainers = pools.trainer_world(world_size)
-        _require(trainers >= 1, "pools.rollout_ranks", f"{pools.rollout_ranks} leaves no trainer among the "
-                 f"{world_size} processes the launcher started")
-        _require(trainers % pools.rollout_ranks == 0, "pools.rollout_ranks",
-                 f"{pools.rollout_ranks} must divide the trainer pool's {trainers} ranks (each rollout rank serves "
-                 "the same number of trainers)")
-        world_size = trainers  # the checks below are the trainer pool's: it is the run's engine
+    world_size = cfg.pools.checked_trainers(world_size)  # the checks below are the trainer pool's: the run's engine
     p = cfg.parallel
     if world_size > 1:
         _require(p.engine != "none", "parallel.engine",

@@ -398,9 +398,8 @@ class RewardConfig(_Section):
     background: bool = True  # decode + score rollout chunks in a worker thread while the next chunk samples
     # the most seconds a rank waits, once its rollout is done, for the chunks its worker is still scoring; a chunk
     # not scored by then is masked (its rows count as failed rewards, metric reward_late) and the step goes on, so a
-    # hung reward host costs samples, never the job. null: half of parallel.collective_timeout_s (with pools: half of
-    # pools.timeout_s). It must end well
-    # inside that timeout (the other ranks wait for this one in the reward all-gather that follows): validated.
+    # hung reward host costs samples, never the job. null: half of parallel.collective_timeout_s (of pools.timeout_s
+    # with pools). It must end inside it (the others wait for this rank in the reward all-gather after): validated.
     # Background scoring only (inline and sharded scoring run inside the rollout and cannot be cut off)
     deadline_s: Optional[float] = None
     shard: bool = False  # split reward-model weights across ranks (FSDP2, inference); each rank scores its images
