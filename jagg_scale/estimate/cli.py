@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="NCCL bus bandwidth of an all-gather / reduce-scatter inside a node, GB/s a GPU")
     ap.add_argument("--ib-gbps", type=float, default=Links.ib_gbps,
                     help="NCCL bus bandwidth of a collective across nodes, GB/s a GPU")
+    ap.add_argument("--pools", action="store_true",
+                    help="price the split pipeline (pools/): the best split of each cluster size into a rollout "
+                         "and a trainer pool, one step apart, against the synchronous step")
+    ap.add_argument("--reward-s", type=float, default=0.0,
+                    help="seconds a step waits for its rewards after sampling (a judge served elsewhere): the "
+                         "synchronous step pays them, the split pipeline's rollout pool overlaps them (--pools)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_intermixed_args(argv)
     if args.counts:
@@ -76,14 +82,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     times = step_time(cfg, s, est, args, [*args.overrides, *launch])
     table = None if cfg.forward_process else scale_table(args)
+    pools = pools_table(args, table) if args.pools and table else None
     if args.json:
-        print(json.dumps({**est, "step_seconds": times[0], "flow_grpo_step_seconds": times[1], "scale": table},
-                         indent=1))
+        print(json.dumps({**est, "step_seconds": times[0], "flow_grpo_step_seconds": times[1], "scale": table,
+                          "pools": pools}, indent=1))
     else:
         print(report(s, est, args.gpu_mem, args.headroom))
         print(steptime.report(*times))
         if table:
             print(scale_report(table))
+        if pools:
+            print(pools_report(pools, args.reward_s))
     if args.gpu_mem and not fits(est, args.gpu_mem, args.headroom):
         print(f"jagg-estimate: {args.config} does not fit {args.gpu_mem:g} GiB per GPU with "
               f"{100 * args.headroom:.0f}% headroom on {args.world_size} ranks", file=sys.stderr)
@@ -191,6 +200,44 @@ def scale_report(table: list[dict]) -> str:
         if one:
             line += f" {r['one_step']:.1f} | {r['one_speedup']:.2f}x |" if "one_step" in r else " - | - |"
         lines.append(line)
+    return "\n".join(lines)
+
+
+def pools_table(args, table: list[dict]) -> list[dict]:
+    """At each cluster size of the scale table: every split into pools priced (estimate/pools.py, one step apart)
+    and the fastest, beside the synchronous step and Flow-GRPO's, each with --reward-s added."""
+    from ..train.config import load_config
+    from .pools import price_split, splits
+
+    cfg = load_config(args.config, args.overrides, check_files=False)
+    out = []
+    for row in table:
+        if "error" in row:
+            continue
+        priced = []
+        for r in splits(row["gpus"]):
+            try:
+                priced.append(price_split(cfg, row["gpus"], r, reward_s=args.reward_s, links=links(args),
+                                          a2a_gbps=args.a2a_gbps, shapes=args.shapes, overhead_gb=args.overhead_gb,
+                                          gpu_gib=args.gpu_mem or 79.2))
+            except (DoesNotDivide, CoefficientsMissing):
+                continue
+        if priced:
+            best = min(priced, key=lambda p: p["step"])
+            out.append({**best, "sync": row["step"] + args.reward_s, "flow_grpo": row["flow_grpo"] + args.reward_s,
+                        "splits": priced})
+    return out
+
+
+def pools_report(pools: list[dict], reward_s: float) -> str:
+    lines = ["", f"the split pipeline (pools.max_staleness 1), the fastest split of each cluster size, with "
+             f"{reward_s:g} s of reward latency a step (--reward-s) in every column: estimate/pools.py",
+             "| GPUs | rollout + trainer ranks | rollout pool s | trainer pool s | step s | synchronous step s | "
+             "vs synchronous | vs Flow-GRPO |", "|---" * 8 + "|"]
+    for p in pools:
+        lines.append(f"| {p['gpus']} | {p['rollout_ranks']} + {p['trainers']} | {p['rollout_pool']:.1f} | "
+                     f"{p['trainer_pool']:.1f} | {p['step']:.1f} | {p['sync']:.1f} | {p['sync'] / p['step']:.2f}x | "
+                     f"{p['flow_grpo'] / p['step']:.2f}x |")
     return "\n".join(lines)
 
 

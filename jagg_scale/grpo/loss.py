@@ -83,6 +83,11 @@ class GRPOStepLoss(MinibatchLoss):
     guidance: float = 1.0
     guidance_rule: str = "plain"  # the model family's CFG rule (grpo/guidance.py), as the rollout sampled with it
     sde: str = "flow_grpo"  # the stochastic step the rollout sampled with (grpo/sde.py: flow_grpo | cps)
+    # > 0: a rollout sampled by an earlier policy version (pools.max_staleness) trained with decoupled PPO: the ratio
+    # and its clip taken to the weights being trained (their log-prob, detached: the proximal policy), the behaviour
+    # policy corrected by the importance weight p(prox) / p(behaviour) capped here (pools.importance_cap); 0: the
+    # ratio to the behaviour policy's log-probs as recorded at rollout (Flow-GRPO's objective as it is)
+    importance_cap: float = 0.0
     metrics: dict = field(default_factory=lambda: defaultdict(list))
     log_ratios: list = field(default_factory=list, init=False)  # |log ratio| maxima per evaluation (log_ratio_max)
 
@@ -102,9 +107,14 @@ class GRPOStepLoss(MinibatchLoss):
         step = self.transition(b, k, v)
         s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], b.s_max
         sde_step = SDE_STEPS[self.sde]
-        log_ratio = step.log_prob - b.log_probs[k].float()
-        ratio = torch.exp(log_ratio)
+        log_ratio = step.log_prob - b.log_probs[k].float()  # to the behaviour policy
         adv = b.advantages.float()
+        if self.importance_cap > 0:  # decoupled: ratio 1 at the proximal weights, the behaviour's share a weight
+            prox = step.log_prob.detach()
+            weight = torch.exp(prox - b.log_probs[k].float()).clamp(max=self.importance_cap)
+            ratio, adv = torch.exp(step.log_prob - prox), adv * weight
+        else:
+            ratio = torch.exp(log_ratio)
         unclipped = -adv * ratio
         clipped = -adv * torch.clamp(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
         w = b.mask.float()
@@ -131,6 +141,8 @@ class GRPOStepLoss(MinibatchLoss):
             m["ratio_max"].append(ratio.max())
             m["ratio_min"].append(ratio.min())
             self.log_ratios.append(log_ratio.abs().max())
+            if self.importance_cap > 0:
+                m["importance_weight_mean"].append((weight * w).sum() / denom)
         return loss * self.scale
 
     def log_ratio_max(self) -> torch.Tensor:

@@ -21,6 +21,10 @@ class PoolsConfig(Section):
     # k: step s's rollout samples with the weights after step max(0, s - k), exactly: the rollout pool runs up to k
     # steps ahead of the trainer. 0 is the synchronous step, bit for bit
     max_staleness: int = 0
+    # c > 0: a stale rollout trained with decoupled PPO: the ratio and grpo.clip_range taken to the weights being
+    # trained, the behaviour policy corrected by an importance weight capped at c (grpo/loss.py). 0: the ratio to the
+    # behaviour policy as recorded at rollout (Flow-GRPO's objective, whose 1e-4 clip a stale rollout mostly exceeds)
+    importance_cap: float = 0.0
     # seconds one pool waits for the other's next message (a step's rollout; the weights it samples with) before the
     # job stops, naming the rank it waited for: longer than a step's rollout, inside parallel.collective_timeout_s
     timeout_s: int = 900
@@ -55,6 +59,9 @@ class PoolsConfig(Section):
         require(self.max_staleness == 0 or self.enabled, f"{prefix}.max_staleness",
                 f"is {self.max_staleness}, but {prefix}.rollout_ranks is 0: one pool rolls out and trains in turn, "
                 "nothing runs ahead (set the rollout pool's size)")
+        require(self.importance_cap >= 0, f"{prefix}.importance_cap", f"must be >= 0, got {self.importance_cap}")
+        require(self.importance_cap == 0 or self.max_staleness > 0, f"{prefix}.importance_cap",
+                f"corrects a rollout sampled by an earlier policy version: it needs {prefix}.max_staleness > 0")
         require(self.timeout_s >= 1, f"{prefix}.timeout_s", f"must be >= 1 second, got {self.timeout_s}")
         require(0 < self.max_message_gib <= 1024, f"{prefix}.max_message_gib",
                 f"must be in (0, 1024], got {self.max_message_gib}")

@@ -97,6 +97,7 @@ class GRPO(Algorithm):
     def __init__(self, cfg, policy, engine, dist):
         super().__init__(cfg, policy, engine, dist)
         self.runner = MinibatchRunner(cfg, engine, dist)
+        self.importance_cap = 0.0  # set per update: pools.importance_cap for a stale rollout (update's `behind`)
         g = cfg.grpo
         # the steps trained when no SDE window moves them: the first timestep_fraction, or the candidates
         self.steps = (trained_steps(cfg.sampling.num_steps, g.timestep_fraction) if g.step_selection == "first" else
@@ -138,6 +139,8 @@ class GRPO(Algorithm):
         policy (behaviour_log_ratio), not the on-policy invariant's."""
         steps = self.trained_steps_at(step)
         cond, uncond = self.policy.split_cond(cond)
+        # a stale rollout under pools.importance_cap: decoupled PPO (grpo/loss.py GRPOStepLoss.importance_cap)
+        self.importance_cap = self.cfg.pools.importance_cap if behind else 0.0
         minibatch = self._minibatches(traj, cond, uncond, adv, rows, step, steps, self.policy.guidance)
         done = self.runner.run(self.policy.model_fn(), rows, step, minibatch, fresh=behind == 0)
         # the first minibatch ran at the rollout's parameters: training must reproduce its log-probs
@@ -153,7 +156,8 @@ class GRPO(Algorithm):
         cfg = self.cfg
         return GRPOStepLoss(noise_level=cfg.sampling.noise_level, clip_range=cfg.grpo.clip_range, beta=cfg.grpo.kl_beta,
                             scale=scale, denominator=denominator, guidance=guidance,
-                            guidance_rule=self.policy.guidance_rule, sde=cfg.sampling.sde)
+                            guidance_rule=self.policy.guidance_rule, sde=cfg.sampling.sde,
+                            importance_cap=self.importance_cap)
 
     def _minibatches(self, traj, cond, uncond, adv, rows, step: int, steps: list[int], guidance: float):
         """The runner's minibatch(epoch, local, global_rows, on_policy): the rows `local` (a host index, for

@@ -1,0 +1,69 @@
+"""The split pipeline's price (jagg_scale/estimate/pools.py): each pool is the synchronous model's phases at its own
+size, the steady step the slower pool (k >= 1) or both in turn (k = 0), a reward's latency on the rollout pool's side
+alone, and the transfers the trajectories and weights the memory model and the shapes give."""
+
+from pathlib import Path
+
+import pytest
+from extras import need
+
+need("diffusers")
+need("transformers")
+
+from jagg_scale.estimate import memory as E  # noqa: E402 - after the extras check
+from jagg_scale.estimate import steptime as T  # noqa: E402
+from jagg_scale.estimate.collectives import Links  # noqa: E402
+from jagg_scale.estimate.pools import price_split, splits  # noqa: E402
+from jagg_scale.train.config import load_config  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "sd35m_pickscore.yaml"
+
+
+def price(rollout, **kw):
+    return price_split(load_config(CONFIG, [], check_files=False), 8, rollout, links=Links(), a2a_gbps=T.A2A_GBPS,
+                       **kw)
+
+
+def test_the_splits_are_those_the_pools_accept():
+    assert splits(8) == [1, 2, 4] and splits(32) == [1, 2, 4, 8, 16] and splits(3) == [1]
+
+
+def test_each_pool_is_the_synchronous_phases_at_its_size_and_the_step_the_slower_one():
+    p = price(4)
+    cfg = load_config(CONFIG, [], check_files=False)
+    s = E.prepare(cfg, 4)
+    sync4 = T.step_seconds(s, E.estimate(s))
+    rollout_phases = sum(sync4[k] for k in ("rollout", "reference", "encode", "decode"))
+    assert p["rollout_pool"] == pytest.approx(rollout_phases + p["traj_gb"] / Links().ib_gbps)
+    assert p["trainer_pool"] > sum(sync4[k] for k in ("train", "train_nograd"))
+    assert p["step"] == max(p["rollout_pool"], p["trainer_pool"])
+    in_turn = price(4, k=0)
+    assert in_turn["step"] == pytest.approx(in_turn["rollout_pool"] + in_turn["trainer_pool"])
+    # LoRA r32's adapter in fp32 (Flow-GRPO's attn.-prefixed targets, 18.8M parameters), not the 2.5B base
+    assert 0.05 < p["weights_gb"] < 0.1
+
+
+def test_a_rewards_latency_lands_on_the_rollout_pool_alone():
+    quick, slow = price(2), price(2, reward_s=30.0)
+    assert slow["rollout_pool"] == pytest.approx(quick["rollout_pool"] + 30.0)
+    assert slow["trainer_pool"] == quick["trainer_pool"]
+
+
+def test_a_split_whose_trainers_do_not_share_the_rollout_ranks_evenly_is_refused():
+    with pytest.raises(E.DoesNotDivide):
+        price(3)
+
+
+def test_jagg_estimate_pools_prints_the_fastest_split_against_the_synchronous_step():
+    from types import SimpleNamespace
+
+    from jagg_scale.estimate.cli import pools_report, pools_table
+
+    args = SimpleNamespace(config=str(CONFIG), overrides=[], reward_s=60.0, a2a_gbps=T.A2A_GBPS, shapes=None,
+                           overhead_gb=1.5, gpu_mem=79.2, nvlink_gbps=Links().nvlink_gbps, ib_gbps=Links().ib_gbps,
+                           gpus_per_node=8)
+    (row,) = pools_table(args, [{"gpus": 8, "step": 97.7, "flow_grpo": 164.3}])
+    assert [p["rollout_ranks"] for p in row["splits"]] == [2, 4]  # 1 + 7: 7 trainers do not split 576 rows
+    assert row["step"] == min(p["step"] for p in row["splits"]) and row["sync"] == 97.7 + 60.0
+    text = pools_report([row], 60.0)
+    assert f"| 8 | {row['rollout_ranks']} + {row['trainers']} |" in text and "60 s of reward latency" in text
