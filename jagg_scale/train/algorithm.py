@@ -17,7 +17,9 @@ The contract (`Algorithm`), what every unit implements:
                                         reward.aggregate, grpo/advantages.py)
     update(traj, cond, adv, rows, step) -> dict             the update phase's metrics; every algorithm trains its
                                         minibatches through runner.MinibatchRunner (minibatches x micro-batches x
-                                        knot plan -> knot_backward -> engine, the probe, the non-finite policy)
+                                        knot plan -> knot_backward -> engine, the probe, the non-finite policy); a
+                                        unit that trains a stale rollout (pools, GRPO) also takes `behind=`, the
+                                        policy versions between the weights that sampled and those trained
 
 A unit is registered in ALGORITHMS under its train.algorithm name; `build_algorithm` builds the configured one.
 Adding an algorithm = its module (a class with this contract, registered here) + its config + tests.

@@ -222,7 +222,8 @@ class Trainer:
         metrics.update(self.engine.comm.take())  # collectives per phase (nothing on one process)
         metrics = fetch_metrics(metrics)  # the step's one device-to-host read of its loss statistics
         metrics = self.dist.mean_over_ranks(metrics, {"ratio_max": "max", "ratio_min": "min",
-                                                      "onpolicy_log_ratio": "max", "kl_new_old_max": "max"})
+                                                      "onpolicy_log_ratio": "max", "kl_new_old_max": "max",
+                                                      "behaviour_log_ratio": "max"})
         check_on_policy(metrics, cfg.grpo.onpolicy_tolerance, step)  # every rank: the same reduced value
         return metrics
 
