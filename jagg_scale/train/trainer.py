@@ -191,7 +191,7 @@ class Trainer:
                                                                      len(records), t0)
         else:  # pools: the rollout pool sampled and scored this trainer's rows, with the version the step says
             traj, parts, meta = self.link.receive(step, prompts, self.reward.names)
-            late, behind, t1 = meta["late"], step - meta["version"], t0 + meta["time_rollout"]
+            late, behind, t1 = meta["late"], step - meta["version"], t0
         failed = check_failures(parts, cfg.reward.max_fail_frac)
         t2 = time.perf_counter()
         # 3. advantages over the prompt groups (row i is in group i // G)
@@ -216,9 +216,10 @@ class Trainer:
             "time_reward": t2 - t1,  # reward time not hidden behind the rollout
             "time_train": t3 - t2 - update.get("time_probe", 0.0),  # the probe is diagnostics, not training
         }
-        if self.link is not None:  # the policy version the rollout sampled with, steps behind the trained one
+        if self.link is not None:  # the policy version the rollout sampled with, steps behind the trained one; the
+            # rollout pool's own phases, and this trainer's wait for them (the rollout's encode included)
             metrics.update(policy_version=step - behind, staleness=behind, **meta["counts"],
-                           time_reward_pool=meta["time_reward"], time_wait=t2 - t0)
+                           time_rollout=meta["time_rollout"], time_reward=meta["time_reward"], time_wait=t2 - t0)
         metrics.update(self.engine.comm.take())  # collectives per phase (nothing on one process)
         metrics = fetch_metrics(metrics)  # the step's one device-to-host read of its loss statistics
         metrics = self.dist.mean_over_ranks(metrics, {"ratio_max": "max", "ratio_min": "min",

@@ -1,7 +1,8 @@
 """Training on a trainer pool and a rollout pool through `jagg-train` under torchrun (pools/), on real gloo processes:
-at max_staleness 0 the split run is the synchronous run bit for bit; a rollout rank hung mid-run stops the job within
-pools.timeout_s with one line naming it (a killed one torchrun's agent stops at once); the stopped run resumes to the
-uninterrupted run's metrics; a trainer pool that refuses to start stops the rollout ranks with its line."""
+2 trainers and 1 rollout rank at max_staleness 0 are the synchronous 2-rank run bit for bit; a rollout rank hung
+mid-run stops the job within pools.timeout_s with one line naming it (a killed one torchrun's agent stops at once);
+the stopped run resumes to the uninterrupted run's metrics; a trainer pool that refuses to start stops the rollout
+ranks with its line."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from hang_guard import POLL_S, RUN_S
 from process_tree import children, kill, wait_gone
@@ -29,16 +29,26 @@ def strip(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(POOL_KEYS)} for r in rows]
 
 
-def test_one_trainer_and_one_rollout_rank_at_staleness_0_train_as_one_process(tmp_path):
-    steps = ["train.steps=3", "run.checkpoint_every=3"]
-    split = launch_metrics([*BASE, *steps, "pools.rollout_ranks=1"], 2, tmp_path / "split")
-    # the reference in a process of its own, as the split run's: in this one the last bits of a gradient differed
-    one = launch_metrics([*BASE, *steps], 1, tmp_path / "one")
+def test_two_trainers_and_one_rollout_rank_at_staleness_0_train_as_the_synchronous_run(tmp_path):
+    # the rollout rank serves both trainers: each one's rows sampled as rank t of the 2-rank run samples them
+    steps = ["parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=3"]
+    split = launch_metrics([*BASE, *steps, "pools.rollout_ranks=1"], 3, tmp_path / "split")
+    sync = launch_metrics([*BASE, *steps], 2, tmp_path / "sync")
     assert [r["staleness"] for r in split] == [0, 0, 0] and [r["policy_version"] for r in split] == [0, 1, 2]
-    assert strip(split) == strip(one)  # every loss, ratio, reward and gradient norm, exactly
-    weights = [load_file(p / "checkpoints" / "step_00000003" / "model.safetensors") for p in (tmp_path / "split",
-                                                                                             tmp_path / "one")]
+    assert strip(split) == strip(sync)  # every loss, ratio, reward and gradient norm, exactly
+    weights = [dcp_model(p / "checkpoints" / "step_00000003") for p in (tmp_path / "split", tmp_path / "sync")]
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def dcp_model(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The trained weights ("model" entries) of an FSDP2 checkpoint, read whole in one process."""
+    from jagg_scale.checkpoint.dcp_reader import dcp_load, read_metadata
+
+    saved = read_metadata(ckpt / "dcp").state_dict_metadata
+    model = {k[6:]: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items() if k.startswith("model.")}
+    assert model
+    dcp_load({"model": model}, ckpt / "dcp", no_dist=True)
+    return model
 
 
 def _rank_of(pid: int) -> int:
