@@ -12,6 +12,11 @@
       send     to each trainer its trajectories, every row's rewards, the version sampled with and the digest of what
                was bound (the trainer checks both against what it sent)
 
+The reward and send of step s run in a sender thread while the main thread binds the weights of step s + 1 and samples
+it: a reward's latency (a judge served elsewhere) overlaps the next step's sampling, the way the background scorer
+overlaps a step's chunks. Only the sender thread runs the pool's collectives and sends rollouts; at most one step is
+being sent while the next samples (two steps' trajectories held).
+
 The replica holds the weights as the trainer's model computes with them (the master dtype of a one-process engine), so
 a rollout at max_staleness 0 is the synchronous run's, bit for bit."""
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -101,6 +107,8 @@ class RolloutWorker:
         self.version, self.bound = -1, ""
         self.waiting: dict[int, tuple[dict, dict]] = {}  # versions received, not yet bound
         self.signalled = None
+        self.sender = ThreadPoolExecutor(1, thread_name_prefix="rollout-send")
+        self.sending: Future | None = None  # the previous step's reward and send
         for sig in (signal.SIGUSR1, signal.SIGTERM):  # preemption: the trainers checkpoint; this rank follows them
             signal.signal(sig, self._note_signal)
 
@@ -114,14 +122,25 @@ class RolloutWorker:
             start = self._start()
             for step in range(start, self.cfg.train.steps):
                 self._bind(max(0, step - self.k))
-                self._step(step)
+                sampled = self._sample(step)
+                self._sent()  # the previous step's rewards in and sent: one step in the sender's hands at a time
+                self.sending = self.sender.submit(self._score_and_send, *sampled)
+            self._sent()
             self.bridge.flush()
         except PoolError:
             if self.signalled is not None:  # the trainers checkpointed on the signal and left: so does this rank
                 log.warning("pools: rank %d stops after signal %d", self.member.rank, self.signalled)
                 return 128 + int(self.signalled)
             raise
+        finally:
+            self.sender.shutdown(wait=False, cancel_futures=True)
         return 0
+
+    def _sent(self) -> None:
+        """Wait for the step in the sender thread (its error raised here)."""
+        if self.sending is not None:
+            sending, self.sending = self.sending, None
+            sending.result()
 
     def _start(self) -> int:
         # the trainers build, verify and load a checkpoint first: waited for as long as a collective may wait
@@ -141,7 +160,8 @@ class RolloutWorker:
             self.version = version
             self.waiting = {v: m for v, m in self.waiting.items() if v > version}
 
-    def _step(self, step: int) -> None:
+    def _sample(self, step: int) -> tuple:
+        """Each served trainer's rows of step `step` sampled, their chunks handed to a scorer as they come."""
         cfg, T = self.cfg, self.layout.trainers
         t0 = time.perf_counter()
         records = self.source.next_prompts()
@@ -158,14 +178,19 @@ class RolloutWorker:
             traj = self.policy.rollout(cond, rows.mine, step, spec=spec, prompts=prompts,
                                        on_chunk=lambda c, final, p=prompts, m=metadata: scorer.add(final, p[c], m[c]))
             shares.append((t, traj, prompts_digest(prompts), self.policy.take_counts()))
-        t1 = time.perf_counter()
+        return step, len(records), scorer, shares, self.version, self.bound, time.perf_counter() - t0
+
+    def _score_and_send(self, step: int, n: int, scorer: ChunkScorer, shares: list, version: int, bound: str,
+                        rollout_s: float) -> None:
+        """The sender thread: the step's rewards awaited and gathered over the pool, each trainer's share sent."""
+        cfg, t1 = self.cfg, time.perf_counter()
         local = scorer.finish(deadline_s=cfg.reward_deadline_s if cfg.reward.background else None)
-        layout = StepRows.draw(len(records), cfg.train.minibatch_size, cfg.run.seed, step, 0, T).all_rows
-        parts = gather_components(local, layout, len(records), lambda x: self.dist.all_gather_tensor(x.to(self.device)))
+        layout = StepRows.draw(n, cfg.train.minibatch_size, cfg.run.seed, step, 0, self.layout.trainers).all_rows
+        parts = gather_components(local, layout, n, lambda x: self.dist.all_gather_tensor(x.to(self.device)))
         late = self.dist.all_gather_object(scorer.late)
-        t2 = time.perf_counter()
+        reward_s = time.perf_counter() - t1
         for t, traj, digest, counts in shares:
-            meta = {"step": step, "version": self.version, "bound": self.bound, "prompts": digest,
-                    "first": traj.first, "late": late[(t // self.layout.per_rollout)], "counts": counts,
-                    "time_rollout": t1 - t0, "time_reward": t2 - t1}
+            meta = {"step": step, "version": version, "bound": bound, "prompts": digest, "first": traj.first,
+                    "late": late[t // self.layout.per_rollout], "counts": counts, "time_rollout": rollout_s,
+                    "time_reward": reward_s}
             self.bridge.send(t, "rollout", meta, pack_rollout(traj, parts))
