@@ -86,8 +86,9 @@ class Bridge:
     # ------------------------------------------------------------------ receiving
     def recv(self, src: int, kind: str, timeout_s: float | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
         """One message of `kind` from `src`: (meta, {name: tensor on self.device}); PoolError naming `src` when it
-        died, hung past the timeout (`timeout_s` for its first part: the start, which waits for the other pool's
-        set-up; else pools.timeout_s), or sent more than the bounds allow."""
+        died, hung past the timeout (`timeout_s` for its first part, where a wait is longer than pools.timeout_s:
+        the start waits for the other pool's set-up, a rollout rank's weights for the trainers' step), or sent more
+        than the bounds allow."""
         tag, what = TAGS[kind], f"the {kind} message from"
         sizes = torch.empty(3, dtype=torch.int64, device=self.device)
         self._wait(self.group.recv([sizes], src, tag), src, f"waiting for {what}", timeout_s)
@@ -124,8 +125,7 @@ class Bridge:
             work.wait(timedelta(seconds=timeout_s))
         except RuntimeError as err:
             text = _first_line(err)
-            cause = (f"nothing within {timeout_s:g} s (pools.timeout_s, or the set-up's collective timeout): rank "
-                     f"{peer} is hung or stopped"
+            cause = (f"nothing within {timeout_s:g} s: rank {peer} is hung or stopped"
                      if "timeout" in text.lower() or "timed out" in text.lower() else
                      f"rank {peer} is gone ({text})")
             raise PoolError(f"pools: rank {self.rank} {doing} rank {peer}: {cause}; stopping the job") from err

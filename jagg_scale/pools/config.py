@@ -25,9 +25,10 @@ class PoolsConfig(Section):
     # trained, the behaviour policy corrected by an importance weight capped at c (grpo/loss.py). 0: the ratio to the
     # behaviour policy as recorded at rollout (Flow-GRPO's objective, whose 1e-4 clip a stale rollout mostly exceeds)
     importance_cap: float = 0.0
-    # seconds one pool waits for the other's next message (a step's rollout; the weights it samples with) before the
-    # job stops, naming the rank it waited for: longer than a step's rollout, inside parallel.collective_timeout_s
-    timeout_s: int = 900
+    # seconds a trainer waits for its next rollout before the job stops, naming the rank it waited for (a rollout rank
+    # waits twice this for the weights: the trainers' own wait for the other rollout ranks, then their update): longer
+    # than a step's rollout and an update; twice it inside parallel.collective_timeout_s
+    timeout_s: int = 600
     # the largest message between the pools (a trainer's rows of a step's rollout), checked from its header before a
     # buffer is allocated
     max_message_gib: float = 64.0
@@ -86,9 +87,10 @@ def check_pools(cfg, margin_s: float) -> None:
             "(reward.shard false)")
     require(cfg.jagg.probe_every == 0, "pools.rollout_ranks", f"{why}: the exact-gradient probe runs on one process")
     c = cfg.parallel.collective_timeout_s
-    require(p.timeout_s + margin_s <= c, "pools.timeout_s",
-            f"{p.timeout_s} s must end {margin_s} s inside parallel.collective_timeout_s={c} (a trainer waiting for "
-            "its rollout keeps the others waiting in their next collective): lower it or raise the collective timeout")
+    require(2 * p.timeout_s + margin_s <= c, "pools.timeout_s",
+            f"{p.timeout_s} s: twice it (a rollout rank's wait for the weights) must end {margin_s} s inside "
+            f"parallel.collective_timeout_s={c} (a rank waiting at the bridge keeps its pool waiting in the next "
+            "collective): lower it or raise the collective timeout")
     require(not cfg.reward.background or cfg.reward_deadline_s + margin_s <= p.timeout_s, "reward.deadline_s",
             f"{cfg.reward_deadline_s:g} s must end {margin_s} s inside pools.timeout_s={p.timeout_s} (the trainers "
             "wait that long for a rollout and its rewards)")

@@ -153,7 +153,9 @@ class RolloutWorker:
     def _bind(self, version: int) -> None:
         while self.version < version:
             while version not in self.waiting:
-                meta, tensors = self.bridge.recv(0, "weights")
+                # the trainers first wait for every rollout rank (pools.timeout_s), then update: twice that here, so
+                # that a hung rollout rank is named by the trainer it hangs, not by this rank's wait behind it
+                meta, tensors = self.bridge.recv(0, "weights", timeout_s=2 * self.cfg.pools.timeout_s)
                 self.waiting[int(meta["version"])] = (meta, tensors)
             meta, tensors = self.waiting.pop(version)
             self.bound = bind(self.model, tensors, meta["digests"], version=version, rank=self.member.rank)

@@ -23,8 +23,9 @@ def _cfg(*overrides):
     ([*ON, "train.algorithm=nft", "grpo.kl_beta=0", "jagg.mode=exact"], "pools.rollout_ranks",
      "supports train.algorithm grpo"),
     ([*ON, "jagg.probe_every=1"], "pools.rollout_ranks", "probe runs on one process"),
-    ([*ON, "pools.timeout_s=1790"], "pools.timeout_s", "must end 30 s inside parallel.collective_timeout_s=1800"),
-    ([*ON, "reward.deadline_s=880"], "reward.deadline_s", "must end 30 s inside pools.timeout_s=900"),
+    ([*ON, "pools.timeout_s=890"], "pools.timeout_s", "twice it .* must end 30 s inside "
+     "parallel.collective_timeout_s=1800"),
+    ([*ON, "reward.deadline_s=580"], "reward.deadline_s", "must end 30 s inside pools.timeout_s=600"),
 ])
 def test_a_pools_setting_that_cannot_run_is_refused_by_key(overrides, key, message):
     with pytest.raises(ConfigError, match=rf"config key '{key}'.*{message}"):
@@ -32,7 +33,7 @@ def test_a_pools_setting_that_cannot_run_is_refused_by_key(overrides, key, messa
 
 
 def test_the_reward_deadline_defaults_inside_the_pools_wait():
-    assert _cfg(*ON, "pools.timeout_s=600").reward_deadline_s == 300
+    assert _cfg(*ON, "pools.timeout_s=500").reward_deadline_s == 250
     assert _cfg().reward_deadline_s == 900  # half the collective timeout, as before
 
 
