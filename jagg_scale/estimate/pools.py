@@ -1,11 +1,13 @@
 """The split pipeline priced (pools/, issue 38): a trainer pool of T GPUs and a rollout pool of R, k steps apart.
 
     rollout pool   the rollout, the KL reference, the prompts' encode and the decode of its share (all rows / R
-                   a rank), on a replica (no FSDP gathers), plus the reward's latency not hidden behind sampling
-                   (`reward_s`, which a synchronous step also waits) and the send of each trainer's trajectories
+                   a rank), on a replica (no FSDP gathers), and the send of each trainer's trajectories; a reward's
+                   latency after sampling (`reward_s`, which a synchronous step waits in full) overlaps the next
+                   step's sampling (rollout_pool.py's sender thread): the pool's cycle is the longer of the two
     trainer pool   the update (with-grad and no-grad passes and their exposed collectives), the encode and the
                    evaluation's share at T ranks, plus the adapter gathered and sent to the R rollout ranks
-    steady step    k >= 1: the slower pool (each overlaps the other); k = 0: both in turn
+    steady step    k >= 1: the slower pool (each overlaps the other); k = 0: both in turn, the reward's latency
+                   between them
 
 Transfers cross the network at `links.ib_gbps` (a rollout and a trainer rank are on different nodes in general): the
 trajectories are the memory model's "rollout storage" of a trainer rank, the weights the trained parameters in fp32.
@@ -47,8 +49,10 @@ def price_split(cfg, world: int, rollout: int, *, k: int = 1, reward_s: float = 
     bw = links.ib_gbps * 1e9
     traj = et["phases"]["update"]["components"]["rollout storage"]  # one trainer's rows of a step
     weights = 4 * (st["stats"]["lora_params"] if st["lora_rank"] else st["stats"]["params"])
-    rollout_s = sum(r[p] for p in ROLLOUT) + reward_s + (trainers // rollout) * traj / bw
+    sample_s = sum(r[p] for p in ROLLOUT)
+    send_s = (trainers // rollout) * traj / bw
     trainer_s = sum(t[p] for p in TRAINER) + t["comm"]["exposed"]["train"] + rollout * weights / bw
-    step = max(rollout_s, trainer_s) if k >= 1 else rollout_s + trainer_s
+    rollout_s = max(sample_s, reward_s) + send_s
+    step = max(rollout_s, trainer_s) if k >= 1 else sample_s + reward_s + send_s + trainer_s
     return {"gpus": world, "rollout_ranks": rollout, "trainers": trainers, "rollout_pool": rollout_s,
             "trainer_pool": trainer_s, "step": step, "traj_gb": traj / 1e9, "weights_gb": weights / 1e9, "k": k}

@@ -39,14 +39,20 @@ def test_each_pool_is_the_synchronous_phases_at_its_size_and_the_step_the_slower
     assert p["step"] == max(p["rollout_pool"], p["trainer_pool"])
     in_turn = price(4, k=0)
     assert in_turn["step"] == pytest.approx(in_turn["rollout_pool"] + in_turn["trainer_pool"])
+    late = price(4, k=0, reward_s=7.0)  # in turn, the reward's latency is waited between the pools
+    assert late["step"] == pytest.approx(in_turn["step"] + 7.0)
     # LoRA r32's adapter in fp32 (Flow-GRPO's attn.-prefixed targets, 18.8M parameters), not the 2.5B base
     assert 0.05 < p["weights_gb"] < 0.1
 
 
-def test_a_rewards_latency_lands_on_the_rollout_pool_alone():
-    quick, slow = price(2), price(2, reward_s=30.0)
-    assert slow["rollout_pool"] == pytest.approx(quick["rollout_pool"] + 30.0)
-    assert slow["trainer_pool"] == quick["trainer_pool"]
+def test_a_rewards_latency_overlaps_the_next_steps_sampling_on_the_rollout_pool():
+    quick = price(2)
+    send = quick["traj_gb"] * 3 / Links().ib_gbps  # 2 rollout ranks serve 3 trainers each
+    sampling = quick["rollout_pool"] - send
+    hidden, exposed = price(2, reward_s=0.5 * sampling), price(2, reward_s=2 * sampling)
+    assert hidden["rollout_pool"] == pytest.approx(quick["rollout_pool"])  # behind the next step's sampling
+    assert exposed["rollout_pool"] == pytest.approx(2 * sampling + send)  # the reward sets the pace
+    assert exposed["trainer_pool"] == quick["trainer_pool"]
 
 
 def test_a_split_whose_trainers_do_not_share_the_rollout_ranks_evenly_is_refused():
