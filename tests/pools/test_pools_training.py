@@ -6,7 +6,9 @@ ranks with its line."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -57,6 +59,7 @@ def _rank_of(pid: int) -> int:
 
 
 def _torchrun(out: Path, *overrides: str) -> list[str]:
+    """jagg-train under torchrun on 3 processes: 2 trainers (FSDP2) and 1 rollout rank, one step ahead."""
     from jagg_scale.parallel.ranks import free_port
 
     return [str(BIN / "torchrun"), "--nproc_per_node", "3", "--master_port", str(free_port()), str(BIN / "jagg-train"),
@@ -72,20 +75,13 @@ HUNG_S = 12
 def test_a_hung_rollout_rank_stops_the_job_and_the_run_resumes_as_the_uninterrupted_one(tmp_path):
     from jagg_scale.parallel.ranks import free_port, launcher_env
 
-    # 2 trainers (FSDP2) and 1 rollout rank serving both, one step ahead; the reference: 4 steps uninterrupted
-    proc = subprocess.run(_torchrun(tmp_path / "ref", "train.steps=4"), env=launcher_env(), capture_output=True,
-                          text=True, timeout=RUN_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ref = metrics(tmp_path / "ref")
-    assert [r["staleness"] for r in ref] == [0, 1, 1, 1] and [r["policy_version"] for r in ref] == [0, 0, 1, 2]
-
-    # the same run, 200 steps long, its rollout rank (2) stopped (SIGSTOP: hung, its connections open) once the
-    # step-2 checkpoint is written: the trainer it serves stops the job within pools.timeout_s, naming it
-    out = tmp_path / "hung"
-    proc = subprocess.Popen(_torchrun(out, "train.steps=200", f"pools.timeout_s={HUNG_S}",
-                                     "reward.background=false"), env=launcher_env(),
+    # 2 trainers (FSDP2) and 1 rollout rank serving both, one step ahead, 200 steps long; once the step-4 checkpoint
+    # is written (steps 0-3 logged: the uninterrupted reference) the rollout rank (2) is stopped (SIGSTOP: hung, its
+    # connections open) and the trainers stop the job within pools.timeout_s, naming it
+    out, hung_run = tmp_path / "hung", ["reward.background=false", f"pools.timeout_s={HUNG_S}"]
+    proc = subprocess.Popen(_torchrun(out, "train.steps=200", *hung_run), env=launcher_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    marker = out / "checkpoints" / "step_00000002" / "COMPLETE"
+    marker = out / "checkpoints" / "step_00000004" / "COMPLETE"
     deadline = time.monotonic() + RUN_S  # a hang guard
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(POLL_S)
@@ -94,6 +90,8 @@ def test_a_hung_rollout_rank_stops_the_job_and_the_run_resumes_as_the_uninterrup
     hung = next(p for p in workers if _rank_of(p) == 2)
     os.kill(hung, signal.SIGSTOP)
     stopped = time.monotonic()
+    resumed = tmp_path / "resumed"  # the step-2 checkpoint and the rows before it, as a killed run leaves them
+    shutil.copytree(out / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
     said, took = [], None
     try:
         for line in proc.stderr:  # until a rank names the hung one (EOF: the job ended without naming it)
@@ -113,13 +111,17 @@ def test_a_hung_rollout_rank_stops_the_job_and_the_run_resumes_as_the_uninterrup
                                "jagg-train [rank 1/3]: pools: rank 1 waiting for the rollout message from rank 2: ")
                               ) and f"nothing within {HUNG_S} s: rank 2 is hung or stopped" in said[0], said
     assert took is not None and took < HUNG_S + 30, took  # the pools' timeout, not the collective timeout (1800 s)
+    ref = metrics(out)[:4]
+    assert [r["staleness"] for r in ref] == [0, 1, 1, 1] and [r["policy_version"] for r in ref] == [0, 0, 1, 2]
 
-    # the stopped run resumed with the reference's length: the uninterrupted run's metrics, step for step
-    proc = subprocess.run(_torchrun(out, "train.steps=4", "run.resume=auto"), env=launcher_env(),
+    # resumed from step 2 to step 4: the uninterrupted run's metrics, step for step (the rollouts of steps 2 and 3
+    # sampled with the versions 1 and 2 the checkpoint holds beside the live weights)
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics(out)[:2]))
+    proc = subprocess.run(_torchrun(resumed, "train.steps=4", "run.resume=auto", *hung_run), env=launcher_env(),
                           capture_output=True, text=True, timeout=RUN_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert strip(metrics(out)) == strip(ref)
-    assert [r["policy_version"] for r in metrics(out)] == [0, 0, 1, 2]
+    assert strip(metrics(resumed)) == strip(ref)
+    assert (resumed / "checkpoints" / "step_00000002" / "pool_weights.safetensors").is_file()
 
     # a start the trainer pool refuses (a fresh start into this run's directory): the rollout rank stops with its line
     refused = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
