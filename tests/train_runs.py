@@ -62,3 +62,22 @@ def small_dit(num_steps: int, batch_size: int) -> list[str]:
     return ["model.dit.image_size=8", "model.dit.patch_size=2", "model.dit.hidden_size=32", "model.dit.depth=2",
             "model.dit.num_heads=2", f"sampling.num_steps={num_steps}", "train.prompts_per_step=2",
             "grpo.group_size=3", f"train.minibatch_size={batch_size}", "log.progress=false", "run.checkpoint_every=0"]
+
+
+# The 2-process FSDP2 reference of tests/parallel/test_distributed.py (and of the split pipeline's k = 0 run,
+# tests/pools): a small DiT, 2 minibatches a step (the second after an optimizer step), the sharded EMA
+SMALL = ["model.dit.hidden_size=64", "model.dit.depth=2", "sampling.num_steps=8", "train.prompts_per_step=2",
+         "train.minibatch_size=4", "log.progress=false", "jagg.window=4"]
+# the sharded EMA goes through the DCP checkpoints too, moved by Flow-GRPO's rule (parallel/ema.py): 2 optimizer steps
+# a training step, updates after optimizer steps 2 and 5, so a resumed run needs the count it derives from its step
+EMA = ("train.ema_decay=0.9", "train.ema_every=3", "train.ema_warmup=true", "train.ema_repeat=2")
+FSDP2_RUN = [TINY, *SMALL, "parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=1", "run.keep_last=3",
+             *EMA]
+
+
+def fsdp2_reference(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """FSDP2_RUN on 2 processes, once a test session (tests/once.py): its run directory (read-only) and metrics."""
+    from once import once
+
+    d, rows = once(tmp_path_factory, "fsdp2_run", lambda d: launch_metrics(FSDP2_RUN, 2, d / "run"))
+    return d / "run", rows

@@ -34,21 +34,15 @@ import torch
 from hang_guard import POLL_S, RUN_S, WAIT_S
 from jagg_scale.parallel.ranks import free_port, launcher_env
 from extras import need
-from once import once
 from process_tree import children, kill, wait_gone
-from train_runs import fit_metrics
+from train_runs import EMA, SMALL, fit_metrics, fsdp2_reference
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # every test runs trainer processes (or uses fsdp2_run's)
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
-SMALL = ["model.dit.hidden_size=64", "model.dit.depth=2", "sampling.num_steps=8", "train.prompts_per_step=2",
-         "train.minibatch_size=4", "log.progress=false", "jagg.window=4"]
 TIMING = ("time_", "comm_")
-# the sharded EMA goes through the DCP checkpoints too, moved by Flow-GRPO's rule (parallel/ema.py): 2 optimizer steps
-# a training step, updates after optimizer steps 2 and 5, so a resumed run needs the count it derives from its step
-EMA = ("train.ema_decay=0.9", "train.ema_every=3", "train.ema_warmup=true", "train.ema_repeat=2")
 
 
 
@@ -99,13 +93,9 @@ def close(a: list[dict], b: list[dict]):
 
 @pytest.fixture(scope="module")
 def fsdp2_run(tmp_path_factory):
-    """The reference 2-process fsdp2 run: 3 steps, a checkpoint after every step."""
-    def make(d: Path) -> list[dict]:
-        return run(2, d / "run", "parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=1",
-                   "run.keep_last=3", *EMA)
-
-    d, rows = once(tmp_path_factory, "fsdp2_run", make)  # read-only: the tests copy what they change
-    return d / "run", rows
+    """The reference 2-process fsdp2 run: 3 steps, a checkpoint after every step (read-only: the tests copy what they
+    change; shared with tests/pools)."""
+    return fsdp2_reference(tmp_path_factory)
 
 
 def test_fsdp2_two_processes_match_one_process(fsdp2_run, tmp_path):

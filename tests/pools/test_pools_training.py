@@ -19,7 +19,7 @@ import torch
 
 from hang_guard import POLL_S, RUN_S
 from process_tree import children, kill, wait_gone
-from train_runs import BIN, TINY, launch_metrics, metrics, small_dit
+from train_runs import BIN, FSDP2_RUN, TINY, fsdp2_reference, launch_metrics, metrics, small_dit
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # trainer and rollout processes under torchrun
 
@@ -31,14 +31,14 @@ def strip(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(POOL_KEYS)} for r in rows]
 
 
-def test_two_trainers_and_two_rollout_ranks_at_staleness_0_train_as_the_synchronous_run(tmp_path):
-    # each rollout rank samples its trainer's rows as rank t of the 2-rank run does; the rewards gathered over both
-    steps = ["parallel.engine=fsdp2", "train.steps=3", "run.checkpoint_every=3"]
-    split = launch_metrics([*BASE, *steps, "pools.rollout_ranks=2"], 4, tmp_path / "split")
-    sync = launch_metrics([*BASE, *steps], 2, tmp_path / "sync")
+def test_two_trainers_and_two_rollout_ranks_at_staleness_0_train_as_the_synchronous_run(tmp_path, tmp_path_factory):
+    # the 2-rank FSDP2 reference of tests/parallel/test_distributed.py (2 minibatches a step, the sharded EMA), split:
+    # each rollout rank samples its trainer's rows as rank t of that run does, the rewards gathered over both
+    sync_out, sync = fsdp2_reference(tmp_path_factory)
+    split = launch_metrics([*FSDP2_RUN, "pools.rollout_ranks=2"], 4, tmp_path / "split")
     assert [r["staleness"] for r in split] == [0, 0, 0] and [r["policy_version"] for r in split] == [0, 1, 2]
     assert strip(split) == strip(sync)  # every loss, ratio, reward and gradient norm, exactly
-    weights = [dcp_model(p / "checkpoints" / "step_00000003") for p in (tmp_path / "split", tmp_path / "sync")]
+    weights = [dcp_model(p / "checkpoints" / "step_00000003") for p in (tmp_path / "split", sync_out)]
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
