@@ -81,3 +81,19 @@ def fsdp2_reference(tmp_path_factory) -> tuple[Path, list[dict]]:
 
     d, rows = once(tmp_path_factory, "fsdp2_run", lambda d: launch_metrics(FSDP2_RUN, 2, d / "run"))
     return d / "run", rows
+
+
+def dcp_entries(ckpt: Path, section: str) -> dict:
+    """The `section` entries ("model": the trained weights, "ema") of an FSDP2 checkpoint, read whole in one
+    process."""
+    import torch
+
+    from jagg_scale.checkpoint.dcp_reader import dcp_load, read_metadata
+
+    saved = read_metadata(ckpt / "dcp").state_dict_metadata
+    prefix = f"{section}."
+    out = {k[len(prefix):]: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()
+           if k.startswith(prefix)}
+    assert out, f"{ckpt} holds no {section!r} entries"
+    dcp_load({section: out}, ckpt / "dcp", no_dist=True)
+    return out

@@ -35,7 +35,7 @@ from hang_guard import POLL_S, RUN_S, WAIT_S
 from jagg_scale.parallel.ranks import free_port, launcher_env
 from extras import need
 from process_tree import children, kill, wait_gone
-from train_runs import EMA, SMALL, fit_metrics, fsdp2_reference
+from train_runs import EMA, SMALL, dcp_entries, fit_metrics, fsdp2_reference
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # every test runs trainer processes (or uses fsdp2_run's)
 
@@ -171,13 +171,7 @@ def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(fsdp2_run, tmp_p
 
 def dcp_ema(ckpt: Path) -> dict[str, torch.Tensor]:
     """The "ema" entries of an FSDP2 checkpoint, read whole in one process."""
-    from jagg_scale.checkpoint.dcp_reader import dcp_load, read_metadata
-
-    saved = read_metadata(ckpt / "dcp").state_dict_metadata
-    ema = {k[4:]: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items() if k.startswith("ema.")}
-    assert ema
-    dcp_load({"ema": ema}, ckpt / "dcp", no_dist=True)
-    return ema
+    return dcp_entries(ckpt, "ema")
 
 
 def test_dcp_checkpoint_of_two_processes_resumes_on_one(fsdp2_run, tmp_path):

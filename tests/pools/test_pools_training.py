@@ -19,7 +19,7 @@ import torch
 
 from hang_guard import POLL_S, RUN_S
 from process_tree import children, kill, wait_gone
-from train_runs import BIN, FSDP2_RUN, TINY, fsdp2_reference, launch_metrics, metrics, small_dit
+from train_runs import BIN, FSDP2_RUN, TINY, dcp_entries, fsdp2_reference, launch_metrics, metrics, small_dit
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # trainer and rollout processes under torchrun
 
@@ -38,19 +38,8 @@ def test_two_trainers_and_two_rollout_ranks_at_staleness_0_train_as_the_synchron
     split = launch_metrics([*FSDP2_RUN, "pools.rollout_ranks=2"], 4, tmp_path / "split")
     assert [r["staleness"] for r in split] == [0, 0, 0] and [r["policy_version"] for r in split] == [0, 1, 2]
     assert strip(split) == strip(sync)  # every loss, ratio, reward and gradient norm, exactly
-    weights = [dcp_model(p / "checkpoints" / "step_00000003") for p in (tmp_path / "split", sync_out)]
+    weights = [dcp_entries(p / "checkpoints" / "step_00000003", "model") for p in (tmp_path / "split", sync_out)]
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-
-
-def dcp_model(ckpt: Path) -> dict[str, torch.Tensor]:
-    """The trained weights ("model" entries) of an FSDP2 checkpoint, read whole in one process."""
-    from jagg_scale.checkpoint.dcp_reader import dcp_load, read_metadata
-
-    saved = read_metadata(ckpt / "dcp").state_dict_metadata
-    model = {k[6:]: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items() if k.startswith("model.")}
-    assert model
-    dcp_load({"model": model}, ckpt / "dcp", no_dist=True)
-    return model
 
 
 def _rank_of(pid: int) -> int:
