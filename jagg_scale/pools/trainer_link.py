@@ -97,16 +97,22 @@ class TrainerLink:
         return {n: t.detach().to("cpu", copy=True) for n, t in self.engine.full_state_dict().items()}
 
     def _send(self, version: int, state: dict[str, torch.Tensor] | None) -> None:
+        """Trainer 0 sends `version` to every rollout rank; every trainer learns its digest (or that trainer 0 does
+        not hold it, and stops with the others: one broadcast either way)."""
         digest = None
         if self.dist.is_main:
-            if state is None:
-                raise PoolError(f"pools: policy version {version} is not in the checkpoint resumed (its "
-                                f"{HISTORY_FILE} holds {sorted(self.history)}): cannot sample its rollouts")
-            digests = weight_digests(state)
-            digest = combined(digests)
-            for r in self.layout.rollout_ranks():
-                self.bridge.send(r, "weights", {"version": version, "digests": digests}, state)
-        self.sent[version] = self.dist.broadcast_object(digest)
+            if state is None:  # a checkpoint without the version: said on every trainer, not on rank 0 alone
+                digest = {"missing": sorted(self.history)}
+            else:
+                digests = weight_digests(state)
+                digest = combined(digests)
+                for r in self.layout.rollout_ranks():
+                    self.bridge.send(r, "weights", {"version": version, "digests": digests}, state)
+        digest = self.dist.broadcast_object(digest)
+        if isinstance(digest, dict):
+            raise PoolError(f"pools: policy version {version} is not in the checkpoint resumed (its {HISTORY_FILE} "
+                            f"holds versions {digest['missing']}): cannot sample its rollouts; stopping")
+        self.sent[version] = digest
 
     # ------------------------------------------------------------------ a step's rollout
     def receive(self, step: int, prompts: list[str], rewards: list[str]) -> tuple:

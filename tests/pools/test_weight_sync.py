@@ -116,3 +116,10 @@ def test_a_rollout_of_another_step_version_weights_or_prompts_stops_the_trainer(
     meta, tensors, _ = rollout_message(step, version, bound, prompts)
     with pytest.raises(PoolError, match=r"trainer 0, step 5: the rollout from rank 1 .*" + match):
         both(lambda: (end.send(0, "rollout", meta, tensors), end.flush()), lambda: link.receive(5, ["a", "b"], ["r"]))
+
+
+def test_a_resume_without_a_version_its_next_rollouts_sample_with_stops_every_trainer():
+    link, _ = link_and_rollout_end(k=2)
+    link.history = {3: {"lora_A": torch.zeros(1)}}  # a checkpoint at step 5 holding version 3 only, not 4
+    with pytest.raises(PoolError, match=r"policy version 4 is not in the checkpoint resumed .* holds versions \[3\]"):
+        link._send(4, link.history.get(4))
