@@ -187,8 +187,8 @@ class Trainer:
         self.policy.take_counts()  # from here, this step's (not an evaluation's encodes)
         cond = self.policy.encode(prompts)
         if self.link is None:
-            traj, parts, late, behind, t1 = self._rollout_and_reward(step, spec, cond, rows, prompts, metadata,
-                                                                     len(records), t0)
+            traj, parts, late, t1 = self._rollout_and_reward(step, spec, cond, rows, prompts, metadata, len(records))
+            behind = 0
         else:  # pools: the rollout pool sampled and scored this trainer's rows, with the version the step says
             traj, parts, meta = self.link.receive(step, prompts, self.reward.names)
             late, behind, t1 = meta["late"], step - meta["version"], t0
@@ -228,10 +228,10 @@ class Trainer:
         check_on_policy(metrics, cfg.grpo.onpolicy_tolerance, step)  # every rank: the same reduced value
         return metrics
 
-    def _rollout_and_reward(self, step, spec, cond, rows, prompts, metadata, n: int, t0: float):
+    def _rollout_and_reward(self, step, spec, cond, rows, prompts, metadata, n: int):
         """Steps 1-2 on this rank: its rows sampled, each chunk scored in the background while the next samples,
         the scores gathered over ranks. Returns (trajectories, every row's reward components, this rank's late
-        samples, 0 steps behind, the rollout's end time)."""
+        samples, the rollout's end time)."""
         cfg = self.cfg
         self.model.eval()
         background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
@@ -244,7 +244,7 @@ class Trainer:
         local = scorer.finish(deadline_s=cfg.reward_deadline_s if background else None)
         with self._comm("reward"):
             parts = gather_components(local, rows.all_rows, n, lambda t: self.dist.all_gather_tensor(t.to(self.device)))
-        return traj, parts, scorer.late, 0, t1
+        return traj, parts, scorer.late, t1
 
     def _reward_metrics(self, parts, failed: dict[str, int]) -> dict:
         total, valid = self.reward.weighted_sum(parts)
