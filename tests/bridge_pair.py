@@ -13,8 +13,8 @@ import torch.distributed as dist
 from jagg_scale.pools.bridge import Bridge
 
 
-def pair(timeout_s: float = 5.0, limit_bytes: int = 1 << 30) -> tuple[Bridge, Bridge]:
-    """Bridges of ranks 0 and 1 of one 2-rank gloo group."""
+def pair(timeout_s: float = 600.0, limit_bytes: int = 1 << 30) -> tuple[Bridge, Bridge]:
+    """Bridges of ranks 0 and 1 of one 2-rank gloo group; the timeout a hang guard unless a test sets its own."""
     store = dist.HashStore()
     barrier = threading.Barrier(2)
 

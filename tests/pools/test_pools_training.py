@@ -56,9 +56,9 @@ def _torchrun(out: Path, *overrides: str) -> list[str]:
             "run.checkpoint_every=2", f"run.output_dir={out}", *overrides]
 
 
-# pools.timeout_s of the hung run (its reward scored inline: no reward deadline to nest in it): a tiny step takes
-# < 1 s here, ~10 s on a loaded 2-core machine
-HUNG_S = 12
+# pools.timeout_s of the hung run (its reward scored inline: no reward deadline to nest in it): a tiny step's wait
+# takes < 1 s here, a few s on a loaded 2-core machine; a rollout rank waits twice it for the weights
+HUNG_S = 20
 
 
 def test_a_hung_rollout_rank_stops_the_job_and_the_run_resumes_as_the_uninterrupted_one(tmp_path):
@@ -99,7 +99,8 @@ def test_a_hung_rollout_rank_stops_the_job_and_the_run_resumes_as_the_uninterrup
     assert said[0].startswith(("jagg-train [rank 0/3]: pools: rank 0 waiting for the rollout message from rank 2: ",
                                "jagg-train [rank 1/3]: pools: rank 1 waiting for the rollout message from rank 2: ")
                               ) and f"nothing within {HUNG_S} s: rank 2 is hung or stopped" in said[0], said
-    assert took is not None and took < HUNG_S + 30, took  # the pools' timeout, not the collective timeout (1800 s)
+    # named by the pools' timeout, not the collective timeout (1800 s): the bound generous for a loaded machine
+    assert took is not None and took < 300, took
     ref = metrics(out)[:4]
     assert [r["staleness"] for r in ref] == [0, 1, 1, 1] and [r["policy_version"] for r in ref] == [0, 0, 1, 2]
 
