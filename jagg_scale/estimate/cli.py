@@ -206,10 +206,13 @@ def scale_report(table: list[dict]) -> str:
 def pools_table(args, table: list[dict]) -> list[dict]:
     """At each cluster size of the scale table: every split into pools priced (estimate/pools.py, one step apart)
     and the fastest, beside the synchronous step and Flow-GRPO's, each with --reward-s added."""
-    from ..train.config import load_config
+    from ..train.config import ConfigError, load_config
     from .pools import price_split, splits
 
-    cfg = load_config(args.config, args.overrides, check_files=False)
+    try:  # the config as the pools accept it (their refusals by key: pools/config.py)
+        cfg = load_config(args.config, [*args.overrides, "pools.rollout_ranks=1"], check_files=False)
+    except ConfigError as err:
+        return [{"gpus": row["gpus"], "error": f"pools refused: {err}"} for row in table]
     out = []
     for row in table:
         if "error" in row:
@@ -222,20 +225,30 @@ def pools_table(args, table: list[dict]) -> list[dict]:
                                           gpu_gib=args.gpu_mem or 79.2))
             except (DoesNotDivide, CoefficientsMissing):
                 continue
-        if priced:
-            best = min(priced, key=lambda p: p["step"])
+        limit = (1 - args.headroom) * (args.gpu_mem or 79.2)
+        fitting = [p for p in priced if p["replica_gib"] <= limit]  # a rollout rank holds the policy whole
+        if fitting:
+            best = min(fitting, key=lambda p: p["step"])
             out.append({**best, "sync": row["step"] + args.reward_s, "flow_grpo": row["flow_grpo"] + args.reward_s,
-                        "splits": priced})
+                        "splits": fitting})
+        elif priced:
+            small = min(priced, key=lambda p: p["replica_gib"])
+            out.append({"gpus": row["gpus"], "error": f"no split: a rollout rank holds {small['replica_gib']:.1f} GiB "
+                        f"(the policy whole, pools/replica.py), over {limit:.1f} GiB"})
     return out
 
 
 def pools_report(pools: list[dict], reward_s: float) -> str:
     lines = ["", f"the split pipeline (pools.max_staleness 1), the fastest split of each cluster size, with "
              f"{reward_s:g} s of reward latency a step (--reward-s) in every column: estimate/pools.py",
-             "| GPUs | rollout + trainer ranks | rollout pool s | trainer pool s | step s | synchronous step s | "
-             "vs synchronous | vs Flow-GRPO |", "|---" * 8 + "|"]
+             "| GPUs | rollout + trainer ranks | rollout rank GiB | rollout pool s | trainer pool s | step s | "
+             "synchronous step s | vs synchronous | vs Flow-GRPO |", "|---" * 9 + "|"]
     for p in pools:
-        lines.append(f"| {p['gpus']} | {p['rollout_ranks']} + {p['trainers']} | {p['rollout_pool']:.1f} | "
+        if "error" in p:
+            lines.append(f"| {p['gpus']} | {p['error']} |")
+            continue
+        lines.append(f"| {p['gpus']} | {p['rollout_ranks']} + {p['trainers']} | {p['replica_gib']:.1f} | "
+                     f"{p['rollout_pool']:.1f} | "
                      f"{p['trainer_pool']:.1f} | {p['step']:.1f} | {p['sync']:.1f} | {p['sync'] / p['step']:.2f}x | "
                      f"{p['flow_grpo'] / p['step']:.2f}x |")
     return "\n".join(lines)

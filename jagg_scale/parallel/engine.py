@@ -131,13 +131,14 @@ HALF = (torch.bfloat16, torch.float16)
 
 
 @torch.no_grad()
-def place_(module: torch.nn.Module, device: torch.device | None, master_dtype: torch.dtype | None = None
-           ) -> torch.nn.Module:
+def place_(module: torch.nn.Module, device: torch.device | None, master_dtype: torch.dtype | None = None,
+           dtypes: dict[int, torch.dtype] | None = None) -> torch.nn.Module:
     """Move `module`'s registered parameters and buffers to `device` (None: where they are) in place, one tensor at a
     time, so that at most one full tensor is in flight; 16-bit floating ones are upcast to `master_dtype` when
-    given. Already sharded parameters (DTensors) and modules kept outside the registered tree (a diffusers
-    adapter's frozen parts) are left alone. Parameters keep their identity where the device allows (`.data` swap,
-    as nn.Module._apply does), tied ones stay tied."""
+    given; `dtypes` (by id of the tensor) overrides both for the tensors it names (pools/replica.py). Already
+    sharded parameters (DTensors) and modules kept outside the registered tree (a diffusers adapter's frozen parts)
+    are left alone. Parameters keep their identity where the device allows (`.data` swap, as nn.Module._apply does),
+    tied ones stay tied."""
     from torch.distributed.tensor import DTensor
 
     done: dict[int, torch.Tensor] = {}
@@ -150,6 +151,7 @@ def place_(module: torch.nn.Module, device: torch.device | None, master_dtype: t
                     store[name] = done[id(t)]
                     continue
                 dtype = master_dtype if master_dtype is not None and t.dtype in HALF else t.dtype
+                dtype = dtypes.get(id(t), dtype) if dtypes else dtype
                 new = t.data.to(device=t.device if device is None else device, dtype=dtype)  # no copy if in place
                 if torch._has_compatible_shallow_copy_type(t, new):
                     t.data = new

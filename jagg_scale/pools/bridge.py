@@ -53,10 +53,14 @@ class Bridge:
         self._pending: dict[tuple, list] = {}  # (dst, kind) -> the works (and buffers) of the last such message
 
     # ------------------------------------------------------------------ sending
-    def send(self, dst: int, kind: str, meta: dict, tensors: dict[str, torch.Tensor | None] | None = None) -> None:
-        """Start sending one message to `dst` (asynchronous: the previous message of this kind to `dst` is waited for
-        first, so at most one of a kind is in flight per peer, its buffers alive until sent)."""
-        self.flush(dst, kind)
+    def send(self, dst: int | list[int], kind: str, meta: dict, tensors: dict[str, torch.Tensor | None] | None = None
+             ) -> None:
+        """Start sending one message to `dst` (a rank, or several: packed once, the same buffers sent to each);
+        asynchronous: the previous message of this kind to each is waited for first, so at most one of a kind is in
+        flight per peer, its buffers alive until sent."""
+        dsts = [dst] if isinstance(dst, int) else list(dst)
+        for d in dsts:
+            self.flush(d, kind)
         tensors = {k: v for k, v in (tensors or {}).items() if v is not None}
         spec = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()]
         for name, dtype, _ in spec:
@@ -71,11 +75,12 @@ class Bridge:
         sizes = torch.tensor([MAGIC, header.numel(), payload.numel()], dtype=torch.int64, device=self.device)
         tag = TAGS[kind]
         parts = [sizes, header.to(self.device)] + ([payload] if payload.numel() else [])
-        try:
-            self._pending[dst, kind] = [(self.group.send([p], dst, tag), p) for p in parts]
-        except RuntimeError as err:
-            raise PoolError(f"pools: rank {self.rank} could not send the {kind} message to rank {dst}: "
-                            f"{_first_line(err)}") from err
+        for dst in dsts:
+            try:
+                self._pending[dst, kind] = [(self.group.send([p], dst, tag), p) for p in parts]
+            except RuntimeError as err:
+                raise PoolError(f"pools: rank {self.rank} could not send the {kind} message to rank {dst}: "
+                                f"{_first_line(err)}") from err
 
     def flush(self, dst: int | None = None, kind: str | None = None) -> None:
         """Wait until the messages in flight (to `dst` of `kind`, or to every peer) are sent."""

@@ -12,7 +12,13 @@ from ..grpo.rollout import Trajectories
 from ..rewards.multi import ComponentScores
 from .bridge import PoolError, digest
 
-__all__ = ["combined", "pack_rollout", "prompts_digest", "unpack_rollout", "weight_digests"]
+__all__ = ["WEIGHT_PART_BYTES", "combined", "pack_rollout", "prompts_digest", "unpack_rollout", "weight_digests",
+           "weight_parts"]
+
+# A policy version travels in parts of at most this many bytes (a larger tensor alone in its part): the rollout rank's
+# device holds one part beside the replica instead of a whole version (a full fine-tune of Qwen-Image: 38 GiB in
+# bf16), and trainer 0's device one part in flight to every rollout rank. 1 GiB keeps NCCL at full bandwidth.
+WEIGHT_PART_BYTES = 1 << 30
 
 _TRAJ_TENSORS = [f.name for f in fields(Trajectories) if f.name != "first"]
 
@@ -20,6 +26,22 @@ _TRAJ_TENSORS = [f.name for f in fields(Trajectories) if f.name != "first"]
 def weight_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
     """{parameter name: digest} of a weight set."""
     return {name: digest(t) for name, t in sorted(state.items())}
+
+
+def weight_parts(state: dict[str, torch.Tensor], part_bytes: int | None = None) -> list[list[str]]:
+    """The names of a weight set in sending order (by name), cut into parts of at most `part_bytes` (None:
+    WEIGHT_PART_BYTES)."""
+    part_bytes = part_bytes or WEIGHT_PART_BYTES
+    parts: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(state):
+        n = state[name].numel() * state[name].element_size()
+        if parts[-1] and size + n > part_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(name)
+        size += n
+    return parts
 
 
 def combined(digests: dict[str, str]) -> str:

@@ -22,7 +22,8 @@ import torch
 
 from ..checkpoint.local import write_tensors
 from .bridge import PoolError
-from .messages import combined, prompts_digest, unpack_rollout, weight_digests
+from .messages import combined, prompts_digest, unpack_rollout, weight_digests, weight_parts
+from .replica import compute_dtypes
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class TrainerLink:
         self.bridge, self.layout = self.member.bridge, self.member.layout
         self.k, self.steps = cfg.pools.max_staleness, cfg.train.steps
         self.src = self.layout.rollout_of(dist.rank)
+        self._dtypes: dict[str, torch.dtype] | None = None  # _live's
         self.history: dict[int, dict[str, torch.Tensor]] = {}  # trainer 0: the versions a checkpoint holds
         self.sent: dict[int, str] = {}  # every trainer: version -> the combined digest trainer 0 sent
 
@@ -93,8 +95,12 @@ class TrainerLink:
             self._send(v, live)
 
     def _live(self) -> dict[str, torch.Tensor]:
-        """The trainable weights as full host tensors on trainer 0 (gathered from the shards: collective), copies."""
-        return {n: t.detach().to("cpu", copy=True) for n, t in self.engine.full_state_dict().items()}
+        """The trainable weights as full host tensors on trainer 0 (gathered from the shards: collective), copies in
+        the dtypes the replica computes with."""
+        if self._dtypes is None:  # each parameter sent in the dtype the replica computes with (replica.py)
+            module = getattr(self.engine, "module", None) or self.engine.model  # DeepSpeed's engine wraps the module
+            self._dtypes = compute_dtypes(module, self.cfg.parallel.engine, getattr(torch, self.cfg.model.dtype))
+        return {n: t.detach().to("cpu", self._dtypes[n], copy=True) for n, t in self.engine.full_state_dict().items()}
 
     def _send(self, version: int, state: dict[str, torch.Tensor] | None) -> None:
         """Trainer 0 sends `version` to every rollout rank; every trainer learns its digest (or that trainer 0 does
@@ -106,8 +112,11 @@ class TrainerLink:
             else:
                 digests = weight_digests(state)
                 digest = combined(digests)
-                for r in self.layout.rollout_ranks():
-                    self.bridge.send(r, "weights", {"version": version, "digests": digests}, state)
+                parts = weight_parts(state)
+                for i, names in enumerate(parts):  # each part packed once, sent to every rollout rank
+                    meta = {"version": version, "part": i, "parts": len(parts),
+                            "digests": {n: digests[n] for n in names}}
+                    self.bridge.send(self.layout.rollout_ranks(), "weights", meta, {n: state[n] for n in names})
         digest = self.dist.broadcast_object(digest)
         if isinstance(digest, dict):
             raise PoolError(f"pools: policy version {version} is not in the checkpoint resumed (its {HISTORY_FILE} "

@@ -13,7 +13,7 @@ import torch
 from jagg_scale.grpo.rollout import Trajectories
 from jagg_scale.pools.bridge import PoolError
 from jagg_scale.pools.messages import combined, pack_rollout, prompts_digest, weight_digests
-from jagg_scale.pools.rollout_pool import bind
+from jagg_scale.pools.rollout_pool import Binder, bind
 from jagg_scale.pools.trainer_link import TrainerLink
 from jagg_scale.pools.world import Layout, PoolMember
 from jagg_scale.rewards.multi import ComponentScores
@@ -70,7 +70,7 @@ def test_bytes_that_differ_from_the_senders_digest_stop_the_run():
     state = sent_state()
     digests = weight_digests(state)
     state["lora_A"][0, 0] += 1e-6  # changed after the sender's digest: in transit, or in a bad copy
-    with pytest.raises(PoolError, match=r"1 of 2 parameters read back other than sent \(first 'lora_A'\)"):
+    with pytest.raises(PoolError, match=r"'lora_A' read back other than sent"):
         bind(Adapted(), state, digests, version=0, rank=2)
 
 
@@ -123,3 +123,49 @@ def test_a_resume_without_a_version_its_next_rollouts_sample_with_stops_every_tr
     link.history = {3: {"lora_A": torch.zeros(1)}}  # a checkpoint at step 5 holding version 3 only, not 4
     with pytest.raises(PoolError, match=r"policy version 4 is not in the checkpoint resumed .* holds versions \[3\]"):
         link._send(4, link.history.get(4))
+
+
+# ---------------------------------------------------------------------- a version in parts
+def rollout_worker(end, model):
+    """The rollout rank's binding, as RolloutWorker runs it, over the rollout end of a bridge."""
+    from jagg_scale.pools.rollout_pool import RolloutWorker
+
+    worker = RolloutWorker.__new__(RolloutWorker)  # its _bind alone: no model build, prompts or reward
+    worker.model, worker.bridge, worker.version, worker.bound = model, end, -1, ""
+    worker.member = SimpleNamespace(rank=1)
+    worker.cfg = SimpleNamespace(pools=SimpleNamespace(timeout_s=60))
+    return worker
+
+
+def test_a_version_larger_than_a_part_is_sent_in_parts_and_bound_whole(monkeypatch):
+    import jagg_scale.pools.messages as messages
+
+    monkeypatch.setattr(messages, "WEIGHT_PART_BYTES", 40)  # lora_A and lora_B: 32 bytes each, one a part
+    link, end = link_and_rollout_end(k=1)
+    model, state = Adapted(), sent_state()
+    worker, recv, metas = rollout_worker(end, model), end.recv, []
+
+    def spy(*a, **kw):
+        meta, tensors = recv(*a, **kw)
+        metas.append(meta)
+        return meta, tensors
+
+    end.recv = spy
+    both(lambda: (link._send(3, state), link.bridge.flush()), lambda: worker._bind(3))
+    assert [(m["part"], m["parts"], sorted(m["digests"])) for m in metas] == [(0, 2, ["lora_A"]), (1, 2, ["lora_B"])]
+    assert worker.version == 3 and worker.bound == link.sent[3] == combined(weight_digests(state))
+    assert torch.equal(model.lora_A, state["lora_A"]) and torch.equal(model.lora_B, state["lora_B"])
+
+
+def test_a_part_of_another_version_or_out_of_order_stops_the_rollout_rank():
+    link, end = link_and_rollout_end(k=1)
+    state = sent_state()
+    with pytest.raises(PoolError, match=r"rank 1 received policy version 4 while binding version 3: the sync is out"):
+        both(lambda: (link._send(4, state), link.bridge.flush()), lambda: rollout_worker(end, Adapted())._bind(3))
+    binder = Binder(Adapted(), version=3, rank=1)
+    one = {"lora_A": state["lora_A"]}
+    binder.add(one, weight_digests(one), 0, 2)
+    with pytest.raises(PoolError, match=r"part 0 of 2 arrived after 1 of 2: the sync is out of order"):
+        binder.add(one, weight_digests(one), 0, 2)
+    with pytest.raises(PoolError, match=r"'lora_A' was sent twice"):
+        binder.add(one, weight_digests(one), 1, 2)
