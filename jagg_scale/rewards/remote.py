@@ -30,9 +30,17 @@ import torch
 from .base import Reward, RewardOutput, register
 from .server import encode_images
 
-__all__ = ["RemoteReward", "RemoteRewardError"]
+__all__ = ["RemoteReward", "RemoteRewardError", "worst_case_s"]
 
 _MAX_BACKOFF_S = 60.0
+
+
+def worst_case_s(timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 1.0) -> float:
+    """The longest one request (one max_batch chunk) can keep a rank waiting by these options: every attempt timing
+    out, and the longest backoff before each retry (the jitter factor < 1 taken as 1). timeout_s bounds each socket
+    wait (connect, each read), so a server that keeps sending a byte now and then is cut by the reward's deadline,
+    not by this."""
+    return (retries + 1) * timeout_s + sum(min(backoff_s * 2**k, _MAX_BACKOFF_S) for k in range(retries))
 
 
 class RemoteRewardError(RuntimeError):

@@ -151,8 +151,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-request-pixels", type=int, default=MAX_REQUEST_PIXELS,
                    help=f"pixels per request, all images together (default {MAX_REQUEST_PIXELS} = 32 x 1024^2)")
     p.add_argument("--decode-slots", type=int, default=DECODE_SLOTS,
-                   help=f"requests holding decoded images at once (default {DECODE_SLOTS}); peak pixel memory "
+                   help=f"batches holding decoded images at once (default {DECODE_SLOTS}); peak pixel memory "
                         "is about decode-slots x max-request-pixels x 15 bytes")
+    p.add_argument("--batch-rows", type=int, default=lim.BATCH_ROWS,
+                   help=f"rows one reward call scores at most, from as many queued requests as fit (default "
+                        f"{lim.BATCH_ROWS}; 1: one request at a time, as before batching)")
+    p.add_argument("--batch-wait-ms", type=float, default=0.0,
+                   help="how long a batch waits for more requests before it is scored (default 0: it takes what "
+                        "queued while the reward was busy)")
     p.add_argument("--workers", type=int, default=WORKERS,
                    help=f"requests holding a body at once, and threads scoring them (default {WORKERS})")
     p.add_argument("--header-timeout", type=float, default=lim.HEADER_TIMEOUT_S,
@@ -198,14 +204,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                        decode_slots=args.decode_slots, workers=args.workers, header_timeout_s=args.header_timeout,
                        body_timeout_s=args.body_timeout, max_connections=args.max_connections,
                        max_connections_per_client=args.max_connections_per_client,
-                       max_json_values=args.max_json_values, max_metadata_bytes=int(args.max_metadata_kb * 1024))
+                       max_json_values=args.max_json_values, max_metadata_bytes=int(args.max_metadata_kb * 1024),
+                       batch_rows=args.batch_rows, batch_wait_s=args.batch_wait_ms / 1000)
     except ValueError as e:
         p.error(str(e))
     print(f"listening on {server.url}", flush=True)
     logger.info("serving %s (auth %s, max request %.1f MB / %d pixels, %d per image; %d workers, %d decode slots; "
-                "%d connections, %d per client)", sorted(rewards), "on" if token else "off", args.max_request_mb,
-                args.max_request_pixels, args.max_image_pixels, args.workers, args.decode_slots,
-                args.max_connections, args.max_connections_per_client)
+                "batches of <= %d rows, waiting %g ms; %d connections, %d per client)", sorted(rewards),
+                "on" if token else "off", args.max_request_mb, args.max_request_pixels, args.max_image_pixels,
+                args.workers, args.decode_slots, args.batch_rows, args.batch_wait_ms, args.max_connections,
+                args.max_connections_per_client)
     try:
         server.serve_forever()  # uvicorn stops gracefully on SIGINT/SIGTERM, then raises the signal again
     except KeyboardInterrupt:

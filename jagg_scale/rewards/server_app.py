@@ -21,7 +21,6 @@ import time
 from typing import Any
 
 import h11
-import torch
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -32,8 +31,9 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from . import server_limits as lim
-from .base import Reward, RewardOutput
-from .server_limits import RequestTooLarge, to_jsonable
+from .base import Reward
+from .server_batch import Batcher
+from .server_limits import RequestTooLarge
 
 __all__ = ["RewardServer"]
 
@@ -247,7 +247,7 @@ class _Gate:
 
 
 class RewardServer:
-    """The rewards, their locks and limits, served by uvicorn on a socket bound (and listening) at construction.
+    """The rewards, their batch queues and limits, served by uvicorn on a socket bound (and listening) at construction.
 
     `serve_forever()` serves until `shutdown()` (from another thread) or SIGINT/SIGTERM (in the main thread);
     `server_close()` frees the socket and the worker threads."""
@@ -258,27 +258,33 @@ class RewardServer:
                  header_timeout_s: float = lim.HEADER_TIMEOUT_S, body_timeout_s: float = lim.BODY_TIMEOUT_S,
                  max_connections: int = lim.MAX_CONNECTIONS,
                  max_connections_per_client: int = lim.MAX_CONNECTIONS_PER_CLIENT,
-                 max_json_values: int = lim.MAX_JSON_VALUES, max_metadata_bytes: int = lim.MAX_METADATA_BYTES):
+                 max_json_values: int = lim.MAX_JSON_VALUES, max_metadata_bytes: int = lim.MAX_METADATA_BYTES,
+                 batch_rows: int = lim.BATCH_ROWS, batch_wait_s: float = 0.0):
         if not rewards:
             raise ValueError("serve at least one reward")
         for name, value in (("max_image_pixels", max_image_pixels), ("max_request_pixels", max_request_pixels),
                             ("decode_slots", decode_slots), ("workers", workers),
                             ("max_connections", max_connections),
                             ("max_connections_per_client", max_connections_per_client),
-                            ("max_json_values", max_json_values), ("max_metadata_bytes", max_metadata_bytes)):
+                            ("max_json_values", max_json_values), ("max_metadata_bytes", max_metadata_bytes),
+                            ("batch_rows", batch_rows)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         for name, value in (("header_timeout_s", header_timeout_s), ("body_timeout_s", body_timeout_s)):
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{name} must be > 0, got {value!r}")
+        if not (isinstance(batch_wait_s, (int, float)) and 0 <= batch_wait_s <= 10):
+            raise ValueError(f"batch_wait_s must be in [0, 10], got {batch_wait_s!r}")
         self.rewards = dict(rewards)
-        self.locks = {name: threading.Lock() for name in self.rewards}
         self.token = token or None
         self.max_request_bytes = int(max_request_bytes)
         self.max_image_pixels, self.max_request_pixels = max_image_pixels, max_request_pixels
         self.max_json_values, self.max_metadata_bytes = max_json_values, max_metadata_bytes
         self.body_timeout_s = float(body_timeout_s)
         self.slots = lim.Slots(decode_slots)
+        # each reward's queue: concurrent requests scored as one batch, one batch at a time (server_batch.py)
+        self.batchers = {name: Batcher(name, reward, self.slots, batch_rows=batch_rows, max_pixels=max_request_pixels,
+                                       wait_s=float(batch_wait_s)) for name, reward in self.rewards.items()}
         self.request_count = 0  # every request answered (tests and monitoring use it)
         self.guard = lim.ConnectionGuard(max_connections, max_connections_per_client, float(header_timeout_s))
         self._bodies = asyncio.Semaphore(workers)  # requests holding a body (binds to the loop at first use)
@@ -382,23 +388,7 @@ class RewardServer:
             batch = len(req.prompts)
             if batch == 0:
                 return 200, _json({"scores": [], "info": {}}), 0
-            with self.slots.take():  # the decoded pixels live only inside a slot: memory is bounded
-                try:
-                    images = req.decode()
-                except ValueError as e:
-                    return 400, _json({"error": str(e)}), batch
-                try:
-                    with self.locks[name]:
-                        out = self.rewards[name](images, req.prompts, req.metadata)
-                    del images
-                    scores, info = (out.scores, out.info) if isinstance(out, RewardOutput) else (out, {})
-                    scores = torch.as_tensor(scores).detach().float().cpu().reshape(-1)
-                    if scores.numel() != batch:
-                        raise ValueError(f"reward returned {scores.numel()} scores for a batch of {batch}")
-                    payload = {"scores": to_jsonable(scores.tolist()), "info": to_jsonable(info or {})}
-                except Exception as e:
-                    logger.exception("reward %r raised on a batch of %d", name, batch)
-                    return 500, _json({"error": f"reward {name!r} raised {type(e).__name__}: {e}"}), batch
-            return 200, _json(payload), batch
+            status, body = self.batchers[name].score(req)  # decoded and scored with the others queued
+            return status, body, batch
         finally:
             req.close()

@@ -40,7 +40,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-DECODE_SLOTS = 2  # requests holding decoded pixels at once (one decodes while another is scored)
+DECODE_SLOTS = 2  # batches holding decoded pixels at once (one decodes while another is scored): server_batch.py
+BATCH_ROWS = 64  # rows of one reward call at most, however many requests they come from (a judge's batch)
 WORKERS = 8  # requests holding a body, and the threads that parse, decode and score them
 # Decode cost (memory and time) follows pixels, not PNG bytes, so the limits count pixels. A float batch takes
 # 12 bytes per pixel, plus the uint8 decode: 4096^2 is ~250 MB, four times a 2048^2 image, far above FLUX's 1024^2.
@@ -285,18 +286,21 @@ class Request:
             self.close()
             raise
 
-    def decode(self) -> torch.Tensor:
-        """Float images [B, 3, H, W] in [0, 1]: one uint8 batch filled image by image, then one float copy."""
+    def decode(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float images [B, 3, H, W] in [0, 1] (videos [B, 3, F, H, W]): one uint8 batch filled image by image, then
+        one float copy, into `out` when given (a batch's rows: server_batch.py decodes its requests in place)."""
         if not self.pngs:
             return torch.zeros(0, 3, 0, 0)
         w, h = self.pngs[0].size
         batch = np.empty((len(self.pngs), h, w, 3), dtype=np.uint8)
         for i in range(len(self.pngs)):
             batch[i] = pixels(self.pngs[i], f"images[{i}]")
-        out = torch.from_numpy(batch).permute(0, 3, 1, 2).float().div_(255.0)
+        x = torch.from_numpy(batch).permute(0, 3, 1, 2)
         if self.frames:  # [N F, 3, H, W] -> videos [N, 3, F, H, W]
-            out = out.view(-1, self.frames, *out.shape[1:]).transpose(1, 2)
-        return out
+            x = x.view(-1, self.frames, *x.shape[1:]).transpose(1, 2)
+        if out is None:
+            return x.float().div_(255.0)
+        return out.copy_(x).div_(255.0)
 
     def close(self) -> None:
         for img in self.pngs + getattr(self, "_inputs", []):

@@ -217,6 +217,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
         _require(problem is None, *(problem or ("", "")))
     _warn_window(cfg)
     _check_rewards(cfg.reward)
+    _check_remote_budget(cfg)
     _require(cfg.reward.aggregate != "gdpo" or not g.global_std, "grpo.global_std", "is true, but reward.aggregate "
              "gdpo normalises each reward by its group's std and the sum by the batch's: set it to false")
     sp = cfg.parallel.sequence_parallel  # xformers' processors take no part in the exchange (parallel/sequence.py)
@@ -434,6 +435,30 @@ def _check_rewards(r: RewardConfig) -> None:
             raise ConfigError(f"config key '{name_key}': {err}") from None
         except TypeError as err:
             raise ConfigError(f"config key '{options_key}': {err}") from None
+
+
+def _check_remote_budget(cfg: Config) -> None:
+    """A `remote` reward's retries fit inside the reward's deadline: otherwise a step whose server is down masks the
+    rows at the deadline while the client still retries (its budget spent for nothing), and the documented "retried
+    N times" never happens."""
+    import inspect
+
+    from ..rewards.remote import RemoteReward, worst_case_s
+
+    r = cfg.reward
+    named = ([(f"reward.components.{n}", n, spec or {}) for n, spec in r.components.items()] if r.components
+             else [("reward.options", r.name, r.options or {})])
+    defaults = {k: p.default for k, p in inspect.signature(RemoteReward.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    for key, name, options in named:
+        if name != "remote":
+            continue
+        o = {k: options.get(k, defaults[k]) for k in ("timeout_s", "retries", "backoff_s")}
+        budget = worst_case_s(**o)
+        _require(budget <= cfg.reward_deadline_s, key, f"remote: timeout_s {o['timeout_s']:g} x {o['retries'] + 1} "
+                 f"attempts + up to {budget - (o['retries'] + 1) * o['timeout_s']:g} s of backoff = {budget:g} s, "
+                 f"beyond reward.deadline_s = {cfg.reward_deadline_s:g} s (its rows would be masked while it still "
+                 "retries): lower timeout_s or retries, or raise reward.deadline_s")
 
 
 def _pretrained_path(cfg: Config):

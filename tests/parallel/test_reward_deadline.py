@@ -1,16 +1,18 @@
 """Deadlines that nest: a reward host that stops answering costs the samples it holds, never the job.
 
-Two real jagg-train processes (torchrun, gloo) score with the `remote` reward against a server that accepts
-connections and never answers (a real socket): without a deadline the rank would wait for the client's timeout x
-retries while the other waited in the reward all-gather under parallel.collective_timeout_s. With reward.deadline_s
+Two real jagg-train processes (torchrun, gloo) score with the `remote` reward against a host that accepts
+connections and drips its headers a byte at a time, forever (a real socket): without a deadline the rank would wait
+for it while the other waited in the reward all-gather under parallel.collective_timeout_s. With reward.deadline_s
 each rank masks what is not scored in time before the all-gather; the step completes and counts them."""
 
 from __future__ import annotations
 
 import json
 import socket
+import itertools
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,14 +37,42 @@ def test_the_reward_deadline_nests_inside_the_collective_timeout():
         load_config(TINY, ["reward.deadline_s=0"])
 
 
+def _dribbling_server() -> tuple[socket.socket, threading.Event]:
+    """A host that answers every connection one byte of headers every 0.5 s, forever: each of the client's socket
+    reads gets a byte within its timeout_s, so only the reward's deadline can end the wait (the budget check at
+    start-up bounds timeout_s x attempts, which such a host never lets expire)."""
+    srv, stop = socket.socket(), threading.Event()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+
+    def drip(conn: socket.socket) -> None:
+        with conn:
+            for byte in itertools.cycle(b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 64):
+                if stop.wait(0.5):
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=drip, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return srv, stop
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_a_reward_host_that_stops_answering_costs_samples_not_the_job(tmp_path):
-    hung = socket.socket()
-    hung.bind(("127.0.0.1", 0))
-    hung.listen(64)  # connections complete in the kernel's backlog; nothing ever reads or answers them
+    hung, stop = _dribbling_server()
     url = f"http://127.0.0.1:{hung.getsockname()[1]}"
-    remote = {"url": url, "reward": "jpeg_compressibility", "timeout_s": 90, "retries": 0}
+    remote = {"url": url, "reward": "jpeg_compressibility", "timeout_s": 2, "retries": 0}
     out = tmp_path / "run"
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(BIN / "jagg-train"),
            str(TINY), "model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=8",
@@ -56,10 +86,11 @@ def test_a_reward_host_that_stops_answering_costs_samples_not_the_job(tmp_path):
     try:
         proc = subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=RUN_S)  # hang guard
     finally:
+        stop.set()
         hung.close()
     took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert row["reward_late"] == 4  # each rank's 4 samples, in chunks of 2, none scored in time: masked
-    assert took < 90  # the deadline ended the wait, not the client's 90 s timeout
+    assert took < 60  # the deadline ended the wait: the host would have dripped its headers forever
     assert "not scored within reward.deadline_s=3 s: masked" in proc.stderr

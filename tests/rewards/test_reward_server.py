@@ -301,8 +301,9 @@ def test_request_pixel_budget_413_before_decoding(start, monkeypatch):
 
 
 def test_decoding_is_bounded_by_the_slots_under_16_concurrent_requests(start, monkeypatch):
-    """16 clients at once: only `decode_slots` (2) requests decode at a time, the others wait for a slot (before,
-    every request decoded at once, before the per-reward lock: N clients, N decoded batches in memory)."""
+    """16 clients at once: only `decode_slots` (2) batches decode at a time, the other requests wait for a slot or
+    for the batch that took them (before the slots, every request decoded at once: N clients, N decoded batches in
+    memory). Each request's rows are scored once, its own."""
     inside, most, gate, lock = [0], [0], threading.Event(), threading.Lock()
     convert = Image.Image.convert
 
@@ -326,18 +327,22 @@ def test_decoding_is_bounded_by_the_slots_under_16_concurrent_requests(start, mo
     for c in clients:
         c.start()
     slots = getattr(srv, "slots", None)
-    deadline = time.monotonic() + WAIT_S  # a hang guard: 8 workers take 8 requests; 2 decode, 6 wait for a slot
+    deadline = time.monotonic() + WAIT_S  # a hang guard: 8 workers take 8 requests; 2 batches decode
     try:
-        while not (slots and slots.held == 2 and slots.waiting == 6 and inside[0] == 2):
-            assert most[0] <= 2, f"{most[0]} requests decoding at once"
+        while not (slots and slots.held == 2 and inside[0] == 2):
+            assert most[0] <= 2, f"{most[0]} batches decoding at once"
             assert time.monotonic() < deadline
             time.sleep(POLL_S)
-        assert most[0] == 2
+        time.sleep(10 * POLL_S)  # the others have queued: still two
+        assert most[0] == 2 and slots.held == 2
     finally:
         gate.set()
     for c in clients:
         c.join(WAIT_S)
     assert [s for s, _ in results] == [200] * 16 and most[0] == 2
+    assert sum(srv.batchers["mean"].batches) == 16 * 4  # every request's 4 rows scored once
+    expected = results[0][1]["scores"]
+    assert len(expected) == 4 and all(b["scores"] == expected for _, b in results)  # its own rows' scores
 
 
 def test_deeply_nested_json_400_with_a_json_error(start):
@@ -377,3 +382,52 @@ def test_a_body_that_is_not_json_415(start):
     conn.close()
     assert Mean.calls == 0
     assert post(url, body, {"Content-Type": "Application/JSON; charset=utf-8"})[0] == 200
+
+
+# ------------------------------------------------------------------ batching (issue 39): many clients, few calls
+class SlowMean(Mean):
+    """Mean, 0.2 s a call whatever its size (a judge on a GPU): the requests that arrive meanwhile queue."""
+
+    def score(self, images, prompts, metadata):
+        time.sleep(0.2)
+        return super().score(images, prompts, metadata)
+
+
+def _truncated_png(side: int) -> str:
+    """A PNG whose header is valid (size read, limits pass) and whose pixel data is cut off: it fails at decode."""
+    raw = base64.b64decode(encode_images(photos(side)[:1])[0])
+    return base64.b64encode(raw[: len(raw) // 2]).decode()
+
+
+def test_concurrent_requests_are_scored_in_batches_each_request_its_own_rows(start):
+    """12 clients at once, each its own bias (so its own scores), two image sizes: the reward is called a few
+    times on batches of several requests of one size, each client gets exactly its local scores (and its rows of a
+    per-row info list), a request whose pixels fail to decode is refused alone (400) within its batch, and
+    --batch-rows 1 is one call per request (the old server)."""
+    def body(k: int) -> bytes:
+        if k == 5:
+            return score_body([_truncated_png(16)] * 2, [{"bias": k}] * 2)
+        side = 16 if k % 2 else 8
+        return score_body(encode_images(photos(side)[:2]), [{"bias": k}, {"bias": k + 0.5}])
+
+    def expect(k: int) -> list[float]:
+        means = photos(16 if k % 2 else 8)[:2].mean(dim=(1, 2, 3))
+        return (means + torch.tensor([k, k + 0.5])).tolist()
+
+    for rows, calls in ((64, range(2, 9)), (1, range(11, 12))):
+        srv = start({"mean": SlowMean()}, workers=16, decode_slots=2, batch_rows=rows)
+        results: dict[int, tuple] = {}
+        clients = [threading.Thread(target=lambda k=k: results.__setitem__(k, post(srv.url + "/score/mean", body(k),
+                                                                                     JSON))) for k in range(12)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(WAIT_S)
+        assert results[5][0] == 400 and "not a decodable PNG" in results[5][1]["error"]
+        for k in set(range(12)) - {5}:
+            status, reply = results[k]
+            assert status == 200 and reply["scores"] == pytest.approx(expect(k), abs=1e-6), k
+            assert reply["info"]["per_sample"] == pytest.approx(expect(k), abs=1e-6)  # a per-row list: its rows
+        batches = srv.batchers["mean"].batches
+        assert sum(batches) == 22 and len(batches) in calls, batches  # 11 requests of 2 rows
+        assert max(batches) == 2 if rows == 1 else max(batches) > 2  # one request a call, or several

@@ -167,3 +167,18 @@ def test_nft_reads_the_shared_grpo_keys():
 def test_a_renamed_key_names_its_new_name(old, new):
     assert _refused(f"{old}=1") == f"config key '{old}' is now '{new}' (same values): rename it"
     assert load_config(TINY, [f"{new}=null"], check_files=False).is_set(new) is False  # the new name is live
+
+
+def test_a_remote_rewards_retries_beyond_the_reward_deadline_are_refused_naming_both_keys():
+    """A `remote` reward's worst case (every attempt timing out, the longest backoffs) ends inside reward.deadline_s:
+    sd35m_geneval's 300 s x 4 attempts (+ 7 s of backoff) overran the 900 s deadline it runs under."""
+    remote = ["reward.name=remote", "reward.options.url=http://127.0.0.1:9", "reward.options.reward=geneval"]
+    msg = _refused(*remote, "reward.options.timeout_s=300", "parallel.collective_timeout_s=1800")
+    assert msg.startswith("config key 'reward.options' remote: timeout_s 300 x 4 attempts + up to 7 s of backoff = "
+                          "1207 s, beyond reward.deadline_s = 900 s"), msg
+    _load(*remote, "reward.options.timeout_s=300", "reward.deadline_s=1300", "parallel.collective_timeout_s=1800")
+    _load(*remote, "reward.options.timeout_s=200", "parallel.collective_timeout_s=1800")  # 807 s
+    # the defaults (60 s x 4 + 7 s) inside the tiny config's own deadline; a judge's long backoff is counted too
+    _load(*remote)
+    assert "+ up to 60 s of backoff" in _refused(*remote, "reward.options.backoff_s=20", "reward.options.retries=2",
+                                                  "reward.deadline_s=200")

@@ -22,3 +22,19 @@ class Slow(Reward):
         out = self.inner(images, prompts, metadata)
         time.sleep(max(0.0, self.latency_s - (time.monotonic() - start)))
         return out
+
+
+@register("judge")
+class Judge(Reward):
+    """A batched judge's cost without its model: `fixed_s` a call plus `per_row_s` a row, slept (a VLM judge on a GPU
+    pays most of a batch's time whatever its size, up to its batch size); the score is the image's mean pixel, so a
+    client can check it got its own rows' scores (tools/bench/reward_load.py)."""
+
+    def __init__(self, *, fixed_s: float = 0.1, per_row_s: float = 0.002):
+        if not (0 <= fixed_s <= 60 and 0 <= per_row_s <= 10):
+            raise ValueError(f"fixed_s in [0, 60] and per_row_s in [0, 10], got {fixed_s}, {per_row_s}")
+        self.fixed_s, self.per_row_s = float(fixed_s), float(per_row_s)
+
+    def __call__(self, images, prompts, metadata):
+        time.sleep(self.fixed_s + self.per_row_s * len(prompts))
+        return images.mean(dim=tuple(range(1, images.ndim)))
