@@ -417,8 +417,8 @@ def test_concurrent_requests_are_scored_in_batches_each_request_its_own_rows(sta
     for rows, calls in ((64, range(2, 9)), (1, range(11, 12))):
         srv = start({"mean": SlowMean()}, workers=16, decode_slots=2, batch_rows=rows)
         results: dict[int, tuple] = {}
-        clients = [threading.Thread(target=lambda k=k: results.__setitem__(k, post(srv.url + "/score/mean", body(k),
-                                                                                     JSON))) for k in range(12)]
+        clients = [threading.Thread(target=lambda k=k, r=results, url=srv.url: r.__setitem__(
+            k, post(url + "/score/mean", body(k), JSON))) for k in range(12)]
         for c in clients:
             c.start()
         for c in clients:
