@@ -75,7 +75,7 @@ def remote_reward(srv, reward: str, **kw):
     kw = {"retries": 2, "backoff_s": 0.001, "timeout_s": float(WAIT_S), **kw}
     r = build_reward("remote", url=srv.url if hasattr(srv, "url") else srv, reward=reward, **kw)
     r.sleeps = []
-    r._sleep = r.sleeps.append  # record the backoff, do not wait
+    r.poster.sleep = r.sleeps.append  # record the backoff, do not wait
     return r
 
 

@@ -52,6 +52,66 @@ class RemoteRewardError(RuntimeError):
         self.retryable = retryable
 
 
+class JsonPoster:
+    """POST a JSON body to one endpoint with retries: connection errors, timeouts and 5xx answers are retried with
+    exponential backoff (before retry k: backoff_s * 2**k times a jitter factor in [0.5, 1), capped at 60 s; the
+    jitter from a generator seeded by `seed`, reproducible per rank), a 4xx raises at once with the server's message.
+    worst_case_s(timeout_s, retries, backoff_s) bounds one post. Shared by `remote` and `vlm_judge`."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float, retries: int, backoff_s: float, token: str | None,
+                 seed: str, what: str):
+        self.endpoint, self.timeout_s, self.retries, self.backoff_s = endpoint, timeout_s, retries, backoff_s
+        self.token, self.what = token, what
+        self._rng = random.Random(zlib.crc32(f"{seed}|{os.environ.get('RANK', '0')}".encode()))
+        self.sleep = time.sleep  # tests swap this to observe backoff without waiting
+
+    def post(self, body: bytes) -> tuple[dict, int]:
+        """POST with retries -> (parsed JSON reply, number of retries used)."""
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        last: RemoteRewardError | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S) * (0.5 + 0.5 * self._rng.random())
+                self.sleep(delay)
+            try:
+                return self._post_once(body, headers), attempt
+            except RemoteRewardError as e:
+                if not e.retryable:
+                    raise
+                last = e
+        raise RemoteRewardError(
+            f"{self.what} at {self.endpoint} failed after {self.retries + 1} attempt(s); last error: {last}",
+            status=last.status if last else None) from last
+
+    def _post_once(self, body: bytes, headers: dict) -> dict:
+        req = urllib.request.Request(self.endpoint, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            msg = _error_message(e)
+            raise RemoteRewardError(f"{self.endpoint}: HTTP {e.code}: {msg}", status=e.code,
+                                    retryable=e.code >= 500) from None
+        except urllib.error.URLError as e:  # connection refused, DNS, timeout while connecting or sending
+            kind = "timed out" if isinstance(e.reason, (TimeoutError, socket.timeout)) else "connection error"
+            raise RemoteRewardError(f"{self.endpoint}: {kind}: {e.reason}", retryable=True) from None
+        except (TimeoutError, socket.timeout) as e:
+            msg = f"{self.endpoint}: timed out after {self.timeout_s} s ({e})"
+            raise RemoteRewardError(msg, retryable=True) from None
+        except (ConnectionError, HTTPException, OSError) as e:  # reset / dropped mid-response
+            raise RemoteRewardError(f"{self.endpoint}: connection error: {type(e).__name__}: {e}",
+                                    retryable=True) from None
+        try:
+            reply = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RemoteRewardError(f"{self.endpoint}: reply is not JSON ({e}): {raw[:200]!r}") from None
+        if not isinstance(reply, dict):
+            raise RemoteRewardError(f"{self.endpoint}: reply is not a JSON object: {raw[:200]!r}")
+        return reply
+
+
 @register("remote")
 class RemoteReward(Reward):
     """Proxy for the reward `reward` served at `url` (e.g. url="http://scorer:8000", reward="geneval").
@@ -91,8 +151,9 @@ class RemoteReward(Reward):
             self._token = os.environ.get(token_env)
             if not self._token:
                 raise ValueError(f"remote: token_env {token_env!r} is unset or empty")
-        self._rng = random.Random(zlib.crc32(f"{self.url}|{reward}|{os.environ.get('RANK', '0')}".encode()))
-        self._sleep = time.sleep  # tests swap this to observe backoff without waiting
+        self.poster = JsonPoster(self.endpoint, timeout_s=self.timeout_s, retries=retries, backoff_s=self.backoff_s,
+                                 token=self._token, seed=f"{self.url}|{reward}",
+                                 what=f"remote reward {reward!r}")
 
     def __repr__(self) -> str:
         return f"RemoteReward(url={self.url!r}, reward={self.remote_name!r})"
@@ -109,7 +170,7 @@ class RemoteReward(Reward):
         scores, infos, sizes, n_retries = [], [], [], 0
         for i in range(0, b, step):
             body = self._body(images[i : i + step], prompts[i : i + step], metadata[i : i + step])
-            resp, tries = self._post(body)
+            resp, tries = self.poster.post(body)
             n_retries += tries
             chunk = resp.get("scores")
             n = min(step, b - i)
@@ -137,53 +198,6 @@ class RemoteReward(Reward):
             return json.dumps(body, allow_nan=False).encode()
         except (TypeError, ValueError) as e:
             raise ValueError(f"remote: prompts/metadata must be JSON-serializable: {e}") from None
-
-    def _post(self, body: bytes) -> tuple[dict, int]:
-        """POST with retries -> (parsed JSON reply, number of retries used)."""
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        last: RemoteRewardError | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S) * (0.5 + 0.5 * self._rng.random())
-                self._sleep(delay)
-            try:
-                return self._post_once(body, headers), attempt
-            except RemoteRewardError as e:
-                if not e.retryable:
-                    raise
-                last = e
-        raise RemoteRewardError(
-            f"remote reward {self.remote_name!r} at {self.endpoint} failed after {self.retries + 1} attempt(s); "
-            f"last error: {last}", status=last.status if last else None) from last
-
-    def _post_once(self, body: bytes, headers: dict) -> dict:
-        req = urllib.request.Request(self.endpoint, data=body, headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                raw = r.read()
-        except urllib.error.HTTPError as e:
-            msg = _error_message(e)
-            raise RemoteRewardError(f"{self.endpoint}: HTTP {e.code}: {msg}", status=e.code,
-                                    retryable=e.code >= 500) from None
-        except urllib.error.URLError as e:  # connection refused, DNS, timeout while connecting or sending
-            kind = "timed out" if isinstance(e.reason, (TimeoutError, socket.timeout)) else "connection error"
-            raise RemoteRewardError(f"{self.endpoint}: {kind}: {e.reason}", retryable=True) from None
-        except (TimeoutError, socket.timeout) as e:
-            msg = f"{self.endpoint}: timed out after {self.timeout_s} s ({e})"
-            raise RemoteRewardError(msg, retryable=True) from None
-        except (ConnectionError, HTTPException, OSError) as e:  # reset / dropped mid-response
-            raise RemoteRewardError(f"{self.endpoint}: connection error: {type(e).__name__}: {e}",
-                                    retryable=True) from None
-        try:
-            reply = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RemoteRewardError(f"{self.endpoint}: reply is not JSON ({e}): {raw[:200]!r}") from None
-        if not isinstance(reply, dict):
-            raise RemoteRewardError(f"{self.endpoint}: reply is not a JSON object: {raw[:200]!r}")
-        return reply
-
 
 def _error_message(e: urllib.error.HTTPError) -> str:
     """The server's {"error": ...} text, else the start of whatever body a proxy sent, else the reason."""
