@@ -438,24 +438,26 @@ def _check_rewards(r: RewardConfig) -> None:
 
 
 def _check_remote_budget(cfg: Config) -> None:
-    """A `remote` reward's retries fit inside the reward's deadline: otherwise a step whose server is down masks the
-    rows at the deadline while the client still retries (its budget spent for nothing), and the documented "retried
-    N times" never happens."""
+    """A `remote` or `vlm_judge` reward's retries (of one request) fit inside the reward's deadline: otherwise a step
+    whose server is down masks the rows at the deadline while the client still retries (its budget spent for
+    nothing), and the documented "retried N times" never happens."""
     import inspect
 
     from ..rewards.remote import RemoteReward, worst_case_s
+    from ..rewards.vlm_judge import VLMJudge
 
     r = cfg.reward
     named = ([(f"reward.components.{n}", n, spec or {}) for n, spec in r.components.items()] if r.components
              else [("reward.options", r.name, r.options or {})])
-    defaults = {k: p.default for k, p in inspect.signature(RemoteReward.__init__).parameters.items()
-                if p.default is not inspect.Parameter.empty}
     for key, name, options in named:
-        if name != "remote":
+        cls = {"remote": RemoteReward, "vlm_judge": VLMJudge}.get(name)
+        if cls is None:
             continue
+        defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
         o = {k: options.get(k, defaults[k]) for k in ("timeout_s", "retries", "backoff_s")}
         budget = worst_case_s(**o)
-        _require(budget <= cfg.reward_deadline_s, key, f"remote: timeout_s {o['timeout_s']:g} x {o['retries'] + 1} "
+        _require(budget <= cfg.reward_deadline_s, key, f"{name}: timeout_s {o['timeout_s']:g} x {o['retries'] + 1} "
                  f"attempts + up to {budget - (o['retries'] + 1) * o['timeout_s']:g} s of backoff = {budget:g} s, "
                  f"beyond reward.deadline_s = {cfg.reward_deadline_s:g} s (its rows would be masked while it still "
                  "retries): lower timeout_s or retries, or raise reward.deadline_s")
