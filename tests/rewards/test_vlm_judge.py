@@ -240,7 +240,8 @@ def test_the_judges_request_is_what_the_openai_client_sends_and_its_reply_reads_
                                           max_tokens=sent["max_tokens"], **extra)
     assert srv.bodies[-1] == srv.bodies[0] == sent  # one wire format
     if score == "text":
-        assert ours.scores.tolist() == pytest.approx([3.5 / 5]) and "Final Score: 3.5" in resp.choices[0].message.content
+        assert ours.scores.tolist() == pytest.approx([3.5 / 5])
+        assert "Final Score: 3.5" in resp.choices[0].message.content
     else:
         probs = {t.token: math.exp(t.logprob) for t in resp.choices[0].logprobs.content[0].top_logprobs}
         assert ours.scores.tolist() == pytest.approx([probs["yes"] / (probs["yes"] + probs["no"])])
