@@ -30,7 +30,7 @@ import torch
 from .base import Reward, RewardOutput, register
 from .server import encode_images
 
-__all__ = ["RemoteReward", "RemoteRewardError", "worst_case_s"]
+__all__ = ["RemoteReward", "RemoteRewardError", "retry_budget_problem", "worst_case_s"]
 
 _MAX_BACKOFF_S = 60.0
 
@@ -41,6 +41,29 @@ def worst_case_s(timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 1
     wait (connect, each read), so a server that keeps sending a byte now and then is cut by the reward's deadline,
     not by this."""
     return (retries + 1) * timeout_s + sum(min(backoff_s * 2**k, _MAX_BACKOFF_S) for k in range(retries))
+
+
+def retry_budget_problem(name: str, options: dict, deadline_s: float) -> str | None:
+    """For a reward that retries requests (remote, vlm_judge): the refusal when one request's worst case by its
+    options overruns the reward's deadline (its rows would be masked while it still retries, the budget spent for
+    nothing), else None. The config checks it at start-up (train/config.py)."""
+    import inspect
+
+    from .base import _REGISTRY
+
+    cls = _REGISTRY.get(name)
+    if cls is None or not getattr(cls, "retries_requests", False):
+        return None
+    defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    o = {k: options.get(k, defaults[k]) for k in ("timeout_s", "retries", "backoff_s")}
+    budget = worst_case_s(**o)
+    if budget <= deadline_s:
+        return None
+    return (f"{name}: timeout_s {o['timeout_s']:g} x {o['retries'] + 1} attempts + up to "
+            f"{budget - (o['retries'] + 1) * o['timeout_s']:g} s of backoff = {budget:g} s, beyond reward.deadline_s = "
+            f"{deadline_s:g} s (its rows would be masked while it still retries): lower timeout_s or retries, or raise "
+            "reward.deadline_s")
 
 
 class RemoteRewardError(RuntimeError):
@@ -114,6 +137,7 @@ class JsonPoster:
 
 @register("remote")
 class RemoteReward(Reward):
+    retries_requests = True  # its timeout_s / retries / backoff_s are checked against reward.deadline_s
     """Proxy for the reward `reward` served at `url` (e.g. url="http://scorer:8000", reward="geneval").
 
     `retries` is the number of *extra* attempts after the first (retries=3 -> at most 4 requests per chunk).

@@ -84,6 +84,8 @@ def _data_url(image: torch.Tensor) -> str:
 class VLMJudge(Reward):
     """A judge behind an OpenAI-compatible /chat/completions (module docstring). `url`: the API base ending in /v1."""
 
+    retries_requests = True  # its timeout_s / retries / backoff_s are checked against reward.deadline_s
+
     def __init__(self, *, url: str, model: str, template: str = "unifiedreward", template_file: str | None = None,
                  score: str = "text", pattern: str | None = None, score_max: float = 5.0,
                  resize: int | None = 512, max_tokens: int | None = None, concurrency: int = 8,

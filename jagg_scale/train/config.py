@@ -216,8 +216,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
         problem = precision_problem(cfg.parallel.deepspeed, m.dtype)
         _require(problem is None, *(problem or ("", "")))
     _warn_window(cfg)
-    _check_rewards(cfg.reward)
-    _check_remote_budget(cfg)
+    _check_rewards(cfg.reward, cfg.reward_deadline_s)
     _require(cfg.reward.aggregate != "gdpo" or not g.global_std, "grpo.global_std", "is true, but reward.aggregate "
              "gdpo normalises each reward by its group's std and the sum by the batch's: set it to false")
     sp = cfg.parallel.sequence_parallel  # xformers' processors take no part in the exchange (parallel/sequence.py)
@@ -420,10 +419,12 @@ def _warn_window(cfg: Config) -> None:
                     window, trained, trained)
 
 
-def _check_rewards(r: RewardConfig) -> None:
-    """Every reward named exists and takes the options given, checked without building it (models load later)."""
+def _check_rewards(r: RewardConfig, deadline_s: float) -> None:
+    """Every reward named exists and takes the options given, checked without building it (models load later); a
+    reward that retries requests retries within the reward's deadline (rewards/remote.py retry_budget_problem)."""
     from .. import rewards  # noqa: F401  (importing the package registers the built-in rewards)
     from ..rewards.base import check_reward
+    from ..rewards.remote import retry_budget_problem
 
     named = ([(f"reward.components.{n}",) * 2 + (n, {k: v for k, v in (spec or {}).items() if k != "weight"})
               for n, spec in r.components.items()] if r.components else [("reward.name", "reward.options", r.name,
@@ -435,32 +436,8 @@ def _check_rewards(r: RewardConfig) -> None:
             raise ConfigError(f"config key '{name_key}': {err}") from None
         except TypeError as err:
             raise ConfigError(f"config key '{options_key}': {err}") from None
-
-
-def _check_remote_budget(cfg: Config) -> None:
-    """A `remote` or `vlm_judge` reward's retries (of one request) fit inside the reward's deadline: otherwise a step
-    whose server is down masks the rows at the deadline while the client still retries (its budget spent for
-    nothing), and the documented "retried N times" never happens."""
-    import inspect
-
-    from ..rewards.remote import RemoteReward, worst_case_s
-    from ..rewards.vlm_judge import VLMJudge
-
-    r = cfg.reward
-    named = ([(f"reward.components.{n}", n, spec or {}) for n, spec in r.components.items()] if r.components
-             else [("reward.options", r.name, r.options or {})])
-    for key, name, options in named:
-        cls = {"remote": RemoteReward, "vlm_judge": VLMJudge}.get(name)
-        if cls is None:
-            continue
-        defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
-                    if p.default is not inspect.Parameter.empty}
-        o = {k: options.get(k, defaults[k]) for k in ("timeout_s", "retries", "backoff_s")}
-        budget = worst_case_s(**o)
-        _require(budget <= cfg.reward_deadline_s, key, f"{name}: timeout_s {o['timeout_s']:g} x {o['retries'] + 1} "
-                 f"attempts + up to {budget - (o['retries'] + 1) * o['timeout_s']:g} s of backoff = {budget:g} s, "
-                 f"beyond reward.deadline_s = {cfg.reward_deadline_s:g} s (its rows would be masked while it still "
-                 "retries): lower timeout_s or retries, or raise reward.deadline_s")
+        problem = retry_budget_problem(name, options or {}, deadline_s)
+        _require(problem is None, options_key, problem or "")
 
 
 def _pretrained_path(cfg: Config):

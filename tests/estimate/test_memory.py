@@ -37,7 +37,7 @@ PRODUCTION = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "flux1_dev_hps", 
               "qwenimage_hps", "sd35l_pickscore", "flux2_klein_pickscore", "zimage_pickscore",
               "flux1_kontext_pickscore", "qwenimage_edit_pickscore", "flux1_dev_1024_hps", "wan21_t2v_14b_hps",
               "sd35m_pickscore_nocfg", "sd35m_geneval_nocfg", "sd35m_gcpo_pickscore",
-              "sd35m_dppo_pickscore", "sd35m_awm_pickscore", "sd35m_pickscore_fast"]
+              "sd35m_dppo_pickscore", "sd35m_awm_pickscore", "sd35m_pickscore_fast", "sd35m_unifiedreward"]
 WORLD = {"wan21_t2v_14b_hps": 32}  # the GPUs each config is shipped for (its header); 8 unless named
 # the recipes whose peer trains without activation checkpointing and fit without it (their header): UniRL's
 # Flow-DPPO (sd3_flowdppo.yaml:60) at its micro-batch of 8

@@ -28,7 +28,7 @@ from extras import need
 need("diffusers")
 
 ROOT = Path(__file__).resolve().parents[2]
-SD35 = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "sd35l_pickscore"]
+SD35 = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "sd35l_pickscore", "sd35m_unifiedreward"]
 ALL = SD35 + ["flux1_dev_hps"]
 NOCFG = ["sd35m_pickscore_nocfg", "sd35m_geneval_nocfg"]  # Flow-GRPO-Fast's CFG-free recipes (below)
 GCPO = ["sd35m_gcpo_pickscore"]  # GCPO's chunk-level recipe (below)
