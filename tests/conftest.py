@@ -39,13 +39,6 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(config, items):
-    # the longest first (multi-process, then slow, then the rest; each group in its files' order): the two xdist
-    # workers then end on short tests instead of one idling while the other runs a minute-long one it took last
-    rank = {"dist": 0, "slow": 1}
-    items.sort(key=lambda item: min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=2))
-
-
 def pytest_sessionstart(session):
     # the production configs' prompt files (data/prompt_sets, `make prompts`) from a local copy of the peers' sets
     # when there is one: the suite never downloads (copies are checked against the pinned digests; atomic, so the

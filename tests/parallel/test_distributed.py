@@ -385,7 +385,7 @@ def test_ranks_agree_on_non_finite_steps_and_saves(tmp_path):
 
 
 @pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
-def test_nft_two_processes_match_one_process(tmp_path, engine):
+def test_nft_two_processes_match_one_process(tmp_path, tmp_path_factory, engine):
     """DiffusionNFT (train.algorithm nft) with JAGG windows over shared-noise timesteps: every draw is seeded per
     global row, the old policy is sharded like the trained weights (FSDP2 shards, ZeRO-3 partitions), so 2 ranks
     train what 1 process does; the checkpoint of the old policy resumes on the same engine."""
@@ -394,7 +394,9 @@ def test_nft_two_processes_match_one_process(tmp_path, engine):
     nft = ["train.algorithm=nft", "sampling.ode_solver=dpm2", "nft.noise=per_sample", "nft.kl_beta=0.01",
            "train.steps=2", "run.checkpoint_every=1"]
     two = run(2, tmp_path / "two", f"parallel.engine={engine}", *nft)
-    one = reference(tmp_path / "one", *nft)
+    from once import once  # the 1-process reference both engines are compared with, run once a session
+
+    _, one = once(tmp_path_factory, "nft_reference", lambda d: reference(d / "one", *nft))
     for ra, rb in zip(two, one):
         assert ra["reward_mean"] == pytest.approx(rb["reward_mean"], rel=1e-4 if ra["step"] == 0 else 1e-3)
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-3) and ra["grad_norm"] == pytest.approx(rb["grad_norm"],
