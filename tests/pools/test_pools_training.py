@@ -1,5 +1,6 @@
 """Training on a trainer pool and a rollout pool through `jagg-train` under torchrun (pools/), on real gloo processes:
-2 trainers and 2 rollout ranks at max_staleness 0 are the synchronous 2-rank run bit for bit; a rollout rank hung
+2 trainers and 2 rollout ranks at max_staleness 0 are the synchronous 2-rank run bit for bit (FSDP2; DeepSpeed with
+one rollout rank serving both); a rollout rank hung
 mid-run stops the job within pools.timeout_s with one line naming it (a killed one torchrun's agent stops at once);
 the stopped run resumes to the uninterrupted run's metrics; a trainer pool that refuses to start stops the rollout
 ranks with its line."""
@@ -40,6 +41,19 @@ def test_two_trainers_and_two_rollout_ranks_at_staleness_0_train_as_the_synchron
     assert strip(split) == strip(sync)  # every loss, ratio, reward and gradient norm, exactly
     weights = [dcp_entries(p / "checkpoints" / "step_00000003", "model") for p in (tmp_path / "split", sync_out)]
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_a_deepspeed_trainer_pool_at_staleness_0_trains_as_the_synchronous_deepspeed_run(tmp_path):
+    """ZeRO-3 trainers (whose consolidated weights are what they compute with: pools/replica.py) and one rollout rank
+    serving both: the 2-rank DeepSpeed run's metrics exactly."""
+    from extras import need
+
+    need("deepspeed")
+    args = [*BASE, "parallel.engine=deepspeed", "train.steps=2", "run.checkpoint_every=0"]
+    sync = launch_metrics(args, 2, tmp_path / "sync")
+    split = launch_metrics([*args, "pools.rollout_ranks=1"], 3, tmp_path / "split")
+    assert [r["policy_version"] for r in split] == [0, 1]
+    assert strip(split) == strip(sync)
 
 
 def _rank_of(pid: int) -> int:
