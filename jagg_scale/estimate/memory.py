@@ -39,7 +39,8 @@ from ..train.rows import StepRows
 from .activations import cached as _cached
 from .activations import ev, key, reduce_buffers, transformer_activations
 from ..models.registry import family
-from .shapes import clean, component_params, context_parallel, pipeline_shapes, reward_models, transformer_stats
+from .shapes import (clean, component_params, context_parallel, pipeline_shapes, reward_models, rewards_need_pixels,
+                     transformer_stats)
 
 __all__ = ["COMPONENTS", "GiB", "PHASES", "balanced", "choose_micro", "estimate", "local_rows", "prepare", "report",
            "shard_group"]
@@ -165,6 +166,7 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
             **sequence_parallel(cfg, world, tcomp, n_img, text, math.prod(latent), 2 if bf16 else 4,
                                 len(stats["block_params"])),
             "overhead": overhead_gb * GiB, "vae_scale": scale, "eval_images": eval_images(cfg),
+            "pixels": rewards_need_pixels(cfg),
             # gpu_gib: what sampling.chunk_size auto is sized for (an 80 GB GPU unless told)
             "gpu_gib": gpu_gib, "components": comps}
 
@@ -289,11 +291,13 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     side = s["latent"][-1]
     px = 3 * (side * s["vae_scale"]) ** 2 * 4  # a float32 frame
 
-    def score(n):  # decode n latents (ChunkScorer) and score them (rewards/clip.py resizes float images first): a
-        # chunk's images at once; of a video every k-th frame (video_frames: a copy of them beside the videos),
-        # reward.options batch_size frames at a time
+    def score(n, pixels=s["pixels"]):  # decode n latents (ChunkScorer) and score them (rewards/clip.py resizes
+        # float images first): a chunk's images at once; of a video every k-th frame (video_frames: a copy of them
+        # beside the videos), reward.options batch_size frames at a time
         rewards = s["rewards"].values()
         frames = [n * -(-nf // r["every"]) for r in rewards]
+        if not pixels:  # latent rewards alone: no decode, no frames (rewards/multi.py ChunkScorer)
+            return sum(ev(r["coef"], n, 0, 1) for r in rewards)
         return ev(s["decode"], n, side * side, lf * side * side if nf > 1 else 0) \
             + sum(ev(r["coef"], k if nf == 1 else min(k, r["batch"]), 0, 1) for k, r in zip(frames, rewards)) \
             + (n * nf * px + max(frames) * px if frames else 0)
@@ -306,7 +310,7 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     e = cfg.eval.chunk_size  # train/evaluate.py: per batch encode, ODE, decode, score in turn; a grid kept (uint8)
     e_rows = e * (1 + cfgg)
     grid = min(cfg.eval.grid_images, s["eval_images"]) * nf * px / 4  # uint8 frames
-    eval_batch = (e * cond * (1 + cfgg) + 2 * e * lat * 4 + grid + max(encoders(e), score(e), tact(
+    eval_batch = (e * cond * (1 + cfgg) + 2 * e * lat * 4 + grid + max(encoders(e), score(e, True), tact(
         "nograd", e_rows) + e_rows * (3 * 4 * lat + cond))) if cfg.eval.enabled else 0
     eval_batch += 4 * Pt / div if cfg.train.ema_decay > 0 and cfg.eval.enabled else 0  # ema_weights' live copy
     dyn = {

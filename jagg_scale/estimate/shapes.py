@@ -190,6 +190,16 @@ def reward_models(cfg) -> dict[str, dict]:
     return out
 
 
+def rewards_need_pixels(cfg) -> bool:
+    """Whether any reward of the config scores decoded images: a config of latent rewards alone (Reward.on_latents)
+    skips the VAE decode, in the trainer (rewards/multi.py ChunkScorer) and so in the estimate."""
+    from .. import rewards  # noqa: F401  (registers the built-in rewards)
+    from ..rewards.base import _REGISTRY
+
+    names = list(cfg.reward.components) if cfg.reward.components else [cfg.reward.name]
+    return any(not getattr(_REGISTRY.get(n), "on_latents", False) for n in names)
+
+
 def counts() -> str:
     """The parameter counts of every shape file's components (a markdown table)."""
     lines = ["| shapes | component | class | parameters |", "|---|---|---|---|"]

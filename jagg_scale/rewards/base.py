@@ -49,9 +49,14 @@ class Reward:
 
     Subclasses set `name` (done by `@register`) and implement `__call__`. Keyword-only constructor options
     are what `build_reward(name, **kwargs)` accepts.
+
+    `on_latents = True`: a latent reward (a reward model over the diffusion model's latents, DiNa-LRM-style): its
+    first argument is the rollout's final latents [B, C, h, w] as the sampler leaves them, not decoded images, so a
+    step whose rewards are all latent never runs the VAE decode (rewards/multi.py; the estimator drops the decode).
     """
 
     name: str = "reward"
+    on_latents: bool = False
 
     def __call__(
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]
@@ -166,6 +171,7 @@ def score_safely(
     prompts: Sequence[str],
     metadata: Sequence[dict],
     max_fail_frac: float,
+    latents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Score a batch, turning reward failures into masked samples.
 
@@ -173,7 +179,8 @@ def score_safely(
     exception is logged with the reward's name); NaN/inf scores fail just those samples. Failed samples
     get score 0 and valid False so downstream code can mask them. If n_failed / B > max_fail_frac this
     raises RuntimeError: a mostly-broken reward must stop the run, not quietly train on nothing.
-    Mismatched batch inputs are a caller bug and raise ValueError without being counted.
+    Mismatched batch inputs are a caller bug and raise ValueError without being counted. `latents`: the batch's
+    latents beside its images, for a RewardMix holding latent rewards (the evaluation's).
     """
     if not 0.0 <= max_fail_frac <= 1.0 or math.isnan(max_fail_frac):
         raise ValueError(f"max_fail_frac must be in [0, 1], got {max_fail_frac}")
@@ -184,7 +191,8 @@ def score_safely(
     device = images.device
 
     try:
-        out = reward(images, prompts, metadata)
+        out = reward(images, prompts, metadata) if latents is None else reward(images, prompts, metadata,
+                                                                                 latents=latents)
         scores = out.scores if isinstance(out, RewardOutput) else out
         scores = torch.as_tensor(scores).detach().to(device=device, dtype=torch.float32).reshape(-1)
         if scores.numel() != b:

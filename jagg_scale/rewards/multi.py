@@ -7,9 +7,9 @@ component separately for training: the algorithm turns the components into advan
 (and counted per component).
 
 `ChunkScorer` decodes and scores rollout chunks in a worker thread while the main thread samples the next chunk
-(reward.background): rewards are per image, so chunking changes nothing but the wall time. A sharded reward model
-runs collectives, which must stay in step across ranks and off the training thread's collectives, so it is
-scored in the main thread.
+(reward.background; a mix of latent rewards alone is scored on the latents, undecoded): rewards are per image, so
+chunking changes nothing but the wall time. A sharded reward model runs collectives, which must stay in step across
+ranks and off the training thread's collectives, so it is scored in the main thread.
 
 On CUDA the worker runs on the trainer's device and on a stream of its own (`_Lane`): the current device is per
 thread (a new thread's is cuda:0), and on the default stream the worker's kernels and device-to-host copies would
@@ -60,18 +60,27 @@ class RewardMix(Reward):
     def weights(self) -> dict[str, float]:
         return {n: w for n, w, _ in self.components}
 
-    def score_components(self, images: torch.Tensor, prompts: Sequence[str],
-                         metadata: Sequence[dict]) -> dict[str, ComponentScores]:
+    @property
+    def needs_pixels(self) -> bool:
+        """Whether any component scores decoded images (all latent rewards: the decode is skipped)."""
+        return any(not r.on_latents for _, _, r in self.components)
+
+    def score_components(self, images: torch.Tensor | None, prompts: Sequence[str], metadata: Sequence[dict],
+                         latents: torch.Tensor | None = None) -> dict[str, ComponentScores]:
         """Each component through score_safely with no limit: the limit is checked once per batch, by the caller,
-        over all ranks' samples (see check_failures)."""
+        over all ranks' samples (see check_failures). A latent reward gets `latents`, the others `images`."""
         out = {}
         for name, _, reward in self.components:
-            scores, valid, _ = score_safely(reward, images, prompts, metadata, max_fail_frac=1.0)
+            x = latents if reward.on_latents else images
+            if x is None:
+                raise ValueError(f"reward {name!r} scores {'latents' if reward.on_latents else 'images'}, "
+                                 "none were given")
+            scores, valid, _ = score_safely(reward, x, prompts, metadata, max_fail_frac=1.0)
             out[name] = ComponentScores(scores, valid)
         return out
 
-    def __call__(self, images, prompts, metadata) -> RewardOutput:
-        parts = self.score_components(images, prompts, metadata)
+    def __call__(self, images, prompts, metadata, latents=None) -> RewardOutput:
+        parts = self.score_components(images, prompts, metadata, latents=latents)
         total, valid = self.weighted_sum(parts)
         info = {f"{n}_mean": float(p.scores[p.valid].double().mean()) if p.valid.any() else float("nan")
                 for n, p in parts.items()}
@@ -189,7 +198,8 @@ class ChunkScorer:
 
     def _score(self, latents, prompts, metadata, ready=None) -> dict[str, ComponentScores]:
         with torch.no_grad(), self.lane.scoring(ready):
-            parts = self.mix.score_components(self.decode(latents), prompts, metadata)
+            images = self.decode(latents) if self.mix.needs_pixels else None  # latent rewards alone: no decode
+            parts = self.mix.score_components(images, prompts, metadata, latents=latents)
             # on the host: the trainer reads them on its own stream, after this worker's stream is done
             return {n: ComponentScores(p.scores.cpu(), p.valid.cpu()) for n, p in parts.items()}
 

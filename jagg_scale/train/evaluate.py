@@ -175,7 +175,8 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
             texts = [r.prompt for r in batch]
             final = sample_ode(velocity_fn, encode(texts), noise.rows(rows).to(device), sigmas)
             images = model.decode(final)
-            s, v, _ = score_safely(reward, images, texts, [r.metadata for r in batch], max_fail_frac=1.0)
+            s, v, _ = score_safely(reward, images, texts, [r.metadata for r in batch], max_fail_frac=1.0,
+                                   latents=final if hasattr(reward, "needs_pixels") else None)  # a mix: latent ones
             scores.append(s.cpu())
             valid.append(v.cpu())
             f, space = diversity_features(reward, images)

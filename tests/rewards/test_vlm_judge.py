@@ -14,6 +14,7 @@ import base64
 import io
 import json
 import math
+import socket
 import threading
 import time
 
@@ -25,7 +26,6 @@ from extras import need
 from hang_guard import WAIT_S
 from jagg_scale.rewards import build_reward, score_safely
 from jagg_scale.rewards.vlm_judge import TEMPLATES, yes_probability
-from reward_server_kit import free_port
 
 need("uvicorn")
 need("starlette")
@@ -57,11 +57,11 @@ class Scripted:
             text = payload if isinstance(payload, str) else json.dumps(payload)
             return Response(text, status, media_type="application/json")
 
-        port = free_port()
+        sock = socket.create_server(("127.0.0.1", 0))  # bound here: no race for a port with other tests
+        port = sock.getsockname()[1]
         app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
-                                                    lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + WAIT_S
         while not self.server.started:
@@ -129,7 +129,8 @@ def test_the_yes_probability_is_read_from_the_answer_tokens_log_probabilities(sc
     srv = scripted(reply)
     out = judge(srv, template="yes_no", score="yes_prob", resize=None)(images(2), ["a cat", "a dog"], [{}] * 2)
     assert out.scores.tolist() == pytest.approx([0.75, 0.75])  # 0.6 / (0.6 + 0.2)
-    assert srv.bodies[0]["messages"][0]["content"][1]["text"] == "Does this image show a cat? Answer yes or no."
+    assert sorted(b["messages"][0]["content"][1]["text"] for b in srv.bodies) == [
+        "Does this image show a cat? Answer yes or no.", "Does this image show a dog? Answer yes or no."]
     assert math.isnan(yes_probability([{"token": "maybe", "logprob": -0.1}]))  # neither word: no score
 
 
