@@ -133,7 +133,7 @@ def test_what_the_port_does_not_implement_and_files_that_do_not_fit_are_refused(
 
 def test_a_run_trains_on_it_without_decoding(sd3_dir, tmp_path, monkeypatch):
     from jagg_scale.models import diffusers_common
-    from jagg_scale.train import Trainer, load_config
+    from train_runs import fit_metrics
 
     ckpt, _ = make_checkpoint(sd3_dir, tmp_path / "drm")
     calls: list = []
@@ -141,13 +141,7 @@ def test_a_run_trains_on_it_without_decoding(sd3_dir, tmp_path, monkeypatch):
                         lambda self, x: calls.append(len(x)) or pytest.fail("decoded"))
     options = {"path": str(ckpt), "pipeline": str(sd3_dir), "dtype": "float32", "device": "cpu",
                "max_sequence_length": 32, "sigma": 0.4}
-    cfg = load_config(ROOT / "configs" / "sd3_tiny_cpu.yaml", [
-        f"model.pretrained={sd3_dir}", "train.steps=1", "sampling.num_steps=4", "log.progress=false",
-        "reward.name=dina_lrm", f"reward.options={json.dumps(options)}", "eval.enabled=false",
-        "run.checkpoint_every=0", f"run.output_dir={tmp_path / 'run'}"])
-    trainer = Trainer(cfg)
-    try:
-        rows = trainer.fit()
-    finally:
-        trainer.close()
+    rows = fit_metrics(ROOT / "configs" / "sd3_tiny_cpu.yaml", [
+        f"model.pretrained={sd3_dir}", "train.steps=1", "sampling.num_steps=4", "reward.name=dina_lrm",
+        f"reward.options={json.dumps(options)}", "eval.enabled=false", "run.checkpoint_every=0"], tmp_path / "run")
     assert len(rows) == 1 and calls == [] and rows[0]["reward_std"] > 0

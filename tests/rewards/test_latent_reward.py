@@ -67,21 +67,16 @@ def test_beside_an_image_reward_each_gets_its_own_input_and_the_chunk_is_decoded
 
 def test_a_run_trains_on_a_latent_reward_and_its_evaluation_scores_it_too(tmp_path, monkeypatch):
     from jagg_scale.models.dit import DiT
-    from jagg_scale.train import Trainer, load_config
+    from train_runs import fit_metrics
 
     calls: list = []
     real = DiT.decode
     monkeypatch.setattr(DiT, "decode", lambda self, x: calls.append(len(x)) or real(self, x))
-    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [
+    rows = fit_metrics(ROOT / "configs" / "tiny_cpu.yaml", [
         "model.dit.hidden_size=32", "model.dit.depth=1", "model.dit.image_size=8", "model.dit.patch_size=2",
         "sampling.num_steps=4", "train.prompts_per_step=2", "train.minibatch_size=8", "train.steps=2",
-        "run.checkpoint_every=0", "log.progress=false", "reward.name=_test_latent_mean", "reward.options={}",
-        "eval.enabled=false", f"run.output_dir={tmp_path}"])
-    trainer = Trainer(cfg)
-    try:
-        rows = trainer.fit()
-    finally:
-        trainer.close()
+        "run.checkpoint_every=0", "reward.name=_test_latent_mean", "reward.options={}", "eval.enabled=false"],
+        tmp_path)
     assert len(rows) == 2 and calls == []  # two steps trained, nothing decoded
     assert all(r["reward_std"] > 0 for r in rows)  # the latents' means vary: advantages to train on
 
