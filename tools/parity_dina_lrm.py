@@ -2,18 +2,16 @@
 their SD3RewardModel with every LoRA and head weight random, saved in their layout, scored by their DRMInferencer
 and by ours from the same files, their unseeded noise made ours.
 
-    python -m tools.parity_dina_lrm REFERENCE_CHECKOUT [EXTRA_SITE]
+    PYTHONPATH=REFERENCE_CHECKOUT:EXTRA_SITE python -m tools.parity_dina_lrm
 
-REFERENCE_CHECKOUT: a checkout of HKUST-C4G/diffusion-rm; EXTRA_SITE: a directory holding omegaconf (their config
-reader; not a dependency of this project). Prints both scores and their largest difference (2026-12-07: 1.2e-7)."""
+REFERENCE_CHECKOUT: a checkout of HKUST-C4G/diffusion-rm (its `diffusion_rm` package importable); EXTRA_SITE: a
+directory holding omegaconf (their config reader; not a dependency of this project). Prints both scores and their
+largest difference (2026-12-07: 0.0)."""
 import json
-import sys
 import tempfile
+from pathlib import Path
 
 import torch
-
-sys.path[:0] = sys.argv[1:3]
-from pathlib import Path  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from diffusers import StableDiffusion3Pipeline  # noqa: E402
 from jagg_scale.models.tiny import make_tiny_sd3  # noqa: E402

@@ -190,7 +190,7 @@ class DiNaLRM(Reward):
         self.device = resolve_device(device)
         self.offset, self.scale, self.batch_size = float(offset), float(scale), int(batch_size)
         self.max_sequence_length = int(max_sequence_length)
-        transformer = SD3Transformer2DModel.from_pretrained(pipe_dir / "transformer", torch_dtype=torch.float32,
+        transformer = SD3Transformer2DModel.from_pretrained(pipe_dir / "transformer", dtype=torch.float32,
                                                             local_files_only=True)
         n = cfg["num_transformer_layers"]
         if n > len(transformer.transformer_blocks):
@@ -208,7 +208,7 @@ class DiNaLRM(Reward):
         self.head.load_state_dict(load_torch(root / "checkpoint" / "rm_head.pt"))
         self.head.to(self.device, self.dtype).eval().requires_grad_(False)
         self.encoder = StableDiffusion3Pipeline.from_pretrained(pipe_dir, transformer=None, vae=None,
-                                                                torch_dtype=self.dtype, local_files_only=True)
+                                                                dtype=self.dtype, local_files_only=True)
         self.encoder.to(self.device)
         sched = FlowMatchEulerDiscreteScheduler.from_pretrained(pipe_dir / "scheduler", local_files_only=True)
         i = int(torch.argmin((sched.sigmas - sigma).abs()))  # the scheduler's sigma nearest `sigma` (theirs too)
