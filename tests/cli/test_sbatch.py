@@ -200,13 +200,48 @@ def test_sbatch_requeues_a_crash_within_its_budget_then_fails(stubs, tmp_path):
     assert "RESTARTS=2 requeues used up" in (out / "FAILED").read_text()
 
 
+def _checkpoint(out: Path, step: int) -> None:
+    """A complete checkpoint of `step`, as the trainer leaves one (its COMPLETE marker written last)."""
+    d = out / "checkpoints" / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    (d / "COMPLETE").write_text("")
+
+
+def test_the_requeue_budgets_count_from_the_newest_checkpoint(stubs, tmp_path):
+    """Issue 40: a run of many hour-long steps is requeued at every time limit for as long as it checkpoints, and may
+    crash on many nodes over a month; what stops is a run that makes no checkpoint: MAX_STALLED_REQUEUES requeues, or
+    RESTARTS crashes, in a row without one."""
+    env = _slurm_env(stubs, tmp_path, STUB_MODE="preempt", MAX_STALLED_REQUEUES=2)
+    out = Path(env["OUTPUT_DIR"])
+    for n in (1, 2):  # preempted twice without a new checkpoint: requeued, counted
+        r = _run(SBATCH, [CONFIG], env)
+        assert r.returncode == 0 and _log(tmp_path).count("requeue 123") == n, r.stderr
+        assert f"requeue {n} of MAX_STALLED_REQUEUES=2 since the checkpoint of step 0" in r.stderr
+    r = _run(SBATCH, [CONFIG], env)  # the third in a row: stopped
+    assert r.returncode == 138 and _log(tmp_path).count("requeue 123") == 2
+    assert "2 requeues in a row made no checkpoint after step 0 (MAX_STALLED_REQUEUES=2): not requeueing" in r.stderr
+    for step in (4, 8, 12):  # each job checkpoints: requeued every time, the count back at 1
+        _checkpoint(out, step)
+        r = _run(SBATCH, [CONFIG], env)
+        assert r.returncode == 0 and f"a new checkpoint (step {step}, after {step - 4 or 0})" in r.stderr, r.stderr
+        assert f"requeue 1 of MAX_STALLED_REQUEUES=2 since the checkpoint of step {step}" in r.stderr
+    crash = {**env, "STUB_MODE": "exitcode", "STUB_RC": "1", "RESTARTS": "1"}
+    r = _run(SBATCH, [CONFIG], crash)
+    assert r.returncode == 0 and "crash 1 of RESTARTS=1" in r.stderr
+    _checkpoint(out, 16)  # the resumed job checkpointed before its node failed: a crash of a progressing run
+    r = _run(SBATCH, [CONFIG], crash)
+    assert r.returncode == 0 and "crash 1 of RESTARTS=1" in r.stderr and not (out / "FAILED").exists()
+    r = _run(SBATCH, [CONFIG], crash)  # a second crash with nothing saved between: the loop stops
+    assert r.returncode == 1 and "since the checkpoint of step 16" in (out / "FAILED").read_text()
+
+
 def test_sbatch_does_not_requeue_what_the_trainer_says_a_retry_cannot_fix(stubs, tmp_path):
     """The trainer writes JAGG_FAILED_FILE (OUTPUT_DIR/FAILED) on a config error or a diverged run: no requeue."""
     env = _slurm_env(stubs, tmp_path, STUB_MODE="fail")
     r = _run(SBATCH, [CONFIG], env)
     assert r.returncode == 1 and not any(ln.startswith("requeue") for ln in _log(tmp_path)), r.stderr
     assert "a retry cannot help" in r.stderr and "config key 'x' is bad" in r.stderr
-    assert not (Path(env["OUTPUT_DIR"]) / "CRASHES").exists()
+    assert (Path(env["OUTPUT_DIR"]) / "CRASHES").read_text().strip() == "0"  # not counted as a crash
 
 
 @pytest.mark.slow
@@ -233,9 +268,12 @@ def test_sbatch_exposes_torchruns_restarts_and_says_its_budget(stubs, tmp_path):
     argv = _dry(SBATCH, [CONFIG], _slurm_env(stubs, tmp_path, MAX_RESTARTS=2, DRY_RUN=1))
     assert _opt(argv, "--max-restarts") == "2"
     r = _run(SBATCH, [CONFIG], _slurm_env(stubs, tmp_path, DRY_RUN=1))
-    assert "requeue budget: 3 crash(es), 50 requeues in all, torchrun --max-restarts 0" in r.stderr
+    assert ("requeue budget without a new checkpoint: 3 crash(es), 5 requeues; torchrun --max-restarts 0"
+            in r.stderr)
     r = _run(SBATCH, [CONFIG], _slurm_env(stubs, tmp_path, DRY_RUN=1, RESTARTS="x"))
     assert r.returncode == 2 and "RESTARTS=x must be a non-negative integer" in r.stderr
+    r = _run(SBATCH, [CONFIG], _slurm_env(stubs, tmp_path, DRY_RUN=1, MAX_REQUEUES=50))
+    assert r.returncode == 2 and "MAX_REQUEUES=50 counted requeues over the whole run and is gone" in r.stderr
 
 
 def test_sbatch_requeues_on_preemption_exit_code(stubs, tmp_path):
@@ -243,8 +281,8 @@ def test_sbatch_requeues_on_preemption_exit_code(stubs, tmp_path):
     assert "requeue 123" in _log(tmp_path), r.stderr
 
 
-@pytest.mark.parametrize("extra", [{"STUB_JOBSTATE": "CANCELLED"}, {"SLURM_RESTART_COUNT": 3, "MAX_REQUEUES": 3}],
-                         ids=["cancelled", "max-requeues"])
+@pytest.mark.parametrize("extra", [{"STUB_JOBSTATE": "CANCELLED"}, {"MAX_STALLED_REQUEUES": 0}],
+                         ids=["cancelled", "max-stalled-requeues"])
 def test_sbatch_requeue_limits(extra, stubs, tmp_path):
     r = _run(SBATCH, [CONFIG], _slurm_env(stubs, tmp_path, STUB_MODE="preempt", **extra))
     assert not any(ln.startswith("requeue") for ln in _log(tmp_path)), r.stderr
