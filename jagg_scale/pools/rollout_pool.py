@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..models import build_model
-from ..rewards.multi import ChunkScorer, build_reward_mix, gather_components
+from ..rewards.multi import ChunkScorer, ScoringLane, build_reward_mix, gather_components
 from ..train.algorithm import build_algorithm
 from ..train.config import load_prompt_file
 from ..train.policy import Policy, rollout_batch
@@ -137,6 +137,7 @@ class RolloutWorker:
                    else PromptSet.from_list(cfg.data.prompts))
         self.source = ListPromptSource(prompts, cfg.train.prompts_per_step, cfg.run.seed)
         self.reward = build_reward_mix(cfg.reward)
+        self.scoring = ScoringLane(self.device)  # the reward's thread and stream, one for the run
         torch.manual_seed(cfg.run.seed)
         model = build_model(cfg.model, keep_stored_dtype=True)
         # the KL reference: with LoRA the replica with its adapter off; a full fine-tune's frozen copy of the start
@@ -181,6 +182,7 @@ class RolloutWorker:
             raise
         finally:
             self.sender.shutdown(wait=False, cancel_futures=True)
+            self.scoring.close()
         return 0
 
     def _sent(self) -> None:
@@ -221,7 +223,8 @@ class RolloutWorker:
         records = self.source.next_prompts()
         records = [r for r in records for _ in range(cfg.grpo.group_size)]
         spec = self.algorithm.rollout_spec(step)
-        scorer = ChunkScorer(self.reward, self.model.decode, background=cfg.reward.background, device=self.device)
+        scorer = ChunkScorer(self.reward, self.model.decode, background=cfg.reward.background, device=self.device,
+                             lane=self.scoring)
         shares = []
         for t in self.layout.trainers_of(self.member.rank):
             rows = StepRows.draw(len(records), cfg.train.minibatch_size, cfg.run.seed, step, t, T)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, TypeVar
 
@@ -28,7 +30,28 @@ __all__ = [
     "available",
     "score_safely",
     "resolve_device",
+    "cancelled",
+    "cancellable",
 ]
+
+_SCORING = threading.local()  # the cancel event of the scoring running in this thread (rewards/multi.py)
+
+
+def cancelled() -> bool:
+    """Whether the scoring running in this thread has been given up on (its chunk is past reward.deadline_s): a
+    reward that waits on others (remote, vlm_judge) stops before its next request instead of retrying on."""
+    event = getattr(_SCORING, "event", None)
+    return event is not None and event.is_set()
+
+
+@contextmanager
+def cancellable(event: threading.Event):
+    """Score inside: `event` set (by ChunkScorer.finish, from another thread) makes cancelled() true here."""
+    _SCORING.event = event
+    try:
+        yield
+    finally:
+        _SCORING.event = None
 
 
 @dataclass

@@ -20,6 +20,7 @@ stream waits for it before reading the chunk, and the worker hands back CPU scor
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -29,11 +30,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from .base import Reward, RewardOutput, build_reward, score_safely
+from .base import Reward, RewardOutput, build_reward, cancellable, score_safely
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RewardMix", "ChunkScorer", "ComponentScores", "build_reward_mix", "check_failures", "gather_components"]
+__all__ = ["RewardMix", "ChunkScorer", "ComponentScores", "ScoringLane", "build_reward_mix", "check_failures",
+           "gather_components"]
 
 
 @dataclass
@@ -181,23 +183,54 @@ class _Lane:
             self.stream.synchronize()
 
 
-class ChunkScorer:
-    """Decode + score chunks as they come, in one worker thread (or inline); `finish()` concatenates them.
+class ScoringLane:
+    """The reward's worker thread (and on CUDA its stream) for a whole run: every step's ChunkScorer scores on it, so
+    the caching allocator's blocks stay with one stream instead of one per step. A chunk that will not end past its
+    deadline (a reward blocked with no timeout of its own) is abandoned with its thread, and what was queued behind it
+    (under pools: the next step's chunks) with it: later chunks get a new thread."""
 
-    `device`: the trainer's device; on CUDA the worker thread scores there, on its own stream (module docstring)."""
+    def __init__(self, device: torch.device | None):
+        self.lane = _Lane(device)
+        self.pool: ThreadPoolExecutor | None = None
+
+    def submit(self, fn, *args) -> Future:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="reward", initializer=self.lane.bind)
+        return self.pool.submit(fn, *args)
+
+    def abandon(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=False)  # its running chunk keeps the old thread
+            self.pool = None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+
+
+GRACE_S = 30.0  # how long finish() waits for a late chunk already running once told to stop (remote: one request)
+
+
+class ChunkScorer:
+    """Decode + score chunks as they come, in the run's reward thread (or inline); `finish()` concatenates them.
+
+    `device`: the trainer's device; on CUDA the worker thread scores there, on its own stream (module docstring).
+    `lane`: the run's ScoringLane (one is made, and closed by finish, when none is given)."""
 
     def __init__(self, mix: RewardMix, decode: Callable[[torch.Tensor], torch.Tensor], background: bool,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, lane: ScoringLane | None = None):
         self.mix, self.decode = mix, decode
-        self.lane = _Lane(device) if background else _Lane(None)
-        self.pool = (ThreadPoolExecutor(1, thread_name_prefix="reward", initializer=self.lane.bind)
-                     if background else None)
+        self.own_lane = background and lane is None
+        self.lanes = (lane or ScoringLane(device)) if background else None
+        self.lane = self.lanes.lane if background else _Lane(None)
+        self.cancel = threading.Event()  # set by finish() for this scorer's late chunks (base.cancelled)
         self.pending: list[Future | dict] = []
         self.sizes: list[int] = []  # rows per chunk
         self.late = 0  # rows masked by finish()'s deadline
 
     def _score(self, latents, prompts, metadata, ready=None) -> dict[str, ComponentScores]:
-        with torch.no_grad(), self.lane.scoring(ready):
+        with torch.no_grad(), cancellable(self.cancel), self.lane.scoring(ready):
             images = self.decode(latents) if self.mix.needs_pixels else None  # latent rewards alone: no decode
             parts = self.mix.score_components(images, prompts, metadata, latents=latents)
             # on the host: the trainer reads them on its own stream, after this worker's stream is done
@@ -205,19 +238,20 @@ class ChunkScorer:
 
     def add(self, latents: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> None:
         self.sizes.append(len(prompts))
-        if self.pool is None:
+        if self.lanes is None:
             self.pending.append(self._score(latents, list(prompts), list(metadata)))
         else:
             ready = self.lane.produced()
-            self.pending.append(self.pool.submit(self._score, latents, list(prompts), list(metadata), ready))
+            self.pending.append(self.lanes.submit(self._score, latents, list(prompts), list(metadata), ready))
 
     def finish(self, deadline_s: float | None = None) -> dict[str, ComponentScores]:
         """Every chunk's scores, waiting at most `deadline_s` seconds from now for the worker's: a chunk not scored
-        by then is masked (valid False; its rows counted in `late`) and the worker is left to finish it alone (its
-        thread ends when the reward's own timeout and retries run out), so a hung reward host costs this step's
-        late samples, not the job."""
+        by then is masked (valid False; its rows counted in `late`), so a hung reward host costs this step's late
+        samples, not the job. Late chunks do not run on into the update: those not started are cancelled, the one
+        running is told to stop (base.cancelled: remote and vlm_judge end before their next request) and awaited for
+        at most GRACE_S; one that still runs is abandoned with its thread (ScoringLane.abandon)."""
         end = None if deadline_s is None else time.monotonic() + deadline_s
-        chunks = []
+        chunks, late = [], []
         try:
             for p, n in zip(self.pending, self.sizes):
                 if not isinstance(p, Future):
@@ -227,13 +261,32 @@ class ChunkScorer:
                     chunks.append(p.result(timeout=None if end is None else max(0.0, end - time.monotonic())))
                 except FutureTimeout:
                     self.late += n
+                    late.append(p)
                     chunks.append({name: ComponentScores(torch.zeros(n), torch.zeros(n, dtype=torch.bool))
                                    for name in self.mix.names})
+            if late:
+                self._stop(late, min(GRACE_S, deadline_s))
         finally:
-            if self.pool is not None:
-                self.pool.shutdown(wait=self.late == 0, cancel_futures=True)
+            if self.own_lane:
+                self.lanes.close()
         if self.late:
             log.warning("reward: %d of %d samples not scored within reward.deadline_s=%g s: masked", self.late,
                         sum(self.sizes), deadline_s)
         return {n: ComponentScores(torch.cat([c[n].scores for c in chunks]), torch.cat([c[n].valid for c in chunks]))
                 for n in self.mix.names}
+
+    def _stop(self, late: list[Future], grace_s: float) -> None:
+        """The late chunks: cancelled if not started, the running one told to stop and awaited for `grace_s`."""
+        self.cancel.set()
+        running = [p for p in late if not p.cancel()]
+        t0 = time.monotonic()
+        for p in running:
+            try:
+                p.result(timeout=max(0.0, grace_s - (time.monotonic() - t0)))
+            except FutureTimeout:
+                log.warning("reward: a chunk past reward.deadline_s still runs %g s after it was told to stop: "
+                            "abandoned with its thread (the next step scores on a new one)", grace_s)
+                self.lanes.abandon()
+                return
+            except Exception:  # its rows are masked anyway; the reward's error was logged by score_safely
+                pass

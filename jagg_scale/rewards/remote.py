@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 import torch
 
-from .base import Reward, RewardOutput, register
+from .base import Reward, RewardOutput, cancelled, register
 from .server import encode_images
 
 __all__ = ["RemoteReward", "RemoteRewardError", "retry_budget_problem", "worst_case_s"]
@@ -95,6 +95,9 @@ class JsonPoster:
             headers["Authorization"] = f"Bearer {self.token}"
         last: RemoteRewardError | None = None
         for attempt in range(self.retries + 1):
+            if cancelled():  # the chunk is past the reward's deadline: its rows are masked, stop asking
+                raise RemoteRewardError(f"{self.what} at {self.endpoint}: given up after {attempt} attempt(s), past "
+                                        "reward.deadline_s")
             if attempt:
                 delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S) * (0.5 + 0.5 * self._rng.random())
                 self.sleep(delay)

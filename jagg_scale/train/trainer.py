@@ -37,7 +37,7 @@ from ..models import build_model
 from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
 from ..pools.trainer_link import TrainerLink, refuse_start
-from ..rewards.multi import ChunkScorer, build_reward_mix, check_failures, gather_components
+from ..rewards.multi import ChunkScorer, ScoringLane, build_reward_mix, check_failures, gather_components
 from .algorithm import build_algorithm
 from .config import Config, ConfigError, load_prompt_file, validate_world
 from .invariants import check_on_policy
@@ -86,6 +86,7 @@ class Trainer:
             self.reward = build_reward_mix(cfg.reward)
         except (FileNotFoundError, ValueError) as err:  # a reward's model path or option: the user's input
             raise ConfigError(f"config key 'reward': {err}") from err
+        self.scoring = ScoringLane(self.device)  # the reward's thread and stream, one for the run
         self.eval_prompts = eval_prompts(cfg) if cfg.eval.enabled else None
         self.evals: dict[int, dict] = {}
 
@@ -131,6 +132,8 @@ class Trainer:
         """End the run's hold on the machine: the process group (every rank) and the run directory's lock (after
         the last write into it; `refused`: a start that wrote nothing removes the lock file and directory it made).
         Idempotent; jagg-train calls it once the run (and rank 0's summary) is done."""
+        if getattr(self, "scoring", None) is not None:
+            self.scoring.close()
         self.dist.close()
         if self.lock is not None:
             self.lock.release(refused=refused)
@@ -235,7 +238,8 @@ class Trainer:
         cfg = self.cfg
         self.model.eval()
         background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
-        scorer = ChunkScorer(self.reward, self.model.decode, background=background, device=self.device)
+        scorer = ChunkScorer(self.reward, self.model.decode, background=background, device=self.device,
+                             lane=self.scoring)
         on_chunk = lambda chunk, final: scorer.add(final, prompts[chunk], metadata[chunk])
         with self._comm("rollout"):
             traj = self.policy.rollout(cond, rows.mine, step, spec=spec, on_chunk=on_chunk, prompts=prompts)
