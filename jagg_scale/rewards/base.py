@@ -32,6 +32,7 @@ __all__ = [
     "resolve_device",
     "cancelled",
     "cancellable",
+    "cancel_event",
 ]
 
 _SCORING = threading.local()  # the cancel event of the scoring running in this thread (rewards/multi.py)
@@ -45,13 +46,19 @@ def cancelled() -> bool:
 
 
 @contextmanager
-def cancellable(event: threading.Event):
-    """Score inside: `event` set (by ChunkScorer.finish, from another thread) makes cancelled() true here."""
-    _SCORING.event = event
+def cancellable(event: threading.Event | None):
+    """Score inside: `event` set (by ChunkScorer.finish, from another thread) makes cancelled() true here. A reward
+    that fans out to threads of its own passes cancel_event() on to them (vlm_judge)."""
+    before, _SCORING.event = getattr(_SCORING, "event", None), event
     try:
         yield
     finally:
-        _SCORING.event = None
+        _SCORING.event = before
+
+
+def cancel_event() -> threading.Event | None:
+    """The cancel event of the scoring running in this thread (None outside one)."""
+    return getattr(_SCORING, "event", None)
 
 
 @dataclass

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from .base import Reward, RewardOutput, register
+from .base import Reward, RewardOutput, cancel_event, cancellable, register
 from .remote import JsonPoster, RemoteRewardError
 
 __all__ = ["TEMPLATES", "VLMJudge", "yes_probability"]
@@ -171,8 +171,14 @@ class VLMJudge(Reward):
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> RewardOutput:
         if images.ndim != 4 or len(prompts) != images.shape[0]:
             raise ValueError(f"vlm_judge: {tuple(images.shape)} images for {len(prompts)} prompts (images only)")
+        event = cancel_event()  # the chunk's: its rows stop asking once it is past the deadline
+
+        def row(image, prompt):
+            with cancellable(event):
+                return self._row(image, prompt)
+
         with ThreadPoolExecutor(min(self.concurrency, max(1, len(prompts)))) as pool:
-            rows = list(pool.map(self._row, images.detach().cpu(), [str(p) for p in prompts]))
+            rows = list(pool.map(row, images.detach().cpu(), [str(p) for p in prompts]))
         scores = torch.tensor([s for s, _ in rows], dtype=torch.float32)
         return RewardOutput(scores=scores, info={"judge_unparsed": sum(k == "unparsed" for _, k in rows),
                                                  "judge_failed": sum(k == "failed" for _, k in rows)})

@@ -104,3 +104,37 @@ def test_a_remote_reward_told_to_stop_sends_nothing_more():
     with cancellable(stop), pytest.raises(RemoteRewardError, match="given up after 0 attempt"):
         r.poster.post(b"{}")
     assert not cancelled()  # only inside the scoring it was set for
+
+
+def test_a_judges_rows_in_flight_stop_asking_once_their_chunk_is_told_to_stop():
+    """vlm_judge sends rows from threads of its own: the chunk's cancel event reaches them, and no request is sent
+    (a listening socket counts the connections: none with the event set, one a row without it)."""
+    import socket
+
+    from jagg_scale.rewards import build_reward
+
+    srv, accepted = socket.create_server(("127.0.0.1", 0)), []
+
+    def accept():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            accepted.append(conn)  # held open, never answered: the row times out
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}/v1"
+    judge = build_reward("vlm_judge", url=url, model="m", retries=0, timeout_s=0.3, concurrency=4, resize=None)
+    try:
+        stop = threading.Event()
+        stop.set()
+        with cancellable(stop):
+            out = judge(torch.rand(4, 3, 8, 8), ["p"] * 4, [{}] * 4)
+        assert out.info["judge_failed"] == 4 and accepted == []
+        out = judge(torch.rand(4, 3, 8, 8), ["p"] * 4, [{}] * 4)  # not told to stop: each row asks, and times out
+        assert out.info["judge_failed"] == 4 and len(accepted) == 4
+    finally:
+        srv.close()
+        for conn in accepted:
+            conn.close()
