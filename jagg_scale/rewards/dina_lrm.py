@@ -185,6 +185,10 @@ class DiNaLRM(Reward):
         if not 0.0 <= sigma < 1.0:
             raise ValueError(f"dina_lrm: sigma must be in [0, 1), got {sigma}")
         root, pipe_dir = Path(path), Path(pipeline)
+        for what, need in (("path", root / "checkpoint" / "rm_head.pt"), ("pipeline", pipe_dir / "model_index.json")):
+            if not need.is_file():
+                raise ValueError(f"dina_lrm: option {what}={str(root if what == 'path' else pipe_dir)!r} holds no "
+                                 f"{need.relative_to(root if what == 'path' else pipe_dir)}")
         cfg = load_head_config(root / "config.json")
         self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
         self.device = resolve_device(device)

@@ -129,6 +129,10 @@ def test_what_the_port_does_not_implement_and_files_that_do_not_fit_are_refused(
     torch.save({"x": Planted()}, ckpt / "checkpoint" / "rm_head.pt")
     with pytest.raises(UnsafeCheckpointError, match="rm_head.pt was refused"):
         reward(ckpt, sd3_dir)
+    with pytest.raises(ValueError, match=r"option pipeline='/nowhere' holds no model_index.json"):
+        reward(ckpt, "/nowhere")
+    with pytest.raises(ValueError, match=r"option path=.* holds no checkpoint/rm_head.pt"):
+        reward(tmp_path, sd3_dir)
 
 
 def test_a_run_trains_on_it_without_decoding(sd3_dir, tmp_path, monkeypatch):
