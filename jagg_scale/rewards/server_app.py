@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import queue
 import socket
@@ -76,7 +75,7 @@ class _GuardedH11(H11Protocol):
         self.host = self.client[0] if self.client else "?"
         refusal = self.guard.admit(self.host)
         if refusal:  # written at once: a client that has sent nothing yet reads it before the close
-            body = json.dumps({"error": refusal}).encode()
+            body = lim.dump_json({"error": refusal})
             transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
                             b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
             self.closing = True
@@ -156,10 +155,6 @@ def guarded_protocol(guard: lim.ConnectionGuard) -> type[H11Protocol]:
 # --------------------------------------------------------------------------------------------- requests
 
 
-def _json(payload: dict) -> bytes:
-    return json.dumps(payload, allow_nan=False).encode()
-
-
 def _has_body(request: HttpRequest) -> bool:
     return request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
 
@@ -172,7 +167,7 @@ def _error(status: int, message: str, request: HttpRequest, headers=None) -> Res
         headers["WWW-Authenticate"] = "Bearer"
     if _has_body(request):
         headers["Connection"] = "close"
-    return Response(_json({"error": message}), status, headers, media_type="application/json")
+    return Response(lim.dump_json({"error": message}), status, headers, media_type="application/json")
 
 
 class _Workers:
@@ -333,7 +328,7 @@ class RewardServer:
     # ------------------------------------------------------------------------- the endpoints (event loop)
 
     async def _health(self, request: HttpRequest) -> Response:
-        return Response(_json({"rewards": sorted(self.rewards)}), media_type="application/json")
+        return Response(lim.dump_json({"rewards": sorted(self.rewards)}), media_type="application/json")
 
     async def _http_error(self, request: HttpRequest, exc: HTTPException) -> Response:
         path = request.url.path
@@ -381,13 +376,13 @@ class RewardServer:
             req = lim.Request(lim.load_json(holder), self.max_image_pixels, self.max_request_pixels,
                               self.max_metadata_bytes)
         except RequestTooLarge as e:
-            return 413, _json({"error": str(e)}), 0
+            return 413, lim.dump_json({"error": str(e)}), 0
         except ValueError as e:
-            return 400, _json({"error": str(e)}), 0
+            return 400, lim.dump_json({"error": str(e)}), 0
         try:
             batch = len(req.prompts)
             if batch == 0:
-                return 200, _json({"scores": [], "info": {}}), 0
+                return 200, lim.dump_json({"scores": [], "info": {}}), 0
             status, body = self.batchers[name].score(req)  # decoded and scored with the others queued
             return status, body, batch
         finally:

@@ -15,7 +15,6 @@ devices (their `device` option) score concurrently."""
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -25,15 +24,10 @@ import torch
 
 from . import server_limits as lim
 from .base import RewardOutput
-from .server_limits import to_jsonable
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Batcher"]
-
-
-def _json(obj) -> bytes:
-    return json.dumps(obj, allow_nan=False).encode()
 
 
 @dataclass(eq=False)
@@ -140,8 +134,8 @@ class Batcher:
             for item in members:
                 part = {k: v[at: at + item.rows] if isinstance(v, list) and len(v) == n else v
                         for k, v in (info or {}).items()}
-                self._settle(item, 200, {"scores": to_jsonable(scores[at: at + item.rows].tolist()),
-                                         "info": to_jsonable(part)})
+                self._settle(item, 200, {"scores": lim.to_jsonable(scores[at: at + item.rows].tolist()),
+                                         "info": lim.to_jsonable(part)})
                 at += item.rows
         finally:
             for item in batch:  # whatever went wrong, no request waits forever
@@ -151,7 +145,7 @@ class Batcher:
     @staticmethod
     def _settle(item: _Item, status: int, payload: dict) -> None:
         try:
-            item.result = (status, _json(payload))
+            item.result = (status, lim.dump_json(payload))
         except ValueError as e:  # a NaN or infinity in the reward's info
-            item.result = (500, _json({"error": f"reply not JSON-serializable: {e}"}))
+            item.result = (500, lim.dump_json({"error": f"reply not JSON-serializable: {e}"}))
         item.done.set()

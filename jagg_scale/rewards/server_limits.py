@@ -200,6 +200,11 @@ def decode_image(data: Any, where: str, max_pixels: int = MAX_IMAGE_PIXELS) -> n
     return pixels(open_png(b64(data, where), where, max_pixels), where)
 
 
+def dump_json(payload: Any) -> bytes:
+    """A reply body: strict JSON (a NaN or infinity raises ValueError; to_jsonable makes scores safe first)."""
+    return json.dumps(payload, allow_nan=False).encode()
+
+
 def to_jsonable(value: Any) -> Any:
     """Make reward output strict-JSON safe: tensors/arrays -> lists, non-finite floats -> None."""
     if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
