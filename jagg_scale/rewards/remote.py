@@ -43,16 +43,13 @@ def worst_case_s(timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 1
     return (retries + 1) * timeout_s + sum(min(backoff_s * 2**k, _MAX_BACKOFF_S) for k in range(retries))
 
 
-def retry_budget_problem(name: str, options: dict, deadline_s: float) -> str | None:
-    """For a reward that retries requests (remote, vlm_judge): the refusal when one request's worst case by its
-    options overruns the reward's deadline (its rows would be masked while it still retries, the budget spent for
-    nothing), else None. The config checks it at start-up (train/config.py)."""
+def retry_budget_problem(cls: type, options: dict, deadline_s: float) -> str | None:
+    """For a reward class that retries requests (remote, vlm_judge: `retries_requests`): the refusal when one
+    request's worst case by its options overruns the reward's deadline (its rows would be masked while it still
+    retries, the budget spent for nothing), else None. The config checks it at start-up (train/config.py)."""
     import inspect
 
-    from .base import _REGISTRY
-
-    cls = _REGISTRY.get(name)
-    if cls is None or not getattr(cls, "retries_requests", False):
+    if not getattr(cls, "retries_requests", False):
         return None
     defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
                 if p.default is not inspect.Parameter.empty}
@@ -60,7 +57,7 @@ def retry_budget_problem(name: str, options: dict, deadline_s: float) -> str | N
     budget = worst_case_s(**o)
     if budget <= deadline_s:
         return None
-    return (f"{name}: timeout_s {o['timeout_s']:g} x {o['retries'] + 1} attempts + up to "
+    return (f"{cls.name}: timeout_s {o['timeout_s']:g} x {o['retries'] + 1} attempts + up to "
             f"{budget - (o['retries'] + 1) * o['timeout_s']:g} s of backoff = {budget:g} s, beyond reward.deadline_s = "
             f"{deadline_s:g} s (its rows would be masked while it still retries): lower timeout_s or retries, or raise "
             "reward.deadline_s")
@@ -140,7 +137,6 @@ class JsonPoster:
 
 @register("remote")
 class RemoteReward(Reward):
-    retries_requests = True  # its timeout_s / retries / backoff_s are checked against reward.deadline_s
     """Proxy for the reward `reward` served at `url` (e.g. url="http://scorer:8000", reward="geneval").
 
     `retries` is the number of *extra* attempts after the first (retries=3 -> at most 4 requests per chunk).
@@ -151,6 +147,8 @@ class RemoteReward(Reward):
     environment variable holding the bearer token; it is read once, at build time, so a missing token fails
     when the config is loaded rather than on the first batch.
     """
+
+    retries_requests = True  # its timeout_s / retries / backoff_s are checked against reward.deadline_s
 
     def __init__(self, *, url: str, reward: str, timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 1.0,
                  token_env: str | None = None, max_batch: int | None = None):

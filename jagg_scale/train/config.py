@@ -431,12 +431,12 @@ def _check_rewards(r: RewardConfig, deadline_s: float) -> None:
                                                                            r.options)])
     for name_key, options_key, name, options in named:
         try:
-            check_reward(name, options)
+            cls = check_reward(name, options)
         except KeyError as err:  # UnknownRewardError
             raise ConfigError(f"config key '{name_key}': {err}") from None
         except TypeError as err:
             raise ConfigError(f"config key '{options_key}': {err}") from None
-        problem = retry_budget_problem(name, options or {}, deadline_s)
+        problem = retry_budget_problem(cls, options or {}, deadline_s)
         _require(problem is None, options_key, problem or "")
 
 
