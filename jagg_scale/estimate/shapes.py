@@ -194,10 +194,10 @@ def rewards_need_pixels(cfg) -> bool:
     """Whether any reward of the config scores decoded images: a config of latent rewards alone (Reward.on_latents)
     skips the VAE decode, in the trainer (rewards/multi.py ChunkScorer) and so in the estimate."""
     from .. import rewards  # noqa: F401  (registers the built-in rewards)
-    from ..rewards.base import _REGISTRY
+    from ..rewards.base import check_reward
+    from ..rewards.multi import reward_specs
 
-    names = list(cfg.reward.components) if cfg.reward.components else [cfg.reward.name]
-    return any(not getattr(_REGISTRY.get(n), "on_latents", False) for n in names)
+    return any(not check_reward(n, options).on_latents for n, _, options in reward_specs(cfg.reward))
 
 
 def counts() -> str:

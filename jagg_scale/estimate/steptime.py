@@ -63,7 +63,7 @@ from .collectives import LINKS, Links
 from .flops import count as count_flops, count_blocks
 from .measure import model_inputs
 from .prompt_tokens import distinct_prompts, expected_longest
-from .shapes import meta_module, rewards_need_pixels
+from .shapes import meta_module
 
 PASSES = Path(__file__).with_name("passes.json")
 # GB/s a rank sends in an all-to-all inside one 8-GPU node: an assumption, not measured here (NVLink 4: 450 GB/s a GPU
@@ -260,7 +260,7 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     lf = s["frames"][0]
     vae = _frozen_flops(json.dumps(comps["vae"], sort_keys=True), "vae", (lf, s["latent"][-1]) if lf > 1
                         else s["latent"][-1])
-    out["decode"] = fwd(chunks, vae) if rewards_need_pixels(cfg) else 0.0  # latent rewards: no decode
+    out["decode"] = fwd(chunks, vae) if s["pixels"] else 0.0  # latent rewards alone: no decode (memory.prepare)
     e = cfg.eval
     if e.enabled and e.every > 0:
         per = math.ceil(s["eval_images"] / (s["world"] // s["sp"]))  # an sp group evaluates the same images

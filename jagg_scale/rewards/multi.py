@@ -35,7 +35,7 @@ from .base import Reward, RewardOutput, build_reward, cancellable, score_safely
 log = logging.getLogger(__name__)
 
 __all__ = ["RewardMix", "ChunkScorer", "ComponentScores", "ScoringLane", "build_reward_mix", "check_failures",
-           "gather_components"]
+           "gather_components", "reward_specs"]
 
 
 @dataclass
@@ -131,16 +131,19 @@ def check_failures(parts: dict[str, ComponentScores], max_fail_frac: float) -> d
     return failed
 
 
-def build_reward_mix(reward_cfg) -> RewardMix:
-    """From the `reward` config section: `components` {name: {weight, **options}} or the single name/options."""
+def reward_specs(reward_cfg) -> list[tuple[str, float, dict]]:
+    """(name, weight, options) of each reward of the `reward` config section: `components` {name: {weight,
+    **options}}, or the single name with its options."""
     if reward_cfg.components:
-        comps = []
-        for name, spec in reward_cfg.components.items():
-            spec = dict(spec or {})
-            weight = float(spec.pop("weight", 1.0))
-            comps.append((name, weight, build_reward(name, **spec)))
-        return RewardMix(comps)
-    return RewardMix([(reward_cfg.name, 1.0, build_reward(reward_cfg.name, **reward_cfg.options))])
+        return [(n, float((spec or {}).get("weight", 1.0)), {k: v for k, v in (spec or {}).items() if k != "weight"})
+                for n, spec in reward_cfg.components.items()]
+    return [(reward_cfg.name, 1.0, dict(reward_cfg.options or {}))]
+
+
+def build_reward_mix(reward_cfg) -> RewardMix:
+    """The rewards of the `reward` config section, built (reward_specs)."""
+    return RewardMix([(name, weight, build_reward(name, **options))
+                      for name, weight, options in reward_specs(reward_cfg)])
 
 
 class _Lane:

@@ -424,19 +424,19 @@ def _check_rewards(r: RewardConfig, deadline_s: float) -> None:
     reward that retries requests retries within the reward's deadline (rewards/remote.py retry_budget_problem)."""
     from .. import rewards  # noqa: F401  (importing the package registers the built-in rewards)
     from ..rewards.base import check_reward
+    from ..rewards.multi import reward_specs
     from ..rewards.remote import retry_budget_problem
 
-    named = ([(f"reward.components.{n}",) * 2 + (n, {k: v for k, v in (spec or {}).items() if k != "weight"})
-              for n, spec in r.components.items()] if r.components else [("reward.name", "reward.options", r.name,
-                                                                           r.options)])
-    for name_key, options_key, name, options in named:
+    for name, _, options in reward_specs(r):
+        name_key, options_key = ((f"reward.components.{name}",) * 2 if r.components
+                                 else ("reward.name", "reward.options"))
         try:
             cls = check_reward(name, options)
         except KeyError as err:  # UnknownRewardError
             raise ConfigError(f"config key '{name_key}': {err}") from None
         except TypeError as err:
             raise ConfigError(f"config key '{options_key}': {err}") from None
-        problem = retry_budget_problem(cls, options or {}, deadline_s)
+        problem = retry_budget_problem(cls, options, deadline_s)
         _require(problem is None, options_key, problem or "")
 
 
