@@ -224,9 +224,9 @@ class ChunkScorer:
     def __init__(self, mix: RewardMix, decode: Callable[[torch.Tensor], torch.Tensor], background: bool,
                  device: torch.device | None = None, lane: ScoringLane | None = None):
         self.mix, self.decode = mix, decode
-        self.own_lane = background and lane is None
-        self.lanes = (lane or ScoringLane(device)) if background else None
-        self.lane = self.lanes.lane if background else _Lane(None)
+        self.own_scoring = background and lane is None  # closed by finish()
+        self.scoring = (lane or ScoringLane(device)) if background else None  # None: scored inline, in add()
+        self.lane = self.scoring.lane if background else _Lane(None)
         self.cancel = threading.Event()  # set by finish() for this scorer's late chunks (base.cancelled)
         self.pending: list[Future | dict] = []
         self.sizes: list[int] = []  # rows per chunk
@@ -241,11 +241,11 @@ class ChunkScorer:
 
     def add(self, latents: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> None:
         self.sizes.append(len(prompts))
-        if self.lanes is None:
+        if self.scoring is None:
             self.pending.append(self._score(latents, list(prompts), list(metadata)))
         else:
             ready = self.lane.produced()
-            self.pending.append(self.lanes.submit(self._score, latents, list(prompts), list(metadata), ready))
+            self.pending.append(self.scoring.submit(self._score, latents, list(prompts), list(metadata), ready))
 
     def finish(self, deadline_s: float | None = None) -> dict[str, ComponentScores]:
         """Every chunk's scores, waiting at most `deadline_s` seconds from now for the worker's: a chunk not scored
@@ -270,8 +270,8 @@ class ChunkScorer:
             if late:
                 self._stop(late, min(GRACE_S, deadline_s))
         finally:
-            if self.own_lane:
-                self.lanes.close()
+            if self.own_scoring:
+                self.scoring.close()
         if self.late:
             log.warning("reward: %d of %d samples not scored within reward.deadline_s=%g s: masked", self.late,
                         sum(self.sizes), deadline_s)
@@ -289,7 +289,7 @@ class ChunkScorer:
             except FutureTimeout:
                 log.warning("reward: a chunk past reward.deadline_s still runs %g s after it was told to stop: "
                             "abandoned with its thread (the next step scores on a new one)", grace_s)
-                self.lanes.abandon()
+                self.scoring.abandon()
                 return
             except Exception:  # its rows are masked anyway; the reward's error was logged by score_safely
                 pass
