@@ -21,22 +21,20 @@ once), each with `timeout_s` x (retries + 1) + backoff, which the config check k
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
 import re
-from base64 import b64encode
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from PIL import Image
 
 from .base import Reward, RewardOutput, cancel_event, cancellable, register
 from .remote import JsonPoster, RemoteRewardError
+from .server import encode_images
 
 __all__ = ["TEMPLATES", "VLMJudge", "yes_probability"]
 
@@ -73,11 +71,9 @@ def yes_probability(top_logprobs: list) -> float:
 
 
 def _data_url(image: torch.Tensor) -> str:
-    """[3, H, W] in [0, 1] -> a PNG data URL (Flow-GRPO's "data:image;base64," prefix: flow_grpo/rewards.py:295)."""
-    a = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-    buf = io.BytesIO()
-    Image.fromarray(a).save(buf, format="PNG")
-    return "data:image;base64," + b64encode(buf.getvalue()).decode()
+    """[3, H, W] in [0, 1] -> a PNG data URL (Flow-GRPO's "data:image;base64," prefix: flow_grpo/rewards.py:295),
+    quantised by the rule every reward uses (server.encode_images)."""
+    return "data:image;base64," + encode_images(image[None])[0]
 
 
 @register("vlm_judge")
