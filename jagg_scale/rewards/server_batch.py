@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 import time
 from dataclasses import dataclass, field
 
@@ -51,7 +52,7 @@ class Batcher:
         self.lock = threading.Lock()  # one batch scored at a time
         self.cond = threading.Condition()
         self.queue: list[_Item] = []
-        self.batches: list[int] = []  # rows of each batch scored (tests and the load benchmark read them)
+        self.batches: deque[int] = deque(maxlen=1024)  # rows of the last batches scored (tests and monitoring)
 
     def score(self, req: lim.Request) -> tuple[int, bytes]:
         w, h = req.pngs[0].size
@@ -60,17 +61,15 @@ class Batcher:
         with self.cond:
             self.queue.append(item)
             self.cond.notify_all()  # a leader waiting batch_wait_ms for more
-        while not item.done.is_set():
-            with self.slots.take():  # the memory bound: decode_slots batches decoded at once
-                with self.cond:
-                    if item.taken:  # led by another thread while this one waited for the slot
-                        batch = []
-                    else:
-                        self._fill()
-                        batch = self._take(item)
-                if batch:
-                    self._run(batch)
-            item.done.wait()
+        with self.slots.take():  # the memory bound: decode_slots batches decoded at once
+            with self.cond:
+                batch = []
+                if not item.taken:  # else led by another thread while this one waited for the slot
+                    self._fill()
+                    batch = self._take(item)
+            if batch:
+                self._run(batch)  # every member done, whatever happens
+        item.done.wait()
         return item.result
 
     def _fill(self) -> None:
