@@ -74,7 +74,7 @@ from .ema import ema_decay_at
 from .loss_scale import load_scaler, save_scaler, search_skip
 
 __all__ = ["ENGINE_MARKER", "Engine", "NonFiniteError", "OptimizerSettings", "checkpoint_engine",
-           "make_optimizer", "place_", "resolve_grad_sync", "trains_all"]
+           "make_optimizer", "place_", "placed_dtype", "resolve_grad_sync", "trains_all"]
 
 ENGINE_MARKER = "engine.json"  # {"engine": name}, written into every checkpoint directory by rank 0
 
@@ -130,6 +130,11 @@ def checkpoint_engine(directory: Path) -> str:
 HALF = (torch.bfloat16, torch.float16)
 
 
+def placed_dtype(dtype: torch.dtype, master_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype place_ gives a tensor of `dtype`: 16-bit floating ones upcast to `master_dtype` when it is set."""
+    return master_dtype if master_dtype is not None and dtype in HALF else dtype
+
+
 @torch.no_grad()
 def place_(module: torch.nn.Module, device: torch.device | None, master_dtype: torch.dtype | None = None,
            dtypes: dict[int, torch.dtype] | None = None) -> torch.nn.Module:
@@ -150,7 +155,7 @@ def place_(module: torch.nn.Module, device: torch.device | None, master_dtype: t
                 if id(t) in done:  # tied: already placed through another module
                     store[name] = done[id(t)]
                     continue
-                dtype = master_dtype if master_dtype is not None and t.dtype in HALF else t.dtype
+                dtype = placed_dtype(t.dtype, master_dtype)
                 dtype = dtypes.get(id(t), dtype) if dtypes else dtype
                 new = t.data.to(device=t.device if device is None else device, dtype=dtype)  # no copy if in place
                 if torch._has_compatible_shallow_copy_type(t, new):

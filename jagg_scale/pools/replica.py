@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..parallel.blocks import block_slots
-from ..parallel.engine import HALF, place_
+from ..parallel.engine import HALF, place_, placed_dtype
 
 __all__ = ["compute_dtypes", "place_replica"]
 
@@ -29,7 +29,7 @@ def compute_dtypes(model: nn.Module, engine: str, compute: torch.dtype) -> dict[
     """{parameter name: the dtype the trainer pool's forward computes with} for `model` (placed or not, wrapped by
     FSDP2 or not: names and block lists are the same), its engine's name and model.dtype's torch dtype."""
     master = getattr(model, "master_dtype", None)
-    placed = {n: master if master is not None and p.dtype in HALF else p.dtype for n, p in model.named_parameters()}
+    placed = {n: placed_dtype(p.dtype, master) for n, p in model.named_parameters()}
     if compute not in HALF or engine == "none":
         return placed
     if engine == "deepspeed":
