@@ -182,15 +182,19 @@ class DiNaLRM(Reward):
         from ..checkpoint.pickles import load_torch
         from .base import resolve_device
 
+        dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
         if not 0.0 <= sigma < 1.0:
             raise ValueError(f"dina_lrm: sigma must be in [0, 1), got {sigma}")
+        if dtype not in dtypes or not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"dina_lrm: dtype must be one of {sorted(dtypes)} and batch_size an int >= 1, got "
+                             f"{dtype!r}, {batch_size!r}")
         root, pipe_dir = Path(path), Path(pipeline)
         for what, need in (("path", root / "checkpoint" / "rm_head.pt"), ("pipeline", pipe_dir / "model_index.json")):
             if not need.is_file():
                 raise ValueError(f"dina_lrm: option {what}={str(root if what == 'path' else pipe_dir)!r} holds no "
                                  f"{need.relative_to(root if what == 'path' else pipe_dir)}")
         cfg = load_head_config(root / "config.json")
-        self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+        self.dtype = dtypes[dtype]
         self.device = resolve_device(device)
         self.offset, self.scale, self.batch_size = float(offset), float(scale), int(batch_size)
         self.max_sequence_length = int(max_sequence_length)

@@ -106,6 +106,7 @@ def test_the_merged_lora_computes_what_peft_computes_and_the_score_follows_the_l
 
 def test_what_the_port_does_not_implement_and_files_that_do_not_fit_are_refused(sd3_dir, tmp_path):
     from jagg_scale.checkpoint import UnsafeCheckpointError
+    from jagg_scale.rewards import build_reward
 
     logistic, _ = make_checkpoint(sd3_dir, tmp_path / "logistic", use_logistic=True)
     with pytest.raises(ValueError, match="use_logistic on"):
@@ -133,6 +134,9 @@ def test_what_the_port_does_not_implement_and_files_that_do_not_fit_are_refused(
         reward(ckpt, "/nowhere")
     with pytest.raises(ValueError, match=r"option path=.* holds no checkpoint/rm_head.pt"):
         reward(tmp_path, sd3_dir)
+    for bad in ({"dtype": "fp8"}, {"batch_size": 0}, {"sigma": 1.0}):
+        with pytest.raises(ValueError, match=r"dina_lrm: (dtype|sigma)"):
+            build_reward("dina_lrm", path=str(ckpt), pipeline=str(sd3_dir), **bad)
 
 
 def test_a_run_trains_on_it_without_decoding(sd3_dir, tmp_path, monkeypatch):
