@@ -68,6 +68,9 @@ class DistContext:
     # pools.rollout_ranks > 0: this process's place in the rollout / trainer pools (pools/world.py PoolMember); the
     # fields above are then its pool's (rank in the pool, the pool's size), the collectives the pool's
     pool: object | None = None
+    # a gloo group over every rank for host-side flags under nccl (any_rank): a flag checked before every forward
+    # would otherwise be a device-to-host sync each time; None: the default group's own library is on the host
+    host_group: object | None = None
 
     @property
     def is_main(self) -> bool:
@@ -99,6 +102,16 @@ class DistContext:
         parts = [torch.empty_like(t, device=device) for _ in range(self.world_size)]
         dist.all_gather(parts, t.to(device))
         return torch.cat(parts).to(t.device)
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on any (a collective; on the host: no device sync under nccl)."""
+        if not self.active:
+            return bool(flag)
+        if self.host_group is None and self.process_group == "nccl":  # pools: each pool's groups, on the device
+            return bool(self.all_gather_tensor(torch.tensor([int(flag)], device=self.device)).max())
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.host_group)
+        return bool(t.item())
 
     def all_gather_object(self, obj) -> list:
         if not self.active:
@@ -280,7 +293,8 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800, pools=None) ->
              dev, library)
     _share_cores(use_cuda, info.local_world_size)
     assert default_backend() in ("nccl", "gloo")
-    return DistContext(info.rank, info.world_size, info.local_rank, dev, library)
+    host = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if use_cuda else None  # every rank
+    return DistContext(info.rank, info.world_size, info.local_rank, dev, library, host_group=host)
 
 
 def _share_cores(use_cuda: bool, local_world_size: int) -> None:

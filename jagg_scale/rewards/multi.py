@@ -212,6 +212,7 @@ class ScoringLane:
             self.pool = None
 
 
+STOP_POLL_S = 0.5  # how often a reward wait looks for this rank's preemption signal
 GRACE_S = 30.0  # how long finish() waits for a late chunk already running once told to stop (remote: one request)
 
 
@@ -247,36 +248,67 @@ class ChunkScorer:
             ready = self.lane.produced()
             self.pending.append(self.scoring.submit(self._score, latents, list(prompts), list(metadata), ready))
 
-    def finish(self, deadline_s: float | None = None) -> dict[str, ComponentScores]:
+    def finish(self, deadline_s: float | None = None, stop: Callable[[], bool] | None = None
+               ) -> dict[str, ComponentScores]:
         """Every chunk's scores, waiting at most `deadline_s` seconds from now for the worker's: a chunk not scored
         by then is masked (valid False; its rows counted in `late`), so a hung reward host costs this step's late
         samples, not the job. Late chunks do not run on into the update: those not started are cancelled, the one
         running is told to stop (base.cancelled: remote and vlm_judge end before their next request) and awaited for
-        at most GRACE_S; one that still runs is abandoned with its thread (ScoringLane.abandon)."""
+        at most GRACE_S; one that still runs is abandoned with its thread (ScoringLane.abandon). `stop()` true (this
+        rank's preemption signal, polled every STOP_POLL_S) ends the wait as the deadline would: the trainer then
+        abandons the step."""
         end = None if deadline_s is None else time.monotonic() + deadline_s
-        chunks, late = [], []
+        chunks, late, stopped = [], [], False
         try:
             for p, n in zip(self.pending, self.sizes):
                 if not isinstance(p, Future):
                     chunks.append(p)
                     continue
                 try:
-                    chunks.append(p.result(timeout=None if end is None else max(0.0, end - time.monotonic())))
+                    chunks.append(self._wait(p, end, stop) if not stopped else p.result(timeout=0))
                 except FutureTimeout:
+                    stopped = stopped or (stop is not None and stop())
                     self.late += n
                     late.append(p)
                     chunks.append({name: ComponentScores(torch.zeros(n), torch.zeros(n, dtype=torch.bool))
                                    for name in self.mix.names})
-            if late:
+            if stopped:  # the step is abandoned: nothing waits for the chunks still running
+                self.abandon()
+            elif late:
                 self._stop(late, min(GRACE_S, deadline_s))
         finally:
             if self.own_scoring:
                 self.scoring.close()
-        if self.late:
+        if self.late and not stopped:
             log.warning("reward: %d of %d samples not scored within reward.deadline_s=%g s: masked", self.late,
                         sum(self.sizes), deadline_s)
         return {n: ComponentScores(torch.cat([c[n].scores for c in chunks]), torch.cat([c[n].valid for c in chunks]))
                 for n in self.mix.names}
+
+    @staticmethod
+    def _wait(p: Future, end: float | None, stop: Callable[[], bool] | None):
+        """p's result by `end` (None: no deadline), FutureTimeout at `end` or once `stop()` is true."""
+        while True:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if stop is None:
+                return p.result(timeout=left)
+            if stop():
+                raise FutureTimeout
+            try:
+                return p.result(timeout=STOP_POLL_S if left is None else min(left, STOP_POLL_S))
+            except FutureTimeout:
+                if left is not None and left <= STOP_POLL_S:
+                    raise
+
+    def abandon(self) -> None:
+        """The step is abandoned (a preemption in its rollout): no chunk is scored on; the one running is told to stop
+        and not awaited (the lane's thread ends with the process)."""
+        self.cancel.set()
+        for p in self.pending:
+            if isinstance(p, Future):
+                p.cancel()
+        if self.own_scoring:
+            self.scoring.close()
 
     def _stop(self, late: list[Future], grace_s: float) -> None:
         """The late chunks: cancelled if not started, the running one told to stop and awaited for `grace_s`."""

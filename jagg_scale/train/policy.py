@@ -118,6 +118,7 @@ class Policy:
         self.sigmas = sigmas.to(device)
         self._uncond = None  # the negative prompt's conditioning (CFG), encoded on first use
         self._counts: dict[str, int] = {}  # take_counts()
+        self.stop_point: Callable[[], None] = lambda: None  # the trainer's preemption check (preemption.StopPoints)
         # the model family's CFG: its rule (grpo/guidance.py) and negative prompt (models/base.py VelocityModel)
         self.guidance_rule = getattr(model, "guidance_rule", "plain")
         self.negative_prompt = getattr(model, "negative_prompt", "")
@@ -132,6 +133,7 @@ class Policy:
         half, device_type = dtype != torch.float32, self.device.type
 
         def fn(x, sigma, cond):
+            self.stop_point()  # a preemption inside the step (trainer.py StopPoints): before the forward, not within
             with torch.autocast(device_type, dtype=dtype if half else torch.bfloat16, enabled=half):
                 return model(x, sigma, cond)
 

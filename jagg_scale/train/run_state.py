@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import CheckpointError, capture_rng_state, restore_rng_state
-from ..checkpoint.local import (STATE, save_checkpoint_dir, valid_checkpoints, verify_checkpoint, write_bytes,
-                                write_object)
+from ..checkpoint.local import (COMPLETE, STATE, checkpoint_dir, save_checkpoint_dir, valid_checkpoints,
+                                verify_checkpoint, write_bytes, write_object)
 from ..checkpoint.pickles import allowed_globals, load_torch
 from .config import Config, ConfigError
 from .logging import METRICS, MetricsFileError, parse_metrics
@@ -151,20 +151,30 @@ class RunState:
             self.export(model, steps)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, next_step: int, source) -> Path:
-        """A complete checkpoint of the state before step `next_step` (collective)."""
-        state = {"step": next_step, "prompts": source.state_dict(), "config": self.cfg.to_dict(),
-                 "world_size": self.dist.world_size}
+    def save(self, next_step: int, source, *, prompts: dict | None = None, rng: dict | None = None) -> Path:
+        """A complete checkpoint of the state before step `next_step` (collective). `prompts`, `rng`: the prompt
+        source's position and the global RNG state taken at that step's start (an abandoned step: trainer.py), in
+        place of their state now."""
+        state = {"step": next_step, "prompts": source.state_dict() if prompts is None else prompts,
+                 "config": self.cfg.to_dict(), "world_size": self.dist.world_size}
+        rng = capture_rng_state() if rng is None else rng
 
         def write(tmp: Path) -> list[Path]:  # the files this rank wrote: it hashes them itself
             files = self.engine.save(tmp)
             files += [f for part in self.parts for f in part.save_into(tmp, next_step)]
-            return [*files, write_object(tmp / f"rng_rank{self.dist.rank:05d}.pt", capture_rng_state())]
+            return [*files, write_object(tmp / f"rng_rank{self.dist.rank:05d}.pt", rng)]
 
         path = save_checkpoint_dir(self.ckpt_root, next_step, write=write, state=state,
                                    keep_last=self.cfg.run.keep_last, dist=self.dist)
         self.saved_step = next_step
         return path
+
+    def has_checkpoint(self, step: int) -> bool:
+        """Whether the run's checkpoints hold a complete one of step `step` (this process's, or the one it resumed
+        from); the same answer on every rank."""
+        if self.saved_step == step:
+            return True
+        return self.dist.on_main(lambda: (checkpoint_dir(self.ckpt_root, step) / COMPLETE).is_file())
 
     def load(self, path: Path) -> None:
         """Engine state from a checkpoint directory, verified first (collective: each file hashed once, on one

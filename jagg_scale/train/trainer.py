@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from ..checkpoint import capture_rng_state
 from ..checkpoint.local import write_object
 from ..checkpoint.pickles import load_torch
 from ..data import ListPromptSource, PromptSet, StreamPromptSource
@@ -44,7 +45,7 @@ from .invariants import check_on_policy
 from .evaluate import EvalInterrupted, eval_prompts, evaluate, load_eval, load_grid
 from .logging import RunLogger
 from .policy import Policy, agreed_rollout_batch
-from .preemption import Preemption
+from .preemption import Preemption, StepAbandoned, StopPoints
 from .rows import StepRows, step_seed
 from .run_lock import RunLock, write_run_file
 from .run_state import RunState, check_fresh_start, check_run_dir, clear_earlier_run
@@ -116,6 +117,11 @@ class Trainer:
                 shard_reward(component)
         self.algorithm = build_algorithm(cfg, self.policy, self.engine, self.dist)  # train.algorithm's unit
         self.preemption = Preemption()
+        # inside a step: a check before every transformer forward, while the step has not moved the weights (not
+        # under pools: the rollout pool samples ahead of the step, so only its end is a safe point)
+        self.stops = StopPoints(self.preemption, self._agree, lambda: self.engine.optimizer_steps,
+                                enabled=self.dist.pool is None)
+        self.policy.stop_point = self.stops.check
         self.run_state = RunState(cfg, self.dist, self.engine, self.out)
         if self.dist.pool is not None:
             self.link = TrainerLink(cfg, self.dist, self.engine)
@@ -179,6 +185,7 @@ class Trainer:
         cfg, algorithm = self.cfg, self.algorithm
         g = cfg.grpo.group_size
         t0 = time.perf_counter()
+        self.stops.arm("rollout")  # a preemption from here until the first optimizer step abandons the step
         # 0. what this step's rollout samples and keeps: the algorithm's
         spec = algorithm.rollout_spec(step)
         # 1. rollout: the step's prompts (the same on every rank), this rank's rows, scored chunk by chunk
@@ -195,14 +202,17 @@ class Trainer:
         else:  # pools: the rollout pool sampled and scored this trainer's rows, with the version the step says
             traj, parts, meta = self.link.receive(step, prompts, self.reward.names)
             late, behind, t1 = meta["late"], step - meta["version"], t0
+        self.stops.check()  # a rank's signal may have cut its reward wait short: the step is abandoned
         failed = check_failures(parts, cfg.reward.max_fail_frac)
         t2 = time.perf_counter()
         # 3. advantages over the prompt groups (row i is in group i // G)
         adv = algorithm.advantages(parts, self.reward.weights, [i // g for i in range(len(records))])
         # 4. update on this rank's slice of every minibatch
         self.model.train()
+        self.stops.rename("update")
         with self._comm("train"):
             update = algorithm.update(traj, cond, adv, rows, step, **({"behind": behind} if self.link else {}))
+        self.stops.disarm()
         if self.link is not None:
             self.link.after_update(step)  # the weights to the rollout pool, when a later rollout samples with them
         t3 = time.perf_counter()
@@ -241,11 +251,18 @@ class Trainer:
         scorer = ChunkScorer(self.reward, self.model.decode, background=background, device=self.device,
                              lane=self.scoring)
         on_chunk = lambda chunk, final: scorer.add(final, prompts[chunk], metadata[chunk])
-        with self._comm("rollout"):
-            traj = self.policy.rollout(cond, rows.mine, step, spec=spec, on_chunk=on_chunk, prompts=prompts)
+        try:
+            with self._comm("rollout"):
+                traj = self.policy.rollout(cond, rows.mine, step, spec=spec, on_chunk=on_chunk, prompts=prompts)
+        except StepAbandoned:
+            scorer.abandon()  # its chunks cancelled, not scored on into the checkpoint's save
+            raise
         t1 = time.perf_counter()
-        # 2. reward: gathered so that every rank sees the whole batch (and takes the same decisions)
-        local = scorer.finish(deadline_s=cfg.reward_deadline_s if background else None)
+        # 2. reward: gathered so that every rank sees the whole batch (and takes the same decisions); this rank's
+        # own preemption signal ends the wait (the step is then abandoned at the check after the gather)
+        self.stops.rename("reward")
+        local = scorer.finish(deadline_s=cfg.reward_deadline_s if background else None,
+                              stop=lambda: self.preemption.requested)
         with self._comm("reward"):
             parts = gather_components(local, rows.all_rows, n, lambda t: self.dist.all_gather_tensor(t.to(self.device)))
         return traj, parts, scorer.late, t1
@@ -305,7 +322,11 @@ class Trainer:
                         self.eval_dir(self.start_step) / "eval.json").is_file()):
                     evaluate_and_log(self.start_step)  # step 0's, or one a preemption stopped (or never began)
                 for step in range(self.start_step, cfg.train.steps):
-                    metrics = self.train_step(step)
+                    start = self._step_start() if self.stops.enabled else None
+                    try:
+                        metrics = self.train_step(step)
+                    except StepAbandoned as stopped:
+                        self._abandon(step, start, stopped.phase)
                     if logger is not None:
                         logger.log(metrics)
                     history.append(metrics)
@@ -328,10 +349,22 @@ class Trainer:
         return history
 
     def _agree(self, flag: bool) -> bool:
-        """True on every rank if any rank got a preemption signal (one tiny all-gather when distributed)."""
-        if not self.dist.active:
-            return flag
-        return bool(self.dist.all_gather_tensor(torch.tensor([int(flag)], device=self.device)).max())
+        """True on every rank if any rank got a preemption signal (one tiny host-side all-reduce when distributed)."""
+        return self.dist.any_rank(flag)
+
+    def _step_start(self) -> dict:
+        """What a checkpoint of the step's start holds besides the weights, taken before the step draws prompts: the
+        prompt source's position and the global RNG (a collective for a wds source: every rank, every step)."""
+        return {"prompts": self.source.state_dict(), "rng": capture_rng_state()}
+
+    def _abandon(self, step: int, start: dict, phase: str) -> None:
+        """A preemption inside step `step` before it moved the weights: the checkpoint of its start (unless the run
+        has it already), then exit as preempted; the resumed run trains step `step` from its beginning."""
+        self.stops.disarm()
+        log.warning("preempted during step %d's %s: the step is abandoned, its start checkpointed", step, phase)
+        if not self.run_state.has_checkpoint(step):
+            self.run_state.save(step, self.source, prompts=start["prompts"], rng=start["rng"])
+        self._exit_preempted(step)
 
     def _exit_preempted(self, next_step: int) -> None:
         """Checkpoint written: mark the run as preempted (the sbatch template requeues on this marker) and exit

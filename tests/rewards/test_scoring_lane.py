@@ -138,3 +138,24 @@ def test_a_judges_rows_in_flight_stop_asking_once_their_chunk_is_told_to_stop():
         srv.close()
         for conn in accepted:
             conn.close()
+
+
+def test_this_ranks_preemption_signal_ends_the_reward_wait_and_stops_the_chunks():
+    """finish(stop=): a reward that would run for WAIT_S (it polls cancelled()) under a deadline of WAIT_S; the
+    rank's signal arrives 0.3 s in: the wait ends within a poll, every row is masked, the running chunk is told to
+    stop and the queued one never runs. Without the signal the same wait would have lasted the reward's WAIT_S."""
+    lane, reward = ScoringLane(None), Recording("polls")
+    signalled = threading.Timer(0.3, lambda: None)
+    try:
+        s = scorer(reward, lane)
+        chunk(s)
+        chunk(s)
+        signalled.start()
+        t0 = time.monotonic()
+        parts = s.finish(deadline_s=WAIT_S, stop=lambda: not signalled.is_alive())
+        waited = time.monotonic() - t0
+        assert 0.25 < waited < 0.3 + 5 * multi.STOP_POLL_S
+        assert s.late == 4 and not parts["r"].valid.any()
+        assert reward.stopped.wait(WAIT_S) and reward.calls == 1  # told to stop; the queued chunk cancelled
+    finally:
+        lane.close()
