@@ -103,15 +103,15 @@ class DistContext:
         dist.all_gather(parts, t.to(device))
         return torch.cat(parts).to(t.device)
 
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if `flag` is true on any (a collective; on the host: no device sync under nccl)."""
+    def max_over_ranks(self, value: int) -> int:
+        """The largest of every rank's `value` (a collective; on the host: no device sync under nccl)."""
         if not self.active:
-            return bool(flag)
+            return int(value)
         if self.host_group is None and self.process_group == "nccl":  # pools: each pool's groups, on the device
-            return bool(self.all_gather_tensor(torch.tensor([int(flag)], device=self.device)).max())
-        t = torch.tensor([int(flag)])
+            return int(self.all_gather_tensor(torch.tensor([int(value)], device=self.device)).max())
+        t = torch.tensor([int(value)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.host_group)
-        return bool(t.item())
+        return int(t.item())
 
     def all_gather_object(self, obj) -> list:
         if not self.active:

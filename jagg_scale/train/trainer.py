@@ -24,6 +24,7 @@ draw what one process would.
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from pathlib import Path
 
@@ -349,8 +350,12 @@ class Trainer:
         return history
 
     def _agree(self, flag: bool) -> bool:
-        """True on every rank if any rank got a preemption signal (one tiny host-side all-reduce when distributed)."""
-        return self.dist.any_rank(flag)
+        """True on every rank if any rank got a preemption signal (one tiny host-side all-reduce when distributed);
+        a rank that got none takes the signal number another rank got (its exit code and the PREEMPTED marker)."""
+        agreed = self.dist.max_over_ranks(int(self.preemption.signal_number or signal.SIGTERM) if flag else 0)
+        if agreed and self.preemption.signal_number is None:
+            self.preemption.signal_number = agreed
+        return bool(agreed)
 
     def _step_start(self) -> dict:
         """What a checkpoint of the step's start holds besides the weights, taken before the step draws prompts: the
@@ -362,7 +367,10 @@ class Trainer:
         has it already), then exit as preempted; the resumed run trains step `step` from its beginning."""
         self.stops.disarm()
         log.warning("preempted during step %d's %s: the step is abandoned, its start checkpointed", step, phase)
-        if not self.run_state.has_checkpoint(step):
+        # step 0's start is the model the config builds (a resumed run with no checkpoint starts there); saving it
+        # would not even be that state: DCP gives an optimizer that never stepped a state of its own to save
+        # (torch.distributed.checkpoint.state_dict._init_optim_state: a zero-lr step, Adam's count then 1)
+        if step > 0 and not self.run_state.has_checkpoint(step):
             self.run_state.save(step, self.source, prompts=start["prompts"], rng=start["rng"])
         self._exit_preempted(step)
 

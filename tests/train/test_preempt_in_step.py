@@ -97,3 +97,23 @@ def test_an_abandoned_step_whose_start_is_saved_already_writes_nothing_new(tmp_p
     cut.close()
     assert saves == [1] and saved.is_file()  # after step 0 only
     assert (tmp_path / "PREEMPTED").read_text().startswith("signal 15; checkpoint at step 1")
+
+
+def test_a_signal_in_step_0_saves_nothing_and_the_run_starts_over_the_same(tmp_path, uninterrupted):
+    """Step 0's start is the model the config builds: nothing is saved (DCP would give the optimizer a state of its
+    own), the resumed run (run.resume auto, no checkpoint) starts at step 0 and equals the uninterrupted run."""
+    full_rows, full_weights = uninterrupted
+    overrides = SMALL + [f"run.output_dir={tmp_path}"]
+    cut = Trainer(load_config(TINY, overrides))
+    signal_in_step(cut, 0, "update")
+    with pytest.raises(SystemExit):
+        cut.fit()
+    cut.close()
+    assert not (tmp_path / "checkpoints").exists() and (tmp_path / "PREEMPTED").is_file()
+    resumed = Trainer(load_config(TINY, overrides + ["run.resume=auto"]))
+    assert resumed.start_step == 0
+    resumed.fit()
+    assert rows(tmp_path) == full_rows
+    weights = resumed.engine.full_state_dict()
+    assert all(torch.equal(weights[k], full_weights[k]) for k in weights)
+    resumed.close()
