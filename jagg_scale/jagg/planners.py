@@ -28,6 +28,12 @@ the memory estimate's unit); `max_interior(T)`, the most interior steps of one s
 the `forward` intermediate values); `fixed_plan(T)`, the plan when it does not depend on what the rollout holds
 (None when it does): what lets a run evaluate frozen models at the knots alone before the plan is made.
 
+Two experts switched by noise level (Wan2.2 A14B, experts.py): `with_switch(planner, switch)` gives the window and
+shared-knot planners the model's `ExpertSwitch`; they then plan each span of positions that stays within one expert
+for every row on its own, so no segment crosses the switch (the velocity is discontinuous there). The exact planner
+never crosses it; the budget planner's DP over the whole trajectory is refused with a switch. `switch` is no config
+setting (planner_keys leaves it out): the model says where its experts change.
+
 The run config builds one from its `jagg` section (`build_planner(kind, **settings)`, train/config_sections.py):
 a planner's settings are its dataclass fields, so a key the chosen planner has no field for is refused, naming
 the planners it belongs to (`PlannerSettingError`).
@@ -42,17 +48,20 @@ from typing import Callable, ClassVar, Literal, Optional, Sequence, Union, get_a
 
 import torch
 
+from .experts import ExpertSwitch
 from .knots import ERROR_MODELS, ErrorModel, cosine_error, plan_budget, residual_error, velocity_cosines
 from .plans import Plan, budget_for_speedup, exact_plan, knots_from_windows, plan_uniform, split_windows
 
 __all__ = ["BudgetPlanner", "ExactPlanner", "PLANNERS", "Planned", "Planner", "PlannerSettingError", "ROUTE_BY",
            "RouteBy", "Routing", "SharedKnotPlanner", "WindowPlanner", "build_planner", "endpoint_cosines",
-           "num_routed", "planner_keys", "route_windows"]
+           "num_routed", "planner_keys", "route_windows", "with_switch"]
 
 Reduce = Callable[[list[float], str], list[float]]
 RouteBy = Literal["vcos", "weighted"]
 ROUTE_BY: tuple[str, ...] = get_args(RouteBy)
 GradNorms = Callable[[], list[float]]
+# a planner field the model sets (with_switch), not the config: planner_keys leaves it out
+MODEL_SET = {"set_by": "model"}
 
 
 class PlannerSettingError(ValueError):
@@ -196,6 +205,7 @@ class WindowPlanner:
     jagg_frac: float = 1.0
     route_by: RouteBy = "vcos"
     min_cos: Optional[float] = None
+    switch: Optional[ExpertSwitch] = field(default=None, metadata=MODEL_SET)
 
     name: ClassVar[str] = "window"
     rows_per_pass: ClassVar[None] = None  # one pass per segment: a window's two endpoints together
@@ -215,12 +225,16 @@ class WindowPlanner:
         return max(0, min(self.window, T) - 2) if self.jagg_frac > 0 else 0
 
     def fixed_plan(self, T: int) -> Plan | None:
-        """Every window routed (jagg_frac 1, no min_cos): the plan is known before the rollout."""
-        return plan_uniform(T, self.window) if self.jagg_frac == 1.0 and self.min_cos is None else None
+        """Every window routed (jagg_frac 1, no min_cos): the plan is known before the rollout (not with an expert
+        switch: where it cuts depends on the sigmas)."""
+        fixed = self.jagg_frac == 1.0 and self.min_cos is None and self.switch is None
+        return plan_uniform(T, self.window) if fixed else None
 
     def plan(self, velocities: torch.Tensor, sigmas: torch.Tensor, *, grad_norms: GradNorms | None = None,
              reduce: Reduce | None = None) -> Planned:
-        windows = split_windows(range(velocities.shape[0]), self.window)
+        # windows of `window` positions within each span of one expert (the whole range without a switch)
+        windows = [w for lo, hi in _spans(self.switch, sigmas, velocities.shape[0])
+                   for w in split_windows(range(lo, hi + 1), self.window)]
         norms = None
         if self.route_by == "weighted":
             if grad_norms is None:
@@ -239,6 +253,7 @@ class SharedKnotPlanner:
 
     window: int = 4
     rows_per_pass: int = 2
+    switch: Optional[ExpertSwitch] = field(default=None, metadata=MODEL_SET)
 
     name: ClassVar[str] = "shared"
 
@@ -253,12 +268,14 @@ class SharedKnotPlanner:
     def max_interior(self, T: int) -> int:
         return max(0, min(self.window, T) - 2)
 
-    def fixed_plan(self, T: int) -> Plan:
-        return plan_uniform(T, self.window, share=True)
+    def fixed_plan(self, T: int) -> Plan | None:
+        return plan_uniform(T, self.window, share=True) if self.switch is None else None
 
     def plan(self, velocities: torch.Tensor, sigmas: torch.Tensor, *, grad_norms: GradNorms | None = None,
              reduce: Reduce | None = None) -> Planned:
-        plan = self.fixed_plan(velocities.shape[0])
+        # each span of one expert its own shared-knot plan; consecutive spans side by side (no knot shared across)
+        plan = [(a + lo, b + lo) for lo, hi in _spans(self.switch, sigmas, velocities.shape[0])
+                for a, b in plan_uniform(hi - lo + 1, self.window, share=True)]
         return Planned(plan, jagg_windows=_interpolated(plan))
 
 
@@ -313,8 +330,25 @@ PLANNERS: dict[str, type] = {cls.name: cls for cls in (ExactPlanner, WindowPlann
 
 
 def planner_keys(kind: str) -> tuple[str, ...]:
-    """The settings planner `kind` takes (its dataclass fields)."""
-    return tuple(f.name for f in dataclasses.fields(PLANNERS[kind]))
+    """The settings planner `kind` takes (its dataclass fields, but those the model sets: `switch`)."""
+    return tuple(f.name for f in dataclasses.fields(PLANNERS[kind]) if f.metadata != MODEL_SET)
+
+
+def _spans(switch: ExpertSwitch | None, sigmas: torch.Tensor, T: int) -> list[tuple[int, int]]:
+    """The position ranges a plan covers separately: all of 0 .. T-1, or the switch's spans of one expert."""
+    return [(0, T - 1)] if switch is None else switch.spans(sigmas)
+
+
+def with_switch(planner: Planner, switch: ExpertSwitch | None) -> Planner:
+    """`planner` cutting its segments at a two-expert model's switch (None: as it is). The exact planner needs no
+    cut (each step its own segment); the budget planner's DP places knots over the whole trajectory and has no cut,
+    so it is refused (the config refuses jagg.planner budget on such a model first, train/config.py)."""
+    if switch is None or isinstance(planner, ExactPlanner):
+        return planner
+    if isinstance(planner, BudgetPlanner):
+        raise PlannerSettingError("planner", "the budget planner cannot cut its segments at a two-expert model's "
+                                             "switch; use jagg.planner uniform")
+    return dataclasses.replace(planner, switch=switch)
 
 
 def build_planner(kind: str, **settings) -> Planner:
