@@ -1,18 +1,21 @@
 """How long a preemption takes, so that the scheduler's signal comes early enough: deadlines that nest.
 
-On SIGUSR1/SIGTERM a rank finishes its step (or the evaluation batch it is in), saves a checkpoint and exits; torchrun
+On SIGUSR1/SIGTERM a rank stops at the next safe point (train/preemption.py), saves a checkpoint and exits; torchrun
 waits SHUTDOWN_TIMEOUT seconds for that after forwarding the signal, and Slurm sends it --signal=B:USR1@LEAD seconds
 before the time limit. So
 
-    SHUTDOWN_TIMEOUT  >=  t_step + SAFETY x t_save + MARGIN_S        LEAD  >=  SHUTDOWN_TIMEOUT + MARGIN_S
+    SHUTDOWN_TIMEOUT  >=  t_wait + SAFETY x t_save + MARGIN_S        LEAD  >=  SHUTDOWN_TIMEOUT + MARGIN_S
     t_save  =  B / (nodes x write rate per node)  +  B / (nodes x gpus x sha256 rate per core)
+    t_wait  =  max(one rollout forward, one update micro-batch before its first optimizer step,
+                   the update after its first optimizer step)                         (the whole step under pools)
 
 with B the checkpoint's bytes (the trainable state: fp32 weights and AdamW's two moments, 12 bytes per trained
-parameter; +4 with an EMA, +4 for DiffusionNFT's old policy), every rank writing and hashing its share, and t_step
-the step-time model's step (estimate/steptime.py: an H200's passes; slower GPUs take longer). The rates are the
-conservative ones of docs/launchers.md (1 GB/s per node, 0.5 GB/s per core) unless given: `--measure DIR` measures
-them on the filesystem DIR is on. slurm/jagg.sbatch checks a job against it before starting and refuses, with these
-numbers, a lead that is too short.
+parameter; +4 with an EMA, +4 for DiffusionNFT's old policy), every rank writing and hashing its share, and the
+phases from the step-time model (estimate/steptime.py: an H200's passes; slower GPUs take longer): a rollout forward
+is the rollout's time over its chunks x sampling steps; the update's M optimizer steps a step split it evenly, the
+first into its micro-batches. The conservative rates of docs/launchers.md (1 GB/s per node, 0.5 GB/s per core) unless
+given: `--measure DIR` measures them on the filesystem DIR is on. slurm/jagg.sbatch derives its own signal from it
+(the header's --signal lead is the backstop) and refuses a job whose SHUTDOWN_TIMEOUT or time limit is too short.
 
     python -m jagg_scale.estimate.preemption CONFIG --nodes 2 --gpus 8 [section.key=value ...]   (one JSON line;
                     [--node-gbps W --hash-gbps H]                                 --shell: numbers for `read`)
@@ -32,7 +35,7 @@ NODE_GBPS, HASH_GBPS = 1.0, 0.5  # a node's filesystem write rate, one core's sh
 SAFETY, MARGIN_S = 2.0, 30.0  # the save counted twice (a slow node, a busy filesystem) plus 30 s
 
 __all__ = ["GB", "HASH_GBPS", "MARGIN_S", "NODE_GBPS", "SAFETY", "checkpoint_bytes", "lead", "measure_save_rate",
-           "save_seconds"]
+           "save_seconds", "wait_seconds"]
 
 
 def save_seconds(nbytes: float, nodes: int, gpus: int, node_gbps: float = NODE_GBPS,
@@ -50,9 +53,24 @@ def checkpoint_bytes(cfg, stats: dict) -> float:
     return (12 + 4 * shadows) * trained
 
 
+def wait_seconds(cfg, phases: dict, est: dict) -> dict:
+    """{where: seconds} of the longest a signal waits inside a step for a safe point (module docstring), from the
+    step-time model's `phases` and the memory model's `est` (its rows, chunk and micro-batch), and their max "wait"."""
+    if cfg.pools.enabled:  # a trainer of the split pipeline stops at the end of its step only
+        return {"step": phases["step"], "wait": phases["step"]}
+    R, bs = est["local_rows"], est["sampling_batch"] or est["local_rows"]
+    forwards = -(-R // bs) * cfg.sampling.num_steps
+    M = cfg.optimizer_steps_per_step
+    micro = -(-est["local_batch"] // (est["micro_batch_size"] or est["local_batch"]))
+    out = {"rollout_forward": phases["rollout"] / forwards, "first_micro_batch": phases["train"] / M / micro,
+           "after_first_optimizer_step": phases["train"] * (M - 1) / M}
+    return {**out, "wait": max(out.values())}
+
+
 def lead(cfg, nodes: int, gpus: int, node_gbps: float = NODE_GBPS, hash_gbps: float = HASH_GBPS) -> dict:
-    """{checkpoint_gb, per_rank_gb, save_s, step_s (None when the memory model lacks this model's coefficients),
-    shutdown_s (the least SHUTDOWN_TIMEOUT), lead_s (the least --signal lead)} for `cfg` on nodes x gpus."""
+    """{checkpoint_gb, per_rank_gb, save_s, step_s and wait_s (None when the memory model lacks this model's
+    coefficients: the wait is then taken as a whole step, unknown), waits (wait_seconds), shutdown_s (the least
+    SHUTDOWN_TIMEOUT), lead_s (the least signal lead)} for `cfg` on nodes x gpus."""
     from ..models.lora import lora_targets
     from . import memory as E
     from . import steptime as T
@@ -68,12 +86,15 @@ def lead(cfg, nodes: int, gpus: int, node_gbps: float = NODE_GBPS, hash_gbps: fl
     save = save_seconds(nbytes, nodes, gpus, node_gbps, hash_gbps)
     try:
         s = E.prepare(cfg, world)
-        step = T.step_seconds(s, E.estimate(s))["step"]
+        est = E.estimate(s)
+        phases = T.step_seconds(s, est)
+        step, waits = phases["step"], wait_seconds(cfg, phases, est)
     except (CoefficientsMissing, E.DoesNotDivide):
-        step = None
-    shutdown = (step or 0.0) + SAFETY * save + MARGIN_S
+        step, waits = None, {}
+    wait = waits.get("wait")
+    shutdown = (wait or 0.0) + SAFETY * save + MARGIN_S
     return {"checkpoint_gb": nbytes / GB, "per_rank_gb": nbytes / world / GB, "save_s": save, "step_s": step,
-            "shutdown_s": shutdown, "lead_s": shutdown + MARGIN_S}
+            "wait_s": wait, "waits": waits, "shutdown_s": shutdown, "lead_s": shutdown + MARGIN_S}
 
 
 def measure_save_rate(directory: Path, gb: float = 2.0, repeats: int = 3) -> dict:
@@ -146,8 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gb", type=float, default=2.0, help="with --measure: the checkpoint's size, GB")
     ap.add_argument("--repeats", type=int, default=3, help="with --measure: saves timed (median)")
     ap.add_argument("--shell", action="store_true",
-                    help="one line for a shell's `read`: shutdown_s lead_s checkpoint_gb save_s step_s (integers; "
-                         "step_s -1 when unknown)")
+                    help="one line for a shell's `read`: shutdown_s lead_s checkpoint_gb save_s step_s wait_s "
+                         "(integers; step_s and wait_s -1 when unknown)")
     args = ap.parse_intermixed_args(argv)
     if args.measure is not None:
         if args.config is not None:
@@ -167,9 +188,9 @@ def main(argv=None) -> int:
         return 2
     out = lead(cfg, args.nodes, args.gpus, args.node_gbps, args.hash_gbps)
     if args.shell:
-        step = -1 if out["step_s"] is None else out["step_s"]
+        step, wait = (-1 if out[k] is None else out[k] for k in ("step_s", "wait_s"))
         print(" ".join(str(int(math.ceil(v))) for v in (out["shutdown_s"], out["lead_s"], out["checkpoint_gb"],
-                                                         out["save_s"], step)))
+                                                         out["save_s"], step, wait)))
     else:
         print(json.dumps(out))
     return 0

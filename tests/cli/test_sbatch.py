@@ -244,24 +244,51 @@ def test_sbatch_does_not_requeue_what_the_trainer_says_a_retry_cannot_fix(stubs,
     assert (Path(env["OUTPUT_DIR"]) / "CRASHES").read_text().strip() == "0"  # not counted as a crash
 
 
+def one_node(env: dict) -> dict:
+    return {**{k: v for k, v in env.items() if k != "REPLICATE"}, "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node01"}
+
+
 @pytest.mark.slow
-def test_sbatch_estimates_the_preemption_and_refuses_a_lead_too_short(stubs, tmp_path):
-    """Deadlines that nest: the step in progress and the checkpoint must fit in torchrun's SHUTDOWN_TIMEOUT, and
-    that in the signal's lead. For sd35m_pickscore (LoRA: a 0.3 GB checkpoint) the defaults do; for FLUX.1-dev's
-    full fine-tune on 2 nodes (a 143 GB checkpoint) they do not: refused before srun, naming the values to submit
-    with, which then pass."""
+def test_sbatch_derives_its_preemption_deadlines_from_the_estimate(stubs, tmp_path):
+    """Deadlines that nest: the wait for the trainer's next safe point and the checkpoint must fit in torchrun's
+    SHUTDOWN_TIMEOUT, and that in the signal's lead. Wan2.1 14B on 4 nodes (a safe point inside the step, not the
+    ~3,700 s step) starts with the defaults, its SHUTDOWN_TIMEOUT raised to the estimate's. FLUX.1-dev's full
+    fine-tune on one node (a 143 GB checkpoint written by one node) needs a longer lead than the header's 300 s: kept
+    by the script's own timer from the job's end, whose USR1 reaches srun with no signal from outside (the job then
+    requeues); refused when the end cannot be read or comes within the lead, or when a SHUTDOWN_TIMEOUT given is too
+    short."""
+    import time
+
     env = _slurm_env(stubs, tmp_path, PREEMPT_CHECK=1, PYTHON=sys.executable, GPUS=8)
-    r = _run(SBATCH, ["configs/sd35m_pickscore.yaml"], {**env, "DRY_RUN": "1"}, timeout=RUN_S)
-    assert r.returncode == 0, r.stderr
-    need = re.search(r"needs SHUTDOWN_TIMEOUT >= (\d+) s \(have 240\), a signal lead >= (\d+) s", r.stderr)
-    assert need and int(need.group(1)) < 240 and int(need.group(2)) <= 300, r.stderr
-    r = _run(SBATCH, ["configs/flux1_dev_hps.yaml"], env, timeout=RUN_S)
-    m = re.search(r"needs SHUTDOWN_TIMEOUT >= (\d+) s and a signal lead >= (\d+) s \(a step ~\d+ s \+ 2 x a ~(\d+) s "
-                  r"save of a 143 GB checkpoint", r.stderr)
-    assert r.returncode == 2 and m and int(m.group(1)) > 240, r.stderr
-    assert f"sbatch --signal=B:USR1@{m.group(2)}" in r.stderr and not _log(tmp_path)  # srun never ran
-    env.update(SHUTDOWN_TIMEOUT=m.group(1), USR1_LEAD=m.group(2), DRY_RUN="1")
-    assert _run(SBATCH, ["configs/flux1_dev_hps.yaml"], env, timeout=RUN_S).returncode == 0
+    wan = {**{k: v for k, v in env.items() if k != "REPLICATE"},  # the script decides: no HSDP with sp
+           "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "node[01-04]", "DRY_RUN": "1"}
+    r = _run(SBATCH, ["configs/wan21_t2v_14b_hps.yaml"], wan, timeout=RUN_S)
+    m = re.search(r"a wait ~(\d+) s for a safe point \(a step ~(\d+) s\).* needs SHUTDOWN_TIMEOUT >= (\d+) s "
+                  r"\(have (\d+)\), a signal lead >= (\d+) s", r.stderr)
+    assert r.returncode == 0 and m, r.stderr
+    wait, step, need_shutdown, have, lead = map(int, m.groups())
+    assert wait < step / 10 and have == need_shutdown > 240 and lead <= 300  # the default lead, a derived timeout
+    assert _opt(shlex.split(r.stdout), "--shutdown-timeout") == str(need_shutdown)
+
+    flux = ["configs/flux1_dev_hps.yaml"]
+    env = {**{k: v for k, v in env.items() if k != "REPLICATE"}, "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node01"}
+    r = _run(SBATCH, flux, env, timeout=RUN_S)  # no SLURM_JOB_END_TIME, no squeue: the lead cannot be kept
+    m = re.search(r"needs a signal lead >= (\d+) s \(a wait ~\d+ s .* save of a 143 GB checkpoint", r.stderr)
+    assert r.returncode == 2 and m and "end time could not be read" in r.stderr and not _log(tmp_path), r.stderr
+    lead = int(m.group(1))
+    assert lead > 300
+    r = _run(SBATCH, flux, {**env, "SLURM_JOB_END_TIME": str(int(time.time()) + lead // 2)}, timeout=RUN_S)
+    assert r.returncode == 2 and "within the preemption's lead" in r.stderr, r.stderr
+    r = _run(SBATCH, flux, {**env, "SLURM_JOB_END_TIME": "9999999999", "SHUTDOWN_TIMEOUT": "100"}, timeout=RUN_S)
+    assert r.returncode == 2 and "this job has SHUTDOWN_TIMEOUT=100" in r.stderr, r.stderr
+    assert not _log(tmp_path)  # srun never ran
+    # the job "ends" 20 s after the lead: the script's own USR1, forwarded to srun, then the requeue
+    r = _run(SBATCH, flux, {**env, "STUB_MODE": "wait", "SLURM_JOB_END_TIME": str(int(time.time()) + lead + 20)},
+             timeout=RUN_S)
+    m = re.search(r"this script signals itself in (\d+) s", r.stderr)
+    assert m and int(m.group(1)) <= 20, r.stderr
+    log = _log(tmp_path)
+    assert "srun got USR1" in log and "requeue 123" in log and r.returncode == 0, (log, r.stderr)
 
 
 def test_sbatch_exposes_torchruns_restarts_and_says_its_budget(stubs, tmp_path):

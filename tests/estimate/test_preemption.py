@@ -31,3 +31,26 @@ def test_the_rates_given_set_the_save_time():
     nbytes = 100 * P.GB
     slow, fast = P.save_seconds(nbytes, 2, 8), P.save_seconds(nbytes, 2, 8, node_gbps=4.0, hash_gbps=2.0)
     assert slow == pytest.approx(100 / 2 + 100 / 16 / 0.5) and fast == pytest.approx(slow / 4)
+
+
+def test_the_wait_is_the_longest_stretch_between_safe_points():
+    """A rollout forward (rollout time over chunks x sampling steps), an update micro-batch before the first optimizer
+    step (the update split evenly over its optimizer steps, the first into micro-batches), or the update after it;
+    under pools the whole step (a trainer stops at its end only)."""
+    from pathlib import Path
+
+    from jagg_scale.train import load_config
+
+    tiny = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
+    cfg = load_config(tiny, ["sampling.num_steps=10", "train.prompts_per_step=3", "grpo.group_size=4",
+                             "train.minibatch_size=6"])
+    assert cfg.optimizer_steps_per_step == 2
+    phases = {"rollout": 120.0, "train": 60.0, "step": 190.0}
+    est = {"local_rows": 12, "sampling_batch": 4, "local_batch": 6, "micro_batch_size": 2}
+    w = P.wait_seconds(cfg, phases, est)
+    assert w["rollout_forward"] == pytest.approx(120 / (3 * 10))
+    assert w["first_micro_batch"] == pytest.approx(60 / 2 / 3)
+    assert w["after_first_optimizer_step"] == pytest.approx(30.0) == w["wait"]
+    one = load_config(tiny, ["sampling.num_steps=10", "train.prompts_per_step=3", "grpo.group_size=4",
+                             "train.minibatch_size=12"])  # one optimizer step: a micro-batch is the longest
+    assert P.wait_seconds(one, phases, est)["wait"] == pytest.approx(60 / 3)
