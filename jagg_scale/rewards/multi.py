@@ -105,16 +105,22 @@ class RewardMix(Reward):
 
 
 def gather_components(local: dict[str, ComponentScores], layout: torch.Tensor, n: int,
-                      all_gather: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, ComponentScores]:
+                      all_gather: Callable[[torch.Tensor], torch.Tensor], owned: torch.Tensor | None = None
+                      ) -> dict[str, ComponentScores]:
     """Every rank's scores in global row order. `all_gather(t)` concatenates the ranks' tensors in rank order,
-    whose rows are the global rows `layout` (StepRows.all_rows) out of `n`. Gathered in float64: every sum and
-    mean over the batch (metrics, advantages) is then float64, where a large-scale reward cannot overflow."""
+    whose rows are the global rows `layout` (StepRows.all_rows) out of `n`. `owned`: which of this rank's rows it
+    scored (a sequence-parallel group's ranks hold the same rows and split their scoring): each row is taken from
+    the rank that scored it (None: every rank scored all of its rows). Gathered in float64: every sum and mean over
+    the batch (metrics, advantages) is then float64, where a large-scale reward cannot overflow."""
+    take = None if owned is None else all_gather(owned).cpu()
+    at = layout if take is None else layout[take]
     out = {}
     for name, p in local.items():
         scores = torch.zeros(n, dtype=torch.float64)
         valid = torch.zeros(n, dtype=torch.bool)
-        scores[layout] = all_gather(p.scores.double()).cpu()
-        valid[layout] = all_gather(p.valid).cpu()
+        s, v = all_gather(p.scores.double()).cpu(), all_gather(p.valid).cpu()
+        scores[at] = s if take is None else s[take]
+        valid[at] = v if take is None else v[take]
         out[name] = ComponentScores(scores, valid)
     return out
 

@@ -15,8 +15,13 @@ At scale (thousands of held-out images, several ranks):
                eval.seed (the tensor this evaluation has always used), produced in chunks of about eval.chunk_size
                rows (`EvalNoise`): the same noise for image i whatever the rank or the world size, never the whole
                tensor at once
-    gather     the scores are all-gathered (every rank returns the same result); the grid's images are gathered to
-               rank 0, which writes eval.json and grid.png
+    sp groups  a sequence-parallel group samples the same images (its ranks split every forward's tokens); its
+               ranks then split the decode, the reward and the features: image j of a batch is rank j % sp's
+               (one copy of the work per group, not sp)
+    gather     the scores are all-gathered (every rank returns the same result), each image's from the rank that
+               scored it; the grid's images are streamed through the run directory, not gathered: each rank writes
+               the ones it holds to grid_parts/, rank 0 reads them one file at a time and writes eval.json and
+               grid.png (under NCCL a gather would move every video through rank 0's GPU)
     diversity  per image a feature row (the reward backbone's features, else pooled pixels: diversity.py) is kept
                and all-gathered like the scores; each prompt's diversity is the mean pairwise distance of its rows
 
@@ -115,15 +120,37 @@ def eval_share(n: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.
     return index.clamp(max=n - 1), index < n
 
 
-def _gather_to_main(dist, obj) -> list | None:
-    """Every rank's `obj` on rank 0 (rank order), None elsewhere; [obj] on one process."""
-    if dist is None or not dist.active:
-        return [obj]
-    import torch.distributed as tdist
+GRID_PARTS = "grid_parts"  # beside eval.json while an evaluation of several ranks collects its grid
 
-    out = [None] * dist.world_size if dist.is_main else None
-    tdist.gather_object(obj, out, dst=0)
-    return out
+
+def _grid_on_main(dist, out_dir: Path | None, index: list[torch.Tensor], images: list[torch.Tensor]
+                  ) -> torch.Tensor | None:
+    """The grid's images in image order on rank 0 (None elsewhere): each rank writes the ones it holds into
+    out_dir/grid_parts (a shared run directory), rank 0 reads them one file at a time (safetensors: no code runs)
+    and removes them. One process: its own, sorted."""
+    from safetensors.torch import load_file
+
+    held = (torch.cat(index), torch.cat(images)) if images else None
+    if dist is None or not dist.active:
+        return None if held is None else held[1][held[0].argsort()]
+    parts = Path(out_dir) / GRID_PARTS
+    if dist.is_main:
+        parts.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    if held is not None:
+        save_file({"index": held[0].contiguous(), "images": held[1].contiguous()},
+                  str(parts / f"rank_{dist.rank:05d}.safetensors"))
+    dist.barrier()  # every part written
+    if not dist.is_main:
+        return None
+    index, images = [], []
+    for f in sorted(parts.glob("rank_*.safetensors")):
+        part = load_file(str(f))
+        index.append(part["index"])
+        images.append(part["images"])
+        f.unlink()
+    parts.rmdir()
+    return torch.cat(images)[torch.cat(index).argsort()] if images else None
 
 
 @torch.no_grad()
@@ -134,9 +161,9 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
     eval.json and grid.png.
 
     With a DistContext `dist` of several ranks each samples its share (module docstring); every rank must call this
-    (the same number of forwards), every rank returns the same result, and `out_dir` is written where it is given
-    (the trainer gives it to rank 0 only). `base`: the base model's result of the same protocol (the step-0
-    evaluation), reported beside this one with the diversity ratio.
+    (the same number of forwards), every rank returns the same result, and rank 0 writes `out_dir` (given on every
+    rank, or on none: the grid's images pass through it). `base`: the base model's result of the same protocol (the
+    step-0 evaluation), reported beside this one with the diversity ratio.
 
     Preemption: `stop()`, called before every batch (on every rank: it must return the same everywhere, the trainer
     agrees on it across ranks), ends the evaluation with EvalInterrupted carrying this rank's batches so far;
@@ -147,6 +174,7 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
     # a sequence-parallel group evaluates the same images (parallel/sequence.py): shares by data rank
     sp = dist.sequence_parallel if active else 1
     rank, world = (dist.data_rank, dist.data_world) if active else (0, 1)
+    part = dist.rank % sp if active else 0  # of a batch, this rank decodes and scores images j with j % sp == part
     records = [r for r in prompts.records for _ in range(e.num_per_prompt)]
     n = len(records)
     index, real = eval_share(n, rank, world)
@@ -154,13 +182,14 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
     noise = EvalNoise(e.seed, model.latent_shape, n, e.chunk_size)
     sigmas = model_schedule(model, cfg.sampling.eval_num_steps, cfg.sampling.shift).to(device)
     grid_n = min(e.grid_images, n)
-    scores, valid, feats, grid = [], [], [], []
+    scores, valid, feats, grid, grid_index = [], [], [], [], []
     space, done = None, 0
+    kept = ("scores", "valid", "feats", "grid", "grid_index")
     if resume is not None:
         if (resume["world"], resume["images"]) != (world, n):
             raise ValueError(f"an evaluation of {resume['images']} images on {resume['world']} ranks resumes only "
                              f"there, not with {n} images on {world}")
-        scores, valid, feats, grid = (list(resume[k]) for k in ("scores", "valid", "feats", "grid"))
+        scores, valid, feats, grid, grid_index = (list(resume[k]) for k in kept)
         space, done = resume["space"], resume["batches"]
     was_training = model.training
     model.eval()
@@ -169,30 +198,47 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
             if b < done:
                 continue
             if stop is not None and stop():
-                raise EvalInterrupted({"batches": b, "world": world, "images": n, "scores": scores, "valid": valid,
-                                       "feats": feats, "grid": grid, "space": space})
+                raise EvalInterrupted({"batches": b, "world": world, "images": n, "space": space,
+                                       **dict(zip(kept, (scores, valid, feats, grid, grid_index)))})
             batch = [records[i] for i in rows.tolist()]
             texts = [r.prompt for r in batch]
             final = sample_ode(velocity_fn, encode(texts), noise.rows(rows).to(device), sigmas)
-            images = model.decode(final)
-            s, v, _ = score_safely(reward, images, texts, [r.metadata for r in batch], max_fail_frac=1.0,
-                                   latents=final if hasattr(reward, "needs_pixels") else None)  # a mix: latent ones
-            scores.append(s.cpu())
-            valid.append(v.cpu())
-            f, space = diversity_features(reward, images)
-            feats.append(f)
-            shown = (mine & (rows < grid_n)).nonzero().flatten()
-            if len(shown):
-                grid.append(to_uint8(images[shown.to(images.device)]))
-            del final, images
+            own = torch.arange(len(rows)) % sp == part  # this rank's images of the batch (all, without sp)
+            at = own.nonzero().flatten()
+            s_b, v_b, f_b = torch.zeros(len(rows)), torch.zeros(len(rows), dtype=torch.bool), None
+            if len(at):
+                final = final[at.to(final.device)]
+                images = model.decode(final)
+                mine_batch = [batch[i] for i in at.tolist()]
+                s, v, _ = score_safely(reward, images, [r.prompt for r in mine_batch],
+                                       [r.metadata for r in mine_batch], max_fail_frac=1.0,
+                                       latents=final if hasattr(reward, "needs_pixels") else None)  # a mix's latent
+                s_b[at], v_b[at] = s.cpu().float(), v.cpu()
+                f, space = diversity_features(reward, images)
+                f_b = f.new_zeros(len(rows), *f.shape[1:])
+                f_b[at] = f
+                shown = (mine[at] & (rows[at] < grid_n)).nonzero().flatten()
+                if len(shown):
+                    grid.append(to_uint8(images[shown.to(images.device)]))
+                    grid_index.append(rows[at][shown])
+                del images
+            scores.append(s_b)
+            valid.append(v_b)
+            feats.append(f_b)
+            del final
     finally:
         model.train(was_training)
+    width = next((f.shape[1:] for f in feats if f is not None), None)
+    if sp > 1:  # a rank that scored none of a batch has no features of it to size its zeros by: the group's
+        width = torch.Size(dist.all_gather_object(None if width is None else tuple(width))[rank * sp])
+    feats = [torch.zeros(len(s_), *width) if f is None else f for f, s_ in zip(feats, scores)]
     scores_t, valid_t, feats_t = torch.cat(scores), torch.cat(valid), torch.cat(feats)
-    if active:  # every rank's share, once per data group
-        once = lambda t: t.view(dist.world_size, -1, *t.shape[1:])[::sp].flatten(0, 1)  # noqa: E731
-        scores_t = once(dist.all_gather_tensor(scores_t.to(dist.device)).cpu())
-        valid_t = once(dist.all_gather_tensor(valid_t.to(dist.device)).cpu())
-        feats_t = once(dist.all_gather_tensor(feats_t.to(dist.device)).cpu())
+    if active:  # every rank's share; within a group each image from the rank that scored it (the others hold 0)
+        def once(t: torch.Tensor) -> torch.Tensor:
+            whole = dist.all_gather_tensor(t.to(dist.device)).cpu().view(world, sp, -1, *t.shape[1:])
+            return (whole.any(1) if t.dtype == torch.bool else whole.sum(1)).flatten(0, 1)
+
+        scores_t, valid_t, feats_t = once(scores_t), once(valid_t), once(feats_t)
     # rank-major shares: the gathered rows are the images in order
     scores_t, valid_t, feats_t = scores_t[:n], valid_t[:n], feats_t[:n]
     ok = scores_t[valid_t].double()  # float32 sums overflow for rewards on a 1e38 scale
@@ -226,15 +272,12 @@ def evaluate(model, velocity_fn, encode, reward, cfg: Config, prompts: PromptSet
             base_grid = None  # the base's grid showed other images: no "before" column
         if edits is not None:
             result["grid"]["columns"] = ["input", *(["before"] * k if base_grid is not None else []), *["after"] * k]
-    parts = _gather_to_main(dist, torch.cat(grid) if grid else None) if grid_n else None
-    parts = parts[::sp] if parts else parts  # rank 0's list: one share per data group
-    if out_dir is not None:
+    shown_images = _grid_on_main(dist, out_dir, grid_index, grid) if grid_n and out_dir is not None else None
+    if out_dir is not None and (not active or dist.is_main):
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        images = [p for p in parts or [] if p is not None]
-        if images:
+        if shown_images is not None:
             labels = [_row_label(p) for p in per_prompt]
-            shown_images = torch.cat(images)
             save_file({"images": shown_images.contiguous()}, str(out_dir / GRID_TENSORS))  # a later eval's "before"
             ncols = k
             if edits is not None:  # instruction editing: input | before (the base's edits) | after, per row
@@ -303,7 +346,6 @@ def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> 
                 dist.on_every_rank(lambda turn=turn: load_trained_weights(
                     model, checkpoint, ema=cfg.train.ema_decay > 0) if turn == dist.rank else None)
         policy = Policy(model, cfg, dist.device)
-        return evaluate(model, policy.velocity_fn(), policy.encode, reward, cfg, prompts,
-                        out_dir if dist.is_main else None, dist)
+        return evaluate(model, policy.velocity_fn(), policy.encode, reward, cfg, prompts, out_dir, dist)
     finally:
         dist.close()

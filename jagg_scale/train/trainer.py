@@ -39,7 +39,8 @@ from ..models import build_model
 from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
 from ..pools.trainer_link import TrainerLink, refuse_start
-from ..rewards.multi import ChunkScorer, ScoringLane, build_reward_mix, check_failures, gather_components
+from ..rewards.multi import (ChunkScorer, ComponentScores, ScoringLane, build_reward_mix, check_failures,
+                             gather_components)
 from .algorithm import build_algorithm
 from .config import Config, ConfigError, load_prompt_file, validate_world
 from .invariants import check_on_policy
@@ -198,11 +199,12 @@ class Trainer:
         self.policy.take_counts()  # from here, this step's (not an evaluation's encodes)
         cond = self.policy.encode(prompts)
         if self.link is None:
-            traj, parts, late, t1 = self._rollout_and_reward(step, spec, cond, rows, prompts, metadata, len(records))
+            traj, parts, scoring, t1 = self._rollout_and_reward(step, spec, cond, rows, prompts, metadata,
+                                                                len(records))
             behind = 0
         else:  # pools: the rollout pool sampled and scored this trainer's rows, with the version the step says
             traj, parts, meta = self.link.receive(step, prompts, self.reward.names)
-            late, behind, t1 = meta["late"], step - meta["version"], t0
+            scoring, behind, t1 = {"reward_late": meta["late"]}, step - meta["version"], t0
         self.stops.check()  # a rank's signal may have cut its reward wait short: the step is abandoned
         failed = check_failures(parts, cfg.reward.max_fail_frac)
         t2 = time.perf_counter()
@@ -222,7 +224,7 @@ class Trainer:
             "step": step,
             **self._reward_metrics(parts, failed),
             "zero_std_groups": adv.zero_std_groups,
-            "reward_late": late,  # this rank's samples masked by reward.deadline_s (mean over ranks)
+            **scoring,  # reward_late, reward_rows: this rank's (mean over ranks)
             # rows encoded vs distinct prompts encoded, rollout rows (and row-forwards) that shared a group's prefix
             **self.policy.take_counts(),
             **update,
@@ -244,14 +246,26 @@ class Trainer:
 
     def _rollout_and_reward(self, step, spec, cond, rows, prompts, metadata, n: int):
         """Steps 1-2 on this rank: its rows sampled, each chunk scored in the background while the next samples,
-        the scores gathered over ranks. Returns (trajectories, every row's reward components, this rank's late
-        samples, the rollout's end time)."""
+        the scores gathered over ranks. Returns (trajectories, every row's reward components, this rank's scoring
+        counts, the rollout's end time)."""
         cfg = self.cfg
         self.model.eval()
         background = cfg.reward.background and not (cfg.reward.shard and self.dist.world_size > 1)
         scorer = ChunkScorer(self.reward, self.model.decode, background=background, device=self.device,
                              lane=self.scoring)
-        on_chunk = lambda chunk, final: scorer.add(final, prompts[chunk], metadata[chunk])
+        # a sequence-parallel group's ranks hold the same rows: each decodes and scores every sp-th of them (a
+        # sharded reward needs every rank in each call: then each scores all)
+        sp = self.dist.sequence_parallel if not cfg.reward.shard else 1
+        owned = torch.arange(len(rows.mine)) % sp == self.dist.rank % sp
+
+        def on_chunk(chunk: slice, final: torch.Tensor) -> None:
+            at = owned[chunk].nonzero().flatten()
+            if len(at) == len(final):
+                scorer.add(final, prompts[chunk], metadata[chunk])
+            elif len(at):
+                mine = [chunk.start + int(i) for i in at]
+                scorer.add(final[at.to(final.device)], [prompts[i] for i in mine], [metadata[i] for i in mine])
+
         try:
             with self._comm("rollout"):
                 traj = self.policy.rollout(cond, rows.mine, step, spec=spec, on_chunk=on_chunk, prompts=prompts)
@@ -264,9 +278,15 @@ class Trainer:
         self.stops.rename("reward")
         local = scorer.finish(deadline_s=cfg.reward_deadline_s if background else None,
                               stop=lambda: self.preemption.requested)
+        if sp > 1:  # this rank's scores in its rows' places (0 and invalid where a group peer scored)
+            local = {k: ComponentScores(torch.zeros(len(owned), dtype=c.scores.dtype).index_put_((owned,), c.scores),
+                                        torch.zeros(len(owned), dtype=torch.bool).index_put_((owned,), c.valid))
+                     for k, c in local.items()}
         with self._comm("reward"):
-            parts = gather_components(local, rows.all_rows, n, lambda t: self.dist.all_gather_tensor(t.to(self.device)))
-        return traj, parts, scorer.late, t1
+            parts = gather_components(local, rows.all_rows, n, lambda t: self.dist.all_gather_tensor(t.to(self.device)),
+                                      owned=owned if sp > 1 else None)
+        # this rank's samples masked by reward.deadline_s, and the rows it decoded and scored
+        return traj, parts, {"reward_late": scorer.late, "reward_rows": int(owned.sum())}, t1
 
     def _reward_metrics(self, parts, failed: dict[str, int]) -> dict:
         total, valid = self.reward.weighted_sum(parts)
@@ -394,12 +414,12 @@ class Trainer:
         # preemption between batches: this rank's batches so far kept beside the eval, resumed from there
         partial = out_dir / f"partial_rank{self.dist.rank:05d}.pt"
         resume = load_torch(partial) if partial.is_file() else None
-        if resume is not None and (resume["world"] != self.dist.world_size):
-            resume = None  # another world size: its shares differ, the evaluation starts over
+        if resume is not None and (resume.get("world") != self.dist.data_world or "grid_index" not in resume):
+            resume = None  # another data world (its shares differ) or an older layout: the evaluation starts over
         try:
             with self.engine.ema_weights():  # the EMA weights when train.ema_decay > 0
                 result = evaluate(self.model, self.policy.velocity_fn(), self.policy.encode, self.reward, self.cfg,
-                                  self.eval_prompts, out_dir if self.dist.is_main else None, self.dist, base=base,
+                                  self.eval_prompts, out_dir, self.dist, base=base,
                                   stop=lambda: self._agree(self.preemption.requested), resume=resume,
                                   base_grid=base_grid)
         except EvalInterrupted as stopped:

@@ -47,29 +47,48 @@ def wan_sp2(wan_dir, tmp_path_factory) -> tuple[Path, list[dict]]:
     return d / "run", rows
 
 
-def _trains_as_one_process(split: list[dict], one: list[dict]) -> None:
+def _trains_as_one_process(split: list[dict], one: list[dict], nproc: int) -> None:
     assert [r["step"] for r in split] == [r["step"] for r in one] == [0, 1]
     for a, b in zip(split, one):
         assert a["backward_passes"] == b["backward_passes"] and a["windows_jagg"] == b["windows_jagg"] > 0
+        # every row decoded and scored once: by one rank of its group (the metric is the mean over ranks)
+        assert a["reward_rows"] * nproc == b["reward_rows"] > 0
         close(a, b)
 
 
 COMMON = ["train.steps=2", "run.checkpoint_every=0"]
 
 
+# the base model's evaluation, 3 prompts x 3 images in batches of 2 (each split over a group's 2 ranks)
+EVAL = ["eval.enabled=true", "eval.at_start=true", "eval.every=0", "eval.prompts=[a red apple, a dog, a blue car]",
+        "eval.num_per_prompt=3", "eval.chunk_size=2", "eval.grid_images=5"]
+
+
 @pytest.mark.parametrize("kind, nproc, extra", [
     ("wan", 4, []),
-    ("sd3", 2, ["grpo.kl_beta=0.04"]),  # this stack's own plan; a full fine-tune: its KL reference copy split too
+    # this stack's own plan; a full fine-tune: its KL reference copy split too; and the evaluation
+    ("sd3", 2, ["grpo.kl_beta=0.04", *EVAL]),
 ])
 def test_groups_of_two_ranks_splitting_the_tokens_train_as_one_process(kind, nproc, extra, request, tmp_path):
+    import json
+
     pipe = request.getfixturevalue(f"{kind}_dir")
     one = run(kind, pipe, 1, tmp_path / "one", *COMMON, *extra)
-    _trains_as_one_process(run(kind, pipe, nproc, tmp_path / "split", *COMMON, *extra, *SP), one)
+    _trains_as_one_process(run(kind, pipe, nproc, tmp_path / "split", *COMMON, *extra, *SP), one, nproc)
+    if extra[-1:] == EVAL[-1:]:  # the images each rank of a group scored, gathered: the one-process evaluation's
+        a, b = (json.loads((tmp_path / d / "eval" / "step_00000000" / "eval.json").read_text())
+                for d in ("split", "one"))
+        assert a["num_images"] == b["num_images"] == 9 and a["num_failed"] == 0
+        for pa, pb in zip(a["per_prompt"], b["per_prompt"]):
+            assert pa["scores"] == pytest.approx(pb["scores"], rel=1e-5)
+            assert pa["diversity"] == pytest.approx(pb["diversity"], rel=1e-4)
+        grid = tmp_path / "split" / "eval" / "step_00000000"
+        assert (grid / "grid.png").is_file() and not (grid / "grid_parts").exists()  # streamed through, removed
 
 
 def test_two_ranks_splitting_wans_tokens_train_as_one_process(wan_dir, wan_sp2, tmp_path):
     """The module's sp = 2 run (its checkpoints change no metric) against one process."""
-    _trains_as_one_process(wan_sp2[1], run("wan", wan_dir, 1, tmp_path / "one", *COMMON))
+    _trains_as_one_process(wan_sp2[1], run("wan", wan_dir, 1, tmp_path / "one", *COMMON), 2)
 
 
 def test_a_checkpoint_written_with_sp2_resumes_with_sp1(wan_dir, wan_sp2, tmp_path):
