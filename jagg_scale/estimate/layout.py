@@ -48,9 +48,9 @@ def replicas_per_node(cfg, nodes: int, gpus: int, gpu_gib: float = 79.2, headroo
     p = cfg.parallel
     if nodes <= 1 or p.engine != "fsdp2" or p.replicate != 1:
         return p.replicate, "one node, or not fsdp2, or parallel.replicate set: as configured"
-    if p.sequence_parallel > 1:  # its groups split tokens across the flat FSDP2 mesh (ParallelConfig refuses both)
-        return 1, (f"parallel.sequence_parallel {p.sequence_parallel}: flat FSDP over every node (HSDP is not "
-                   "combined with it)")
+    if p.sequence_parallel > 1 and gpus % p.sequence_parallel:  # a group would straddle nodes, and so replicas
+        return 1, (f"parallel.sequence_parallel {p.sequence_parallel} does not divide a node's {gpus} GPUs: flat FSDP "
+                   "over every node")
     if cfg.model.lora.enabled:
         return nodes, "LoRA: only the adapter's gradient crosses nodes"
     from .memory import GiB, estimate, fits, prepare

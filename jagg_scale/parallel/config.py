@@ -61,7 +61,5 @@ class ParallelConfig(Section):
                 f"must be >= 1, got {self.sequence_parallel}")
         require(self.sequence_parallel == 1 or self.engine == "fsdp2", f"{prefix}.sequence_parallel",
                 f"splits the tokens of FSDP2's ranks: it needs {prefix}.engine fsdp2, not {self.engine}")
-        require(self.sequence_parallel == 1 or self.replicate == 1, f"{prefix}.sequence_parallel",
-                f"is not combined with HSDP ({prefix}.replicate {self.replicate}) yet")
         require(self.collective_timeout_s >= 1, f"{prefix}.collective_timeout_s",
                 f"must be >= 1 second, got {self.collective_timeout_s}")

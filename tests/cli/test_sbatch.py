@@ -98,19 +98,24 @@ def test_sbatch_uses_hsdp_over_the_nodes_where_it_fits(stubs, tmp_path):
     assert flux == [] and "flat FSDP over every node" in log
 
 
-def test_sbatch_sets_the_sequence_parallel_size_and_then_keeps_flat_fsdp(stubs, tmp_path):
-    """SEQUENCE_PARALLEL (or the override, which must agree) becomes parallel.sequence_parallel; a config split so is
-    not given HSDP over the nodes (the two are not combined), and the log says why."""
+def test_sbatch_sets_the_sequence_parallel_size_and_chooses_hsdp_where_its_groups_fit_a_node(stubs, tmp_path):
+    """SEQUENCE_PARALLEL (or the override, which must agree) becomes parallel.sequence_parallel; HSDP over the nodes
+    is chosen with it as without it when the groups fit inside a node (sp 2 of 8 GPUs: one replica a node), not when
+    a group would straddle nodes (sp 4 of 6 GPUs: flat FSDP), and the log says why."""
     env = _slurm_env(stubs, tmp_path, SLURM_NNODES=4, PYTHON=sys.executable, GPUS=8, SEQUENCE_PARALLEL=2)
     del env["REPLICATE"]
     r = _run(SBATCH, ["configs/wan_tiny_cpu.yaml", "parallel.engine=fsdp2"], {**env, "DRY_RUN": "1"}, timeout=RUN_S)
     assert r.returncode == 0, r.stderr
     tail = _tail(shlex.split(r.stdout.splitlines()[-1]), "jt")
-    assert "parallel.sequence_parallel=2" in tail and not any(a.startswith("parallel.replicate=") for a in tail)
-    assert "parallel.sequence_parallel 2: flat FSDP over every node" in r.stderr
+    assert "parallel.sequence_parallel=2" in tail and "parallel.replicate=4" in tail, (tail, r.stderr)
     r = _run(SBATCH, [CONFIG, "parallel.sequence_parallel=4"], {**env, "DRY_RUN": "1"})
     assert r.returncode == 2
     assert "SEQUENCE_PARALLEL=2 and the override parallel.sequence_parallel=4 disagree" in r.stderr
+    env.update(GPUS="6", SEQUENCE_PARALLEL="4")
+    r = _run(SBATCH, ["configs/wan_tiny_cpu.yaml", "parallel.engine=fsdp2"], {**env, "DRY_RUN": "1"}, timeout=RUN_S)
+    tail = _tail(shlex.split(r.stdout.splitlines()[-1]), "jt")
+    assert r.returncode == 0 and not any(a.startswith("parallel.replicate=") for a in tail), r.stderr
+    assert "parallel.sequence_parallel 4 does not divide a node's 6 GPUs: flat FSDP over every node" in r.stderr
 
 
 def test_sbatch_replicate_and_collective_timeout_knobs(stubs, tmp_path):

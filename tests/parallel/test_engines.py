@@ -205,8 +205,6 @@ def _loss_and_grads(engine) -> tuple[float, dict]:
     ("parallel.backend=fsdp2", "config key 'parallel.backend' is now 'parallel.engine'"),
     ("parallel.sequence_parallel=2", "'parallel.sequence_parallel' splits the tokens of FSDP2's ranks"),
     ("parallel.sequence_parallel=0 parallel.engine=fsdp2", "'parallel.sequence_parallel' must be >= 1"),
-    ("parallel.sequence_parallel=2 parallel.engine=fsdp2 parallel.replicate=2",
-     "'parallel.sequence_parallel' is not combined with HSDP"),
     ("model.gradient_checkpointing=true", "config key 'model.gradient_checkpointing' is now "
                                           "'parallel.activation_checkpointing'"),
 ])

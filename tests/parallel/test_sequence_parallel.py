@@ -1,9 +1,9 @@
 """Sequence parallelism (parallel.sequence_parallel, parallel/sequence.py) on CPU with gloo: jagg-train on 2 and 4
 processes with groups of 2 ranks splitting every pass's tokens (diffusers' Ulysses context parallelism) trains
-as 1 process does - a video model (tiny Wan2.1) and an image model (tiny FLUX.1) - and a checkpoint written with
-sp = 2 resumes with sp = 1. Step 0 (the same rows, noise and weights) must agree to 1e-5; after an update the
-weights differ by the gradient reduction's float order, as between any two world sizes (test_distributed.py's
-tolerances)."""
+as 1 process does - a video model (tiny Wan2.1, on 4 ranks with HSDP: 2 replicas) and an image model (tiny SD3,
+with an evaluation) - and a checkpoint written with sp = 2 resumes with sp = 1. Step 0 (the same rows, noise and
+weights) must agree to 1e-5; after an update the weights differ by the gradient reduction's float order, as between
+any two world sizes (test_distributed.py's tolerances)."""
 
 from __future__ import annotations
 
@@ -64,17 +64,17 @@ EVAL = ["eval.enabled=true", "eval.at_start=true", "eval.every=0", "eval.prompts
         "eval.num_per_prompt=3", "eval.chunk_size=2", "eval.grid_images=5"]
 
 
-@pytest.mark.parametrize("kind, nproc, extra", [
-    ("wan", 4, []),
+@pytest.mark.parametrize("kind, nproc, extra, layout", [
+    ("wan", 4, [], ["parallel.replicate=2"]),  # with HSDP: 2 replicas of 2 shards, each shard group one sp group
     # this stack's own plan; a full fine-tune: its KL reference copy split too; and the evaluation
-    ("sd3", 2, ["grpo.kl_beta=0.04", *EVAL]),
+    ("sd3", 2, ["grpo.kl_beta=0.04", *EVAL], []),
 ])
-def test_groups_of_two_ranks_splitting_the_tokens_train_as_one_process(kind, nproc, extra, request, tmp_path):
+def test_groups_of_two_ranks_splitting_the_tokens_train_as_one_process(kind, nproc, extra, layout, request, tmp_path):
     import json
 
     pipe = request.getfixturevalue(f"{kind}_dir")
     one = run(kind, pipe, 1, tmp_path / "one", *COMMON, *extra)
-    _trains_as_one_process(run(kind, pipe, nproc, tmp_path / "split", *COMMON, *extra, *SP), one, nproc)
+    _trains_as_one_process(run(kind, pipe, nproc, tmp_path / "split", *COMMON, *extra, *SP, *layout), one, nproc)
     if extra[-1:] == EVAL[-1:]:  # the images each rank of a group scored, gathered: the one-process evaluation's
         a, b = (json.loads((tmp_path / d / "eval" / "step_00000000" / "eval.json").read_text())
                 for d in ("split", "one"))
