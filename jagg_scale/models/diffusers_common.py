@@ -28,6 +28,39 @@ from .base import VelocityModel
 log = logging.getLogger(__name__)
 
 
+# model.attention -> diffusers' attention backend (attention_dispatch.AttentionBackendName): both support context
+# parallelism and save the softmax's logsumexp for the backward (diffusers 0.42 attention_dispatch.py: the native
+# backend's `_native_attention_backward_op` runs scaled_dot_product_attention again under sequence parallelism)
+ATTENTION_BACKENDS = {"cudnn": "_native_cudnn", "flash": "flash"}
+
+
+def set_attention_backend(transformer: nn.Module, name: str, device: torch.device) -> int:
+    """model.attention `name` on every attention processor of `transformer` (of each expert, for a module of several)
+    that dispatches through diffusers' attention backends; sdpa and xformers are the adapters' own (no-op here).
+    Returns the processors set. ValueError naming the key when the backend cannot run: not on CUDA, flash without
+    the flash-attn package, or a transformer none of whose processors dispatch (SD3's call SDPA themselves)."""
+    backend = ATTENTION_BACKENDS.get(name)
+    if backend is None:
+        return 0
+    key = f"config key 'model.attention' {name}"
+    if device.type != "cuda":
+        raise ValueError(f"{key} is a CUDA attention kernel; this run is on {device.type}: use sdpa")
+    if name == "flash":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ValueError(f"{key} needs the flash-attn package (import flash_attn failed): install it, or use cudnn")
+    set_n = 0
+    for model in getattr(transformer, "experts", None) or [transformer]:
+        takes = [m for m in model.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")]
+        if not takes:
+            raise ValueError(f"{key}: {type(model).__name__}'s attention does not go through diffusers' attention "
+                             "backends (its processors call the kernel themselves): use sdpa")
+        model.set_attention_backend(backend)
+        set_n += len(takes)
+    return set_n
+
+
 def t5_length(tokenizer, configured: int | None, default: int) -> int:
     """The T5 prompt length in tokens: `configured` (model.max_sequence_length) or the pipeline's own default,
     never past the tokenizer's limit (the tiny test pipelines' T5 tokenizer stops at 32)."""

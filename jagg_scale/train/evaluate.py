@@ -45,7 +45,7 @@ from ..data import PromptSet
 from ..data.images import load_rgb
 from ..grpo import model_schedule, sample_ode
 from ..rewards import score_safely
-from .config import Config, load_prompt_file
+from .config import Config, ConfigError, load_prompt_file
 from .diversity import compare_to_base, diversity_features, mean_pairwise_distance
 from .grid import edit_rows, image_grid, to_uint8, video_frames_row, write_gifs
 
@@ -325,6 +325,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> 
     0 writes."""
     from ..checkpoint import verify_checkpoint
     from ..models import build_model
+    from ..models.diffusers_common import ATTENTION_BACKENDS, set_attention_backend
     from ..parallel.dist import init_distributed
     from ..parallel.weights import load_trained_weights
     from ..rewards.multi import build_reward_mix
@@ -338,6 +339,11 @@ def evaluate_checkpoint(cfg: Config, checkpoint: Path | None, out_dir: Path) -> 
         # no optimizer, no fp32 master: a transformer published in bf16 is held in bf16 under model.dtype bfloat16
         # (the forwards autocast to bf16 either way; FLUX: 23.8 GB a GPU, not 47.6)
         model = build_model(cfg.model, keep_stored_dtype=True).to(dist.device)
+        if cfg.model.attention in ATTENTION_BACKENDS:
+            try:
+                set_attention_backend(model.transformer, cfg.model.attention, dist.device)
+            except ValueError as err:
+                raise ConfigError(str(err)) from err
         if checkpoint is not None:
             verify_checkpoint(checkpoint, dist)  # collective: each rank hashes its share, all fail alike
             # one rank at a time: each reads the trained weights whole (a full fine-tune's fp32 state: FLUX 47.6 GB

@@ -36,6 +36,7 @@ from ..checkpoint.local import write_object
 from ..checkpoint.pickles import load_torch
 from ..data import ListPromptSource, PromptSet, StreamPromptSource
 from ..models import build_model
+from ..models.diffusers_common import ATTENTION_BACKENDS, set_attention_backend
 from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
 from ..pools.trainer_link import TrainerLink, refuse_start
@@ -98,6 +99,11 @@ class Trainer:
         # in their compute dtype); the engine places the transformer on the device, sharded first where it shards
         # (upcast to its fp32 master weights on the way); then the frozen parts go to the device on their own.
         model = build_model(cfg.model, keep_stored_dtype=True)
+        if cfg.model.attention in ATTENTION_BACKENDS:  # before sequence parallelism: it checks the backend takes part
+            try:
+                set_attention_backend(model.transformer, cfg.model.attention, self.device)
+            except ValueError as err:
+                raise ConfigError(str(err)) from err
         # The KL reference: with LoRA the same transformer with its adapter off (no copy); otherwise a frozen copy
         # of the starting transformer alone, made on the host, sharded like the policy, sharing the policy's VAE
         # and encoders (rebuilt identically on resume, so checkpoints need not hold it). beta = 0 skips the
