@@ -153,7 +153,7 @@ def _summary(trainer, cfg, history: list[dict], wall_s: float) -> None:
     wall = summary["wall_seconds"]
     print(
         f"\n== jagg-train summary ({cfg.run.output_dir}) ==\n"
-        f"  {cfg.jagg.make_planner()}\n"
+        f"  {getattr(getattr(trainer.algorithm, 'runner', None), 'planner', None) or cfg.jagg.make_planner()}\n"
         f"  reward: first {summary['reward_first']:.4f} -> last {summary['reward_last']:.4f} "
         f"(mean of first/last {min(3, steps)} steps)\n"
         f"  transformer backward passes: {summary['backward_passes']} vs "

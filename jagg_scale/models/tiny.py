@@ -1,7 +1,7 @@
 """Tiny, random, fully offline diffusers pipelines, one per model family (its Family.tiny names the builder here):
 the test fixtures of the adapters (tests/conftest.py) and smoke runs (configs/*_tiny_cpu.yaml).
 
-    python -m tools.make_tiny_pipeline OUT_DIR --kind sd3|flux|flux_kontext|qwenimage|flux2|zimage|wan [--seed 0]
+    python -m tools.make_tiny_pipeline OUT_DIR --kind sd3|flux|flux_kontext|qwenimage|flux2|zimage|wan|wan22 [--seed 0]
 
 Nothing is downloaded: every component is built from a config with seeded random weights, and the tokenizers
 are built locally from a small vocabulary (no model hub). The result loads with its family's pipeline class
@@ -449,20 +449,19 @@ def make_tiny_zimage(out_dir, seed: int = 0) -> Path:
     return _save(build_tiny_zimage(seed), out_dir)
 
 
-def build_tiny_wan(seed: int = 0):
+def build_tiny_wan(seed: int = 0, experts: bool = False):
     """The tiny random WanPipeline (Wan2.1 T2V layout): a WanTransformer3DModel of 1 layer, 2 heads x 8, patch
-    (1, 2, 2), in/out 4 channels, text_dim 32 (= the UMT5 d_model); an AutoencoderKLWan of 2 levels (spatial and
-    temporal factor 2: 5 frames of 16 px <-> 3 x 8 x 8 latents) with per-channel latents mean / std; UMT5 over the T5
-    tokenizer above; FlowMatchEulerDiscreteScheduler(shift=3) (the published Wan2.1 uses UniPC with flow_shift 3 or 5:
-    the adapter reads whichever scheduler class the pipeline carries)."""
+    (1, 2, 2), in/out 4 channels, text_dim 32 (= UMT5's d_model); an AutoencoderKLWan of 2 levels (factors 2: 5 frames
+    of 16 px <-> 3 x 8 x 8 latents), per-channel latents mean / std; UMT5; FlowMatchEulerDiscreteScheduler(shift=3)
+    (the adapter reads the pipeline's). experts: Wan2.2 A14B's, a second transformer below boundary_ratio 0.875."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = _t5_tokenizer()
     torch.manual_seed(seed)
-    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
-                                        in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=32,
-                                        num_layers=1, rope_max_seq_len=32)
+    shape = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                 text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32)
+    transformer = WanTransformer3DModel(**shape)
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
                            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 1.0],
@@ -470,18 +469,21 @@ def build_tiny_wan(seed: int = 0):
     torch.manual_seed(seed + 2)
     text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2,
                                                num_heads=4, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    torch.manual_seed(seed + 3)  # after the others: the one-expert pipeline's weights are as before
+    two = dict(transformer_2=WanTransformer3DModel(**shape), boundary_ratio=0.875) if experts else {}
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae, transformer=transformer,
-                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), **two)
 
 
-def make_tiny_wan(out_dir, seed: int = 0) -> Path:
-    """Build the tiny Wan pipeline and `save_pretrained` it to out_dir; returns the directory."""
-    return _save(build_tiny_wan(seed), out_dir)
+def make_tiny_wan(out_dir, seed: int = 0, experts: bool = False) -> Path:
+    """Build the tiny Wan pipeline (experts: Wan2.2 A14B's two) and `save_pretrained` it to out_dir."""
+    return _save(build_tiny_wan(seed, experts), out_dir)
 
 
 MAKERS = {"sd3": make_tiny_sd3, "flux": make_tiny_flux, "qwenimage": make_tiny_qwenimage, "flux2": make_tiny_flux2,
           "zimage": make_tiny_zimage, "flux_kontext": make_tiny_flux_kontext, "flux2_dev": make_tiny_flux2_dev,
-          "wan": make_tiny_wan, "qwenimage_edit": make_tiny_qwenimage_edit}
+          "wan": make_tiny_wan, "qwenimage_edit": make_tiny_qwenimage_edit,
+          "wan22": lambda out_dir, seed=0: make_tiny_wan(out_dir, seed, experts=True)}
 
 
 def main(argv=None) -> None:

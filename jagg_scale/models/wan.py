@@ -12,14 +12,24 @@ reduced over all latent dimensions but the batch).
     img  = decode(x)                   vae.decode(x * latents_std + latents_mean) -> frames [N, 3, F', H', W'] in
                                        [0, 1] (F' = 4 (F - 1) + 1 for the published VAE)
 
+VAE: float32, as diffusers' Wan example loads it (pipelines/wan/pipeline_wan.py:56 in diffusers 0.42.1,
+`AutoencoderKLWan.from_pretrained(..., torch_dtype=torch.float32)` beside a bfloat16 pipeline); `_build` asks for it
+whatever model.dtype is, and the estimator counts it so (estimate/memory.py).
+
 Schedule: the pipeline samples with its own scheduler (UniPCMultistepScheduler with flow sigmas shifted by
 flow_shift in the published Wan2.1 pipelines); `pipeline_sigmas` asks that scheduler class for its sigmas, and the
 rollout steps them with the Flow-GRPO SDE (Euler-Maruyama), as Flow-GRPO and DanceGRPO train Wan. Guidance: plain
 CFG with the pipeline's empty negative prompt (WanPipeline's guidance_scale 5.0 by default).
 
-Wan2.2 A14B: two experts by noise level (`transformer` above boundary_ratio x 1000, `transformer_2` below). Training
-both in one run needs two policies; this adapter trains `transformer` and refuses a pipeline with a `transformer_2`
-(Wan2.2 TI2V-5B and Wan2.1 have one transformer).
+Wan2.2 A14B: two experts by noise level, `transformer` (high noise) while t >= boundary_ratio x num_train_timesteps
+and `transformer_2` below (pipeline_wan.py:585-604). The adapter's `transformer` is then both experts as one module
+(wan_experts.py WanExperts): each row of a pass goes through the expert the pipeline would run at its timestep, so
+the rollout and the training passes call one velocity function, both experts train (full, or a LoRA on each: the
+targets match in both), and `expert_switch` tells the planner where to cut (no JAGG segment crosses the switch,
+jagg/experts.py). The low-noise expert is guided with sampling.guidance, as the pipeline does when guidance_scale_2
+is not given (pipeline_wan.py:517-518). A LoRA export writes the high expert's adapter to out_dir and the low one's
+to out_dir/transformer_2, for `load_lora_weights(..., load_into_transformer_2=True)` (loaders/lora_pipeline.py:4231).
+Wan2.1 and Wan2.2 TI2V-5B have one transformer.
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ import torch
 
 from .diffusers_common import DiffusersVelocity, latent_stats, row_sigmas
 from .registry import Family, register
+from ..sections import ConfigError
+from .wan_experts import ExpertsError, WanExperts, expert_switch, split_state
 
 PROMPT_TOKENS = 512  # WanPipeline.__call__'s max_sequence_length, and the most it may be
 
@@ -50,10 +62,11 @@ class WanVelocity(DiffusersVelocity):
 
     def __init__(self, pipe, max_sequence_length: int = PROMPT_TOKENS, latent_size: int | None = None,
                  num_frames: int = 81):
-        if getattr(pipe, "transformer_2", None) is not None:
-            raise ValueError("model.kind wan trains one transformer; this WanPipeline has two experts (Wan2.2 A14B's "
-                             "transformer_2 below its boundary_ratio), which one run cannot train yet")
+        switch = expert_switch(pipe)  # None: one transformer (Wan2.1, Wan2.2 TI2V-5B)
         super().__init__(pipe, max_sequence_length)
+        self.expert_switch = switch
+        if switch is not None:  # Wan2.2 A14B: both experts behind one call (module docstring)
+            self.transformer = WanExperts(pipe.transformer, pipe.transformer_2, switch)
         t, s = pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
         if (num_frames - 1) % t:
             raise ValueError(f"model.num_frames {num_frames} must be 1 + a multiple of the VAE's temporal factor {t}")
@@ -76,7 +89,7 @@ class WanVelocity(DiffusersVelocity):
         from diffusers import WanPipeline
 
         pipe = WanPipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
-        f, patch = pipe.vae_scale_factor_spatial, pipe.transformer.config.patch_size[1]
+        f, patch = pipe.vae_scale_factor_spatial, (pipe.transformer or pipe.transformer_2).config.patch_size[1]
         if resolution is not None and resolution % (f * patch):
             raise ValueError(f"model.resolution {resolution} must be a multiple of {f * patch} (VAE factor {f} x "
                              f"patch {patch})")
@@ -103,6 +116,30 @@ class WanVelocity(DiffusersVelocity):
         """Velocity v = e - d at video latents x [N, C, F, H, W], sigma [N] in [0, 1]; returned in x's dtype."""
         return wan_velocity(self.transformer, x, sigma, cond, self.num_train_timesteps)
 
+    # ------------------------------------------------------------------ exports of the two experts
+    def save_lora(self, out_dir, state: dict | None = None) -> Path:
+        """One expert: diffusers' LoRA file in out_dir. Two: the high-noise expert's there and the low-noise one's in
+        out_dir/transformer_2 (load it with load_lora_weights(..., load_into_transformer_2=True))."""
+        if self.expert_switch is None:
+            return super().save_lora(out_dir, state)
+        from .lora import save_lora
+
+        parts = split_state(state) if state is not None else {"high": None, "low": None}
+        save_lora(self.transformer.high, out_dir, pipeline_cls=type(self.pipe), state=parts["high"])
+        save_lora(self.transformer.low, Path(out_dir) / "transformer_2", pipeline_cls=type(self.pipe),
+                  state=parts["low"])
+        return Path(out_dir)
+
+    def save_full(self, out_dir, state: dict | None = None) -> Path:
+        """One expert: its transformer directory. Two: the high-noise expert's in out_dir, the low-noise one's in
+        out_dir/transformer_2 (each a WanTransformer3DModel directory)."""
+        if self.expert_switch is None:
+            return super().save_full(out_dir, state)
+        parts = split_state(state) if state is not None else {"high": None, "low": None}
+        for name, sub in (("high", Path(out_dir)), ("low", Path(out_dir) / "transformer_2")):
+            super(WanVelocity, self.with_transformer(getattr(self.transformer, name))).save_full(sub, parts[name])
+        return Path(out_dir)
+
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Latents [N, C, F, H, W] -> float32 frames [N, 3, F', H', W'] in [0, 1], as WanPipeline decodes."""
         vae = self.frozen["vae"]
@@ -122,8 +159,14 @@ def wan_velocity(transformer, x: torch.Tensor, sigma, cond, num_train_timesteps:
 
 # ------------------------------------------------------------------ the family record (models/registry.py)
 def _build(cfg, path, dtypes):
-    return WanVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution, num_frames=cfg.num_frames or 81,
-                                       max_sequence_length=cfg.max_sequence_length)
+    # the VAE float32 (diffusers' Wan example, pipeline_wan.py:56); transformer_2 in the transformer's dtype (both are
+    # the policy: float32 masters, or a LoRA's 16-bit frozen base)
+    dtypes = dict(dtypes, vae=torch.float32, transformer_2=dtypes.get("transformer", dtypes.get("default")))
+    try:
+        return WanVelocity.from_pretrained(path, dtypes, resolution=cfg.resolution, num_frames=cfg.num_frames or 81,
+                                           max_sequence_length=cfg.max_sequence_length)
+    except ExpertsError as err:  # the pipeline's experts cannot be trained as they are: one line naming the key
+        raise ConfigError(f"config key 'model.pretrained': {err}") from None
 
 
 def _geometry(cfg, tc, vae, tokens, prompt):
@@ -152,5 +195,5 @@ def _blocks(cfg, side):
 FAMILY = register(Family(
     name="wan", velocity=WanVelocity, build=_build, pipeline="WanPipeline", transformer="WanTransformer3DModel",
     text="t5", prompt_tokens=PROMPT_TOKENS, prompt_limit=PROMPT_TOKENS, video=True, keys=frozenset({"num_frames"}),
-    checkpoints={"wan2.1-t2v-14b": "wan21_t2v_14b"}, geometry=_geometry, inputs=_inputs, blocks=_blocks,
-    tiny="build_tiny_wan"))
+    checkpoints={"wan2.1-t2v-14b": "wan21_t2v_14b", "wan2.2-t2v-a14b": "wan22_t2v_a14b"}, geometry=_geometry,
+    inputs=_inputs, blocks=_blocks, tiny="build_tiny_wan", extra={"vae_float32": True}))

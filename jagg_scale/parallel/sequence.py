@@ -45,7 +45,14 @@ def data_rank(rank: int, sp: int) -> int:
 
 def apply_sequence_parallel(transformer: nn.Module, sp: int, rank: int, world_size: int,
                             device: torch.device) -> nn.Module:
-    """Ulysses context parallelism of degree `sp` on a diffusers transformer, in place (before FSDP2 wraps it)."""
+    """Ulysses context parallelism of degree `sp` on a diffusers transformer, in place (before FSDP2 wraps it). A
+    module of several experts (Wan2.2 A14B's, models/wan_experts.py: its `experts`) has each split as it would be
+    alone, every rank in the same order."""
+    experts = getattr(transformer, "experts", None)
+    if experts is not None:
+        for expert in experts:
+            apply_sequence_parallel(expert, sp, rank, world_size, device)
+        return transformer
     from diffusers import ContextParallelConfig
     from diffusers.models._modeling_parallel import ParallelConfig
     from torch.distributed.device_mesh import init_device_mesh

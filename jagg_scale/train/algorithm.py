@@ -37,6 +37,7 @@ import torch
 from ..grpo.advantages import Advantages, combine_advantages, compute_advantages, gdpo_advantages
 from ..jagg import Plan
 from .config import ConfigError
+from .config_experts import check_experts
 
 __all__ = ["ALGORITHMS", "Algorithm", "RolloutSpec", "algorithm_class", "build_algorithm"]
 
@@ -72,6 +73,13 @@ class Algorithm:
 
     def __init__(self, cfg, policy, engine, dist):
         self.cfg, self.policy, self.engine, self.dist = cfg, policy, engine, dist
+        # a two-expert model (Wan2.2 A14B) loaded from where validation could not look: the same refusals by key
+        check_experts(cfg, self.expert_switch is not None)
+
+    @property
+    def expert_switch(self):
+        """The policy model's ExpertSwitch (jagg/experts.py), None for a model of one transformer."""
+        return getattr(getattr(self.policy, "model", None), "expert_switch", None)
 
     def rollout_spec(self, step: int) -> RolloutSpec:
         raise NotImplementedError

@@ -26,6 +26,7 @@ from .config_sections import (AWMConfig, ConfigError, DataConfig, DPPOConfig, Ev
                               LogConfig, ModelConfig, NFTConfig, ParallelConfig, RewardConfig, RunConfig,
                               SamplingConfig, TrainConfig, _require, refuse_set)
 from .config_sections import __all__ as _sections_all
+from .config_experts import check_experts, pipeline_has_experts
 from .config_forward import FIXED_WINDOWS, check_forward_process, check_refresh_at, fixed_windows
 from .config_build import MAX_YAML_BYTES, RENAMED, _build, _plain, _set_dotted, _yaml, parse_override
 
@@ -471,6 +472,7 @@ def _check_files(cfg: Config) -> None:
     if cfg.model.kind != "dit" and pretrained is not None:
         _require((pretrained / "model_index.json").is_file(), "model.pretrained",
                  f"is not a diffusers pipeline directory (no model_index.json): {cfg.model.pretrained}")
+        check_experts(cfg, pipeline_has_experts(pretrained))  # Wan2.2 A14B's two experts (config_experts.py)
     if cfg.parallel.engine == "deepspeed":
         from ..parallel.deepspeed_engine import deepspeed_problem
 

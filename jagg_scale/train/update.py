@@ -31,6 +31,7 @@ from ..grpo.loss import GRPOStepLoss, StepBatch
 from ..grpo.rollout import to_device
 from ..grpo.steps import candidate_steps, positioned, select_steps
 from ..jagg import Plan, exact_plan, plan_knots, trained_steps
+from ..jagg.planners import with_switch
 from .algorithm import Algorithm, RolloutSpec
 from .rows import step_seed
 from .runner import Minibatch, MinibatchRunner, Refresh
@@ -97,6 +98,8 @@ class GRPO(Algorithm):
     def __init__(self, cfg, policy, engine, dist):
         super().__init__(cfg, policy, engine, dist)
         self.runner = MinibatchRunner(cfg, engine, dist)
+        # two experts (Wan2.2 A14B): no knot segment crosses their switch (jagg/experts.py)
+        self.runner.planner = with_switch(self.runner.planner, self.expert_switch)
         self.importance_cap = 0.0  # set per update: pools.importance_cap for a stale rollout (update's `behind`)
         g = cfg.grpo
         # the steps trained when no SDE window moves them: the first timestep_fraction, or the candidates
