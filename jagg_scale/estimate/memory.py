@@ -39,8 +39,10 @@ from ..train.rows import StepRows
 from .activations import cached as _cached
 from .activations import ev, key, reduce_buffers, transformer_activations
 from ..models.registry import family
-from .shapes import (clean, component_params, context_parallel, pipeline_shapes, reward_models, rewards_need_pixels,
-                     transformer_stats)
+from ..jagg.planners import with_switch
+from ..train.config_experts import check_experts
+from .experts import expert_stats, shape_switch
+from .shapes import clean, component_params, context_parallel, pipeline_shapes, reward_models, rewards_need_pixels
 
 __all__ = ["COMPONENTS", "GiB", "PHASES", "balanced", "choose_micro", "estimate", "local_rows", "prepare", "report",
            "shard_group"]
@@ -124,7 +126,11 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
     # a video's decode gives 4 (F - 1) + 1 frames (models/wan.py)
     frames = (latent[1], cfg.model.num_frames or 81) if len(latent) == 4 else (1, 1)
     n_img = images_per_pass * (side // p) ** 2
-    stats = transformer_stats(tcomp, rank, targets)
+    # two experts (Wan2.2 A14B, experts.py): both held (stats), one computing a pass (pass_stats); refused by key where
+    # the config cannot train them (train/config_experts.py), as the trainer refuses it
+    stats, pass_stats = expert_stats(comps, rank, targets)
+    switch = shape_switch(shapes)
+    check_experts(cfg, switch is not None)
     t_key = ("transformer", tcomp["class"], clean(tc), precision, rank, sorted(targets) if rank else None)
     label = f"{shapes.get('name', tcomp['class'])} transformer, {precision}, {'LoRA r%d' % rank if rank else 'full'}"
     act = cached(key(*t_key), label, lambda: M.measure_transformer(tcomp, precision, rank, targets), measure)
@@ -144,7 +150,8 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
         encoders[name] = {"seq": seq, "coef": cached(k, f"{name} ({c['class']}) no-grad, {fdt}, {seq} tokens",
                           lambda c=c, what=what, seq=seq: M.measure_nograd(c, what, fdt, seq), measure)}
     what = "video" if frames[0] > 1 else "vae"  # a video VAE fit over its frames too (measure.measure_nograd)
-    vdt = torch.float32 if cfg.model.dtype == "float16" else fdt  # fp16 runs keep the VAE float32 (models/)
+    # fp16 runs keep the VAE float32 (models/), and Wan loads it float32 whatever model.dtype (models/wan.py _build)
+    vdt = torch.float32 if cfg.model.dtype == "float16" or fam.extra.get("vae_float32") else fdt
     decode = cached(key(what, clean(vae), str(vdt)), f"VAE decode{' of videos' * (what == 'video')}, {vdt}",
                     lambda: M.measure_nograd(comps["vae"], what, vdt, 0), measure)
     rewards = {}
@@ -156,7 +163,8 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
             rkey, f"reward {name} CLIP no-grad, {rdt}", lambda c=c, rdt=rdt: M.measure_nograd(c, "reward", rdt, 0),
             measure)}
     return {"cfg": cfg, "world": world, "kind": kind, "shapes": shapes.get("name"), "precision": precision,
-            "sharded": sharded, "bf16": bf16, "lora_rank": rank, "stats": stats,
+            "sharded": sharded, "bf16": bf16, "lora_rank": rank, "stats": stats, "pass_stats": pass_stats,
+            "switch": switch, "experts": shapes.get("experts"),
             "frozen": {n: component_params(comps[n]) / (world if n == t5 and cfg.model.shard_text_encoder else 1)
                        for n in frozen},
             "encoders": encoders, "ref_bytes": 2 if bf16 and tcomp.get("stored_dtype") == cfg.model.dtype else 4,
@@ -164,7 +172,7 @@ def prepare(cfg, world: int, shapes_name: str | None = None, measure: bool = Fal
             "decode": decode, "rewards": rewards, "act": act, "latent": latent, "patch": p, "frames": frames,
             "image_tokens": n_img, "text_tokens": text, "prompt_lengths": prompt_lengths, "cond_row": cond_row,
             **sequence_parallel(cfg, world, tcomp, n_img, text, math.prod(latent), 2 if bf16 else 4,
-                                len(stats["block_params"])),
+                                len(pass_stats["block_params"])),
             "overhead": overhead_gb * GiB, "vae_scale": scale, "eval_images": eval_images(cfg),
             "pixels": rewards_need_pixels(cfg),
             # gpu_gib: what sampling.chunk_size auto is sized for (an 80 GB GPU unless told)
@@ -209,7 +217,7 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     R, B = local_rows(cfg, W)
     m = min(micro or cfg.train.micro_batch_size or B, B)
     lora = s["lora_rank"] > 0
-    planner = cfg.jagg.make_planner()
+    planner = with_switch(cfg.jagg.make_planner(), s.get("switch"))  # cut at a two-expert model's switch
     Pt = st["lora_params"] if lora else st["params"]
     cdt = 2 if s["bf16"] else 4
     cfgg, ref, lat = cfg.sampling.guidance != 1.0, cfg.uses_reference, math.prod(s["latent"])

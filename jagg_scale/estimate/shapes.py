@@ -79,8 +79,17 @@ def _from_directory(path: Path, kind: str) -> dict:
                          "estimator sizes FLUX.2 [klein]'s Qwen3 encoder only; [dev]'s shapes are not in it yet")
     comps = {n: {"library": index[n][0], "class": index[n][1],
                  "config": json.loads((path / n / "config.json").read_text())}
-             for n in ("transformer",) + fam.frozen if n in index and index[n][0] is not None}
-    comps["transformer"]["stored_dtype"] = str(stored_dtype(path / "transformer")).replace("torch.", "")
+             for n in ("transformer", "transformer_2") + fam.frozen
+             if isinstance(index.get(n), list) and index[n][0] is not None}
+    for n in ("transformer", "transformer_2"):
+        if n in comps:
+            comps[n]["stored_dtype"] = str(stored_dtype(path / n)).replace("torch.", "")
+    # two experts (Wan2.2 A14B): their switch and the scheduler that sets the sigmas it is read at (experts.py)
+    experts = None
+    if "transformer_2" in comps:
+        scheduler = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
+        experts = {"boundary_ratio": index.get("boundary_ratio"),
+                   "scheduler": {"class": index["scheduler"][1], "config": scheduler}}
 
     def limit(tok, cap):
         f = path / tok / "tokenizer_config.json"
@@ -88,13 +97,14 @@ def _from_directory(path: Path, kind: str) -> dict:
 
     if fam.text in ("qwen", "qwen_lm"):  # its prompt tokens: the family's (Family.prompt_tokens)
         return {"name": path.name, "kind": kind, "components": comps, "text_tokens": {}}
+    extra = {"experts": experts} if experts else {}
     # the T5 tokens (its tokenizer's limit: what model.max_sequence_length can reach); Wan's UMT5 alone, every prompt
     # padded to WanPipeline's 512; CLIP's beside it for SD3 and FLUX.1
     t5 = limit(fam.frozen[-1].replace("text_encoder", "tokenizer"), 512)
     text = {"t5": min(fam.prompt_tokens, t5), "t5_limit": t5}
     if fam.text == "clip_t5":
         text = {"clip": limit("tokenizer", 77), **text}
-    return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text}
+    return {"name": path.name, "kind": kind, "components": comps, "text_tokens": text, **extra}
 
 
 def meta_module(comp: dict, device: str = "meta") -> torch.nn.Module:

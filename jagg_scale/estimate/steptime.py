@@ -57,9 +57,11 @@ from pathlib import Path
 import torch
 
 from ..grpo.rollout import prefix_forwards
+from ..jagg.planners import with_switch
 from ..jagg.plans import interpolate_forwards, pass_groups, plan_knots
 from . import collectives as C
 from .collectives import LINKS, Links
+from .experts import plan_sigmas
 from .flops import count as count_flops, count_blocks
 from .measure import model_inputs
 from .prompt_tokens import distinct_prompts, expected_longest
@@ -177,7 +179,8 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
 
     # the data-parallel collectives of a transformer pass (collectives.py), and what compute leaves of them exposed
     lay = C.layout(cfg, s["world"], engine)
-    comm = C.pass_comm(*C.units(s["stats"], s["lora_rank"] > 0, s["bf16"]), lay, links)
+    # a pass gathers and reduces the blocks of the expert that computes it (estimate/experts.py: pass_stats)
+    comm = C.pass_comm(*C.units(s.get("pass_stats", s["stats"]), s["lora_rank"] > 0, s["bf16"]), lay, links)
     exposed = dict.fromkeys(("rollout", "reference", "train", "train_nograd", "eval"), 0.0)
     busy = dict.fromkeys(exposed, 0.0)  # the collectives' own seconds, hidden or not
 
@@ -202,9 +205,10 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     trained = cfg.trained_per_sample
     if cfg.train.algorithm == "gcpo" and cfg_rows_with_grad:  # GCPO's own step: a chunk's real steps, no slot pads
         trained = round(cfg.gcpo.expected_steps(smp.num_steps))
-    planner = cfg.jagg.make_planner()
-    plan = planner.plan(torch.randn(trained, 2, 4), torch.linspace(1, 0, trained + 1),
-                        grad_norms=lambda: torch.ones(trained)).plan
+    planner = with_switch(cfg.jagg.make_planner(), s.get("switch"))
+    # the trained steps' sigmas: what a two-expert model's switch cuts at (estimate/experts.py); else any decreasing
+    sigmas = plan_sigmas(cfg, s["experts"], trained) if s.get("switch") else torch.linspace(1, 0, trained + 1)
+    plan = planner.plan(torch.randn(trained, 2, 4), sigmas, grad_norms=lambda: torch.ones(trained)).plan
     knots = len(plan_knots(plan))
     # sampling.same_initial_noise: the deterministic steps before the SDE window once per prompt group in a chunk (its
     # lead rows: Policy.sample's shared prefix), the rest on every row
