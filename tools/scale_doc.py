@@ -21,7 +21,8 @@ CONFIGS = ["sd35m_pickscore", "sd35m_geneval", "sd35m_ocr", "sd35m_pickscore_noc
            "sd35m_nft_pickscore", "sd35m_gcpo_pickscore", "sd35m_dppo_pickscore", "sd35m_awm_pickscore",
            "sd35m_pickscore_fast",
            "sd35l_pickscore", "flux1_dev_hps", "flux1_dev_1024_hps", "flux1_kontext_pickscore", "qwenimage_hps",
-           "qwenimage_edit_pickscore", "flux2_klein_pickscore", "zimage_pickscore", "wan21_t2v_14b_hps"]
+           "qwenimage_edit_pickscore", "flux2_klein_pickscore", "zimage_pickscore", "wan21_t2v_14b_hps",
+           "wan22_t2v_a14b_hps"]
 # the peer a recipe names, run as that peer runs it (docs/scale.md says why each): its tag and overrides
 PER_STEP_9 = ["jagg=null", "jagg.mode=exact", "sampling.chunk_size=9", "train.micro_batch_size=9",
               "parallel.activation_checkpointing=false"]
