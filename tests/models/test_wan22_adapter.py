@@ -108,6 +108,37 @@ def test_a_lora_lands_on_both_experts_and_the_reference_turns_both_off(wan22_dir
     assert torch.allclose(m(x, sigma, cond), trained)  # back on afterwards
 
 
+def test_exports_from_a_gathered_state_are_the_live_exports_per_expert(wan22_dir, tmp_path):
+    """A sharded run exports from its gathered state dict ("transformer.high.<...>", "transformer.low.<...>"): each
+    expert's LoRA file and full transformer directory equal those written from the live modules, the high expert's
+    in the directory, the low one's in transformer_2/, and the two differ (each is its own expert's)."""
+    from safetensors.torch import load_file
+
+    from jagg_scale.models.lora import LORA_FILE, lora_parameters, lora_targets
+
+    def same(a: Path, b: Path) -> bool:
+        x, y = load_file(str(a)), load_file(str(b))
+        return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+    m = load(wan22_dir)
+    m.add_lora(rank=4, alpha=4, targets=lora_targets("wan"))
+    for p in lora_parameters(m):
+        p.data.normal_()
+    m.save_lora(tmp_path / "live")
+    m.save_lora(tmp_path / "gathered", state=m.state_dict())
+    for sub in (".", "transformer_2"):
+        assert same(tmp_path / "live" / sub / LORA_FILE, tmp_path / "gathered" / sub / LORA_FILE)
+    assert not same(tmp_path / "live" / LORA_FILE, tmp_path / "live" / "transformer_2" / LORA_FILE)
+
+    full = load(wan22_dir)
+    weights = "diffusion_pytorch_model.safetensors"
+    full.save_full(tmp_path / "full_live")
+    full.save_full(tmp_path / "full_gathered", state=full.state_dict())
+    for sub in (".", "transformer_2"):
+        assert same(tmp_path / "full_live" / sub / weights, tmp_path / "full_gathered" / sub / weights)
+    assert not same(tmp_path / "full_live" / weights, tmp_path / "full_live" / "transformer_2" / weights)
+
+
 def test_refused_pipelines_name_what_is_wrong(wan22_dir, wan_dir):
     from diffusers import WanPipeline, WanTransformer3DModel
 
