@@ -87,6 +87,9 @@ class Reward:
 
     name: str = "reward"
     on_latents: bool = False
+    # what it scores: images [B, 3, H, W], videos [B, 3, F, H, W] (rewards/video.py), or any (a remote judge's
+    # server decides); jagg-reward-server answers a request of another kind 422, naming both
+    inputs: str = "images"
 
     def __call__(
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]

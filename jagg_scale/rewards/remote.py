@@ -149,6 +149,7 @@ class RemoteReward(Reward):
     """
 
     retries_requests = True  # its timeout_s / retries / backoff_s are checked against reward.deadline_s
+    inputs = "any"  # images or videos: the server it calls decides (jagg-reward-server: 422 naming why)
 
     def __init__(self, *, url: str, reward: str, timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 1.0,
                  token_env: str | None = None, max_batch: int | None = None):

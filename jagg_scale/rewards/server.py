@@ -44,6 +44,7 @@ import importlib
 import io
 import json
 import logging
+import math
 import os
 import sys
 from typing import Any, Sequence
@@ -135,6 +136,23 @@ def _unmap_freed_buffers() -> None:
         pass
 
 
+def _number(kind, low, high, *, low_open: bool = False):
+    """An argparse type: a finite `kind` in [low, high] ((low, high] with `low_open`), else a one-line error."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not math.isfinite(value) or value < low or (low_open and value == low) or value > high:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {'(' if low_open else '['}{low:g}, {high:g}]")
+        return value
+
+    return parse
+
+
+MAX_BODY_MB = 4096.0  # --max-request-mb: a body is held whole (and `workers` of them): beyond this, a typo
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`jagg-reward-server`: build the rewards once, print "listening on http://host:port", serve until interrupted."""
     p = argparse.ArgumentParser(prog="jagg-reward-server", description=__doc__.split("\n\n")[0])
@@ -143,9 +161,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="module to import first, so rewards it registers with @register can be served")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on the first line)")
+    p.add_argument("--port", type=_number(int, 0, 65535), default=8000,
+                   help="0 picks a free port (printed on the first line)")
     p.add_argument("--token-env", metavar="VAR", help="env var holding the bearer token clients must send")
-    p.add_argument("--max-request-mb", type=float, default=64.0, help="request body limit (default 64)")
+    p.add_argument("--max-request-mb", type=_number(float, 0, MAX_BODY_MB, low_open=True), default=64.0,
+                   help=f"request body limit (default 64, at most {MAX_BODY_MB:g})")
     p.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
                    help=f"pixels per image, checked from the PNG header (default {MAX_IMAGE_PIXELS} = 4096^2)")
     p.add_argument("--max-request-pixels", type=int, default=MAX_REQUEST_PIXELS,
@@ -156,14 +176,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-rows", type=int, default=lim.BATCH_ROWS,
                    help=f"rows one reward call scores at most, from as many queued requests as fit (default "
                         f"{lim.BATCH_ROWS}; 1: one request at a time, as before batching)")
-    p.add_argument("--batch-wait-ms", type=float, default=0.0,
+    p.add_argument("--batch-wait-ms", type=_number(float, 0, 10_000), default=0.0,
                    help="how long a batch waits for more requests before it is scored (default 0: it takes what "
                         "queued while the reward was busy)")
     p.add_argument("--workers", type=int, default=WORKERS,
                    help=f"requests holding a body at once, and threads scoring them (default {WORKERS})")
-    p.add_argument("--header-timeout", type=float, default=lim.HEADER_TIMEOUT_S,
+    p.add_argument("--header-timeout", type=_number(float, 0, 3600, low_open=True),
+                   default=lim.HEADER_TIMEOUT_S,
                    help=f"seconds a request's headers may take in all (default {lim.HEADER_TIMEOUT_S:g})")
-    p.add_argument("--body-timeout", type=float, default=lim.BODY_TIMEOUT_S,
+    p.add_argument("--body-timeout", type=_number(float, 0, 3600, low_open=True), default=lim.BODY_TIMEOUT_S,
                    help=f"seconds a request's body may take in all, once read (default {lim.BODY_TIMEOUT_S:g})")
     p.add_argument("--max-connections", type=int, default=lim.MAX_CONNECTIONS,
                    help=f"open connections in all (default {lim.MAX_CONNECTIONS})")
@@ -171,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help=f"open connections from one IP (default {lim.MAX_CONNECTIONS_PER_CLIENT})")
     p.add_argument("--max-json-values", type=int, default=lim.MAX_JSON_VALUES,
                    help=f"JSON values (objects, arrays, items) a request may hold (default {lim.MAX_JSON_VALUES})")
-    p.add_argument("--max-metadata-kb", type=float, default=lim.MAX_METADATA_BYTES / 1024,
+    p.add_argument("--max-metadata-kb", type=_number(float, 0, 1 << 20, low_open=True),
+                   default=lim.MAX_METADATA_BYTES / 1024,
                    help=f"one image's metadata, serialized, in KB (default {lim.MAX_METADATA_BYTES / 1024:g})")
     args = p.parse_args(argv)
     if not logging.getLogger().handlers:
@@ -196,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rewards[name] = build_reward(name, **options)
         except (ValueError, TypeError, KeyError) as e:
             p.error(str(e))
+        if getattr(rewards[name], "on_latents", False):
+            p.error(f"--reward {name}: it scores a diffusion model's latents, and a request carries images: serve it "
+                    "in the trainer's own process instead")
 
     _unmap_freed_buffers()
     try:
@@ -208,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        batch_rows=args.batch_rows, batch_wait_s=args.batch_wait_ms / 1000)
     except ValueError as e:
         p.error(str(e))
+    except OSError as e:  # a host that does not resolve or is not this machine's, a port taken or not ours
+        p.error(f"--host {args.host} --port {args.port}: cannot listen there: {e.strerror or e}")
     print(f"listening on {server.url}", flush=True)
     logger.info("serving %s (auth %s, max request %.1f MB / %d pixels, %d per image; %d workers, %d decode slots; "
                 "batches of <= %d rows, waiting %g ms; %d connections, %d per client)", sorted(rewards),

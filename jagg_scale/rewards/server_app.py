@@ -141,10 +141,16 @@ class _GuardedH11(H11Protocol):
             return
         self.closing = True
         self._cancel()
+        if self.real_transport.is_closing():  # the client reset it meanwhile: nothing to drain
+            return
         self._timer = self.loop.call_later(lim.DRAIN_S, self._expire)
         self.real_transport.resume_reading()
         if self.real_transport.can_write_eof():
-            self.real_transport.write_eof()
+            try:
+                self.real_transport.write_eof()
+            except OSError:  # reset by the client between the reply and now: closed, not logged as a server error
+                self._cancel()
+                self.real_transport.close()
 
 
 def guarded_protocol(guard: lim.ConnectionGuard) -> type[H11Protocol]:
@@ -282,7 +288,8 @@ class RewardServer:
                                        wait_s=float(batch_wait_s)) for name, reward in self.rewards.items()}
         self.request_count = 0  # every request answered (tests and monitoring use it)
         self.guard = lim.ConnectionGuard(max_connections, max_connections_per_client, float(header_timeout_s))
-        self._bodies = asyncio.Semaphore(workers)  # requests holding a body (binds to the loop at first use)
+        # the bodies held at once, in bytes: what `workers` bodies of the largest size cost
+        self._bodies = lim.ByteBudget(workers * self.max_request_bytes)
         self._workers = _Workers(workers)
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.socket = socket.create_server(address[:2], family=family, backlog=LISTEN_BACKLOG)  # clients may queue
@@ -355,17 +362,22 @@ class RewardServer:
         if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
             return _error(413, f"request body of {length} bytes exceeds the server limit of "
                                f"{self.max_request_bytes} bytes; send smaller batches (max_batch)", request)
-        async with self._bodies:  # a worker's share: one body, one thread
-            try:
-                holder = [await lim.read_body(request.receive, max_bytes=self.max_request_bytes,
-                                              max_values=self.max_json_values, timeout_s=self.body_timeout_s)]
-            except RequestTooLarge as e:
-                return _error(413, str(e), request)
-            except lim.BodyTimeout as e:
-                return _error(408, str(e), request)
-            except lim.ClientGone:
-                return Response(status_code=400)  # goes nowhere: uvicorn drops a reply to a closed connection
+        try:  # the body first, holding no worker: a slow client holds the bytes it sent (lim.ByteBudget)
+            body = await lim.read_body(request.receive, max_bytes=self.max_request_bytes,
+                                       max_values=self.max_json_values, timeout_s=self.body_timeout_s,
+                                       budget=self._bodies)
+        except RequestTooLarge as e:
+            return _error(413, str(e), request)
+        except lim.BodyTimeout as e:
+            return _error(408, str(e), request)
+        except lim.ClientGone:
+            return Response(status_code=400)  # goes nowhere: uvicorn drops a reply to a closed connection
+        size, holder = len(body), [body]
+        del body
+        try:
             status, payload, request.state.batch = await self._workers.call(self._work, name, holder)
+        finally:
+            await self._bodies.give(size)
         return Response(payload, status, media_type="application/json")
 
     # ------------------------------------------------------------------------------ the work (a thread)
@@ -380,7 +392,10 @@ class RewardServer:
         except ValueError as e:
             return 400, lim.dump_json({"error": str(e)}), 0
         try:
-            batch = len(req.prompts)
+            batch, accepts = len(req.prompts), getattr(self.rewards[name], "inputs", "images")
+            sends = "videos" if req.frames else "images"
+            if accepts not in ("any", sends):  # not a server fault: the client is told why, and does not retry
+                return 422, lim.dump_json({"error": f"reward {name!r} scores {accepts}; this request sends {sends}"}), 0
             if batch == 0:
                 return 200, lim.dump_json({"scores": [], "info": {}}), 0
             status, body = self.batchers[name].score(req)  # decoded and scored with the others queued

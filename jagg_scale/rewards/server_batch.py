@@ -56,7 +56,7 @@ class Batcher:
 
     def score(self, req: lim.Request) -> tuple[int, bytes]:
         w, h = req.pngs[0].size
-        item = _Item(req, len(req.prompts), sum(p.width * p.height for p in req.pngs),
+        item = _Item(req, len(req.prompts), req.pixels,
                      (w, h, req.frames, hasattr(req, "_inputs")))
         with self.cond:
             self.queue.append(item)
@@ -116,13 +116,19 @@ class Batcher:
             prompts = [p for item in members for p in item.req.prompts]
             metadata = [m for item in members for m in item.req.metadata]
             try:
-                with self.lock:
-                    out = self.reward(images, prompts, metadata)
+                try:
+                    with self.lock:
+                        out = self.reward(images, prompts, metadata)
+                except ValueError as e:  # the reward refused what it was given: the same request fails again
+                    log.warning("reward %r refused a batch of %d: %s", self.name, len(prompts), e)
+                    for item in members:
+                        self._settle(item, 422, {"error": f"reward {self.name!r} cannot take this request: {e}"})
+                    return
                 del images
                 scores, info = (out.scores, out.info) if isinstance(out, RewardOutput) else (out, {})
                 scores = torch.as_tensor(scores).detach().float().cpu().reshape(-1)
                 if scores.numel() != len(prompts):
-                    raise ValueError(f"reward returned {scores.numel()} scores for a batch of {len(prompts)}")
+                    raise RuntimeError(f"reward returned {scores.numel()} scores for a batch of {len(prompts)}")
                 self.batches.append(len(prompts))
             except Exception as e:
                 log.exception("reward %r raised on a batch of %d", self.name, len(prompts))

@@ -106,31 +106,71 @@ class ConnectionGuard:
 # ----------------------------------------------------------------------------------------------- bodies
 
 
-async def read_body(receive, *, max_bytes: int, max_values: int, timeout_s: float) -> bytearray:
+class ByteBudget:
+    """The bytes of request bodies the server holds at once (arriving, queued for a worker, being parsed), taken as
+    they arrive: a slow client holds what it sent, not a worker, so slow bodies cannot keep others' requests from
+    being read and scored (the server's limit: `workers` x the largest body, what `workers` bodies cost before).
+    Event-loop side only."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = int(limit), 0
+        self._freed: asyncio.Condition | None = None  # made on the loop, at first use
+
+    async def take(self, n: int, deadline: float) -> None:
+        """Wait (until the loop's time `deadline`, else BodyTimeout) for `n` bytes of the budget."""
+        loop = asyncio.get_running_loop()
+        self._freed = self._freed or asyncio.Condition()
+        async with self._freed:
+            while self.held + n > self.limit:
+                try:
+                    await asyncio.wait_for(self._freed.wait(), max(deadline - loop.time(), 0.0))
+                except asyncio.TimeoutError:
+                    raise BodyTimeout("request body not read within the body deadline: the server holds its "
+                                      f"limit of {self.limit} bytes of other requests' bodies; retry") from None
+            self.held += n
+
+    async def give(self, n: int) -> None:
+        if n:
+            self._freed = self._freed or asyncio.Condition()
+            async with self._freed:
+                self.held -= n
+                self._freed.notify_all()
+
+
+async def read_body(receive, *, max_bytes: int, max_values: int, timeout_s: float,
+                    budget: ByteBudget | None = None) -> bytearray:
     """Read a request body from ASGI `receive`: counted in bytes and JSON values as it arrives, within a total
-    deadline. Raises RequestTooLarge, BodyTimeout or ClientGone."""
+    deadline, each chunk taken from `budget` as it arrives (the caller gives back len(body) when done with it; on an
+    error here what was taken is given back). Raises RequestTooLarge, BodyTimeout or ClientGone."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     body, values = bytearray(), 0
-    while True:
-        try:
-            message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
-        except asyncio.TimeoutError:
-            raise BodyTimeout(f"request body not received within {timeout_s:g} s ({len(body)} bytes "
-                              "arrived); a network this slow needs a higher --body-timeout") from None
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        chunk = message.get("body", b"")
-        if len(body) + len(chunk) > max_bytes:
-            raise RequestTooLarge(f"request body exceeds the server limit of {max_bytes} bytes; "
-                                  "send smaller batches (max_batch)")
-        values += chunk.count(b"{") + chunk.count(b"[") + chunk.count(b",")
-        if values > max_values:
-            raise RequestTooLarge(f"request body holds more than the budget of {max_values} JSON values (counted "
-                                  "as '{', '[' and ','); send smaller batches or less metadata")
-        body += chunk
-        if not message.get("more_body", False):
-            return body
+    try:
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                raise BodyTimeout(f"request body not received within {timeout_s:g} s ({len(body)} bytes "
+                                  "arrived); a network this slow needs a higher --body-timeout") from None
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            if len(body) + len(chunk) > max_bytes:
+                raise RequestTooLarge(f"request body exceeds the server limit of {max_bytes} bytes; "
+                                      "send smaller batches (max_batch)")
+            values += chunk.count(b"{") + chunk.count(b"[") + chunk.count(b",")
+            if values > max_values:
+                raise RequestTooLarge(f"request body holds more than the budget of {max_values} JSON values "
+                                      "(counted as '{', '[' and ','); send smaller batches or less metadata")
+            if budget is not None:
+                await budget.take(len(chunk), deadline)
+            body += chunk
+            if not message.get("more_body", False):
+                return body
+    except BaseException:
+        if budget is not None:
+            await asyncio.shield(budget.give(len(body)))
+        raise
 
 
 def load_json(holder: list, max_depth: int = MAX_JSON_DEPTH) -> Any:
@@ -260,6 +300,7 @@ class Request:
             raise ValueError(f"field 'input_images' must be a list of {len(images)} base64 PNG strings, one per image")
         self.prompts, self.metadata = prompts, metadata
         self.pngs: list[Image.Image] = []
+        self.pixels = 0  # of every image of the request (edit inputs included): the batcher's budget counts these
         named = [(f"images[{i}]", data) for i, data in enumerate(images)]
         named += [(f"input_images[{i}]", data) for i, data in enumerate(inputs or [])]
         try:
@@ -276,6 +317,11 @@ class Request:
                     (w, h), (w0, h0) = self.pngs[-1].size, self.pngs[0].size
                     raise ValueError(f"{where}: size {w}x{h} differs from images[0] ({w0}x{h0}); "
                                      "a batch must share one size")
+                self.pixels += self.pngs[-1].width * self.pngs[-1].height
+                if self.pixels > max_request_pixels:  # every image counts: outputs, frames and edit inputs
+                    raise RequestTooLarge(f"{i + 1} images of {self.pixels} pixels in all exceed the per-request "
+                                          f"budget of {max_request_pixels} pixels at {where}; send smaller batches "
+                                          "(max_batch)")
             if inputs is not None:  # the decoded pixels are made inside a slot, like the outputs' (decode)
                 from ..data.images import EditPrompt
 
@@ -283,10 +329,6 @@ class Request:
                 self.prompts = [EditPrompt(p, png) for p, png in zip(prompts, self.pngs[n:])]
                 self.pngs = self.pngs[:n]
                 self._inputs = [p.image for p in self.prompts]
-            total = sum(img.width * img.height for img in self.pngs)
-            if total > max_request_pixels:
-                raise RequestTooLarge(f"{len(self.pngs)} images of {total} pixels in all exceed the per-request "
-                                      f"budget of {max_request_pixels} pixels; send smaller batches (max_batch)")
         except BaseException:
             self.close()
             raise

@@ -38,6 +38,8 @@ def frames_of(videos: torch.Tensor, name: str) -> torch.Tensor:
 class VideoFrames(Reward):
     """An image reward on a video's frames, averaged per video (module docstring)."""
 
+    inputs = "videos"
+
     def __init__(self, *, reward: str, options: dict | None = None, every: int = 1):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"video_frames: every must be a positive int, got {every!r}")
@@ -73,6 +75,8 @@ class VideoFrames(Reward):
 @register("temporal_consistency")
 class TemporalConsistency(Reward):
     """Mean cosine similarity of adjacent frames' CLIP image embeddings, per video."""
+
+    inputs = "videos"
 
     def __init__(self, *, path: str, processor_path: str | None = None, allow_download: bool = False,
                  device: str = "auto", dtype: str = "float32", batch_size: int = 16):
