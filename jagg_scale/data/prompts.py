@@ -15,12 +15,12 @@ Blank lines are layout, not records, and are skipped silently in both formats.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from . import bounded_json
 from .images import EditPrompt
 
 logger = logging.getLogger(__name__)
@@ -82,10 +82,7 @@ def _parse_txt(text: str) -> PromptRecord:
 def parse_jsonl_record(text: str, folder: Path | None = None) -> PromptRecord:
     """One JSON object with a non-empty string `prompt`; every other field becomes metadata, but `image` (with
     `folder`, the prompt file's): the input image of an edit prompt (module docstring)."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+    obj = bounded_json.loads(text, "the record")
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     prompt = obj.pop("prompt", None)
@@ -132,10 +129,19 @@ class LineReader:
             logger.warning("%s:%d: skipping bad prompt record: %s", self.path, lineno, why)
 
     def lines(self) -> Iterator[tuple[int, str]]:
-        """(lineno, decoded line with its line ending); undecodable lines are counted as bad."""
+        """(lineno, decoded line with its line ending); undecodable lines and lines over bounded_json.MAX_LINE_BYTES
+        (read no further than the limit: the rest is skipped in chunks) are counted as bad."""
+        limit = bounded_json.MAX_LINE_BYTES
         with self.path.open("rb") as f:
-            for lineno, raw in enumerate(f, start=1):
+            lineno = 0
+            while raw := f.readline(limit + 1):
+                lineno += 1
                 self.lineno = lineno
+                if len(raw) > limit and not raw.endswith(b"\n"):
+                    while (rest := f.readline(limit)) and not rest.endswith(b"\n"):
+                        pass
+                    self.bad(lineno, f"line longer than the limit of {limit} bytes")
+                    continue
                 try:
                     yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
                 except UnicodeDecodeError as e:

@@ -46,6 +46,7 @@ from typing import Iterable, Iterator, Sequence
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from . import bounded_json
 from .images import MAX_IMAGE_BYTES, EditPrompt
 from .prompts import PromptRecord
 
@@ -193,13 +194,15 @@ def _decode(sample: dict) -> tuple:
     raw = sample.get("txt")
     if raw is None:
         return ("s", "missing_txt", url, key, f"no .txt member (has {sorted(k for k in sample if k[0] != '_')})")
+    if len(raw) > bounded_json.MAX_LINE_BYTES or len(sample.get("json", b"")) > bounded_json.MAX_LINE_BYTES:
+        return ("s", "too_long", url, key, f"a .txt or .json member over {bounded_json.MAX_LINE_BYTES} bytes")
     try:
         prompt = raw.decode("utf-8").strip()
-        meta = json.loads(sample["json"].decode("utf-8")) if "json" in sample else {}
+        meta = bounded_json.loads(sample["json"].decode("utf-8"), "its .json") if "json" in sample else {}
     except UnicodeDecodeError as e:
         return ("s", "bad_utf8", url, key, str(e))
-    except json.JSONDecodeError as e:
-        return ("s", "bad_json", url, key, f"invalid .json ({e.msg} at column {e.colno})")
+    except ValueError as e:
+        return ("s", "bad_json", url, key, str(e))
     if not prompt:
         return ("s", "empty_txt", url, key, "empty prompt")
     if not isinstance(meta, dict):

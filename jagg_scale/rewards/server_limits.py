@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..data import bounded_json
+
 DECODE_SLOTS = 2  # batches holding decoded pixels at once (one decodes while another is scored): server_batch.py
 BATCH_ROWS = 64  # rows of one reward call at most, however many requests they come from (a judge's batch)
 WORKERS = 8  # requests holding a body, and the threads that parse, decode and score them
@@ -175,28 +177,14 @@ async def read_body(receive, *, max_bytes: int, max_values: int, timeout_s: floa
 
 def load_json(holder: list, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """The body (popped from `holder`, so it is freed once decoded) -> JSON value; ValueError for invalid or too
-    deeply nested JSON (checked without recursion)."""
+    deeply nested JSON (checked without recursion: data/bounded_json.py)."""
     raw = holder.pop()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"body is not valid JSON ({e})") from None
     del raw
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"body is not valid JSON ({e})") from None
-    except RecursionError:  # the parser recurses per level: thousands of '[' exhaust the stack
-        raise ValueError(f"body nests arrays/objects deeper than the limit of {max_depth} levels") from None
-    del text
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
-            if depth > max_depth:
-                raise ValueError(f"body nests arrays/objects deeper than the limit of {max_depth} levels")
-            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return value
+    return bounded_json.loads(text, "body", max_depth)
 
 
 # ------------------------------------------------------------------------------------- images, replies

@@ -49,6 +49,32 @@ def test_load_jsonl_metadata_and_bad_lines(tmp_path, caplog):
     assert any(f"{f}:2" in m for m in msgs) and any(f"{f}:7" in m for m in msgs)
 
 
+def test_a_record_nested_100k_deep_or_a_line_of_50_mb_is_skipped_naming_its_line(tmp_path, caplog):
+    """Either one used to stop the run (an uncaught RecursionError; 8.2 GB read into memory for a 400 MB line): now
+    each costs its line, logged with file:line and why, and the long line is never held whole (peak well under its
+    size)."""
+    import tracemalloc
+
+    f = tmp_path / "p.jsonl"
+    with f.open("w", encoding="utf-8") as out:
+        out.write(json.dumps({"prompt": "a cat"}) + "\n")
+        out.write('{"prompt": "deep", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+        out.write('{"prompt": "' + "x" * (50 << 20) + '"}\n')
+        out.write(json.dumps({"prompt": "two dogs"}) + "\n")
+    tracemalloc.start()
+    try:
+        with caplog.at_level(logging.WARNING):
+            ps = load_prompts(f)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ps.prompts == ["a cat", "two dogs"] and ps.skipped == 2
+    msgs = " | ".join(r.getMessage() for r in caplog.records)
+    assert f"{f}:2: skipping bad prompt record: the record nests arrays/objects deeper than the limit of 32" in msgs
+    assert f"{f}:3: skipping bad prompt record: line longer than the limit of 1048576 bytes" in msgs
+    assert peak < 16 << 20, peak  # the 50 MB line was skipped in chunks, not read whole
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.txt"):
         load_prompts(tmp_path / "missing.txt")

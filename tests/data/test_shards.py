@@ -191,6 +191,8 @@ def test_bad_records_skipped_and_counted(tmp_path, caplog):
         ("k2", {"txt": b"\xff\xfe bad utf-8"}),          # undecodable
         ("k3", {"txt": b"list meta", "json": b"[1, 2]"}),  # metadata not an object
         ("k4", {"json": b"{}"}),                          # no .txt at all
+        ("k7", {"txt": b"deep", "json": b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"}),  # RecursionError once
+        ("k8", {"txt": b"x" * (2 << 20)}),               # a prompt over the line limit
         ("k5", {"txt": "gut ✓".encode(), "json": b'{"text": "x"}'}),
         ("k6", {"txt": b"no json"}),                      # no .json: empty metadata, fine
     ])
@@ -199,11 +201,12 @@ def test_bad_records_skipped_and_counted(tmp_path, caplog):
         recs = stream.next_records(4)  # the only shard, read twice
         stream.close()
     assert recs == [PromptRecord("gut ✓", {"text": "x"}), PromptRecord("no json", {})] * 2
-    assert stream.skipped == {"empty_txt": 2, "bad_json": 2, "bad_utf8": 2, "json_not_object": 2, "missing_txt": 2}
+    assert stream.skipped == {"empty_txt": 2, "bad_json": 4, "bad_utf8": 2, "json_not_object": 2, "missing_txt": 2,
+                              "too_long": 2}
     text = caplog.text
-    assert "hand.tar: sample k0" in text and "hand.tar: sample k2" in text and "invalid .json" in text
+    assert "hand.tar: sample k0" in text and "hand.tar: sample k2" in text and "is not valid JSON" in text
     assert "sample k3" not in text and "only counted" in text  # first 3 distinct, then one line
-    assert "skipped 10 bad records" in text
+    assert "skipped 14 bad records" in text
 
     empty = _hand_tar(tmp_path / "allbad.tar", [("a", {"txt": b""}), ("b", {"json": b"{}"})])
     with pytest.raises(ValueError, match="no valid prompt record"):
