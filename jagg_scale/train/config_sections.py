@@ -1,11 +1,9 @@
 """The sections of the run configuration: one dataclass each, its typed choices and its own range checks.
 
-Choices are `Literal` types with one source each: the config's own concepts are defined here, the others where
-the concept lives (jagg.backward.IntermediateMode, jagg.planners.RouteBy, jagg.knots.ErrorModel, nft.loss.AdvMode,
-parallel.types.EngineName); the `parallel` section is the engines' own (parallel/config.py). `config._check_type`
+Choices are `Literal` types with one source each: the config's own concepts are defined here, the others where the
+concept lives (imported below); the `parallel` section is the engines' own (parallel/config.py). `config._check_type`
 validates them (and every other typed field) while the config is built, so the `check` methods below hold range
-checks only. Checks that need more than one section, and file existence, are `config.validate`. Every error is a
-ConfigError naming the dotted key.
+checks only. Checks of several sections, and of files, are `config.validate`. Every error names the dotted key.
 """
 
 from __future__ import annotations
@@ -35,10 +33,7 @@ from ..sections import Section as _Section
 # autocast dtype of the model; the SDE math stays float32. float16: fp16 mixed precision with dynamic loss scaling
 # (parallel/loss_scale.py), Flow-GRPO's and DiffusionNFT's mixed_precision fp16
 DType = Literal["float32", "bfloat16", "float16"]
-# sdpa: diffusers' processors (under sequence parallelism its dispatcher's native backend, whose backward runs the
-# attention forward again); cudnn / flash: diffusers' `_native_cudnn` / `flash` backends (CUDA; flash needs the
-# flash-attn package), which keep the softmax statistics instead (models/diffusers_common.py set_attention_backend);
-# xformers: sd3 on CUDA with xformers installed only
+# sdpa: diffusers' own; cudnn / flash: its CUDA backends (models/diffusers_common.py set_attention_backend)
 Attention = Literal["sdpa", "xformers", "cudnn", "flash"]
 SdeWindowMode = Literal["random", "sliding", "scattered"]  # Flow-GRPO-Fast | MixGRPO | UniRL's sparse SDE steps
 Algorithm = Literal["grpo", "nft", "dppo", "gcpo", "awm"]  # train.algorithm (its rollout: config.py ROLLOUT_KIND)
@@ -139,10 +134,9 @@ class ModelConfig(_Section):
                  f"is for the guidance-distilled FLUX kinds, not {self.kind} ({takes('distilled_guidance')})")
         _require(self.distilled_guidance is None or self.distilled_guidance > 0, f"{prefix}.distilled_guidance",
                  "must be > 0")
-        _require(self.attention != "xformers" or "attention" in fam.keys, f"{prefix}.attention",
-                 f"xformers is wired for {takes('attention')} only")
-        _require(self.attention not in ("cudnn", "flash") or fam.is_pipeline, f"{prefix}.attention",
-                 f"{self.attention} is a diffusers attention backend: for the diffusers kinds ({pipelines}), not dit")
+        xf = self.attention == "xformers"  # sd3.py's own; cudnn / flash: diffusers' backends, for any pipeline
+        _require(self.attention == "sdpa" or ("attention" in fam.keys if xf else fam.is_pipeline),
+                 f"{prefix}.attention", f"{self.attention} is for {takes('attention') if xf else pipelines} only")
         _require(self.text_encoders == "all" or "text_encoders" in fam.keys, f"{prefix}.text_encoders",
                  f"no_t5 is supported for {prefix}.kind {takes('text_encoders')} (FLUX's prompt embeddings are T5's)")
         _require(not self.shard_text_encoder or (fam.is_pipeline and self.text_encoders == "all"),

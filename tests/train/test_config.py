@@ -29,7 +29,7 @@ def _err(*overrides):
 
 @pytest.mark.parametrize("key,choices", [
     ("model.dtype", "float32, bfloat16, float16"),
-    ("model.attention", "sdpa, xformers"),
+    ("model.attention", "sdpa, xformers, cudnn, flash"),
     ("model.text_encoders", "all, no_t5"),
     ("grpo.sde_window_mode", "random, sliding, scattered"),
     ("jagg.mode", "jagg, exact"),
