@@ -75,13 +75,15 @@ def lead(cfg, nodes: int, gpus: int, node_gbps: float = NODE_GBPS, hash_gbps: fl
     from . import memory as E
     from . import steptime as T
     from .activations import CoefficientsMissing
-    from .shapes import pipeline_shapes, transformer_stats
+    from .experts import expert_stats
+    from .shapes import pipeline_shapes
 
     world = nodes * gpus
-    comp = pipeline_shapes(cfg)["components"]["transformer"]
     lora = cfg.model.lora
     rank = lora.rank if lora.enabled else 0
-    stats = transformer_stats(comp, rank, lora_targets(cfg.model.kind, lora.targets) if rank else ())
+    # every transformer the run trains: both experts of a two-expert pipeline (Wan2.2 A14B)
+    stats, _ = expert_stats(pipeline_shapes(cfg)["components"], rank,
+                            lora_targets(cfg.model.kind, lora.targets) if rank else ())
     nbytes = checkpoint_bytes(cfg, stats)
     save = save_seconds(nbytes, nodes, gpus, node_gbps, hash_gbps)
     try:

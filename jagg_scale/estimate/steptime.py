@@ -31,8 +31,10 @@ checkpointing there is no recompute (x 2/3).
                FLOPs above are a rank's: 1/N of the attention, the rest at its tokens), and every attention layer's
                Ulysses all-to-alls send (N - 1)/N of the rank's q, k, v and output: 4 per layer and forward, the
                same again in a with-grad pass's backward (and its recomputed forward), at A2A_GBPS a rank (an sp
-               group inside one node: NVLink; --a2a-gbps for another link), not overlapped with compute. The
-               decode, the reward and the encoders run on the group's rows on every rank of it.
+               group inside one node: NVLink; --a2a-gbps for another link), not overlapped with compute. Under
+               model.attention sdpa a with-grad pass's backward also runs its attention forward again (diffusers'
+               native backend), counted in `train`. A group's ranks split the decode and the reward of its rows
+               (and an evaluation's); the encoders run on the group's prompts on every rank of it.
 
     collectives  the data-parallel collectives of every transformer pass (collectives.py): FSDP2's all-gathers of
                each block in forward and again in a with-grad pass's backward, its reduce-scatters of the trained
@@ -107,7 +109,7 @@ def _meta(comp_json: str) -> torch.nn.Module:
 
 @functools.lru_cache(maxsize=None)
 def _transformer_flops(comp_json: str, kind: str, latent: tuple, patch: int, text_tokens: int, sp: int = 1,
-                       split_text: bool = False) -> float:
+                       split_text: bool = False, attention_only: bool = False) -> float:
     """Forward FLOPs of one row of latents [C, H, W] (a video's [C, F, H, W]) in patch x patch tokens through the
     transformer, called as its family's adapter calls it (the measurement's inputs, measure.model_inputs, on the meta
     device), on one rank of a sequence-parallel group of `sp`: its attention (all tokens of 1 / sp of the heads) is
@@ -123,6 +125,8 @@ def _transformer_flops(comp_json: str, kind: str, latent: tuple, patch: int, tex
         return count_blocks(m, lambda: m(**args))
 
     total, attention = count(W // patch, text_tokens)
+    if attention_only:  # the rank's share of the attention kernels alone
+        return attention / sp
     if sp == 1:
         return total
     local, local_attention = count(-(-(W // patch) // sp), -(-text_tokens // sp) if split_text else text_tokens)
@@ -226,6 +230,11 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     grad_passes = [pass_seconds(len(k) * n * rows_x, flops(n), True, factor, calib=calib)
                    for k in groups for n in micro]
     train = sum(grad_passes)
+    if s["sp"] > 1 and cfg.model.attention == "sdpa":  # diffusers' native context-parallel backward runs the
+        # attention forward again (attention_dispatch._native_attention_backward_op); cudnn / flash keep its statistics
+        attn = _transformer_flops(json.dumps(comps["transformer"], sort_keys=True), s["kind"], tuple(s["latent"]),
+                                  s["patch"], s["text_tokens"], s["sp"], s["sp_text"], attention_only=True)
+        train += sum(pass_seconds(len(k) * n * rows_x, attn, calib=calib) for k in groups for n in micro)
     # a minibatch's backwards reduce their gradients each (grad_sync every) or at its last (boundary: runner.py's last)
     reduces = [lay.grad_sync == "every" or i == len(grad_passes) - 1 for i in range(len(grad_passes))]
     exposed["train"] = minibatches * sum(comm.grad(t, 1 / (3 * factor), lay.backward_gathers, r)
@@ -264,14 +273,17 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     lf = s["frames"][0]
     vae = _frozen_flops(json.dumps(comps["vae"], sort_keys=True), "vae", (lf, s["latent"][-1]) if lf > 1
                         else s["latent"][-1])
-    out["decode"] = fwd(chunks, vae) if s["pixels"] else 0.0  # latent rewards alone: no decode (memory.prepare)
+    # a sequence-parallel group's ranks split the decode of their rows (trainer.py: each row scored once), unless a
+    # sharded reward needs every rank in each call; latent rewards alone: no decode (memory.prepare)
+    split = s["sp"] if not cfg.reward.shard else 1
+    out["decode"] = fwd(group_share(chunks, split), vae) if s["pixels"] else 0.0
     e = cfg.eval
     if e.enabled and e.every > 0:
         per = math.ceil(s["eval_images"] / (s["world"] // s["sp"]))  # an sp group evaluates the same images
         ev = [min(e.chunk_size, per - i) for i in range(0, per, e.chunk_size)]
         eval_draw = {"group": e.num_per_prompt, "prompts": -(-per // e.num_per_prompt)}  # its own prompts
         out["eval"] = (fwd(ev, x=cfgg, times=smp.eval_num_steps / e.every, phase="eval", **eval_draw)
-                       + fwd(ev, vae, times=1 / e.every))
+                       + fwd(group_share(ev, s["sp"]), vae, times=1 / e.every))  # its decode split too
         eval_rows = smp.eval_num_steps * per * cfgg / e.every
     else:
         out["eval"], eval_rows = 0.0, 0
@@ -294,6 +306,13 @@ def step_seconds(s: dict, est: dict, cfg_rows_with_grad: bool = False, calib: di
     per_row = {"rollout": flops(bs), "reference": flops(bs), "train": flops(m), "train_nograd": flops(m)}
     out["tflop"] = {p: (3 * factor if p == "train" else 1) * n * per_row[p] / 1e12 for p, n in rows.items()}
     return out
+
+
+def group_share(chunks: list[int], sp: int) -> list[int]:
+    """Of a rank's rows in `chunks`, the ones the first rank of its sequence-parallel group decodes and scores (row i
+    is rank i % sp's: trainer.py, evaluate.py), chunk by chunk: the group's most."""
+    starts = [sum(chunks[:i]) for i in range(len(chunks))]
+    return [len(range(a + (-a % sp), a + n, sp)) for a, n in zip(starts, chunks)]
 
 
 def expected_prefix(cfg) -> float:

@@ -54,3 +54,17 @@ def test_the_wait_is_the_longest_stretch_between_safe_points():
     one = load_config(tiny, ["sampling.num_steps=10", "train.prompts_per_step=3", "grpo.group_size=4",
                              "train.minibatch_size=12"])  # one optimizer step: a micro-batch is the longest
     assert P.wait_seconds(one, phases, est)["wait"] == pytest.approx(60 / 3)
+
+
+def test_a_two_expert_checkpoint_holds_both_experts():
+    """Wan2.2 A14B trains both 14B experts: its checkpoint is twice Wan2.1's (the same architecture), and the wait
+    for a safe point is one forward or micro-batch of one expert, not a step."""
+    from pathlib import Path
+
+    from jagg_scale.train import load_config
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    one, two = (P.lead(load_config(str(root / f"{name}.yaml"), [], check_files=False), 4, 8)
+                for name in ("wan21_t2v_14b_hps", "wan22_t2v_a14b_hps"))
+    assert two["checkpoint_gb"] == pytest.approx(2 * one["checkpoint_gb"], rel=1e-3)
+    assert two["wait_s"] < two["step_s"] / 10

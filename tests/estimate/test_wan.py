@@ -106,11 +106,12 @@ def test_sequence_parallel_2_halves_a_ranks_tokens_activations_and_flops_and_dou
         assert f1 / 2 < f2 < 0.505 * f1
 
 
-def test_the_all_to_alls_are_priced_and_the_decode_is_redundant_on_every_rank():
+def test_the_all_to_alls_are_priced_and_the_decode_is_split_over_the_group():
     """sp 2: each attention layer sends (N - 1) / N of a rank's q, k, v and output, 4 tensors of its tokens x the width
     in bf16, once per forward (three times in a checkpointed with-grad pass), at the bandwidth given; sp 1 sends
-    nothing. The VAE decodes and the reward scores the group's rows on every rank: a rank's decode seconds double
-    with its rows."""
+    nothing. A rank's rows double with sp 2, but its group's ranks split their decode and reward (trainer.py): the
+    decode seconds stay a rank's share; a sharded reward (reward.shard) decodes every row on every rank. Under
+    model.attention sdpa each with-grad pass runs its attention forward again (the native backward); cudnn not."""
     one, two = (prepare(WAN, [f"parallel.sequence_parallel={sp}", "sampling.chunk_size=3"]) for sp in (1, 2))
     assert two["a2a_row"] == 40 * 4 * (33600 // 2) * 5120 * 2 * (2 - 1) / 2 and one["a2a_row"] == 0
     t1, t2 = (T.step_seconds(s, E.estimate(s)) for s in (one, two))
@@ -121,7 +122,15 @@ def test_the_all_to_alls_are_priced_and_the_decode_is_redundant_on_every_rank():
     est = E.estimate(two)
     rollout = 20 * est["local_rows"] * 2  # the rollout's 20 steps of CFG pairs; the training passes come besides
     assert t2["sp_all_to_all"] > rollout * two["a2a_row"] / (T.A2A_GBPS * 1e9)
-    assert t2["decode"] == pytest.approx(2 * t1["decode"]) and est["local_rows"] == 12
+    assert t2["decode"] == pytest.approx(t1["decode"]) and est["local_rows"] == 12  # 12 rows, 6 of them decoded
+    assert T.group_share([3, 3, 3, 3], 2) == [2, 1, 2, 1] and T.group_share([5], 1) == [5]
+    shard = prepare(WAN, ["parallel.sequence_parallel=2", "sampling.chunk_size=3", "reward.shard=true"])
+    assert T.step_seconds(shard, E.estimate(shard))["decode"] == pytest.approx(2 * t1["decode"])
+    cudnn = prepare(WAN, ["parallel.sequence_parallel=2", "sampling.chunk_size=3", "model.attention=cudnn"])
+    tc = T.step_seconds(cudnn, E.estimate(cudnn))
+    assert tc["train"] < t2["train"] and tc["rollout"] == t2["rollout"]  # the recompute is the backward's alone
+    one_c = prepare(WAN, ["parallel.sequence_parallel=1", "sampling.chunk_size=3", "model.attention=cudnn"])
+    assert T.step_seconds(one_c, E.estimate(one_c))["train"] == pytest.approx(t1["train"])  # no sp: no recompute
 
 
 @pytest.mark.parametrize("overrides, world, error, match", [
