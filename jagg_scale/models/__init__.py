@@ -27,17 +27,21 @@ from .dit import DiT, DiTConfig, HashTokenizer
 from .registry import Family, families, family
 
 
-def build_model(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
+def build_model(cfg, *, keep_stored_dtype: bool = False, meta: bool = False) -> VelocityModel:
     """A velocity model from the `model` config section (train.config.ModelConfig), on the host (CPU).
 
     keep_stored_dtype (sd3/flux, the trainer): the transformer is loaded in the dtype its checkpoint stores when
     that is model.dtype's 16-bit dtype (bfloat16 or float16: lossless), and `model.master_dtype` (float32) tells the
     training engine to upcast it while it places the shards on the device, so the host never holds a float32 copy.
-    False (jagg-eval, tests): the transformer is float32 right away, as before."""
+    False (jagg-eval, tests): the transformer is float32 right away, as before.
+
+    meta (a diffusers pipeline under FSDP2: parallel.meta_init): the transformer(s) a skeleton on the meta device,
+    its weights read by the engine into each rank's shards (parallel/meta_load.py); `model.meta_weights` names the
+    files."""
     import torch
 
     if family(cfg.kind).is_pipeline:  # an unknown kind: a ConfigError naming the known ones
-        model = _build_diffusers(cfg, keep_stored_dtype=keep_stored_dtype)
+        model = _build_diffusers(cfg, keep_stored_dtype=keep_stored_dtype, meta=meta)
     else:  # the built-in DiT
         model = DiT(cfg.dit)
         if cfg.pretrained:
@@ -70,7 +74,7 @@ def _fetch_pipeline(repo_id: str, cache_dir) -> None:
     DiffusionPipeline.download(repo_id, cache_dir=str(cache_dir))
 
 
-def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
+def _build_diffusers(cfg, *, keep_stored_dtype: bool = False, meta: bool = False) -> VelocityModel:
     """A family's adapter (Family.build) from a local pipeline directory (or a hub id in the local hub cache:
     pretrained_path), with the config's LoRA, attention and text-encoder options. Every component is loaded straight
     in the dtype it will be used in (diffusers' per-component `dtype=` at from_pretrained time, never float32 then
@@ -81,7 +85,11 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     16-bit dtype when that is the compute dtype (see build_model). Under float16 the VAE stays float32, as Flow-GRPO
     (scripts/train_sd3.py:410) and DiffusionNFT (scripts/train_nft_sd3.py:412) keep it in their fp16 runs: it
     decodes in float32, where an fp16 VAE can overflow."""
+    import contextlib
+
     import torch
+
+    from .diffusers_common import transformers_on_meta
 
     path = pretrained_path(cfg)
     compute = getattr(torch, cfg.dtype)
@@ -94,7 +102,11 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
     dtypes = {"transformer": transformer, "default": compute}
     if compute == torch.float16:
         dtypes["vae"] = torch.float32
-    model = family(cfg.kind).build(cfg, path, dtypes)  # the family's adapter (models/registry.py)
+    with transformers_on_meta() if meta else contextlib.nullcontext():
+        model = family(cfg.kind).build(cfg, path, dtypes)  # the family's adapter (models/registry.py)
+    if meta:  # a skeleton: the engine reads each rank's shards from these (parallel/meta_load.py)
+        parts = getattr(model.transformer, "components", {"": "transformer"})  # two experts name theirs
+        model.meta_weights = {f"transformer.{prefix}": path / name for prefix, name in parts.items()}
     if transformer != torch.float32 and not cfg.lora.enabled:
         model.master_dtype = torch.float32  # upcast by the engine, shard by shard, on the device
     if cfg.lora.enabled:
@@ -102,6 +114,7 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False) -> VelocityModel:
 
         targets = lora_targets(cfg.kind, cfg.lora.targets)
         model.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dtype=torch.float32, targets=targets)
+        model.lora_rank, model.lora_seed = cfg.lora.rank, torch.initial_seed()  # its lora_A draws (lora.lora_a_init)
         check_lora_binding(model, cfg.lora.expect_modules, targets)  # the recipe's count, refused otherwise
     return model
 

@@ -15,8 +15,10 @@ the frozen starting weights, at the cost of one transformer.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +28,44 @@ from torch import nn
 from .base import VelocityModel
 
 log = logging.getLogger(__name__)
+
+
+_ON_META = contextvars.ContextVar("transformers_on_meta", default=False)
+POLICY_COMPONENTS = ("transformer", "transformer_2")  # the pipeline components the policy trains (both experts)
+
+
+@contextmanager
+def transformers_on_meta():
+    """Within it, load_pipeline builds the policy's transformer(s) as skeletons: parameters on the meta device (no
+    weight read, no host memory), buffers real (computed by their modules, as a load computes them); the training
+    engine fills each rank's shards from the files (parallel/meta_load.py)."""
+    token = _ON_META.set(True)
+    try:
+        yield
+    finally:
+        _ON_META.reset(token)
+
+
+def load_pipeline(pipeline_cls, path, dtype, *, local_files_only: bool = True, **components):
+    """`pipeline_cls.from_pretrained(path, dtype=..., ...)`, every family's one way to load its pipeline; under
+    transformers_on_meta() its transformer(s) are skeletons (module docstring of meta_load)."""
+    if _ON_META.get():
+        import json
+
+        import diffusers
+        from accelerate import init_empty_weights
+
+        index = json.loads((Path(path) / "model_index.json").read_text())
+        for name in POLICY_COMPONENTS:
+            spec = index.get(name)
+            if name in components or not isinstance(spec, list) or spec[-1] is None:
+                continue
+            cls = getattr(diffusers, spec[-1])
+            with init_empty_weights(include_buffers=False):
+                module = cls.from_config(cls.load_config(str(Path(path) / name)))
+            want = dtype.get(name, dtype.get("default", torch.float32)) if isinstance(dtype, dict) else dtype
+            components[name] = module.to(want).eval()  # as from_pretrained leaves it
+    return pipeline_cls.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only, **components)
 
 
 # model.attention -> diffusers' attention backend (attention_dispatch.AttentionBackendName): both support context

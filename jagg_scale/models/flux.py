@@ -40,13 +40,12 @@ the optimizer see the transformer alone. The VAE and the two text encoders live 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from .diffusers_common import DiffusersVelocity, row_sigmas, t5_length
+from .diffusers_common import DiffusersVelocity, load_pipeline, row_sigmas, t5_length
 from .registry import Family, register
 
 PROMPT_TOKENS = 512  # FluxPipeline's max_sequence_length (T5 tokens), its T5 tokenizer's limit too
@@ -93,8 +92,7 @@ class FluxVelocity(DiffusersVelocity):
         guidance_scale None: the pipeline's own default (`guidance_default`)."""
         import diffusers
 
-        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(str(Path(path)), dtype=dtype,
-                                                                      local_files_only=local_files_only)
+        pipe = load_pipeline(getattr(diffusers, cls.pipeline_class), path, dtype, local_files_only=local_files_only)
         guidance_scale = cls.guidance_default if guidance_scale is None else guidance_scale
         max_sequence_length = t5_length(pipe.tokenizer_2, max_sequence_length, PROMPT_TOKENS)
         if resolution is not None:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import flux
-from .diffusers_common import DiffusersVelocity, row_sigmas
+from .diffusers_common import DiffusersVelocity, load_pipeline, row_sigmas
 from .registry import Family, register
 
 PROMPT_TOKENS = 512  # Flux2Pipeline's and Flux2KleinPipeline's max_sequence_length, and the most it may be
@@ -86,7 +86,7 @@ class Flux2Velocity(DiffusersVelocity):
         import diffusers
 
         name = _pipeline_class(Path(path))
-        pipe = getattr(diffusers, name).from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
+        pipe = load_pipeline(getattr(diffusers, name), path, dtype, local_files_only=local_files_only)
         latent_size = cls.latent_size_for(pipe, resolution, 2) if resolution is not None else None
         return cls(pipe, max_sequence_length=max_sequence_length or PROMPT_TOKENS, latent_size=latent_size,
                    guidance_scale=guidance_scale)

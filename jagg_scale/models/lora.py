@@ -80,6 +80,17 @@ def lora_module_names(model) -> list[str]:
     return [n for n, m in _transformer(model).named_modules() if isinstance(m, BaseTunerLayer)]
 
 
+def lora_a_init(name: str, shape, rank: int, seed: int) -> torch.Tensor:
+    """A lora_A weight as peft's "gaussian" init draws it (normal, std 1 / r; lora_B zeros), from a generator of its
+    own seeded by (seed, its name): the same values whether the adapter was made on the host or as a skeleton on the
+    meta device and filled shard by shard (parallel/meta_load.py), on every rank, whatever else drew from the global
+    generator before."""
+    import zlib
+
+    g = torch.Generator().manual_seed((int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
+    return torch.randn(tuple(shape), generator=g) / rank
+
+
 def add_lora(transformer, *, targets: Sequence[str], rank: int = 32, alpha: float = 64, init: str | bool = "gaussian",
              dropout: float = 0.0, adapter_name: str = ADAPTER_NAME, dtype: torch.dtype | None = None):
     """Inject a LoRA adapter (peft LoraConfig via diffusers' PeftAdapterMixin.add_adapter) on `targets` (lora_targets)
@@ -96,11 +107,13 @@ def add_lora(transformer, *, targets: Sequence[str], rank: int = 32, alpha: floa
     ref = next(tr.parameters())
     dtype = dtype or ref.dtype
     tr.add_adapter(config, adapter_name=adapter_name)
-    n_lora = 0
+    n_lora, seed = 0, torch.initial_seed()
     for name, p in tr.named_parameters():
         is_lora = "lora_" in name
         if is_lora and (p.dtype != dtype or p.device != ref.device):
             p.data = p.data.to(device=ref.device, dtype=dtype)
+        if "lora_A" in name and init == "gaussian" and not p.is_meta:
+            p.data.copy_(lora_a_init(name, p.shape, int(rank), seed))
         p.requires_grad_(is_lora)
         n_lora += p.numel() if is_lora else 0
     modules = lora_module_names(tr)

@@ -44,7 +44,6 @@ inference like SD3's and FLUX's T5.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -52,7 +51,7 @@ import torch
 
 from ..cond import Tokens
 from ..parallel.sequence import sequence_split
-from .diffusers_common import DiffusersVelocity, latent_stats, row_sigmas
+from .diffusers_common import DiffusersVelocity, latent_stats, load_pipeline, row_sigmas
 from .registry import Family, register
 
 PROMPT_TOKENS = 512  # QwenImagePipeline.__call__'s max_sequence_length
@@ -111,7 +110,7 @@ class QwenImageVelocity(DiffusersVelocity):
         """Load a saved QwenImagePipeline directory (offline by default); `dtype` as for SD3Velocity.from_pretrained."""
         from diffusers import QwenImagePipeline
 
-        pipe = QwenImagePipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
+        pipe = load_pipeline(QwenImagePipeline, path, dtype, local_files_only=local_files_only)
         latent_size = cls.latent_size_for(pipe, resolution, 2) if resolution is not None else None
         return cls(pipe, max_sequence_length=min(max_sequence_length or PROMPT_TOKENS, PROMPT_LIMIT),
                    latent_size=latent_size)

@@ -32,7 +32,7 @@ from ..cond import Tokens
 from ..data.images import load_rgb
 from . import qwenimage
 from .qwenimage import QwenImageVelocity, pack_latents, unpack_latents
-from .diffusers_common import latent_stats, row_sigmas
+from .diffusers_common import latent_stats, load_pipeline, row_sigmas
 from .registry import Family, register
 
 
@@ -83,8 +83,8 @@ class QwenImageEditVelocity(QwenImageVelocity):
         from diffusers import QwenImageEditPlusPipeline
 
         path = Path(path)
-        pipe = QwenImageEditPlusPipeline.from_pretrained(str(path), dtype=dtype, processor=image_processor(path),
-                                                         local_files_only=local_files_only)
+        pipe = load_pipeline(QwenImageEditPlusPipeline, path, dtype, processor=image_processor(path),
+                             local_files_only=local_files_only)
         latent_size = cls.latent_size_for(pipe, resolution, 2) if resolution is not None else None
         return cls(pipe, max_sequence_length=min(max_sequence_length or qwenimage.PROMPT_TOKENS,
                                                  qwenimage.PROMPT_LIMIT), latent_size=latent_size)

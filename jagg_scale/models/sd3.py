@@ -29,12 +29,11 @@ the optimizer see the transformer alone. The VAE and the three text encoders liv
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from .diffusers_common import DiffusersVelocity, row_sigmas, t5_length
+from .diffusers_common import DiffusersVelocity, load_pipeline, row_sigmas, t5_length
 from .registry import Family, register
 
 PROMPT_TOKENS = 256  # StableDiffusion3Pipeline's max_sequence_length (T5 tokens)
@@ -75,8 +74,7 @@ class SD3Velocity(DiffusersVelocity):
         from diffusers import StableDiffusion3Pipeline
 
         no_t5 = {} if t5 else {"text_encoder_3": None}
-        pipe = StableDiffusion3Pipeline.from_pretrained(str(Path(path)), dtype=dtype,
-                                                        local_files_only=local_files_only, **no_t5)
+        pipe = load_pipeline(StableDiffusion3Pipeline, path, dtype, local_files_only=local_files_only, **no_t5)
         max_sequence_length = t5_length(pipe.tokenizer_3, max_sequence_length, PROMPT_TOKENS)
         latent_size = cls.latent_size_for(pipe, resolution, pipe.transformer.config.patch_size)
         return cls(pipe, max_sequence_length=max_sequence_length, latent_size=latent_size)

@@ -39,7 +39,7 @@ from typing import Sequence
 
 import torch
 
-from .diffusers_common import DiffusersVelocity, latent_stats, row_sigmas
+from .diffusers_common import DiffusersVelocity, latent_stats, load_pipeline, row_sigmas
 from .registry import Family, register
 from ..sections import ConfigError
 from .wan_experts import ExpertsError, WanExperts, expert_switch, split_state
@@ -88,7 +88,7 @@ class WanVelocity(DiffusersVelocity):
         """Load a saved WanPipeline directory (offline by default); `dtype` as SD3Velocity.from_pretrained's."""
         from diffusers import WanPipeline
 
-        pipe = WanPipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
+        pipe = load_pipeline(WanPipeline, path, dtype, local_files_only=local_files_only)
         f, patch = pipe.vae_scale_factor_spatial, (pipe.transformer or pipe.transformer_2).config.patch_size[1]
         if resolution is not None and resolution % (f * patch):
             raise ValueError(f"model.resolution {resolution} must be a multiple of {f * patch} (VAE factor {f} x "

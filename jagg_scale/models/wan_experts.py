@@ -51,6 +51,8 @@ def expert_switch(pipe) -> ExpertSwitch | None:
 class WanExperts(nn.Module):
     """`high` (the pipeline's transformer) and `low` (its transformer_2) behind one WanTransformer3DModel call."""
 
+    components = {"high.": "transformer", "low.": "transformer_2"}  # each expert's pipeline directory (meta_load)
+
     def __init__(self, high: nn.Module, low: nn.Module, switch: ExpertSwitch):
         super().__init__()
         for key in SHARED_CONFIG:

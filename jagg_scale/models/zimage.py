@@ -32,14 +32,13 @@ in the Tokens, so a forward splits the batch into the transformer's per-prompt l
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from ..cond import Tokens
-from .diffusers_common import DiffusersVelocity, row_sigmas
+from .diffusers_common import DiffusersVelocity, load_pipeline, row_sigmas
 from .registry import Family, register
 
 PROMPT_TOKENS = 512  # ZImagePipeline.__call__'s max_sequence_length, and the most it may be
@@ -72,7 +71,7 @@ class ZImageVelocity(DiffusersVelocity):
         """Load a saved ZImagePipeline directory (offline by default); `dtype` as SD3Velocity.from_pretrained's."""
         from diffusers import ZImagePipeline
 
-        pipe = ZImagePipeline.from_pretrained(str(Path(path)), dtype=dtype, local_files_only=local_files_only)
+        pipe = load_pipeline(ZImagePipeline, path, dtype, local_files_only=local_files_only)
         latent_size = cls.latent_size_for(pipe, resolution, 2) if resolution is not None else None
         return cls(pipe, max_sequence_length=max_sequence_length or PROMPT_TOKENS, latent_size=latent_size)
 

@@ -9,7 +9,7 @@ engine cannot honour is refused here, naming it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from ..sections import Section, require
 from .types import EngineName, GradSync
@@ -38,6 +38,10 @@ class ParallelConfig(Section):
     # seconds a collective may wait before the process group's watchdog aborts the job (init_process_group's
     # timeout); longer than the longest work one rank does while the others wait (a checkpoint save, rank 0's export)
     collective_timeout_s: int = 1800
+    # fsdp2 with a diffusers pipeline: the transformer built on the meta device and each rank's shards read from its
+    # files (parallel/meta_load.py), not loaded whole on every rank's host first. null: on where it applies; false:
+    # the host path (each rank loads the whole transformer, then shards it)
+    meta_init: Optional[bool] = None
     # fsdp2: split every transformer pass's tokens over this many ranks (Ulysses, parallel/sequence.py): the ranks of
     # a group hold the same rows, each 1/N of their tokens; for rows too long for one GPU (video, 1024 px+)
     sequence_parallel: int = 1
@@ -61,5 +65,7 @@ class ParallelConfig(Section):
                 f"must be >= 1, got {self.sequence_parallel}")
         require(self.sequence_parallel == 1 or self.engine == "fsdp2", f"{prefix}.sequence_parallel",
                 f"splits the tokens of FSDP2's ranks: it needs {prefix}.engine fsdp2, not {self.engine}")
+        require(self.meta_init is not True or self.engine == "fsdp2", f"{prefix}.meta_init",
+                f"reads each rank's FSDP2 shards: it needs {prefix}.engine fsdp2, not {self.engine}")
         require(self.collective_timeout_s >= 1, f"{prefix}.collective_timeout_s",
                 f"must be >= 1 second, got {self.collective_timeout_s}")

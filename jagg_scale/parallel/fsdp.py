@@ -51,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from . import meta_load
 from .blocks import block_slots, compile_blocks, enable_activation_checkpointing, repeated_layers
 from .comm import CommCounter
 from .config import ParallelConfig
@@ -116,11 +117,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w*FluxSingleTransformerBlock\) returned a view",
                             category=UserWarning)
     units = []
+    # a skeleton on the meta device (parallel/meta_load.py): cast to the master dtype there, sharded, and filled by
+    # the engine afterwards (materialize) instead of placed here
+    place = None if meta_load.is_meta(model) else device
     for blocks, i in slots:
-        place_(blocks[i], device, master_dtype)
+        place_(blocks[i], place, master_dtype)
         fully_shard(blocks[i], mp_policy=blocks_mp, **kwargs)
         units.append(blocks[i])
-    place_(model, device, master_dtype)  # the root's own parameters (the blocks' are DTensors now: skipped)
+    place_(model, place, master_dtype)  # the root's own parameters (the blocks' are DTensors now: skipped)
     fully_shard(model, mp_policy=root_mp, **kwargs)
     if prefetch:
         for prev, nxt in zip(units, units[1:]):
@@ -214,10 +218,15 @@ class FSDP2Engine(Engine):
     def _parallelize(self, module: nn.Module, activation_checkpointing: bool,
                      master_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
         p = self.parallel
-        return parallelize(module, self.mesh, param_dtype=self.param_dtype,
-                           activation_checkpointing=activation_checkpointing,
-                           reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch,
-                           device=self.dist.device, master_dtype=master_dtype, compile=compile)
+        skeleton = meta_load.is_meta(module)
+        module = parallelize(module, self.mesh, param_dtype=self.param_dtype,
+                             activation_checkpointing=activation_checkpointing,
+                             reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch,
+                             device=self.dist.device, master_dtype=master_dtype, compile=compile)
+        if skeleton:  # each rank's shards read from the pipeline's files (parallel.meta_init)
+            meta_load.materialize(module, self.dist.device, module.meta_weights,
+                                  lora_rank=getattr(module, "lora_rank", 0), seed=getattr(module, "lora_seed", 0))
+        return module
 
     def shard_frozen(self, module: nn.Module) -> nn.Module:
         """A frozen copy (the KL reference of a full fine-tune, on the host) sharded the same way, unit by unit onto

@@ -35,7 +35,7 @@ from ..checkpoint import capture_rng_state
 from ..checkpoint.local import write_object
 from ..checkpoint.pickles import load_torch
 from ..data import ListPromptSource, PromptSet, StreamPromptSource
-from ..models import build_model
+from ..models import build_model, family
 from ..models.diffusers_common import ATTENTION_BACKENDS, set_attention_backend
 from ..parallel.build import build_engine
 from ..parallel.dist import init_distributed
@@ -98,7 +98,7 @@ class Trainer:
         # Built on the host (the transformer in its checkpoint's bf16 when model.dtype is bfloat16, the frozen parts
         # in their compute dtype); the engine places the transformer on the device, sharded first where it shards
         # (upcast to its fp32 master weights on the way); then the frozen parts go to the device on their own.
-        model = build_model(cfg.model, keep_stored_dtype=True)
+        model = build_model(cfg.model, keep_stored_dtype=True, meta=self._meta_init())
         if cfg.model.attention in ATTENTION_BACKENDS:  # before sequence parallelism: it checks the backend takes part
             try:
                 set_attention_backend(model.transformer, cfg.model.attention, self.device)
@@ -165,6 +165,16 @@ class Trainer:
             except (AttributeError, ValueError) as err:  # a model without a diffusers transformer, or one unplanned
                 raise ConfigError(str(err) if "config key" in str(err) else
                                   f"config key 'parallel.sequence_parallel' {sp}: {err}") from err
+
+    def _meta_init(self) -> bool:
+        """parallel.meta_init: the transformer a skeleton on the meta device, each rank's shards read by the engine
+        (parallel/meta_load.py); FSDP2 with a diffusers pipeline, not a rollout pool's split (its replica is whole)."""
+        cfg = self.cfg
+        applies = (cfg.parallel.engine == "fsdp2" and family(cfg.model.kind).is_pipeline and self.dist.pool is None)
+        if cfg.parallel.meta_init and not applies:
+            raise ConfigError("config key 'parallel.meta_init' true: the meta start-up reads FSDP2 shards of a "
+                              "diffusers pipeline's transformer, and this run has none to read (the dit, or pools)")
+        return applies and cfg.parallel.meta_init is not False
 
     def _t5_sharder(self):
         """model.shard_text_encoder: the T5 encoder fully_shard-ed for inference over a 1-D mesh of every rank (a
