@@ -17,8 +17,9 @@ groups) whole, and runs 1 / N of every transformer pass's tokens.
 Phases of a step (each a sum of components; the peak is the max):
 
     encode     text encoders on this rank's prompts (all at once, as Policy.encode does)
-    rollout    no-grad sampling chunks (CFG: 2x rows) while the previous chunk is decoded and scored; then
-               Trajectories.cat holding the chunks and their concatenation
+    rollout    no-grad sampling chunks (CFG: 2x rows) while the previous chunk is decoded and scored on the run's
+               reward stream (its blocks beside the sampling's: rewards/multi.py ScoringLane), of a sequence-parallel
+               group's chunk this rank's share; then Trajectories.cat holding the chunks and their concatenation
     update     one with-grad pass of knots_per_pass x micro_batch_size rows (a JAGG joint pass: 2 x micro)
     optimizer  AdamW step (foreach temporaries) with gradients and states
     eval       eval.chunk_size images at a time (CFG: 2x rows): encode, ODE, decode, score in turn
@@ -314,11 +315,13 @@ def estimate(s: dict, micro: int | None = None, sampling_batch: int | None = Non
     if bs == "auto":
         bs = rollout_batch(s, s["gpu_gib"])
     sample_rows = bs * (1 + cfgg)
-    sampling = tact("nograd", sample_rows) + sample_rows * (3 * 4 * lat + cond) + score(bs)
+    # a sequence-parallel group's ranks split a chunk's decode and reward (trainer.py; a sharded reward: every row)
+    split = s["sp"] if not cfg.reward.shard else 1
+    sampling = tact("nograd", sample_rows) + sample_rows * (3 * 4 * lat + cond) + score(-(-bs // split))
     e = cfg.eval.chunk_size  # train/evaluate.py: per batch encode, ODE, decode, score in turn; a grid kept (uint8)
     e_rows = e * (1 + cfgg)
     grid = min(cfg.eval.grid_images, s["eval_images"]) * nf * px / 4  # uint8 frames
-    eval_batch = (e * cond * (1 + cfgg) + 2 * e * lat * 4 + grid + max(encoders(e), score(e, True), tact(
+    eval_batch = (e * cond * (1 + cfgg) + 2 * e * lat * 4 + grid + max(encoders(e), score(-(-e // s["sp"]), True), tact(
         "nograd", e_rows) + e_rows * (3 * 4 * lat + cond))) if cfg.eval.enabled else 0
     eval_batch += 4 * Pt / div if cfg.train.ema_decay > 0 and cfg.eval.enabled else 0  # ema_weights' live copy
     dyn = {

@@ -127,7 +127,7 @@ class Trainer:
         self.preemption = Preemption()
         # inside a step: a check before every transformer forward, while the step has not moved the weights (not
         # under pools: the rollout pool samples ahead of the step, so only its end is a safe point)
-        self.stops = StopPoints(self.preemption, self._agree, lambda: self.engine.optimizer_steps,
+        self.stops = StopPoints(self.preemption, self._agree_control, lambda: self.engine.optimizer_steps,
                                 enabled=self.dist.pool is None)
         self.policy.stop_point = self.stops.check
         self.run_state = RunState(cfg, self.dist, self.engine, self.out)
@@ -220,7 +220,9 @@ class Trainer:
             behind = 0
         else:  # pools: the rollout pool sampled and scored this trainer's rows, with the version the step says
             traj, parts, meta = self.link.receive(step, prompts, self.reward.names)
-            scoring, behind, t1 = {"reward_late": meta["late"]}, step - meta["version"], t0
+            # the rollout pool scored every row of this trainer's (pools refuse sequence parallelism)
+            scoring = {"reward_late": meta["late"], "reward_rows": len(mine)}
+            behind, t1 = step - meta["version"], t0
         self.stops.check()  # a rank's signal may have cut its reward wait short: the step is abandoned
         failed = check_failures(parts, cfg.reward.max_fail_frac)
         t2 = time.perf_counter()
@@ -392,6 +394,11 @@ class Trainer:
         if agreed and self.preemption.signal_number is None:
             self.preemption.signal_number = agreed
         return bool(agreed)
+
+    def _agree_control(self, flag: bool) -> bool:
+        """_agree inside a step: bookkeeping, counted apart from the phase's model traffic."""
+        with self._comm("control"):
+            return self._agree(flag)
 
     def _step_start(self) -> dict:
         """What a checkpoint of the step's start holds besides the weights, taken before the step draws prompts: the

@@ -148,7 +148,8 @@ def test_sequence_parallel_refuses_what_the_trainer_refuses(overrides, world, er
 
 def test_a_video_reward_scores_every_kth_frame_of_the_decoded_videos():
     """video_frames over HPS every 4th of 81 frames: the reward sized is HPS's CLIP, 21 frames a video scored; the
-    rollout's decode and scoring cost more the more frames are scored (a copy of them beside the videos)."""
+    rollout's decode and scoring cost more the more frames are scored (a copy of them beside the videos), of its
+    sequence-parallel group's share of a chunk."""
     s = prepare(WAN, ["sampling.chunk_size=2"])
     assert list(s["rewards"]) == ["hps"] and s["rewards"]["hps"]["every"] == 4
     rollout = {}
@@ -157,5 +158,6 @@ def test_a_video_reward_scores_every_kth_frame_of_the_decoded_videos():
         rollout[every] = E.estimate(t)["phases"]["rollout"]["components"][
             "encoder / sampling / decode / reward transients"]
     frame = 3 * 640 * 640 * 4  # a float32 frame
-    assert rollout[1] - rollout[4] == pytest.approx(2 * (81 - 21) * frame, rel=1e-6)  # 2 videos' frames
+    # a chunk of 2 videos, split over the sp 2 group's ranks: 1 video's frames a rank
+    assert rollout[1] - rollout[4] == pytest.approx(1 * (81 - 21) * frame, rel=1e-6)
     assert rollout[4] > rollout[81]

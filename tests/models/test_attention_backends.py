@@ -23,6 +23,17 @@ def test_a_backend_is_for_the_diffusers_kinds_and_is_checked_by_key():
         load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), ["model.attention=triton"])
 
 
+@pytest.fixture(autouse=True)
+def _process_backend():
+    """diffusers' set_attention_backend also sets the process's active backend: every later model in this test
+    process would dispatch to cuDNN. Put back after each test."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry.get_active_backend()
+    yield
+    _AttentionBackendRegistry.set_active_backend(active[0] if isinstance(active, tuple) else active)
+
+
 def test_wans_processors_take_the_backend_and_the_cpu_is_refused(wan_dir):
     cfg = load_config(str(ROOT / "configs" / "wan_tiny_cpu.yaml"), [f"model.pretrained={wan_dir}"])
     transformer = build_model(cfg.model).transformer
