@@ -257,15 +257,15 @@ def one_node(env: dict) -> dict:
 def test_sbatch_derives_its_preemption_deadlines_from_the_estimate(stubs, tmp_path):
     """Deadlines that nest: the wait for the trainer's next safe point and the checkpoint must fit in torchrun's
     SHUTDOWN_TIMEOUT, and that in the signal's lead. Wan2.1 14B on 4 nodes (a safe point inside the step, not the
-    ~3,700 s step) starts with the defaults, its SHUTDOWN_TIMEOUT raised to the estimate's. FLUX.1-dev's full
+    ~3,900 s step) starts with the defaults, its SHUTDOWN_TIMEOUT raised to the estimate's. FLUX.1-dev's full
     fine-tune on one node (a 143 GB checkpoint written by one node) needs a longer lead than the header's 300 s: kept
     by the script's own timer from the job's end, whose USR1 reaches srun with no signal from outside (the job then
-    requeues); refused when the end cannot be read or comes within the lead, or when a SHUTDOWN_TIMEOUT given is too
-    short."""
+    requeues). The refusals (an end that cannot be read or comes within the lead, a SHUTDOWN_TIMEOUT given too short)
+    run on a stand-in estimate (`PYTHON` printing the numbers): the shell's decisions, not the estimator's again."""
     import time
 
     env = _slurm_env(stubs, tmp_path, PREEMPT_CHECK=1, PYTHON=sys.executable, GPUS=8)
-    wan = {**{k: v for k, v in env.items() if k != "REPLICATE"},  # the script decides: no HSDP with sp
+    wan = {**{k: v for k, v in env.items() if k != "REPLICATE"},  # the script decides: no HSDP with sp 2 on 8 GPUs
            "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "node[01-04]", "DRY_RUN": "1"}
     r = _run(SBATCH, ["configs/wan21_t2v_14b_hps.yaml"], wan, timeout=RUN_S)
     m = re.search(r"a wait ~(\d+) s for a safe point \(a step ~(\d+) s\).* needs SHUTDOWN_TIMEOUT >= (\d+) s "
@@ -276,24 +276,32 @@ def test_sbatch_derives_its_preemption_deadlines_from_the_estimate(stubs, tmp_pa
     assert _opt(shlex.split(r.stdout), "--shutdown-timeout") == str(need_shutdown)
 
     flux = ["configs/flux1_dev_hps.yaml"]
-    env = {**{k: v for k, v in env.items() if k != "REPLICATE"}, "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node01"}
-    r = _run(SBATCH, flux, env, timeout=RUN_S)  # no SLURM_JOB_END_TIME, no squeue: the lead cannot be kept
-    m = re.search(r"needs a signal lead >= (\d+) s \(a wait ~\d+ s .* save of a 143 GB checkpoint", r.stderr)
-    assert r.returncode == 2 and m and "end time could not be read" in r.stderr and not _log(tmp_path), r.stderr
-    lead = int(m.group(1))
-    assert lead > 300
-    r = _run(SBATCH, flux, {**env, "SLURM_JOB_END_TIME": str(int(time.time()) + lead // 2)}, timeout=RUN_S)
-    assert r.returncode == 2 and "within the preemption's lead" in r.stderr, r.stderr
-    r = _run(SBATCH, flux, {**env, "SLURM_JOB_END_TIME": "9999999999", "SHUTDOWN_TIMEOUT": "100"}, timeout=RUN_S)
-    assert r.returncode == 2 and "this job has SHUTDOWN_TIMEOUT=100" in r.stderr, r.stderr
-    assert not _log(tmp_path)  # srun never ran
-    # the job "ends" 20 s after the lead: the script's own USR1, forwarded to srun, then the requeue
-    r = _run(SBATCH, flux, {**env, "STUB_MODE": "wait", "SLURM_JOB_END_TIME": str(int(time.time()) + lead + 20)},
-             timeout=RUN_S)
-    m = re.search(r"this script signals itself in (\d+) s", r.stderr)
-    assert m and int(m.group(1)) <= 20, r.stderr
+    one = {**{k: v for k, v in env.items() if k != "REPLICATE"}, "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node01"}
+    r = _run(SBATCH, flux, {**one, "DRY_RUN": "1", "SLURM_JOB_END_TIME": "9999999999"}, timeout=RUN_S)
+    m = re.search(r"a wait ~(\d+) s .* save of a 143 GB checkpoint \+ 30 s needs a signal lead >= (\d+) s, longer "
+                  r"than the header's USR1_LEAD=300", r.stderr)
+    assert r.returncode == 0 and m and 300 < int(m.group(2)) < 600, r.stderr  # the real estimate: past the header's
+
+    python = tmp_path / "estimate"  # shutdown_s lead_s checkpoint_gb save_s step_s wait_s, as --shell prints
+    python.write_text("#!/bin/sh\necho 436 466 143 179 186 49\n")
+    python.chmod(0o755)
+    stand_in = {**one, "PYTHON": str(python), "DRY_RUN": "1"}
+    # the job "ends" 3 s after the lead it needs: the script's own USR1, forwarded to srun, then the requeue
+    r = _run(SBATCH, flux, {**stand_in, "DRY_RUN": "", "STUB_MODE": "wait",
+                            "SLURM_JOB_END_TIME": str(int(time.time()) + 466 + 3)})
     log = _log(tmp_path)
+    assert re.search(r"this script signals itself in [0-3] s", r.stderr), r.stderr
     assert "srun got USR1" in log and "requeue 123" in log and r.returncode == 0, (log, r.stderr)
+    r = _run(SBATCH, flux, stand_in)  # no SLURM_JOB_END_TIME, no squeue: the lead cannot be kept
+    assert r.returncode == 2 and "end time could not be read" in r.stderr and "--signal=B:USR1@466" in r.stderr
+    r = _run(SBATCH, flux, {**stand_in, "SLURM_JOB_END_TIME": str(int(time.time()) + 200)})
+    assert r.returncode == 2 and "within the preemption's lead of 466 s" in r.stderr, r.stderr
+    r = _run(SBATCH, flux, {**stand_in, "SLURM_JOB_END_TIME": "9999999999", "SHUTDOWN_TIMEOUT": "100"})
+    assert r.returncode == 2 and "this job has SHUTDOWN_TIMEOUT=100" in r.stderr, r.stderr
+    r = _run(SBATCH, flux, {**stand_in, "SLURM_JOB_END_TIME": str(int(time.time()) + 7200)})
+    m = re.search(r"this script signals itself in (\d+) s", r.stderr)
+    assert r.returncode == 0 and m and 7200 - 466 - 60 < int(m.group(1)) <= 7200 - 466, r.stderr
+    assert _opt(shlex.split(r.stdout.splitlines()[-1]), "--shutdown-timeout") == "436"
 
 
 def test_sbatch_exposes_torchruns_restarts_and_says_its_budget(stubs, tmp_path):
