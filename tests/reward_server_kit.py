@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from extras import need
-from hang_guard import WAIT_S
+from hang_guard import POLL_S, WAIT_S
 from jagg_scale.rewards import Reward, RewardOutput, build_reward, register
 
 class Counting(Reward):
@@ -55,6 +55,14 @@ class Slow(Counting):
         time.sleep(0.4)
         return RewardOutput(scores=torch.zeros(images.shape[0]))
 
+
+
+def wait_for(condition) -> None:
+    """Poll until condition() holds (WAIT_S: a hang guard only)."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(POLL_S)
 
 
 def photos(size: int = 48) -> torch.Tensor:

@@ -260,8 +260,9 @@ def test_sbatch_derives_its_preemption_deadlines_from_the_estimate(stubs, tmp_pa
     ~3,900 s step) starts with the defaults, its SHUTDOWN_TIMEOUT raised to the estimate's. FLUX.1-dev's full
     fine-tune on one node (a 143 GB checkpoint written by one node) needs a longer lead than the header's 300 s: kept
     by the script's own timer from the job's end, whose USR1 reaches srun with no signal from outside (the job then
-    requeues). The refusals (an end that cannot be read or comes within the lead, a SHUTDOWN_TIMEOUT given too short)
-    run on a stand-in estimate (`PYTHON` printing the numbers): the shell's decisions, not the estimator's again."""
+    requeues). That and the refusals (an end that cannot be read or comes within the lead, a SHUTDOWN_TIMEOUT given
+    too short) run on a stand-in of its estimate (`PYTHON` printing the numbers): the shell's decisions; the
+    estimate itself is tests/estimate/test_preemption.py's."""
     import time
 
     env = _slurm_env(stubs, tmp_path, PREEMPT_CHECK=1, PYTHON=sys.executable, GPUS=8)
@@ -275,13 +276,8 @@ def test_sbatch_derives_its_preemption_deadlines_from_the_estimate(stubs, tmp_pa
     assert wait < step / 10 and have == need_shutdown > 240 and lead <= 300  # the default lead, a derived timeout
     assert _opt(shlex.split(r.stdout), "--shutdown-timeout") == str(need_shutdown)
 
-    flux = ["configs/flux1_dev_hps.yaml"]
+    flux = ["configs/flux1_dev_hps.yaml"]  # its real lead on one node: 466 s (docs/launchers.md), stood in below
     one = {**{k: v for k, v in env.items() if k != "REPLICATE"}, "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node01"}
-    r = _run(SBATCH, flux, {**one, "DRY_RUN": "1", "SLURM_JOB_END_TIME": "9999999999"}, timeout=RUN_S)
-    m = re.search(r"a wait ~(\d+) s .* save of a 143 GB checkpoint \+ 30 s needs a signal lead >= (\d+) s, longer "
-                  r"than the header's USR1_LEAD=300", r.stderr)
-    assert r.returncode == 0 and m and 300 < int(m.group(2)) < 600, r.stderr  # the real estimate: past the header's
-
     python = tmp_path / "estimate"  # shutdown_s lead_s checkpoint_gb save_s step_s wait_s, as --shell prints
     python.write_text("#!/bin/sh\necho 436 466 143 179 186 49\n")
     python.chmod(0o755)

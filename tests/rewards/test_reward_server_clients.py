@@ -22,7 +22,8 @@ from hang_guard import POLL_S, WAIT_S
 from jagg_scale.rewards import RewardOutput, register
 from jagg_scale.rewards.server import encode_images, serve
 from extras import need
-from reward_server_kit import JSON, Counting, Mean, photos, post, prompts_meta, remote_reward, score_body
+from reward_server_kit import (JSON, Counting, Mean, photos, post, prompts_meta, remote_reward, score_body,
+                               wait_for)
 
 need("uvicorn")  # the [server] extra: the server runs on uvicorn + starlette
 need("starlette")
@@ -155,13 +156,6 @@ def _read_response(s: socket.socket) -> tuple[int, dict]:
     return r.status, json.loads(body)
 
 
-def _wait_for(condition) -> None:
-    deadline = time.monotonic() + WAIT_S  # a hang guard only
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(POLL_S)
-
-
 def test_slowloris_is_cut_at_the_header_deadline_while_others_are_served(start, monkeypatch):
     """8 connections sending one header byte every 5 s stopped the old server from answering anyone: headers were read
     by its 8 worker threads, before the token, under a 60 s socket timeout that restarted with every byte. 16 such
@@ -192,7 +186,7 @@ def test_slowloris_is_cut_at_the_header_deadline_while_others_are_served(start, 
     try:
         for t in threads:
             t.start()
-        _wait_for(lambda: len(started) == 16)
+        wait_for(lambda: len(started) == 16)
         out = remote_reward(srv, "mean", token_env="JAGG_TEST_TOKEN")(photos(8)[:2], *prompts_meta(2))
         assert out.scores.shape == (2,)
         for t in threads:  # each ends when the server closes its connection (the join's timeout is a hang guard)
@@ -229,7 +223,7 @@ def test_the_token_is_refused_from_the_headers_with_every_worker_busy(start, mon
     try:
         for t in busy:
             t.start()
-        _wait_for(lambda: srv.slots.held == 2 and _Gated.inside == 1)  # one in the reward, one at its lock
+        wait_for(lambda: srv.slots.held == 2 and _Gated.inside == 1)  # one in the reward, one at its lock
         for auth in (b"", b"Authorization: Bearer wrong\r\n"):
             s = _connect(srv)
             s.sendall(b"POST /score/gated HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + auth
@@ -324,16 +318,16 @@ def test_connections_are_capped_per_client_ip_and_in_all(start):
     and a freed connection lets the next one in."""
     srv = start({"mean": Mean()}, max_connections=6, max_connections_per_client=4, header_timeout_s=float(WAIT_S))
     held = [_connect(srv, "127.0.0.2") for _ in range(4)]
-    _wait_for(lambda: srv.guard.total == 4)
+    wait_for(lambda: srv.guard.total == 4)
     status, reply = _read_response(_connect(srv, "127.0.0.2"))
     assert status == 503 and "127.0.0.2 holds the per-client limit of 4 connections" in reply["error"], reply
     assert _health_from(srv, "127.0.0.3") == 200
     held += [_connect(srv, "127.0.0.3") for _ in range(2)]
-    _wait_for(lambda: srv.guard.total == 6)
+    wait_for(lambda: srv.guard.total == 6)
     status, reply = _read_response(_connect(srv, "127.0.0.4"))
     assert status == 503 and "limit of 6 connections" in reply["error"], reply
     held.pop(0).close()
-    _wait_for(lambda: srv.guard.total == 5)
+    wait_for(lambda: srv.guard.total == 5)
     assert _health_from(srv, "127.0.0.4") == 200
     for s in held:
         s.close()

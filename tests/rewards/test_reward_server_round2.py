@@ -16,24 +16,15 @@ import threading
 import pytest
 import torch
 
-from hang_guard import POLL_S, WAIT_S
+from hang_guard import WAIT_S
 from jagg_scale.rewards import RewardOutput, register
 from jagg_scale.rewards.remote import RemoteRewardError
 from jagg_scale.rewards.server import encode_images, main
 from extras import need
-from reward_server_kit import JSON, Counting, Mean, photos, png_b64, post, prompts_meta, remote_reward
+from reward_server_kit import JSON, Counting, Mean, photos, png_b64, post, prompts_meta, remote_reward, wait_for
 
 need("uvicorn")
 need("starlette")
-
-
-def _wait_for(condition) -> None:
-    import time
-
-    deadline = time.monotonic() + WAIT_S  # a hang guard only
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(POLL_S)
 
 
 def test_slow_authenticated_bodies_hold_no_worker_and_a_normal_request_is_scored_meanwhile(start, monkeypatch):
@@ -57,7 +48,7 @@ def test_slow_authenticated_bodies_hold_no_worker_and_a_normal_request_is_scored
     try:
         for t in threads:
             t.start()
-        _wait_for(lambda: min(sent) >= 3 and srv._bodies.held >= 8)  # every slow body is being read
+        wait_for(lambda: min(sent) >= 3 and srv._bodies.held >= 8)  # every slow body is being read
         out = remote_reward(srv, "mean", token_env="JAGG_TEST_TOKEN")(photos(8)[:2], *prompts_meta(2))
         assert out.scores.shape == (2,)
         # scored while all 8 bodies were still arriving: none of them has had a reply (a 408 at the deadline) or a close
