@@ -58,6 +58,9 @@ class Family:
     # context_parallel(transformer) -> plan, which may also swap the attention processors (SD3's, parallel/sequence.py)
     context_parallel: Callable[[Any], dict] | None = None
     tiny: str | None = None  # its tiny random pipeline's builder in models/tiny.py (tests, smoke runs): build_tiny_*
+    # check(model config, pipeline directory) -> a problem (config key, why) or None: the family's shape rules read
+    # from the pipeline's configs at config time, before anything loads (train/config.py _check_files)
+    check: Callable[[Any, Any], tuple[str, str] | None] | None = None
     extra: dict = field(default_factory=dict)  # anything else one family's own code reads
 
     @property

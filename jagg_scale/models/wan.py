@@ -187,6 +187,24 @@ def _inputs(cfg, n, h, w, t, r, u, device, frames):
                 encoder_hidden_states=r(n, t, cfg["text_dim"]), return_dict=False)
 
 
+def _check(cfg, path) -> tuple[str, str] | None:
+    """model.num_frames and model.resolution against the pipeline's VAE factors and patch (read from its configs, as
+    WanPipeline sets them: pipeline_wan.py's vae_scale_factor_temporal / _spatial), before anything loads."""
+    import json
+
+    if not (Path(path) / "vae" / "config.json").is_file():  # not a whole pipeline: its load says what is missing
+        return None
+    vae = json.loads((Path(path) / "vae" / "config.json").read_text())
+    t, f = vae.get("scale_factor_temporal", 4), vae.get("scale_factor_spatial", 8)
+    tdir = Path(path) / ("transformer" if (Path(path) / "transformer" / "config.json").is_file() else "transformer_2")
+    patch = json.loads((tdir / "config.json").read_text()).get("patch_size", [1, 2, 2])[1] if tdir.is_dir() else 2
+    if cfg.num_frames is not None and (cfg.num_frames - 1) % t:
+        return "model.num_frames", f"{cfg.num_frames} must be 1 + a multiple of the VAE's temporal factor {t}"
+    if cfg.resolution is not None and cfg.resolution % (f * patch):
+        return "model.resolution", f"{cfg.resolution} must be a multiple of {f * patch} (VAE {f} x patch {patch})"
+    return None
+
+
 def _blocks(cfg, side):
     """One kind of block: self-attention, cross-attention to the prompt, FFN (estimate/measure.py)."""
     return ["block"] * cfg["num_layers"], dict(cfg, num_layers=1)
@@ -196,4 +214,4 @@ FAMILY = register(Family(
     name="wan", velocity=WanVelocity, build=_build, pipeline="WanPipeline", transformer="WanTransformer3DModel",
     text="t5", prompt_tokens=PROMPT_TOKENS, prompt_limit=PROMPT_TOKENS, video=True, keys=frozenset({"num_frames"}),
     checkpoints={"wan2.1-t2v-14b": "wan21_t2v_14b", "wan2.2-t2v-a14b": "wan22_t2v_a14b"}, geometry=_geometry,
-    inputs=_inputs, blocks=_blocks, tiny="build_tiny_wan", extra={"vae_float32": True}))
+    inputs=_inputs, blocks=_blocks, tiny="build_tiny_wan", check=_check, extra={"vae_float32": True}))

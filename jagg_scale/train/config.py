@@ -473,6 +473,8 @@ def _check_files(cfg: Config) -> None:
         _require((pretrained / "model_index.json").is_file(), "model.pretrained",
                  f"is not a diffusers pipeline directory (no model_index.json): {cfg.model.pretrained}")
         check_experts(cfg, pipeline_has_experts(pretrained))  # Wan2.2 A14B's two experts (config_experts.py)
+        problem = family(cfg.model.kind).check(cfg.model, pretrained) if family(cfg.model.kind).check else None
+        _require(problem is None, *(problem or ("", "")))  # the family's shape rules (e.g. Wan's frames)
     if cfg.parallel.engine == "deepspeed":
         from ..parallel.deepspeed_engine import deepspeed_problem
 
