@@ -122,21 +122,30 @@ def _build_diffusers(cfg, *, keep_stored_dtype: bool = False, meta: bool = False
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
+def safetensors_header(path) -> dict:
+    """A safetensors file's header ({name: {dtype, shape, data_offsets}}, "__metadata__"): its 8-byte length, then
+    that much JSON, the length bounded by the file's size before it is read."""
+    import json
+    import os
+    import struct
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > os.path.getsize(path) - 8:
+            raise ValueError(f"{path}: a safetensors header of {n} bytes in a file of {os.path.getsize(path)}")
+        return json.loads(f.read(n))
+
+
 def stored_dtype(directory):
     """The one floating dtype every tensor of the safetensors files in `directory` is stored in (read from their
     headers, no weights loaded), or None when they mix dtypes or there are none."""
-    import json
-    import struct
     from pathlib import Path
 
     import torch
 
     seen = set()
-    files = sorted(Path(directory).glob("*.safetensors"))
-    for file in files:
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        header = safetensors_header(file)
         seen |= {v["dtype"] for k, v in header.items() if k != "__metadata__" and v["dtype"] in _SAFETENSORS_DTYPES}
     if len(seen) != 1:
         return None

@@ -22,12 +22,13 @@ component's directory} (models/__init__.py), e.g. {"transformer.": PIPE/transfor
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from ..models import safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,7 @@ class _Files:
             raise ValueError(f"no safetensors weights in {self.directory}")
         self.where: dict[str, Path] = {}
         for f in files:
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                header = json.loads(fh.read(n))
-            self.where.update({k: f for k in header if k != "__metadata__"})
+            self.where.update({k: f for k in safetensors_header(f) if k != "__metadata__"})
         self._open: dict[Path, object] = {}
 
     def read(self, key: str, shape: torch.Size, offset: tuple[int, ...], local: tuple[int, ...]) -> torch.Tensor:
