@@ -48,6 +48,7 @@ def _train(argv: list[str] | None) -> int:
     except ConfigError as err:  # before any work: name the key and stop
         return _failed(err, 2)
     from .checkpoint import CheckpointError
+    from .data.shards import ShardReadError
     from .parallel.engine import NonFiniteError
     from .pools.bridge import PoolError
     from .train.invariants import InvariantError
@@ -73,6 +74,8 @@ def _train(argv: list[str] | None) -> int:
         history = trainer.fit()
         if trainer.is_main:
             _summary(trainer, cfg, history, time.perf_counter() - started)
+    except ShardReadError as err:  # the data is broken (a truncated shard, none with a valid record): no retry
+        return _failed(err, 2)  # fixes it, and FAILED tells the launcher so
     except (NonFiniteError, InvariantError, PoolError, OSError) as err:  # diverged, an invariant broke, the other
         return _failed(err, 1)  # pool failed; the disk: said plainly
     finally:

@@ -9,6 +9,8 @@ instruction on two images is two prompts.
                     encoded bytes of a shard's image member, or a PIL image
     bounds          at most MAX_IMAGE_BYTES read and MAX_IMAGE_PIXELS decoded per image (checked from the header,
                     before decoding), so a hostile file cannot exhaust memory; a bad one fails naming its source
+    checked early   `check_image` decodes each edit record's image as the record is loaded or read from a shard:
+                    a bad one costs its record (skipped with a warning naming file:line or shard and key)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["EditPrompt", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "load_rgb"]
+__all__ = ["EditPrompt", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "check_image", "load_rgb"]
 
 MAX_IMAGE_BYTES = 64 << 20  # an encoded input image: a 4k PNG is ~25 MB
 MAX_IMAGE_PIXELS = 50_000_000  # a decoded one: 200 MB as RGBA
@@ -58,12 +60,35 @@ def _image_key(image):
     return image if isinstance(image, (str, bytes)) else id(image)
 
 
-def load_rgb(source, size: int) -> torch.Tensor:
+def check_image(source, name: str | None = None) -> None:
+    """Decode `source` whole (a path or encoded bytes) within the bounds: a ValueError naming `name` (default: the
+    path) unless it is an image. Run on every edit record as it is loaded (a prompt file) or read (a shard), so a
+    truncated PNG, a text file or a pixel bomb costs its record there, not the run at its first step."""
+    _open(source, name)
+
+
+def load_rgb(source, size: int, name: str | None = None) -> torch.Tensor:
     """An image as float32 RGB [3, size, size] in [0, 1]: its shorter side resized to `size` (Lanczos, as diffusers'
-    image processor), then centre-cropped. `source`: a path, encoded bytes or a PIL image."""
+    image processor), then centre-cropped. `source`: a path, encoded bytes or a PIL image; `name` for errors."""
     from PIL import Image
 
-    name = "image bytes" if isinstance(source, (bytes, bytearray)) else str(source)
+    image = _open(source, name)
+    width, height = image.size
+    scale = size / min(width, height)
+    image = image.resize((max(size, round(width * scale)), max(size, round(height * scale))), Image.LANCZOS)
+    left, top = (image.width - size) // 2, (image.height - size) // 2
+    image = image.crop((left, top, left + size, top + size))
+    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3)
+    return pixels.permute(2, 0, 1).float() / 255
+
+
+def _open(source, name: str | None):
+    """`source` decoded to an RGB PIL image: at most MAX_IMAGE_BYTES read, MAX_IMAGE_PIXELS checked from the header
+    before anything is decoded; any failure a ValueError (FileNotFoundError for a missing path) naming it."""
+    from PIL import Image
+
+    if name is None:
+        name = "an input image's bytes" if isinstance(source, (bytes, bytearray)) else f"input image {source}"
     if isinstance(source, Image.Image):
         image = source
     else:
@@ -74,27 +99,24 @@ def load_rgb(source, size: int) -> torch.Tensor:
             if not path.is_file():
                 raise FileNotFoundError(f"input image not found: {path}")
             if path.stat().st_size > MAX_IMAGE_BYTES:
-                raise ValueError(f"input image {path} is {path.stat().st_size} bytes, over {MAX_IMAGE_BYTES}")
+                raise ValueError(f"{name} is {path.stat().st_size} bytes, over {MAX_IMAGE_BYTES}")
             data = path.read_bytes()
         if len(data) > MAX_IMAGE_BYTES:
-            raise ValueError(f"input image ({name}) is {len(data)} bytes, over {MAX_IMAGE_BYTES}")
+            raise ValueError(f"{name} is {len(data)} bytes, over {MAX_IMAGE_BYTES}")
         try:
             with warnings.catch_warnings():  # PIL's bomb warning: the pixel bound below is the check
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 image = Image.open(io.BytesIO(data))
             width, height = image.size  # from the header: nothing decoded yet
-        except Exception as err:  # PIL raises several types for a file that is not an image
-            raise ValueError(f"input image {name} could not be read: {err}") from None
+        except Image.DecompressionBombError:  # PIL's own bound (past 2x its limit) met first: ours, in our words
+            raise ValueError(f"{name} is over {MAX_IMAGE_PIXELS} pixels (by its header)") from None
+        except Image.UnidentifiedImageError:
+            raise ValueError(f"{name} could not be read: not an image in a format PIL reads") from None
+        except Exception as err:  # PIL raises several types for a header it cannot parse
+            raise ValueError(f"{name} could not be read: {err}") from None
         if width * height > MAX_IMAGE_PIXELS:
-            raise ValueError(f"input image {name} is {width}x{height} pixels, over {MAX_IMAGE_PIXELS}")
+            raise ValueError(f"{name} is {width}x{height} pixels, over {MAX_IMAGE_PIXELS}")
     try:
-        image = image.convert("RGB")
+        return image.convert("RGB")  # decodes it all: a truncated file fails here
     except Exception as err:
-        raise ValueError(f"input image {name} could not be decoded: {err}") from None
-    width, height = image.size
-    scale = size / min(width, height)
-    image = image.resize((max(size, round(width * scale)), max(size, round(height * scale))), Image.LANCZOS)
-    left, top = (image.width - size) // 2, (image.height - size) // 2
-    image = image.crop((left, top, left + size, top + size))
-    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3)
-    return pixels.permute(2, 0, 1).float() / 255
+        raise ValueError(f"{name} could not be decoded: {err}") from None

@@ -8,7 +8,8 @@ is an error, since training on nothing would only surface much later.
 Formats (by extension): `.txt` one prompt per line; `.jsonl` one JSON object per line with a non-empty
 string `prompt` field, every other field kept as metadata (e.g. geneval's tag/include for its scorer). A jsonl
 record's `image` field makes it an edit prompt (data.images.EditPrompt): a path relative to the prompt file's
-folder, which it may not leave (no absolute paths, no `..` or links out), and which must be a file.
+folder, which it may not leave (no absolute paths, no `..` or links out), and which must be an image file (decoded
+whole as the record loads, within data.images' bounds).
 Blank lines are layout, not records, and are skipped silently in both formats.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from . import bounded_json
-from .images import EditPrompt
+from .images import EditPrompt, check_image
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ def input_image_path(image, folder: Path) -> str:
         raise ValueError(f"'image' {image!r} leaves the prompt file's folder {root}")
     if not path.is_file():
         raise ValueError(f"'image' {image!r} is not a file in {root}")
+    check_image(path, f"'image' {image!r}")  # decoded now: a bad image costs its record, not the run's first step
     return str(path)
 
 

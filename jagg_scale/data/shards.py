@@ -21,12 +21,14 @@ its worker the items it had produced (whole shards by their once-counted size, s
 worker roles rotated so the next item comes from the worker that was due. A state saved with other settings is
 an error naming the setting.
 
-Bad records (missing/empty `.txt`, undecodable utf-8, `.json` invalid or not an object) are skipped and counted
+Bad records (missing/empty `.txt`, undecodable utf-8, `.json` invalid or not an object, an input image that does not
+decode within data.images' bounds, checked as the record is read) are skipped and counted
 per reason in `stream.skipped`, each time they are read; the first `max_warnings` distinct ones are logged with
 shard and key, then one line says the rest are only counted; `close()` logs a summary. No `.json` = `{}`.
 
 Bad shards: a local shard missing at construction is a FileNotFoundError naming it; one that cannot be read
-later (deleted, truncated, not a tar) raises `ShardReadError` naming it, also out of a worker. We raise rather
+later (deleted, truncated, not a tar) raises `ShardReadError` naming it, in the main process (a worker hands it
+over as an item, not a traceback). We raise rather
 than skip: our shards are written atomically, so a broken one is a broken copy to fix, and skipping it would
 silently shift the prompt distribution. A slot with no valid record at all raises too, instead of spinning.
 webdataset is optional (`pip install jagg-scale[data]`) and imported only when used.
@@ -47,7 +49,7 @@ from typing import Iterable, Iterator, Sequence
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from . import bounded_json
-from .images import MAX_IMAGE_BYTES, EditPrompt
+from .images import MAX_IMAGE_BYTES, EditPrompt, check_image
 from .prompts import PromptRecord
 
 logger = logging.getLogger(__name__)
@@ -212,8 +214,10 @@ def _decode(sample: dict) -> tuple:
         return ("s", "two_images", url, key, f"{len(images)} image members ({', '.join(images)}), expected one")
     if images:
         data = sample[images[0]]
-        if len(data) > MAX_IMAGE_BYTES:
-            return ("s", "image_too_large", url, key, f".{images[0]} is {len(data)} bytes, over {MAX_IMAGE_BYTES}")
+        try:  # decoded whole here, in the reader: a bad image costs its record, named by shard and key
+            check_image(data, f"its .{images[0]}")
+        except ValueError as e:
+            return ("s", "bad_image", url, key, str(e))
         prompt = EditPrompt(prompt, data)
     return ("r", prompt, meta)
 
@@ -283,7 +287,7 @@ def _slot_items(urls: list[str], seed: int, skip: int = 0) -> Iterator[tuple]:
         if whole and not good:
             barren.add(url)
             if len(barren) == len(urls):
-                raise ValueError(f"no valid prompt record in any shard of this reader: {urls}")
+                raise ShardReadError(f"no valid prompt record in any shard of this reader: {urls}")
 
 
 def _identity(x):
@@ -299,7 +303,10 @@ class _SlotDataset(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         role = ((info.id if info is not None else 0) + self.rotate) % len(self.subsets)
-        return _slot_items(self.subsets[role], self.seeds[role], self.skips[role])
+        try:
+            yield from _slot_items(self.subsets[role], self.seeds[role], self.skips[role])
+        except ShardReadError as e:  # handed over as an item: raised from a worker it would arrive as a traceback
+            yield ("e", str(e))
 
 
 class ShardPromptStream:
@@ -367,6 +374,9 @@ class ShardPromptStream:
             except BaseException:
                 self._it = None  # a retry restarts from the last consumed item (and meets the same error)
                 raise
+            if item[0] == "e":
+                self._it = None
+                raise ShardReadError(item[1])
             self._items += 1
             if item[0] == "r":
                 out.append(PromptRecord(item[1], item[2]))

@@ -164,11 +164,20 @@ class StreamPromptSource:
                                         num_workers=num_workers)
 
     def next_prompts(self) -> list[PromptRecord]:
+        from .shards import ShardReadError
+
         n = stream_share(self.prompts_per_step, self.dist.world_size, self.dist.rank, self.calls)
         self.calls += 1
-        mine = self.stream.next_records(n)
-        parts = self.dist.all_gather_object([(r.prompt, r.metadata) for r in mine])
-        return [PromptRecord(p, m) for part in parts for p, m in part]
+        try:
+            mine = ("ok", [(r.prompt, r.metadata) for r in self.stream.next_records(n)])
+        except ShardReadError as err:  # still gathered: a rank that raised alone would leave the others waiting
+            mine = ("error", str(err))
+        parts = self.dist.all_gather_object(mine)
+        failed = [(rank, why) for rank, (kind, why) in enumerate(parts) if kind == "error"]
+        if failed:  # every rank stops with the first one's reason (the run's data is broken, not this rank)
+            rank, why = failed[0]
+            raise ShardReadError(why if len(parts) == 1 else f"rank {rank}'s prompt stream: {why}")
+        return [PromptRecord(p, m) for _, part in parts for p, m in part]
 
     def state_dict(self) -> dict:
         return {"kind": "wds", "ranks": self.dist.all_gather_object(self.stream.state_dict()), "calls": self.calls}

@@ -128,6 +128,37 @@ def row_sigmas(sigma, x: torch.Tensor) -> torch.Tensor:
     return sigma.expand(x.shape[0]) if sigma.ndim == 0 else sigma
 
 
+def token_problem(tokens: int) -> tuple[str, str] | None:
+    """model.resolution (and frames) making more than MAX_TOKENS latent tokens a row: a problem, else None."""
+    from .registry import MAX_TOKENS
+
+    if tokens > MAX_TOKENS:
+        return "model.resolution", f"makes {tokens:,} latent tokens a row, over the {MAX_TOKENS:,} a row may have"
+    return None
+
+
+def resolution_check(patch: Callable[[dict], int] = lambda tc: 2) -> Callable:
+    """A family's `check` (models/registry.py): model.resolution a multiple of the VAE's factor x the patch
+    (`patch(transformer config)`; FLUX-style packing: 2), read from the pipeline's configs before anything loads: the
+    rule `latent_size_for` applies after the load. The factor as diffusers' pipelines compute it: 2 per
+    `temperal_downsample` level (Qwen-Image's video VAE), else 2 ** (len(block_out_channels) - 1)."""
+    import json
+
+    def check(cfg, path) -> tuple[str, str] | None:
+        vae_file, tc_file = Path(path) / "vae" / "config.json", Path(path) / "transformer" / "config.json"
+        if cfg.resolution is None or not (vae_file.is_file() and tc_file.is_file()):
+            return None  # not a whole pipeline: its load says what is missing
+        vae, tc = json.loads(vae_file.read_text()), json.loads(tc_file.read_text())
+        f = 2 ** len(vae["temperal_downsample"]) if "temperal_downsample" in vae else \
+            2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
+        multiple = f * patch(tc)
+        if cfg.resolution % multiple:
+            return "model.resolution", f"{cfg.resolution} must be a multiple of {multiple} (VAE factor {f} x patch " \
+                                       f"{patch(tc)})"
+        return token_problem((cfg.resolution // multiple) ** 2)
+
+    return check
+
 class TransformerVelocity(nn.Module):
     """v(x, sigma, cond) of a bare diffusers transformer through its family's velocity function (qwenimage_velocity,
     zimage_velocity, wan_velocity), without a pipeline (no encoders, no VAE): what the GPU check trains at a family's

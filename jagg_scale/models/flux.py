@@ -45,7 +45,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .diffusers_common import DiffusersVelocity, load_pipeline, row_sigmas, t5_length
+from .diffusers_common import DiffusersVelocity, load_pipeline, resolution_check, row_sigmas, t5_length
 from .registry import Family, register
 
 PROMPT_TOKENS = 512  # FluxPipeline's max_sequence_length (T5 tokens), its T5 tokenizer's limit too
@@ -214,4 +214,4 @@ FAMILY = register(Family(
     pipeline="FluxPipeline", transformer="FluxTransformer2DModel", text="clip_t5", prompt_tokens=PROMPT_TOKENS,
     prompt_limit=PROMPT_TOKENS, keys=frozenset({"distilled_guidance"}),
     checkpoints={"flux.1-dev": "flux1_dev", "flux1-dev": "flux1_dev"}, geometry=geometry, inputs=inputs,
-    blocks=blocks, tiny="build_tiny_flux"))
+    blocks=blocks, tiny="build_tiny_flux", check=resolution_check()))

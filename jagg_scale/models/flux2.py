@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import flux
-from .diffusers_common import DiffusersVelocity, load_pipeline, row_sigmas
+from .diffusers_common import DiffusersVelocity, load_pipeline, resolution_check, row_sigmas
 from .registry import Family, register
 
 PROMPT_TOKENS = 512  # Flux2Pipeline's and Flux2KleinPipeline's max_sequence_length, and the most it may be
@@ -188,4 +188,4 @@ FAMILY = register(Family(
     transformer="Flux2Transformer2DModel", text="qwen_lm", prompt_tokens=PROMPT_TOKENS, prompt_limit=PROMPT_TOKENS,
     keys=frozenset({"distilled_guidance"}),
     checkpoints={"flux.2-klein-4b": "flux2_klein", "flux.2-klein-base-4b": "flux2_klein"}, geometry=flux.geometry,
-    inputs=flux.inputs, blocks=flux.blocks, tiny="build_tiny_flux2"))
+    inputs=flux.inputs, blocks=flux.blocks, tiny="build_tiny_flux2", check=resolution_check()))

@@ -32,6 +32,7 @@ import torch
 from ..data.images import load_rgb
 from . import flux
 from .flux import FluxVelocity
+from .diffusers_common import resolution_check
 from .registry import Family, register
 
 class FluxKontextVelocity(FluxVelocity):
@@ -106,4 +107,5 @@ FAMILY = register(Family(
     pipeline="FluxKontextPipeline", transformer="FluxTransformer2DModel", text="clip_t5",
     prompt_tokens=flux.PROMPT_TOKENS, prompt_limit=flux.PROMPT_TOKENS, keys=frozenset({"distilled_guidance"}),
     checkpoints={"flux.1-kontext-dev": "flux1_kontext_dev"}, geometry=_geometry,
-    inputs=functools.partial(flux.inputs, image_copies=2), blocks=flux.blocks, tiny="build_tiny_flux_kontext"))
+    inputs=functools.partial(flux.inputs, image_copies=2), blocks=flux.blocks, tiny="build_tiny_flux_kontext",
+    check=resolution_check()))

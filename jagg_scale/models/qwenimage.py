@@ -51,7 +51,7 @@ import torch
 
 from ..cond import Tokens
 from ..parallel.sequence import sequence_split
-from .diffusers_common import DiffusersVelocity, latent_stats, load_pipeline, row_sigmas
+from .diffusers_common import DiffusersVelocity, latent_stats, load_pipeline, resolution_check, row_sigmas
 from .registry import Family, register
 
 PROMPT_TOKENS = 512  # QwenImagePipeline.__call__'s max_sequence_length
@@ -212,4 +212,4 @@ FAMILY = register(Family(
     name="qwenimage", velocity=QwenImageVelocity, build=_build, pipeline="QwenImagePipeline",
     transformer="QwenImageTransformer2DModel", text="qwen", prompt_tokens=PROMPT_TOKENS, prompt_limit=PROMPT_LIMIT,
     checkpoints={"qwen-image": "qwen_image"}, geometry=geometry, inputs=inputs, blocks=blocks,
-    tiny="build_tiny_qwenimage"))
+    tiny="build_tiny_qwenimage", check=resolution_check()))

@@ -32,7 +32,7 @@ from ..cond import Tokens
 from ..data.images import load_rgb
 from . import qwenimage
 from .qwenimage import QwenImageVelocity, pack_latents, unpack_latents
-from .diffusers_common import latent_stats, load_pipeline, row_sigmas
+from .diffusers_common import latent_stats, load_pipeline, resolution_check, row_sigmas
 from .registry import Family, register
 
 
@@ -188,4 +188,5 @@ FAMILY = register(Family(
     transformer="QwenImageTransformer2DModel", text="qwen", prompt_tokens=qwenimage.PROMPT_TOKENS,
     prompt_limit=qwenimage.PROMPT_LIMIT,
     checkpoints={"qwen-image-edit-2509": "qwen_image_edit", "qwen-image-edit-2511": "qwen_image_edit"},
-    geometry=_geometry, inputs=_inputs, blocks=qwenimage.blocks, tiny="build_tiny_qwenimage_edit"))
+    geometry=_geometry, inputs=_inputs, blocks=qwenimage.blocks, tiny="build_tiny_qwenimage_edit",
+    check=resolution_check()))

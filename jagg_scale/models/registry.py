@@ -18,7 +18,11 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Family", "MODULES", "families", "family", "family_of_transformer", "register"]
+__all__ = ["Family", "MAX_TOKENS", "MODULES", "families", "family", "family_of_transformer", "register"]
+
+# the most latent tokens a row may have (a family's `check` refuses more, train/config_bounds.py the DiT's): Wan2.1 at
+# 720p x 81 frames has 75,600, FLUX.1 at 2048 px 16,384; past this a row's attention is a typo's or an attack's
+MAX_TOKENS = 1 << 18
 
 # the modules that declare a family, in registration order: where two families share a transformer class
 # (FLUX.1 and Kontext, Qwen-Image and Qwen-Image-Edit) the first one's inputs measure it (family_of_transformer)

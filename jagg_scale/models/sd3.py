@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from .diffusers_common import DiffusersVelocity, load_pipeline, row_sigmas, t5_length
+from .diffusers_common import DiffusersVelocity, load_pipeline, resolution_check, row_sigmas, t5_length
 from .registry import Family, register
 
 PROMPT_TOKENS = 256  # StableDiffusion3Pipeline's max_sequence_length (T5 tokens)
@@ -214,4 +214,5 @@ FAMILY = register(Family(
     keys=frozenset({"text_encoders", "attention"}),
     checkpoints={"stable-diffusion-3.5-medium": "sd35_medium", "stable-diffusion-3.5-large": "sd35_large"},
     geometry=_geometry, inputs=_inputs,
-    blocks=_blocks, context_parallel=_context_parallel, tiny="build_tiny_sd3"))
+    blocks=_blocks, context_parallel=_context_parallel, tiny="build_tiny_sd3",
+    check=resolution_check(lambda tc: tc["patch_size"])))

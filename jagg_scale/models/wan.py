@@ -39,7 +39,7 @@ from typing import Sequence
 
 import torch
 
-from .diffusers_common import DiffusersVelocity, latent_stats, load_pipeline, row_sigmas
+from .diffusers_common import DiffusersVelocity, latent_stats, load_pipeline, row_sigmas, token_problem
 from .registry import Family, register
 from ..sections import ConfigError
 from .wan_experts import ExpertsError, WanExperts, expert_switch, split_state
@@ -197,12 +197,18 @@ def _check(cfg, path) -> tuple[str, str] | None:
     vae = json.loads((Path(path) / "vae" / "config.json").read_text())
     t, f = vae.get("scale_factor_temporal", 4), vae.get("scale_factor_spatial", 8)
     tdir = Path(path) / ("transformer" if (Path(path) / "transformer" / "config.json").is_file() else "transformer_2")
-    patch = json.loads((tdir / "config.json").read_text()).get("patch_size", [1, 2, 2])[1] if tdir.is_dir() else 2
+    tc = json.loads((tdir / "config.json").read_text()) if tdir.is_dir() else {}
+    patch, rope = tc.get("patch_size", [1, 2, 2])[1], tc.get("rope_max_seq_len", 1024)
     if cfg.num_frames is not None and (cfg.num_frames - 1) % t:
         return "model.num_frames", f"{cfg.num_frames} must be 1 + a multiple of the VAE's temporal factor {t}"
     if cfg.resolution is not None and cfg.resolution % (f * patch):
         return "model.resolution", f"{cfg.resolution} must be a multiple of {f * patch} (VAE {f} x patch {patch})"
-    return None
+    side = (cfg.resolution or 480) // (f * patch)  # the adapter's square side: 480 px unset (WanVelocity)
+    frames = ((cfg.num_frames or 81) - 1) // t + 1
+    for key, n, what in (("model.resolution", side, "a side"), ("model.num_frames", frames, "latent frames")):
+        if n > rope:  # its rotary table has rope_max_seq_len positions an axis (WanRotaryPosEmbed)
+            return key, f"makes {n} patches for {what}, over the transformer's rope_max_seq_len {rope}"
+    return token_problem(frames * side * side)
 
 
 def _blocks(cfg, side):

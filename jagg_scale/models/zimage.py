@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..cond import Tokens
-from .diffusers_common import DiffusersVelocity, load_pipeline, row_sigmas
+from .diffusers_common import DiffusersVelocity, load_pipeline, resolution_check, row_sigmas
 from .registry import Family, register
 
 PROMPT_TOKENS = 512  # ZImagePipeline.__call__'s max_sequence_length, and the most it may be
@@ -144,4 +144,5 @@ def _blocks(cfg, side):
 FAMILY = register(Family(
     name="zimage", velocity=ZImageVelocity, build=_build, pipeline="ZImagePipeline",
     transformer="ZImageTransformer2DModel", text="qwen", prompt_tokens=PROMPT_TOKENS, prompt_limit=PROMPT_TOKENS,
-    checkpoints={"z-image": "z_image"}, geometry=_geometry, inputs=_inputs, blocks=_blocks, tiny="build_tiny_zimage"))
+    checkpoints={"z-image": "z_image"}, geometry=_geometry, inputs=_inputs, blocks=_blocks, tiny="build_tiny_zimage",
+    check=resolution_check(lambda tc: tc["all_patch_size"][0])))

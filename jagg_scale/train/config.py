@@ -26,6 +26,7 @@ from .config_sections import (AWMConfig, ConfigError, DataConfig, DPPOConfig, Ev
                               LogConfig, ModelConfig, NFTConfig, ParallelConfig, RewardConfig, RunConfig,
                               SamplingConfig, TrainConfig, _require, refuse_set)
 from .config_sections import __all__ as _sections_all
+from .config_bounds import check_bounds
 from .config_experts import check_experts, pipeline_has_experts
 from .config_forward import FIXED_WINDOWS, check_forward_process, check_refresh_at, fixed_windows
 from .config_build import MAX_YAML_BYTES, RENAMED, _build, _plain, _set_dotted, _yaml, parse_override
@@ -199,6 +200,7 @@ def _check_video_rewards(cfg: Config) -> None:
 def validate(cfg: Config, *, check_files: bool = True) -> None:
     """Each section's own range checks, then the checks across sections and (check_files) the files named; each
     names its key."""
+    check_bounds(cfg)  # first: the checks below may build from a size key (a plan lists every sampling step)
     for f in dataclasses.fields(cfg):
         getattr(cfg, f.name).check(f.name)
     m, s, g, t = cfg.model, cfg.sampling, cfg.grpo, cfg.train

@@ -334,7 +334,7 @@ class TrainConfig(_Section):
                  f"times {prefix}.lr must be < 1 (each step scales the weights by 1 - lr * weight_decay), got "
                  f"{self.weight_decay} * {self.lr}")
         _require(all(0 <= b < 1 for b in self.adam_betas), f"{prefix}.adam_betas", "must be two numbers in [0, 1)")
-        _require(self.adam_eps >= 0, f"{prefix}.adam_eps", f"must be >= 0, got {self.adam_eps}")
+        _require(self.adam_eps > 0, f"{prefix}.adam_eps", f"must be > 0 (Adam divides by it), got {self.adam_eps}")
         _require(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0 (0 disables clipping)")
         _require(0.0 <= self.ema_decay < 1.0, f"{prefix}.ema_decay", f"must be in [0, 1), got {self.ema_decay}")
         for key, least in (("ema_every", "optimizer steps between EMA updates"), ("ema_repeat", "moves per update")):
@@ -448,9 +448,8 @@ class EvalConfig(_Section):
         _require(not self.enabled or bool(self.prompt_file) or len(self.prompts) > 0, f"{prefix}.prompt_file",
                  f"is required when {prefix}.enabled and {prefix}.prompts is empty")
         _one_prompt_source(self, prefix)
-        _require(self.num_per_prompt >= 1, f"{prefix}.num_per_prompt", "must be >= 1")
-        _require(self.every >= 0, f"{prefix}.every", "must be >= 0")
-        _require(self.chunk_size >= 1, f"{prefix}.chunk_size", "must be >= 1")
+        for key, least in (("num_per_prompt", 1), ("every", 0), ("chunk_size", 1), ("video_fps", 1), ("seed", 0)):
+            _require(getattr(self, key) >= least, f"{prefix}.{key}", f"must be >= {least}, got {getattr(self, key)}")
         _require(self.grid_images >= 0, f"{prefix}.grid_images", "must be >= 0 (0: no grid.png)")
         for i, p in enumerate(self.prompts):
             _require(isinstance(p, str) and bool(p.strip()), f"{prefix}.prompts",

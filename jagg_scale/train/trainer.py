@@ -189,8 +189,11 @@ class Trainer:
     def _prompt_source(self):
         cfg = self.cfg
         if cfg.data.source == "wds":
-            return StreamPromptSource(cfg.data.shards, cfg.train.prompts_per_step, cfg.run.seed, self.dist,
-                                      num_workers=cfg.data.num_workers)
+            try:
+                return StreamPromptSource(cfg.data.shards, cfg.train.prompts_per_step, cfg.run.seed, self.dist,
+                                          num_workers=cfg.data.num_workers)
+            except (FileNotFoundError, ValueError) as err:  # a shard not there, too few for the readers, a duplicate
+                raise ConfigError(f"config key 'data.shards': {err}") from err
         prompts = (load_prompt_file("data.prompt_file", cfg.data.prompt_file) if cfg.data.prompt_file
                    else PromptSet.from_list(cfg.data.prompts))
         return ListPromptSource(prompts, cfg.train.prompts_per_step, cfg.run.seed)

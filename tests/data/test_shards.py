@@ -209,7 +209,7 @@ def test_bad_records_skipped_and_counted(tmp_path, caplog):
     assert "skipped 14 bad records" in text
 
     empty = _hand_tar(tmp_path / "allbad.tar", [("a", {"txt": b""}), ("b", {"json": b"{}"})])
-    with pytest.raises(ValueError, match="no valid prompt record"):
+    with pytest.raises(ShardReadError, match="no valid prompt record"):
         ShardPromptStream([str(empty)]).next_records(1)
 
 

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 from extras import need
+from thread_ranks import ThreadDist
 
 need("webdataset")
 
@@ -23,29 +24,6 @@ def test_every_step_reads_prompts_per_step_and_every_rank_the_same_over_world_st
             for r, n in enumerate(shares):
                 per_rank[r] += n
         assert per_rank == [2 * prompts] * world  # balanced: no rank's readers run ahead of the others'
-
-
-class ThreadDist:
-    """world_size ranks as threads: all_gather_object waits for every rank (a barrier), rank order kept."""
-
-    def __init__(self, world_size: int):
-        self.world_size, self.slots = world_size, [None] * world_size
-        self.barrier = threading.Barrier(world_size)
-
-    def rank_view(self, rank: int) -> "RankView":
-        return RankView(self, rank)
-
-
-class RankView:
-    def __init__(self, dist: ThreadDist, rank: int):
-        self.dist, self.rank, self.world_size = dist, rank, dist.world_size
-
-    def all_gather_object(self, obj):
-        self.dist.slots[self.rank] = obj
-        self.dist.barrier.wait()
-        out = list(self.dist.slots)
-        self.dist.barrier.wait()
-        return out
 
 
 def _run(urls, world, prompts, steps, state=None):
