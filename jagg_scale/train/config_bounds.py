@@ -27,6 +27,7 @@ __all__ = ["DEVICE_BYTES", "HOST_BYTES", "MAXIMA", "check_bounds"]
 
 HOST_BYTES = 2 * 10**12  # a node's host memory (8 x 80 GB GPU nodes have 1-2 TB)
 DEVICE_BYTES = 80 * 10**9  # one GPU's memory
+WEEK_S = 7 * 24 * 3600
 
 MAXIMA: dict[str, float] = {
     # the built-in DiT (model.kind dit): DiT-XL is 1152 wide, 28 deep, 16 heads at 256 px / 32 latent
@@ -60,6 +61,8 @@ MAXIMA: dict[str, float] = {
     "eval.video_fps": 240,
     "eval.seed": 2**32 - 1,  # numpy's seeds, as run.seed
     "run.threads": 4096,
+    "parallel.collective_timeout_s": WEEK_S,  # timeouts: past a week a wait is a hang (Slurm jobs run <= days)
+    "pools.timeout_s": WEEK_S,
     "parallel.sequence_parallel": 1024,
     "parallel.replicate": 65536,
     "pools.rollout_ranks": 65536,
