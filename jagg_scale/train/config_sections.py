@@ -85,9 +85,10 @@ def _check_dit(d: DiTConfig, prefix: str) -> None:
     for key in ("image_size", "in_channels", "patch_size", "hidden_size", "depth", "num_heads", "vocab_size",
                 "max_prompt_length"):
         _require(getattr(d, key) >= 1, f"{prefix}.{key}", "must be >= 1")
-    _require(d.mlp_ratio > 0, f"{prefix}.mlp_ratio", "must be > 0")
+    _require(d.hidden_size * d.mlp_ratio >= 1, f"{prefix}.mlp_ratio", "must leave the MLP >= 1 unit (hidden x it)")
     _require(d.image_size % d.patch_size == 0, f"{prefix}.patch_size", f"must divide {prefix}.image_size")
     _require(d.hidden_size % d.num_heads == 0, f"{prefix}.num_heads", f"must divide {prefix}.hidden_size")
+    _require(d.hidden_size % 4 == 0, f"{prefix}.hidden_size", "must be a multiple of 4 (the 2-D sin-cos embedding)")
 
 
 @dataclass

@@ -183,7 +183,7 @@ def test_flux_lora_saved_loads_into_a_plain_flux_pipeline(flux_dir, tmp_path):
 def test_resolution_and_pipeline_schedule_from_the_config(flux_dir, tmp_path):
     """model.resolution sets the latent size; sampling.shift null samples with the pipeline's dynamic shift
     (which depends on that size), and the trainer uses exactly those sigmas."""
-    from jagg_scale.train import Trainer, load_config
+    from jagg_scale.train import ConfigError, Trainer, load_config
 
     config = Path(__file__).resolve().parents[2] / "configs" / "flux_tiny_cpu.yaml"
     over = [f"model.pretrained={flux_dir}", f"run.output_dir={tmp_path / 'run'}", "log.progress=false"]
@@ -195,5 +195,5 @@ def test_resolution_and_pipeline_schedule_from_the_config(flux_dir, tmp_path):
     # more tokens -> a larger mu -> a different schedule
     assert not torch.allclose(small.policy.sigmas, big.policy.sigmas)
     assert small.policy.sigmas[0] == 1.0 and small.policy.sigmas[-1] == 0.0
-    with pytest.raises(ValueError, match="model.resolution 22 must be a multiple of 4"):
-        Trainer(load_config(config, over + ["model.resolution=22"]))  # tiny VAE factor 2 x FLUX's 2x2 packing
+    with pytest.raises(ConfigError, match="'model.resolution' 22 must be a multiple of 4"):  # at config time
+        load_config(config, over + ["model.resolution=22"])  # tiny VAE factor 2 x FLUX's 2x2 packing

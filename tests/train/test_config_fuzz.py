@@ -100,6 +100,12 @@ def test_sizes_within_their_maxima_are_refused_by_what_they_allocate_together(ov
     assert outcome(TINY, [*SMALL, *overrides], key) == "refused"
 
 
+@pytest.mark.parametrize("override", ["model.dit.hidden_size=34", "model.dit.mlp_ratio=0.01"])
+def test_the_dits_shape_rules_are_config_errors(override):
+    """Each was an AssertionError or an empty layer at the build: the 2-D sin-cos embedding needs hidden % 4 == 0."""
+    assert outcome(TINY, [*SMALL, override], override.split("=")[0]) == "refused"
+
+
 def test_the_extremes_accepted_run_normally(tmp_path):
     """The accepted 1e9s, in two one-step runs of the real CLI: both finish (rc 0)."""
     counts = [f"{k}=1000000000" for k in RUN_COUNTS]
