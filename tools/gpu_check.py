@@ -190,19 +190,25 @@ def section_syncs(args, device, state) -> dict:
         trainer.close()
 
 
-def section_train(args, device, state) -> dict:
-    work = Path(state["work"])
-    pipe = tiny_pipeline(work)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    config = str(ROOT / "configs" / "sd3_tiny_cpu.yaml")
-    runs = {
-        "none": [sys.executable, "-m", "jagg_scale.cli", config, *train_overrides(pipe, work / "train_none", device)],
+TRAIN_CONFIG = str(ROOT / "configs" / "sd3_tiny_cpu.yaml")
+
+
+def train_commands(pipe: Path, work: Path, device: torch.device) -> dict[str, list[str]]:
+    """The section's two jagg-train command lines: backend none, then fsdp2 on one process."""
+    return {
+        "none": [sys.executable, "-m", "jagg_scale.cli", TRAIN_CONFIG,
+                 *train_overrides(pipe, work / "train_none", device)],
         "fsdp2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m",
-                  "jagg_scale.cli", config, *train_overrides(pipe, work / "train_fsdp2", device),
+                  "jagg_scale.cli", TRAIN_CONFIG, *train_overrides(pipe, work / "train_fsdp2", device),
                   "parallel.engine=fsdp2"],
     }
+
+
+def section_train(args, device, state) -> dict:
+    work = Path(state["work"])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = {}
-    for name, cmd in runs.items():
+    for name, cmd in train_commands(tiny_pipeline(work), work, device).items():
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.train_timeout)
         metrics = work / f"train_{name}" / "metrics.jsonl"

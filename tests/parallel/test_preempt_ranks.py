@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hang_guard import RUN_S
+from jagg_scale.cli import eval_main
 from jagg_scale.parallel.ranks import free_port, launcher_env
 from train_runs import FSDP2_RUN, dcp_entries, fsdp2_reference, launch_metrics, metrics
 
@@ -74,17 +75,24 @@ def test_a_signal_on_one_rank_inside_a_step_abandons_it_on_both_and_the_resumed_
     same_weights(out / "checkpoints" / "step_00000002", ref_out / "checkpoints" / "step_00000002")
 
 
-def test_a_signal_on_one_rank_at_an_evaluation_stops_both_and_the_resumed_run_evaluates_the_same(tmp_path):
-    full = tmp_path / "full"
-    launch_metrics([*FSDP2_RUN, *EVAL, "train.steps=2"], 2, full)
+def test_a_signal_on_one_rank_at_an_evaluation_stops_both_and_the_resumed_run_evaluates_the_same(
+        reference, tmp_path, capsys):
+    """The uninterrupted run is the module's reference (evaluations draw from their own seed: they change no training
+    metric), its evaluations `jagg-eval` of its checkpoints (which reproduces a run's own: test_eval_scale.py)."""
+    ref_out, ref_rows = reference
     out = tmp_path / "cut"
     cut(out, "eval:1", *EVAL, "train.steps=2")
     assert [r["step"] for r in metrics(out)] == [0]
     assert not (out / "eval" / "step_00000001" / "eval.json").exists()
     resume(out, *EVAL, "train.steps=2")
+    assert timeless(metrics(out)) == timeless(ref_rows[:2])
     for step in (1, 2):
-        a, b = (json.loads((d / "eval" / f"step_{step:08d}" / "eval.json").read_text()) for d in (full, out))
-        assert a["per_prompt"] == b["per_prompt"] and a["reward_mean"] == b["reward_mean"], step
-    assert timeless(metrics(out)) == timeless(metrics(full))
-    same_weights(out / "checkpoints" / "step_00000002", full / "checkpoints" / "step_00000002")
+        ckpt = f"step_{step:08d}"
+        same_weights(out / "checkpoints" / ckpt, ref_out / "checkpoints" / ckpt)
+        assert eval_main([*FSDP2_RUN, *EVAL, "--checkpoint", str(ref_out / "checkpoints" / ckpt),
+                          "--output", str(tmp_path / "re" / ckpt)]) == 0, capsys.readouterr().err[-3000:]
+        a, b = (json.loads((d / "eval.json").read_text()) for d in (tmp_path / "re" / ckpt, out / "eval" / ckpt))
+        assert [p["prompt"] for p in a["per_prompt"]] == [p["prompt"] for p in b["per_prompt"]], step
+        for pa, pb in zip(a["per_prompt"], b["per_prompt"]):  # one process against two: float order alone
+            assert pa["scores"] == pytest.approx(pb["scores"], abs=1e-6), step
     assert os.environ.get("JAGG_TEST_SIGNAL") is None  # the signal is the launched run's, never this process's

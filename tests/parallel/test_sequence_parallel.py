@@ -47,6 +47,12 @@ def wan_sp2(wan_dir, tmp_path_factory) -> tuple[Path, list[dict]]:
     return d / "run", rows
 
 
+@pytest.fixture(scope="module")
+def wan_one(wan_dir, tmp_path_factory) -> list[dict]:
+    """Tiny Wan2.1's 2 steps in one process: the reference of both Wan splits (sp 2; sp 2 with HSDP on 4 ranks)."""
+    return once(tmp_path_factory, "wan_one", lambda d: run("wan", wan_dir, 1, d / "one", *COMMON))[1]
+
+
 def _trains_as_one_process(split: list[dict], one: list[dict], nproc: int) -> None:
     assert [r["step"] for r in split] == [r["step"] for r in one] == [0, 1]
     for a, b in zip(split, one):
@@ -73,7 +79,8 @@ def test_groups_of_two_ranks_splitting_the_tokens_train_as_one_process(kind, npr
     import json
 
     pipe = request.getfixturevalue(f"{kind}_dir")
-    one = run(kind, pipe, 1, tmp_path / "one", *COMMON, *extra)
+    one = request.getfixturevalue("wan_one") if kind == "wan" and not extra else \
+        run(kind, pipe, 1, tmp_path / "one", *COMMON, *extra)
     _trains_as_one_process(run(kind, pipe, nproc, tmp_path / "split", *COMMON, *extra, *SP, *layout), one, nproc)
     if extra[-1:] == EVAL[-1:]:  # the images each rank of a group scored, gathered: the one-process evaluation's
         a, b = (json.loads((tmp_path / d / "eval" / "step_00000000" / "eval.json").read_text())
@@ -86,9 +93,9 @@ def test_groups_of_two_ranks_splitting_the_tokens_train_as_one_process(kind, npr
         assert (grid / "grid.png").is_file() and not (grid / "grid_parts").exists()  # streamed through, removed
 
 
-def test_two_ranks_splitting_wans_tokens_train_as_one_process(wan_dir, wan_sp2, tmp_path):
+def test_two_ranks_splitting_wans_tokens_train_as_one_process(wan_sp2, wan_one):
     """The module's sp = 2 run (its checkpoints change no metric) against one process."""
-    _trains_as_one_process(wan_sp2[1], run("wan", wan_dir, 1, tmp_path / "one", *COMMON), 2)
+    _trains_as_one_process(wan_sp2[1], wan_one, 2)
 
 
 def test_a_checkpoint_written_with_sp2_resumes_with_sp1(wan_dir, wan_sp2, tmp_path):

@@ -72,7 +72,7 @@ def _torchrun(out: Path, *overrides: str) -> list[str]:
 
 # pools.timeout_s of the hung run (its reward scored inline: no reward deadline to nest in it): a tiny step's wait
 # takes < 1 s here, a few s on a loaded 2-core machine; a rollout rank waits twice it for the weights
-HUNG_S = 20
+HUNG_S = 12
 
 
 def test_a_hung_rollout_rank_stops_the_job_and_the_run_resumes_as_the_uninterrupted_one(tmp_path):
