@@ -39,6 +39,13 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    # the multi-process and other slow tests first (a stable sort: each group keeps its order): pytest-xdist hands
+    # tests out in collection order, so the long ones spread over the workers at the start and the short ones fill
+    # the end, instead of a long test (tests/tools/ sorts last) running alone at the end while the other worker idles
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") or item.get_closest_marker("dist") else 1)
+
+
 def pytest_sessionstart(session):
     # the production configs' prompt files (data/prompt_sets, `make prompts`) from a local copy of the peers' sets
     # when there is one: the suite never downloads (copies are checked against the pinned digests; atomic, so the

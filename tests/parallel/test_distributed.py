@@ -223,8 +223,9 @@ def test_sigterm_checkpoints_marks_preempted_and_exits_143(tmp_path):
     assert not (out / "PREEMPTED").exists()
 
 
-def test_sigterm_to_plain_torchrun_reaches_the_workers_which_checkpoint_and_resume(tmp_path):
-    """Plain torchrun forwards SIGTERM (SIGINT, SIGHUP, SIGQUIT) to its workers: the preemption signal to send it."""
+def test_sigterm_to_plain_torchrun_reaches_the_workers_which_checkpoint(tmp_path):
+    """Plain torchrun forwards SIGTERM (SIGINT, SIGHUP, SIGQUIT) to its workers: the preemption signal to send it.
+    (That 2 ranks resume a preemption's checkpoint as the uninterrupted run: tests/parallel/test_preempt_ranks.py.)"""
     out = tmp_path / "term"
     proc, workers = _start_plain_torchrun(out, "train.steps=200", "run.checkpoint_every=0")
     try:
@@ -238,9 +239,6 @@ def test_sigterm_to_plain_torchrun_reaches_the_workers_which_checkpoint_and_resu
     done = len(metrics(out))
     assert 1 <= done < 200
     assert (out / "checkpoints" / f"step_{done:08d}" / "COMPLETE").is_file()
-    resumed = run(2, out, "parallel.engine=fsdp2", f"train.steps={done + 1}", "run.checkpoint_every=0",
-                  "run.resume=auto")
-    assert [r["step"] for r in resumed] == list(range(done + 1))
 
 
 def test_sigusr1_kills_plain_torchrun_and_its_workers_still_checkpoint(tmp_path):
