@@ -40,10 +40,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # the multi-process and other slow tests first (a stable sort: each group keeps its order): pytest-xdist hands
-    # tests out in collection order, so the long ones spread over the workers at the start and the short ones fill
-    # the end, instead of a long test (tests/tools/ sorts last) running alone at the end while the other worker idles
-    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") or item.get_closest_marker("dist") else 1)
+    # make test's xdist scheduler (--dist worksteal) gives each of the 2 workers one contiguous half of this order and
+    # lets an idle worker take the back half of the other's queue: so each half starts with half of the slow and
+    # multi-process tests and ends with short ones, and the suite ends on short tests instead of one worker running
+    # a 40 s test alone (tests/tools/, sorted last, held the longest). Each group keeps its own order.
+    slow = [i for i in items if i.get_closest_marker("slow") or i.get_closest_marker("dist")]
+    fast = [i for i in items if not (i.get_closest_marker("slow") or i.get_closest_marker("dist"))]
+    items[:] = slow[0::2] + fast[0::2] + slow[1::2] + fast[1::2]
 
 
 def pytest_sessionstart(session):

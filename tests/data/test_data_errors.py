@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import io
 import struct
-import tarfile
 import threading
 import zlib
 from pathlib import Path
 
 import pytest
 from extras import need
+from shard_files import hand_tar
 from PIL import Image
 from thread_ranks import ThreadDist
 
@@ -76,16 +76,6 @@ def test_an_edit_set_of_bad_images_alone_stops_the_run_in_one_line(tmp_path, cap
     assert not (tmp_path / "run").exists()
 
 
-def _hand_tar(path, samples):
-    with tarfile.open(path, "w") as tf:
-        for key, files in samples:
-            for ext, data in files.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tf.addfile(info, io.BytesIO(data))
-    return str(path)
-
-
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_bad_image_members_of_a_shard_are_skipped_naming_shard_and_key(tmp_path, caplog, num_workers):
     need("webdataset")
@@ -94,7 +84,7 @@ def test_bad_image_members_of_a_shard_are_skipped_naming_shard_and_key(tmp_path,
     samples = [("000000000", {"txt": b"good edit", "png": png_bytes()})]
     samples += [(f"00000000{i}", {"txt": name.encode(), "png": data}) for i, name, data in
                 ((i, n, d) for i, (n, d) in enumerate(BAD_IMAGES.items(), start=1))]
-    shard = _hand_tar(tmp_path / "edits-000000.tar", samples)
+    shard = hand_tar(tmp_path / "edits-000000.tar", samples)
     with ShardPromptStream([shard], num_workers=num_workers) as stream:
         got = stream.next_records(3)  # the good record, drawn again and again: the bad ones never come back
         assert [str(r.prompt) for r in got] == ["good edit"] * 3 and stream.skipped["bad_image"] >= 3
@@ -128,7 +118,7 @@ def test_a_truncated_shard_stops_the_run_with_exit_2_and_the_failed_marker(tmp_p
 
 def test_shards_without_one_valid_record_stop_the_run_with_exit_2(tmp_path, monkeypatch, capsys):
     need("webdataset")
-    empty = _hand_tar(tmp_path / "empty.tar", [("a", {"txt": b"  "}), ("b", {"json": b"{}"})])
+    empty = hand_tar(tmp_path / "empty.tar", [("a", {"txt": b"  "}), ("b", {"json": b"{}"})])
     rc, err, marker = _shard_run(tmp_path, monkeypatch, capsys, empty)
     assert rc == 2 and len(err) == 1 and "no valid prompt record" in err[0] and marker.is_file(), err
 

@@ -1,6 +1,5 @@
 """Prompt shards and ShardPromptStream: round trip, rank/worker split, determinism, resume, bad records/shards."""
 
-import io
 import json
 import logging
 import tarfile
@@ -8,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from extras import need
+from shard_files import hand_tar
 
 need("webdataset")
 
@@ -26,17 +26,6 @@ def _read_tar(path):
             key, ext = m.name.split(".", 1)
             out.setdefault(key, {})[ext] = tf.extractfile(m).read()
     return out
-
-
-def _hand_tar(path, samples):
-    """A tar written by hand: samples = [(key, {ext: bytes})]."""
-    with tarfile.open(path, "w") as tf:
-        for key, files in samples:
-            for ext, data in files.items():
-                ti = tarfile.TarInfo(f"{key}.{ext}")
-                ti.size = len(data)
-                tf.addfile(ti, io.BytesIO(data))
-    return path
 
 
 def _shards(tmp_path, n_shards=8, per_shard=5):
@@ -156,7 +145,7 @@ def test_missing_shard(tmp_path):
 def test_resume_exact(tmp_path, num_workers):
     urls = _shards(tmp_path, n_shards=4, per_shard=4)
     # one hand-made shard with bad samples, so items consumed != records consumed
-    bad = _hand_tar(tmp_path / "bad.tar", [("a", {"txt": b""}), ("b", {"txt": b"ok b"}),
+    bad = hand_tar(tmp_path / "bad.tar", [("a", {"txt": b""}), ("b", {"txt": b"ok b"}),
                                            ("c", {"txt": b"x", "json": b"[1]"}), ("d", {"txt": b"ok d"})])
     urls.insert(0, str(bad))  # slot 0: rank 0, worker 0
     kw = dict(seed=3, rank=0, world_size=2, num_workers=num_workers)
@@ -185,7 +174,7 @@ def test_resume_exact(tmp_path, num_workers):
 
 
 def test_bad_records_skipped_and_counted(tmp_path, caplog):
-    bad = _hand_tar(tmp_path / "hand.tar", [
+    bad = hand_tar(tmp_path / "hand.tar", [
         ("k0", {"txt": b"   ", "json": b"{}"}),          # empty prompt
         ("k1", {"txt": b"fine text", "json": b"{oops"}),  # invalid JSON
         ("k2", {"txt": b"\xff\xfe bad utf-8"}),          # undecodable
@@ -208,7 +197,7 @@ def test_bad_records_skipped_and_counted(tmp_path, caplog):
     assert "sample k3" not in text and "only counted" in text  # first 3 distinct, then one line
     assert "skipped 14 bad records" in text
 
-    empty = _hand_tar(tmp_path / "allbad.tar", [("a", {"txt": b""}), ("b", {"json": b"{}"})])
+    empty = hand_tar(tmp_path / "allbad.tar", [("a", {"txt": b""}), ("b", {"json": b"{}"})])
     with pytest.raises(ShardReadError, match="no valid prompt record"):
         ShardPromptStream([str(empty)]).next_records(1)
 

@@ -5,15 +5,14 @@ run. The keys are read from the Config dataclasses, so a key added later is fuzz
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
-import tarfile
 import time
 import typing
 from pathlib import Path
 
 import pytest
 from extras import need
+from shard_files import hand_tar
 from hang_guard import WAIT_S
 
 from jagg_scale.cli import train_main
@@ -172,13 +171,8 @@ def test_every_member_of_a_shard_sample_missing_of_a_wrong_type_or_huge(tmp_path
                 {**good, "txt": b"x" * (2 << 20)}, {**good, "json": b"[1, 2]"}, {**good, "json": b"{bad"},
                 {**good, "json": b"[" * 100_000}, {**good, "json": b"{}" * (1 << 20)},
                 {**good, "png": b"not a png"}, {**good, "png": b"\x89PNG", "jpg": b"\xff\xd8\xff"}]
-    with tarfile.open(tmp_path / "s.tar", "w") as tf:
-        for i, sample in enumerate(variants):
-            for ext, data in sample.items():
-                info = tarfile.TarInfo(f"{i:09d}.{ext}")
-                info.size = len(data)
-                tf.addfile(info, io.BytesIO(data))
-    with ShardPromptStream([str(tmp_path / "s.tar")]) as stream:  # 0 and 2 (no .json: no metadata) are good
+    shard = hand_tar(tmp_path / "s.tar", [(f"{i:09d}", sample) for i, sample in enumerate(variants)])
+    with ShardPromptStream([shard]) as stream:  # 0 and 2 (no .json: no metadata) are good
         got = stream.next_records(3)  # 0, 2, then 0 again: every other variant passed over once
         assert [r.prompt for r in got] == ["a red cube"] * 3 and [r.metadata for r in got] == [{"tag": "x"}, {}] * 1 \
             + [{"tag": "x"}] and sum(stream.skipped.values()) == len(variants) - 2
