@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from hang_guard import RUN_S, WAIT_S
+from jagg_scale.parallel.ranks import free_port
 from launch_stubs import (CONFIG, LAUNCHERS, ROOT, SBATCH, SCRIPTS, VENV_BIN, _dry, _env, _opt, _run, _stub, _tail,
                           _wait_for)
 
@@ -195,7 +196,8 @@ def _ranks(stdout: str) -> list[str]:
 def test_launcher_starts_two_ranks(script, tool, stubs, stub_train):
     if not (VENV_BIN / tool).exists():
         pytest.skip(f"{tool} is not installed next to {sys.executable}")
-    env = _env(stubs, JAGG_TRAIN=stub_train)  # no GPU (nvidia-smi stub): each launcher defaults to 2 processes
+    # no GPU (nvidia-smi stub): each launcher defaults to 2 processes; a port of its own (launches run side by side)
+    env = _env(stubs, JAGG_TRAIN=stub_train, MASTER_PORT=free_port())
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env['PATH']}"
     r = _run(LAUNCHERS / script, [CONFIG, "train.steps=1", "data.x=a b"], env, timeout=RUN_S)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -224,7 +226,7 @@ def test_launcher_trains_a_step_with_real_workers(script, tool, engine, stubs, t
     launcher's own variables (DeepSpeed's LOCAL_SIZE), train one step together and save a checkpoint."""
     if not (VENV_BIN / tool).exists():
         pytest.skip(f"{tool} is not installed next to {sys.executable}")
-    env = _env(stubs, JAGG_TRAIN=str(VENV_BIN / "jagg-train"), OMP_NUM_THREADS="1")
+    env = _env(stubs, JAGG_TRAIN=str(VENV_BIN / "jagg-train"), OMP_NUM_THREADS="1", MASTER_PORT=free_port())
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env['PATH']}"
     out = tmp_path / "run"
     r = _run(LAUNCHERS / script, [str(ROOT / CONFIG), *TINY, *engine, f"run.output_dir={out}"], env, timeout=RUN_S)
@@ -249,7 +251,7 @@ wait $S
 """)
     # SHUTDOWN_TIMEOUT: how long torchrun waits for the workers to exit after forwarding the signal (they exit at
     # once) before it SIGKILLs them: a hang guard here
-    env = _env(stubs, JAGG_TRAIN=worker, NPROC_PER_NODE=2, SHUTDOWN_TIMEOUT=WAIT_S)
+    env = _env(stubs, JAGG_TRAIN=worker, NPROC_PER_NODE=2, SHUTDOWN_TIMEOUT=WAIT_S, MASTER_PORT=free_port())
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env['PATH']}"
     out, rc = _signal_two_workers("torchrun.sh", env, signal.SIGUSR1, tmp_path)
     assert sorted(f.name for f in tmp_path.glob("got_usr1.*")) == ["got_usr1.0", "got_usr1.1"], out
@@ -287,7 +289,7 @@ sleep {WAIT_S} & S=$!
 touch {tmp_path}/started.$RANK
 wait $S
 """)
-    env = _env(stubs, JAGG_TRAIN=worker)
+    env = _env(stubs, JAGG_TRAIN=worker, MASTER_PORT=free_port())
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env['PATH']}"
     out, rc = _signal_two_workers("deepspeed.sh", env, signal.SIGTERM, tmp_path)
     saved_when_done = sorted(f.name for f in tmp_path.glob("saved.*"))

@@ -68,3 +68,6 @@ def test_a_two_expert_checkpoint_holds_both_experts():
                 for name in ("wan21_t2v_14b_hps", "wan22_t2v_a14b_hps"))
     assert two["checkpoint_gb"] == pytest.approx(2 * one["checkpoint_gb"], rel=1e-3)
     assert two["wait_s"] < two["step_s"] / 10
+    # Wan2.1 on 4 nodes starts with the sbatch's defaults (tests/cli/test_sbatch.py runs the shell on these numbers):
+    # a safe point within a tenth of the step, a SHUTDOWN_TIMEOUT past torchrun's 240, the header's 300 s lead
+    assert one["wait_s"] < one["step_s"] / 10 and one["shutdown_s"] > 240 and one["lead_s"] <= 300

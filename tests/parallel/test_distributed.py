@@ -386,7 +386,7 @@ def test_ranks_agree_on_non_finite_steps_and_saves(tmp_path):
 def test_nft_two_processes_match_one_process(tmp_path, tmp_path_factory, engine):
     """DiffusionNFT (train.algorithm nft) with JAGG windows over shared-noise timesteps: every draw is seeded per
     global row, the old policy is sharded like the trained weights (FSDP2 shards, ZeRO-3 partitions), so 2 ranks
-    train what 1 process does; the checkpoint of the old policy resumes on the same engine."""
+    train what 1 process does; the checkpoint of the old policy resumes (FSDP2's, below)."""
     if engine == "deepspeed":
         need("deepspeed")
     nft = ["train.algorithm=nft", "sampling.ode_solver=dpm2", "nft.noise=per_sample", "nft.kl_beta=0.01",
@@ -400,8 +400,10 @@ def test_nft_two_processes_match_one_process(tmp_path, tmp_path_factory, engine)
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-3) and ra["grad_norm"] == pytest.approx(rb["grad_norm"],
                                                                                                         rel=1e-2)
         assert ra["old_decay"] == rb["old_decay"] and ra["backward_passes"] == rb["backward_passes"]
-    resumed = run(2, tmp_path / "two", f"parallel.engine={engine}", *nft[:-2], "train.steps=3", "run.resume=auto")
-    assert [r["step"] for r in resumed] == [0, 1, 2]
+    if engine == "fsdp2":  # DeepSpeed keeps the old policy as it keeps the EMA, a shadow per rank: its resume is
+        # test_deepspeed_engine.py's ema_resume (bit for bit); a third 2-rank launch here cost ~10 s of the CI budget
+        resumed = run(2, tmp_path / "two", f"parallel.engine={engine}", *nft[:-2], "train.steps=3", "run.resume=auto")
+        assert [r["step"] for r in resumed] == [0, 1, 2]
 
 
 def test_gcpo_two_processes_match_one_process(tmp_path, engine="fsdp2"):
