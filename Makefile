@@ -50,10 +50,9 @@ lint: setup-extras
 # session instead of skipping tests: tests/extras.py), in one pytest-xdist worker per core (TEST_WORKERS; each runs
 # one torch thread: tests/conftest.py). Markers (pyproject.toml): slow = >= ~5 s alone, dist = several processes or
 # DeepSpeed.
-# Every test target runs in those workers and names its 15 slowest tests at the end; an idle worker takes work from
-# the other's queue (worksteal: tests/conftest.py orders the halves so that the suite ends on short tests).
+# Every test target runs in those workers and names its 15 slowest tests at the end.
 TEST_WORKERS ?= auto
-PYTEST  = $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
+PYTEST  = $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15
 test: lint
 	JAGG_REQUIRE_EXTRAS=1 $(PYTEST) tests
 

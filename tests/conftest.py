@@ -39,16 +39,6 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(config, items):
-    # make test's xdist scheduler (--dist worksteal) gives each of the 2 workers one contiguous half of this order and
-    # lets an idle worker take the back half of the other's queue: so each half starts with half of the slow and
-    # multi-process tests and ends with short ones, and the suite ends on short tests instead of one worker running
-    # a 40 s test alone (tests/tools/, sorted last, held the longest). Each group keeps its own order.
-    slow = [i for i in items if i.get_closest_marker("slow") or i.get_closest_marker("dist")]
-    fast = [i for i in items if not (i.get_closest_marker("slow") or i.get_closest_marker("dist"))]
-    items[:] = slow[0::2] + fast[0::2] + slow[1::2] + fast[1::2]
-
-
 def pytest_sessionstart(session):
     # the production configs' prompt files (data/prompt_sets, `make prompts`) from a local copy of the peers' sets
     # when there is one: the suite never downloads (copies are checked against the pinned digests; atomic, so the
