@@ -54,6 +54,7 @@ MAXIMA: dict[str, float] = {
     "train.prompts_per_step": 65536,  # Flow-GRPO 48
     "train.minibatch_size": 1 << 20,
     "train.micro_batch_size": 1 << 20,
+    "train.ema_repeat": 1000,  # EMA moves per update, each a pass over the weights (peers move once)
     "data.num_workers": 256,
     "eval.num_per_prompt": 1024,
     "eval.chunk_size": 65536,
