@@ -67,6 +67,7 @@ MAXIMA: dict[str, float] = {
     "parallel.sequence_parallel": 1024,
     "parallel.replicate": 65536,
     "pools.rollout_ranks": 65536,
+    "pools.max_staleness": 64,  # steps the rollout pool runs ahead, a rollout held for each (peers run 1 ahead)
 }
 
 ROWS_MAX = 1 << 20  # rows a step: prompts_per_step x group_size (Flow-GRPO: 1,152)

@@ -86,10 +86,11 @@ BASES = {
     "gcpo.": ["train.algorithm=gcpo", "sampling.num_steps=8", "gcpo.chunks=[3, 4]", "gcpo.chunk_fraction=0.5",
               "train.micro_batch_size=1", "jagg.window=4"],
     "dppo.": ["train.algorithm=dppo"],
+    "pools.": ["pools.rollout_ranks=1", "parallel.engine=fsdp2"],  # its run needs two ranks: test_pools_training's
 }
 SECTION_RUNS = {"train.ema": ["train.ema_every"], "nft.": ["nft.mix", "nft.kl_beta"],
                 "awm.": ["awm.kl_beta", "awm.ema_kl_beta", "awm.ema_update_interval", "awm.ema_warmup_steps"],
-                "gcpo.": [], "dppo.": ["dppo.kl_mask_threshold"]}
+                "gcpo.": [], "dppo.": ["dppo.kl_mask_threshold"], "pools.": []}
 
 
 def test_each_sections_keys_on_a_base_that_reads_them():
