@@ -232,3 +232,18 @@ def test_a_groups_prefix_runs_once_per_chunk_with_a_shared_initial_noise():
     assert {p: own[p] for p in ("reference", "train", "train_nograd", "encode")} == {
         p: shared[p] for p in ("reference", "train", "train_nograd", "encode")}
     assert seconds("sampling.same_initial_noise=true")["rollout"] == seconds()["rollout"]
+
+
+def test_a_videos_decode_is_counted_from_its_first_two_frames_exactly():
+    """Wan's VAE decodes a latent frame at a time with a causal cache: the estimate counts the first two frames and
+    extrapolates; the decode of 5 latent frames counted op by op on the meta device is the same number."""
+    import json
+
+    import torch
+
+    comp = json.dumps(pipeline_shapes(None, "wan21_t2v_14b")["components"]["vae"], sort_keys=True)
+    m = T._meta(comp)
+    z = torch.zeros(1, json.loads(comp)["config"]["z_dim"], 5, 4, 4, device="meta")
+    whole = T.count_flops(lambda: m.decode(z, return_dict=False))
+    assert whole > 0 and T._frozen_flops(comp, "vae", (5, 4)) == whole
+    assert T._frozen_flops(comp, "vae", (2, 4)) < whole  # the frames after the first cost something
