@@ -1,6 +1,7 @@
 """2-process FSDP2 worker for tests/parallel/test_distributed.py::test_grad_sync_every_keeps_gradients_sharded: per
 parallel.grad_sync, the gradient bytes a rank holds after a backward off the accumulation boundary (unsharded
-fp32 block gradients FSDP2 keeps for a later reduce-scatter, plus the sharded .grad), and the final gradient.
+fp32 block gradients FSDP2 keeps for a later reduce-scatter, plus the sharded .grad), the reduce-scatters each
+backward issues, and the final gradient.
 
     torchrun --nproc_per_node 2 grad_sync_worker.py OUT_JSON
 """
@@ -45,16 +46,20 @@ def main(out_path: str) -> None:
         full_bytes = sum(p.numel() * 4 for p in model.parameters())
         engine = FSDP2Engine(model, ParallelConfig(engine="fsdp2", grad_sync=mode), TrainConfig(), ctx)
         g = torch.Generator().manual_seed(ctx.rank)
-        held = None
+        held, counted = None, []
         for i, last in enumerate((False, True)):
             x, s = torch.randn(2, 3, 8, 8, generator=g), torch.rand(2, generator=g)
             c = torch.randint(1, 64, (2, 4), generator=g)
             v = engine.model(x, s, c)
-            engine.backward(v, torch.randn(2, 3, 8, 8, generator=g), last=last)
+            with engine.comm.phase("train"):  # the backward's own collectives (the trainer counts the same way)
+                engine.backward(v, torch.randn(2, 3, 8, 8, generator=g), last=last)
+            counted.append(engine.comm.take().get("comm_train_reduce_scatter", 0))
             if i == 0:
                 held = held_grad_bytes(engine.model)
         grad = torch.cat([p.grad.full_tensor().flatten() for p in engine.model.parameters()])
-        result[mode] = {"held": held, "full_bytes": full_bytes, "grad": grad.tolist() if ctx.rank == 0 else None}
+        units = sum(isinstance(m, FSDPModule) for m in engine.model.modules())
+        result[mode] = {"held": held, "full_bytes": full_bytes, "reduce_scatters": counted, "units": units,
+                        "grad": grad.tolist() if ctx.rank == 0 else None}
     if ctx.rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
