@@ -9,7 +9,7 @@ Formats (by extension): `.txt` one prompt per line; `.jsonl` one JSON object per
 string `prompt` field, every other field kept as metadata (e.g. geneval's tag/include for its scorer). A jsonl
 record's `image` field makes it an edit prompt (data.images.EditPrompt): a path relative to the prompt file's
 folder, which it may not leave (no absolute paths, no `..` or links out), and which must be an image file (decoded
-whole as the record loads, within data.images' bounds).
+whole as the file loads, within data.images' bounds, the file's images in threads).
 Blank lines are layout, not records, and are skipped silently in both formats.
 """
 
@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from . import bounded_json
-from .images import EditPrompt, check_image
+from .images import EditPrompt, check_images
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +107,7 @@ def input_image_path(image, folder: Path) -> str:
         raise ValueError(f"'image' {image!r} leaves the prompt file's folder {root}")
     if not path.is_file():
         raise ValueError(f"'image' {image!r} is not a file in {root}")
-    check_image(path, f"'image' {image!r}")  # decoded now: a bad image costs its record, not the run's first step
-    return str(path)
+    return str(path)  # decoded by LineReader.read_lines with the file's other images
 
 
 _PARSERS = {".txt": _parse_txt, ".jsonl": parse_jsonl_record}
@@ -150,14 +150,32 @@ class LineReader:
                     self.bad(lineno, e)
 
     def read_lines(self, parse: Callable[[str], PromptRecord]) -> None:
+        start, linenos = len(self.records), []
         for lineno, line in self.lines():
             text = line.strip()
             if not text:
                 continue
             try:
                 self.records.append(parse(text))
+                linenos.append(lineno)
             except ValueError as e:
                 self.bad(lineno, e)
+        self._check_images(start, linenos)
+
+    def _check_images(self, start: int, linenos: list[int]) -> None:
+        """Decode the input image of every edit record read since `start` (all at once, in threads: check_images),
+        now rather than at the run's first step: a bad one costs its record, logged with its line."""
+        edits = [i for i in range(start, len(self.records)) if isinstance(self.records[i].prompt, EditPrompt)]
+        if not edits:
+            return
+        folder = self.path.parent.resolve()
+        errors = check_images([(self.records[i].prompt.image,
+                                f"'image' {os.path.relpath(self.records[i].prompt.image, folder)!r}") for i in edits])
+        bad = {i: err for i, err in zip(edits, errors) if err is not None}
+        for i, err in bad.items():
+            self.bad(linenos[i - start], err)
+        if bad:
+            self.records[start:] = [r for i, r in enumerate(self.records[start:], start) if i not in bad]
 
     def finish(self, cls: type[PromptSet] = PromptSet, **extra) -> PromptSet:
         if self.skipped > _MAX_LINE_WARNINGS:

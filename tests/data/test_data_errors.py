@@ -6,6 +6,7 @@ exit 2, FAILED written (so slurm/jagg.sbatch does not requeue it). Real files, t
 from __future__ import annotations
 
 import io
+import os
 import struct
 import threading
 import zlib
@@ -63,6 +64,33 @@ def test_bad_edit_images_in_a_prompt_file_cost_their_records_at_load(tmp_path, c
         assert f"edits.jsonl:{lineno}: skipping bad prompt record: 'image' '{name}'" in caplog.text
     assert "'truncated.png' could not be decoded" in caplog.text and "'text.png' could not be read: not an image" \
         in caplog.text and f"'bomb.png' is over {MAX_IMAGE_PIXELS} pixels" in caplog.text
+
+
+def test_a_files_images_are_decoded_in_threads_with_the_verdicts_in_order(tmp_path, monkeypatch):
+    """check_images: a file's images decoded at once in up to IMAGE_THREADS threads (PIL decodes without the GIL),
+    each item's verdict that of check_image, in order, and the warning filters left as they were."""
+    import warnings
+
+    from jagg_scale.data import images
+
+    for name, data in {"ok.png": png_bytes(), **BAD_IMAGES}.items():
+        (tmp_path / name).write_bytes(data)
+    items = [(tmp_path / n, f"'image' {n!r}") for n in ["ok.png", *BAD_IMAGES, "ok.png"] * 3]
+    decoded_in, decode = set(), images._decode
+    monkeypatch.setattr(images, "_decode", lambda *a: decoded_in.add(threading.current_thread().name) or decode(*a))
+    filters = list(warnings.filters)
+    got, pooled = images.check_images(items), set(decoded_in)
+    assert warnings.filters == filters and len(got) == len(items)
+    for (source, name), err in zip(items, got):
+        try:
+            images.check_image(source, name)
+        except ValueError as expected:
+            assert str(err) == str(expected)
+        else:
+            assert err is None
+    assert sum(err is None for err in got) == 6
+    threads = min(images.IMAGE_THREADS, len(os.sched_getaffinity(0)))
+    assert len(pooled) >= 1 and all(n.startswith("check_image") for n in pooled) == (threads > 1)
 
 
 def test_an_edit_set_of_bad_images_alone_stops_the_run_in_one_line(tmp_path, capsys):
