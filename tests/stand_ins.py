@@ -6,12 +6,14 @@ import signal
 from pathlib import Path
 
 
-def stand_in_paths(tmp_path: Path, prompts: str = "a red apple\na dog\n") -> list[str]:
+def stand_in_paths(tmp_path: Path, prompts: str = "a red apple\na dog\n", experts: bool = False) -> list[str]:
     """Overrides pointing the paths a config names at stand-ins the config checks accept (an empty pipeline
-    directory, a prompt file): no model weights are read."""
+    directory, with `experts` one whose index names Wan2.2's transformer_2; a prompt file): no model weights are
+    read."""
     pipe = tmp_path / "pipe"
     pipe.mkdir(exist_ok=True)
-    (pipe / "model_index.json").write_text("{}")
+    (pipe / "model_index.json").write_text('{"transformer_2": ["diffusers", "WanTransformer3DModel"]}' if experts
+                                           else "{}")
     prompt_file = tmp_path / "prompts.txt"
     prompt_file.write_text(prompts)
     return [f"model.pretrained={pipe}", f"data.prompt_file={prompt_file}", f"eval.prompt_file={prompt_file}",

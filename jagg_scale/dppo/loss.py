@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..grpo.guidance import guide
+from ..grpo.guidance import Guidance, guide, scale_at
 from ..grpo.loss import StepBatch
 from ..grpo.sde import SDE_STEPS, kl_to_reference
 from ..jagg.backward import MinibatchLoss
@@ -102,7 +102,7 @@ class DPPOStepLoss(MinibatchLoss):
     beta: float = 0.0  # weight of the KL to the frozen reference (grpo.kl_beta)
     scale: float = 1.0
     denominator: float | None = None  # valid rows of the minibatch per rank (None: this batch's own count)
-    guidance: float = 1.0
+    guidance: Guidance = 1.0
     guidance_rule: str = "plain"
     sde: str = "flow_grpo"
     metrics: dict = field(default_factory=lambda: defaultdict(list))
@@ -113,7 +113,7 @@ class DPPOStepLoss(MinibatchLoss):
             return v
         if uncond is None:
             raise ValueError("guidance != 1 needs the unconditional predictions (StepBatch.uncond_velocities)")
-        return guide(v, uncond[k].detach().to(v.dtype), self.guidance, self.guidance_rule)
+        return guide(v, uncond[k].detach().to(v.dtype), scale_at(self.guidance, b.sigmas[k]), self.guidance_rule)
 
     def __call__(self, b: StepBatch, k: int, v: torch.Tensor) -> torch.Tensor:
         s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], b.s_max

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..jagg.backward import MinibatchLoss
-from .guidance import guide
+from .guidance import Guidance, guide, scale_at
 from .sde import SDE_STEPS, kl_to_reference
 
 
@@ -80,7 +80,7 @@ class GRPOStepLoss(MinibatchLoss):
     # Classifier-free guidance: with guidance g != 1 the loss is called with the conditional prediction c_k and
     # evaluates L_k at the guided velocity u_k + g (c_k - u_k), u_k from the batch: a constant for the gradient, so
     # dL/dc = g dL/dv flows through the conditional branch only (Flow-GRPO detaches the unconditional one).
-    guidance: float = 1.0
+    guidance: Guidance = 1.0  # ExpertGuidance: a scale per expert, at the step's sigma (grpo/guidance.py)
     guidance_rule: str = "plain"  # the model family's CFG rule (grpo/guidance.py), as the rollout sampled with it
     sde: str = "flow_grpo"  # the stochastic step the rollout sampled with (grpo/sde.py: flow_grpo | cps)
     # > 0: a rollout sampled by an earlier policy version (pools.max_staleness) trained with decoupled PPO: the ratio
@@ -98,7 +98,7 @@ class GRPOStepLoss(MinibatchLoss):
             if b.uncond_velocities is None:
                 raise ValueError("guidance != 1 needs the unconditional predictions (StepBatch.uncond_velocities)")
             u = b.uncond_velocities[k].detach().to(v.dtype)
-            v = guide(v, u, self.guidance, self.guidance_rule)
+            v = guide(v, u, scale_at(self.guidance, b.sigmas[k]), self.guidance_rule)
         s, s_next, sigma_max = b.sigmas[k], b.sigmas[k + 1], b.s_max  # tensors: no host read
         return SDE_STEPS[self.sde](b.latents[k], v, s, s_next, noise_level=self.noise_level, sigma_max=sigma_max,
                                    prev_sample=b.latents[k + 1])

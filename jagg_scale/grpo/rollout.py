@@ -34,7 +34,7 @@ from typing import Callable, Collection, Sequence
 import torch
 
 from ..cond import Cond, cat_cond, index_cond, to_device
-from .guidance import GuidanceRule, guide
+from .guidance import Guidance, GuidanceRule, guide, scale_at
 from .loss import StepBatch
 from .sde import SDE_STEPS, ode_step, standard_normal
 from .solver import OdeSolverState, window_grids
@@ -52,12 +52,12 @@ def cfg_predictions(model: VelocityFn, x: torch.Tensor, sigma: torch.Tensor,
 
 
 def guided_velocity(model: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, cond: Cond,
-                    guidance: float, rule: GuidanceRule = "plain") -> torch.Tensor:
+                    guidance: Guidance, rule: GuidanceRule = "plain") -> torch.Tensor:
     """The policy's velocity under classifier-free guidance (sampling, evaluation, the KL reference). `cond` is the
-    prompt conditioning, or a pair (cond, uncond) when guidance != 1."""
+    prompt conditioning, or a pair (cond, uncond) when guidance != 1 (a scale per expert: grpo/guidance.py)."""
     if guidance == 1.0:
         return model(x, sigma, cond)
-    return guide(*cfg_predictions(model, x, sigma, cond), guidance, rule)
+    return guide(*cfg_predictions(model, x, sigma, cond), scale_at(guidance, sigma), rule)
 
 
 @dataclass
@@ -176,7 +176,7 @@ def sample_sde(
     ref_velocity_fn: VelocityFn | None = None,
     sde_steps: Collection[int] | None = None,
     ref_steps: Collection[int] | None = None,
-    guidance: float = 1.0,
+    guidance: Guidance = 1.0,
     guidance_rule: GuidanceRule = "plain",
     ode_solver: str = "euler",
     ode_steps: int = 0,
@@ -232,7 +232,7 @@ def sample_sde(
             v = velocity_fn(x, s, cond)
             return v.float(), v, None
         c, u = cfg_predictions(velocity_fn, x, s, cond)
-        return guide(c, u, guidance, guidance_rule).float(), c, u  # guided_velocity's very ops
+        return guide(c, u, scale_at(guidance, s), guidance_rule).float(), c, u  # guided_velocity's very ops
 
     final_only = keep == "final"
     lo, hi = (0, 0) if final_only else (0, T) if keep_steps is None else (min(keep_steps), max(keep_steps) + 1)

@@ -471,6 +471,8 @@ def _check_files(cfg: Config) -> None:
         if value is not None:
             problem = (safetensors_problem if key == "model.pretrained" else prompt_file_problem)(resolve_path(value))
             _require(problem is None, key, problem)
+    if cfg.model.kind == "dit":
+        check_experts(cfg, False)  # the built-in DiT is one transformer
     if cfg.model.kind != "dit" and pretrained is not None:
         _require((pretrained / "model_index.json").is_file(), "model.pretrained",
                  f"is not a diffusers pipeline directory (no model_index.json): {cfg.model.pretrained}")

@@ -11,6 +11,8 @@ built, each a ConfigError naming its key:
                                the sigmas the rollout samples at
     jagg.planner               uniform: the budget planner's DP has no cut at the switch
 
+and sampling.guidance_2 (the low-noise expert's CFG scale) is refused with one expert.
+
 Where the pipeline is not on this machine at validation time (a hub id not cached yet), the same checks run when
 the algorithm is built (train/algorithm.py), against the loaded model's switch.
 """
@@ -35,8 +37,13 @@ def pipeline_has_experts(path) -> bool:
 
 
 def check_experts(cfg, two_experts: bool) -> None:
-    """ConfigError naming the first key the two experts rule out (module docstring); nothing with one expert."""
+    """ConfigError naming the first key the two experts rule out (module docstring); with one expert, the key only
+    two act on (sampling.guidance_2)."""
     if not two_experts:
+        if cfg.sampling.guidance_2 is not None:
+            raise ConfigError(f"config key 'sampling.guidance_2' is {cfg.sampling.guidance_2}, but the model has one "
+                              "transformer: it is the low-noise expert's CFG scale of a two-expert pipeline (Wan2.2 "
+                              "A14B); use sampling.guidance")
         return
     why = "the model has two experts switched by noise level (transformer_2 below boundary_ratio)"
     algorithm = cfg.train.algorithm

@@ -24,7 +24,7 @@ from ..jagg.planners import RouteBy
 from ..models.dit import DiTConfig
 from ..models.registry import families, family
 from ..awm.config import AWMConfig
-from ..nft import AdvMode
+from ..nft.config import NFTConfig, NFTNoise, NFTOldAt, NFTTimesteps
 from ..parallel.config import ParallelConfig
 from ..parallel.types import EngineName, GradSync
 from ..sections import ConfigError, refuse_set, require as _require
@@ -37,9 +37,6 @@ DType = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["sdpa", "xformers", "cudnn", "flash"]
 SdeWindowMode = Literal["random", "sliding", "scattered"]  # Flow-GRPO-Fast | MixGRPO | UniRL's sparse SDE steps
 Algorithm = Literal["grpo", "nft", "dppo", "gcpo", "awm"]  # train.algorithm (its rollout: config.py ROLLOUT_KIND)
-NFTTimesteps = Literal["per_row", "per_batch"]  # nft.timesteps: each sample its own training timesteps | one draw
-NFTNoise = Literal["per_timestep", "per_sample", "per_window"]  # nft.noise: which training timesteps share a draw
-NFTOldAt = Literal["timesteps", "knots"]  # nft.old_at: where the old policy's and the reference's velocities are run
 RefAt = Literal["steps", "knots"]  # grpo.ref_at, refresh_at: on every trained step, or on the plan's knots
 DataSource = Literal["list", "wds"]  # prompt_file / prompts in memory | webdataset shards streamed per rank
 RewardAggregate = Literal["sum", "advantage", "gdpo"]  # rewards/multi.py: GRPO on sum w r | MixGRPO's | Flow-Factory's
@@ -166,6 +163,9 @@ class SamplingConfig(_Section):
     sde: SdeKind = "flow_grpo"
     noise_level: float = 0.7
     guidance: float = 1.0  # classifier-free guidance scale; 1.0 disables CFG
+    # a two-expert model's (Wan2.2 A14B) low-noise expert's scale, `guidance` the high-noise one's: WanPipeline's
+    # guidance_scale_2 (null: `guidance` on both, as the pipeline does without it; grpo/guidance.py ExpertGuidance)
+    guidance_2: Optional[float] = None
     shift: Optional[float] = 3.0  # SD3's time shift; null = the loaded pipeline's own schedule (sd3/flux)
     # rollout rows per forward (no grad), or auto: the largest chunk whose rollout phase fits the GPU beside
     # everything else by jagg-estimate's memory model (estimate/memory.rollout_batch), at most half a rank's rows so
@@ -193,12 +193,17 @@ class SamplingConfig(_Section):
                  f"{self.noise_level}")
         _require(1.0 <= self.guidance <= 100, f"{prefix}.guidance",
                  f"must be in [1, 100] (1 disables CFG), got {self.guidance}")
+        _require(self.guidance_2 is None or 1.0 <= self.guidance_2 <= 100, f"{prefix}.guidance_2",
+                 f"must be in [1, 100] or null, got {self.guidance_2}")
+        # the pipeline guides neither expert when guidance_scale is 1 (pipeline_wan.py: CFG on for guidance_scale > 1)
+        _require(self.guidance_2 is None or self.guidance != 1.0, f"{prefix}.guidance_2",
+                 f"is the low-noise expert's CFG scale, but {prefix}.guidance is 1 (CFG off on both experts); set "
+                 f"{prefix}.guidance or leave guidance_2 null")
         _require(self.shift is None or self.shift > 0, f"{prefix}.shift", f"must be > 0, got {self.shift}")
         _require(self.chunk_size == "auto" or self.chunk_size >= 1, f"{prefix}.chunk_size",
                  f"must be >= 1 or auto, got {self.chunk_size}")
         _require(self.ode_steps >= 0, f"{prefix}.ode_steps", f"must be >= 0, got {self.ode_steps}")
         # sde_window's bounds against num_steps (and ode_steps against the window): train/config.py _check_sde_window
-
 
 
 @dataclass
@@ -245,51 +250,6 @@ class GRPOConfig(_Section):
         _require(self.inner_epochs >= 1, f"{prefix}.inner_epochs", "must be >= 1")
         _require(self.onpolicy_tolerance > 0, f"{prefix}.onpolicy_tolerance", "must be > 0")
         _require(self.sde_window_every >= 1, f"{prefix}.sde_window_every", "must be >= 1")
-
-
-@dataclass
-class NFTConfig(_Section):
-    """DiffusionNFT (train.algorithm nft; NVlabs/DiffusionNFT config/nft.py and scripts/train_nft_sd3.py): its own
-    settings. The group advantages are grpo's (group_size, global_std, adv_clip_max), the trained timesteps
-    int(num_steps x grpo.timestep_fraction) of the sampling schedule's, the rollout the old policy's ODE
-    (sampling.ode_solver on the whole trajectory), the gradient the jagg section's planner over each sample's
-    timesteps (mode exact: one backward per timestep, as DiffusionNFT). Each inner epoch (grpo.inner_epochs) draws
-    the timesteps and noise afresh, as DiffusionNFT (scripts/train_nft_sd3.py:806-812, 868)."""
-
-    mix: float = 1.0  # the implicit policies' step: v_+ = beta v + (1 - beta) v_old (its config.beta)
-    kl_beta: float = 1e-4  # weight of ||v - v_ref||^2 to the starting model (its config.train.beta); 0: no reference
-    # the old policy's soft update after every rollout, old = decay old + (1 - decay) trained, decay =
-    # min(max(0, (optimizer steps - flat) x rate), max) as [flat, rate, max]; DiffusionNFT's decay_type 1 (its
-    # default) is [0, 0.001, 0.5], decay_type 2 (OCR) [75, 0.0075, 0.999], decay_type 0 [0, 0, 0]
-    old_decay: tuple[float, float, float] = (0.0, 0.001, 0.5)
-    # which of a sample's training timesteps share one noise draw e. Inputs x_t = (1 - t) d + t e of one draw are
-    # collinear, which is when JAGG's interpolation is exact for a velocity affine in (x, t) (docs/algorithm.md,
-    # section 8). per_timestep: fresh noise at each, as DiffusionNFT; per_sample: one draw for all K; per_window: one
-    # draw per JAGG window (jagg.window of the sorted timesteps), fresh between windows: each window on its own line,
-    # a draw per window instead of one per sample
-    noise: NFTNoise = "per_timestep"
-    # where the old policy's and the reference's velocities (no grad) are run: at every training timestep, as
-    # DiffusionNFT, or at the plan's knots only and linear in t between them inside a window (the JAGG assumption
-    # applied to the frozen models' values: exact for velocities affine along a window's line): 2 forwards per
-    # window of each instead of one per timestep. knots needs a plan known before training (jagg.mode jagg with
-    # jagg_frac 1, or share_knots)
-    old_at: NFTOldAt = "timesteps"
-    timesteps: NFTTimesteps = "per_row"  # per_row: each sample's own random timesteps, as DiffusionNFT
-    # the clipped advantage before its map to r (nft/loss.py; DiffusionNFT train_nft_sd3.py:915-925): all as is (its
-    # config/nft.py:62), positive_only / negative_only the other sign's to 0, one_only 1 where > 0 else 0, binary sign
-    adv_mode: AdvMode = "all"
-
-    # read of a forward-process section (as awm/config.py's): the old policy is the one shadow copy of the weights in
-    # the engine and the one frozen policy besides the reference run at the training timesteps (or the knots)
-    shadow_weights = frozen_policies = 1
-    frozen_at_knots = property(lambda self: self.old_at == "knots")
-
-    def check(self, prefix: str) -> None:
-        _require(self.mix > 0, f"{prefix}.mix", f"must be > 0 (the loss divides by it), got {self.mix}")
-        _require(self.kl_beta >= 0, f"{prefix}.kl_beta", f"must be >= 0, got {self.kl_beta}")
-        flat, rate, top = self.old_decay
-        _require(flat >= 0 and rate >= 0 and 0 <= top < 1, f"{prefix}.old_decay",
-                 f"must be [flat >= 0, rate >= 0, max in [0, 1)], got {list(self.old_decay)}")
 
 
 @dataclass

@@ -16,6 +16,7 @@ freeze it once per rollout (UniRL prepare_segment, verl-omni's old-log-prob pass
 from __future__ import annotations
 
 from ..dppo import DPPOStepLoss
+from ..grpo.guidance import Guidance
 from .update import GRPO
 
 __all__ = ["DPPO"]
@@ -26,7 +27,7 @@ class DPPO(GRPO):
 
     name = "dppo"
 
-    def make_loss(self, *, scale: float, denominator: float, guidance: float) -> DPPOStepLoss:
+    def make_loss(self, *, scale: float, denominator: float, guidance: Guidance) -> DPPOStepLoss:
         cfg = self.cfg
         return DPPOStepLoss(noise_level=cfg.sampling.noise_level, kl_mask_threshold=cfg.dppo.kl_mask_threshold,
                             add_kl_coefficient=cfg.dppo.add_kl_coefficient, beta=cfg.grpo.kl_beta, scale=scale,

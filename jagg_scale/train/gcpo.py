@@ -32,6 +32,7 @@ import torch
 from ..cond import index_cond
 from ..gcpo import ChunkBatch, GCPOStepLoss, trained_chunks
 from ..gcpo.chunks import draw_chunks, slot_layout
+from ..grpo.guidance import Guidance
 from ..grpo.loss import StepBatch
 from ..grpo.rollout import to_device
 from ..grpo.steps import positioned
@@ -59,7 +60,7 @@ class GCPO(GRPO):
         """The SDE on every step, the candidates kept; no reference (gcpo has no KL term: config.py)."""
         return RolloutSpec(trained=tuple(self.steps), ref_steps=frozenset())
 
-    def _minibatches(self, traj, cond, uncond, adv, rows, step: int, steps: list[int], guidance: float):
+    def _minibatches(self, traj, cond, uncond, adv, rows, step: int, steps: list[int], guidance: Guidance):
         """The runner's minibatch(epoch, local, global_rows, on_policy): this rank's rows `local` of the trajectory
         laid out over each row's drawn chunks, their factors computed (module docstring)."""
         cfg, device = self.cfg, self.dist.device

@@ -33,6 +33,7 @@ import torch
 from ..cond import expand_cond, index_cond
 from ..data.images import EditPrompt
 from ..grpo import StepBatch, Trajectories, guided_velocity, model_schedule, sample_sde
+from ..grpo.guidance import ExpertGuidance, Guidance
 from ..grpo.rollout import FinalLatents, prefix_forwards, to_device
 from ..jagg import Plan, fill_interior, plan_knots
 from .algorithm import RolloutSpec
@@ -125,7 +126,20 @@ class Policy:
 
     @property
     def guidance(self) -> float:
+        """sampling.guidance: CFG is on where it is not 1 (the scale itself with one expert)."""
         return self.cfg.sampling.guidance
+
+    @property
+    def guidance_scales(self) -> Guidance:
+        """The scale(s) the sampler and the losses guide with: sampling.guidance, or with sampling.guidance_2 a scale
+        per expert of a two-expert model (grpo/guidance.py ExpertGuidance)."""
+        low = self.cfg.sampling.guidance_2
+        if low is None:
+            return self.guidance
+        switch = getattr(self.model, "expert_switch", None)
+        if switch is None:  # config_experts.py refuses it by key; a policy built by hand is held to it too
+            raise ValueError("sampling.guidance_2 guides a two-expert model's low-noise expert; this model has one")
+        return ExpertGuidance(high=self.guidance, low=low, switch=switch)
 
     def model_fn(self, model: torch.nn.Module | None = None) -> Callable:
         model = self.model if model is None else model
@@ -140,7 +154,7 @@ class Policy:
         return fn
 
     def velocity_fn(self, model: torch.nn.Module | None = None) -> Callable:
-        predict, guidance, rule = self.model_fn(model), self.guidance, self.guidance_rule
+        predict, guidance, rule = self.model_fn(model), self.guidance_scales, self.guidance_rule
         return lambda x, sigma, cond: guided_velocity(predict, x, sigma, cond, guidance, rule)
 
     def reference_fn(self) -> Callable | None:
@@ -249,7 +263,7 @@ class Policy:
                 parts.append(sample_sde(predict, index_cond(cond, chunk), to_device(noise, self.device), self.sigmas,
                                         noise_level=cfg.sampling.noise_level, generator=gens[chunk],
                                         ref_velocity_fn=ref, sde_steps=spec.sde_steps, ref_steps=spec.ref_steps,
-                                        guidance=self.guidance, guidance_rule=self.guidance_rule,
+                                        guidance=self.guidance_scales, guidance_rule=self.guidance_rule,
                                         ode_solver=cfg.sampling.ode_solver, ode_steps=cfg.sampling.ode_steps,
                                         host_sigmas=self.host_sigmas, sde=cfg.sampling.sde, keep=spec.keep,
                                         shared_prefix=leads, keep_steps=spec.trained, prediction_dtype=dtype,

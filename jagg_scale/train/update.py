@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..cond import Cond, index_cond
+from ..grpo.guidance import Guidance
 from ..grpo.loss import GRPOStepLoss, StepBatch
 from ..grpo.rollout import to_device
 from ..grpo.steps import candidate_steps, positioned, select_steps
@@ -144,7 +145,7 @@ class GRPO(Algorithm):
         cond, uncond = self.policy.split_cond(cond)
         # a stale rollout under pools.importance_cap: decoupled PPO (grpo/loss.py GRPOStepLoss.importance_cap)
         self.importance_cap = self.cfg.pools.importance_cap if behind else 0.0
-        minibatch = self._minibatches(traj, cond, uncond, adv, rows, step, steps, self.policy.guidance)
+        minibatch = self._minibatches(traj, cond, uncond, adv, rows, step, steps, self.policy.guidance_scales)
         done = self.runner.run(self.policy.model_fn(), rows, step, minibatch, fresh=behind == 0)
         # the first minibatch ran at the rollout's parameters: training must reproduce its log-probs
         first = done.first_loss.log_ratio_max() if done.first_loss is not None else None
@@ -152,7 +153,7 @@ class GRPO(Algorithm):
         ratio = {"onpolicy_log_ratio": first} if behind == 0 else {"behaviour_log_ratio": first}
         return {**done.metrics(**done.probe, **ratio), **window}
 
-    def make_loss(self, *, scale: float, denominator: float, guidance: float):
+    def make_loss(self, *, scale: float, denominator: float, guidance: Guidance):
         """A minibatch's per-step loss: Flow-GRPO's clipped surrogate (grpo/loss.py), each L_k times `scale` (1 / the
         trained steps), its mean over `denominator` rows, guided with `guidance`. The hook a unit that trains GRPO's
         rollout with another objective overrides (train/dppo.py)."""
@@ -162,7 +163,7 @@ class GRPO(Algorithm):
                             guidance_rule=self.policy.guidance_rule, sde=cfg.sampling.sde,
                             importance_cap=self.importance_cap)
 
-    def _minibatches(self, traj, cond, uncond, adv, rows, step: int, steps: list[int], guidance: float):
+    def _minibatches(self, traj, cond, uncond, adv, rows, step: int, steps: list[int], guidance: Guidance):
         """The runner's minibatch(epoch, local, global_rows, on_policy): the rows `local` (a host index, for
         index_cond: a conditioning of Tokens is cut from their host lengths, cond.py) of the trajectory; the loss
         guides with `guidance` (1: it is called with the guided velocity itself). With grpo.step_selection first every

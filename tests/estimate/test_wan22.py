@@ -30,8 +30,9 @@ def prepare(path, overrides=(), shapes=None, memory=True):
 
 @pytest.fixture(scope="module")
 def both():
-    """The shipped config as it is (two experts) and on one expert's shapes (Wan2.1-14B's, the same architecture)."""
-    two, one = prepare(WAN22), prepare(WAN22, shapes="wan21_t2v_14b")
+    """The shipped config as it is (two experts) and on one expert's shapes (Wan2.1-14B's, the same architecture;
+    one CFG scale: a second is the second expert's)."""
+    two, one = prepare(WAN22), prepare(WAN22, ["sampling.guidance_2=null"], shapes="wan21_t2v_14b")
     return (two, E.estimate(two)), (one, E.estimate(one))
 
 

@@ -146,3 +146,23 @@ def test_off_policy_cfg_in_micro_batches_recomputes_the_uncond_per_chunk(tmp_pat
                           micro_batch_size=4, refresh=Refresh(trainer.policy, uc, steps))
     assert chunk_rows == [4, 2] and stats.uncond_forward_passes == len(trainer.algorithm.steps)
     assert _cos(_grad(trainer.model), ref) > 0.99999
+
+
+def test_a_scale_per_expert_guides_each_step_with_its_experts_scale_and_a_float_bit_for_bit():
+    """ExpertGuidance (sampling.guidance_2, Wan2.2 A14B): the high-noise expert's steps guided with `high`, the
+    low-noise expert's with `low` (the pipeline's rule: t >= boundary_ratio x 1000), a row at a time; a scale given
+    as a tensor (0-d or one per row) guides 16-bit predictions to the same bits as the Python float."""
+    from jagg_scale.grpo.guidance import ExpertGuidance, guide, scale_at
+    from jagg_scale.jagg.experts import ExpertSwitch
+
+    g = ExpertGuidance(high=4.0, low=3.0, switch=ExpertSwitch(boundary_ratio=0.875))
+    sigma = torch.tensor([0.95, 0.875, 0.8749, 0.3])
+    assert scale_at(g, sigma).tolist() == [4.0, 4.0, 3.0, 3.0] and scale_at(2.5, sigma) == 2.5
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        c, u = (torch.randn(4, 3, 4, 4, generator=gen).to(dtype) for _ in range(2))
+        per_row = guide(c, u, scale_at(g, sigma))
+        for i, scale in enumerate([4.0, 4.0, 3.0, 3.0]):
+            assert torch.equal(per_row[i], guide(c, u, scale)[i]), (dtype, i)
+        assert torch.equal(guide(c, u, torch.tensor(3.3)), guide(c, u, 3.3))  # a scale bf16 cannot hold
+    assert g != 1.0  # CFG on: the checks that compare the scale with 1

@@ -67,6 +67,27 @@ def test_the_adapter_samples_as_the_two_expert_pipeline(model):
     assert not torch.allclose(out, ours(one), atol=1e-3)
 
 
+def test_a_scale_per_expert_samples_as_the_pipelines_guidance_scale_2(model):
+    """sampling.guidance_2 (grpo/guidance.py ExpertGuidance): the low-noise expert's 5 steps guided with 3, the
+    high-noise expert's 3 with 4, as WanPipeline's guidance_scale_2 (pipeline_wan.py:597-604; Wan2.2's own (3.0, 4.0):
+    wan_t2v_A14B.py:37); not as one scale of 4 on both."""
+    from jagg_scale.grpo.guidance import ExpertGuidance
+
+    cond, uncond = model.encode_prompts(PROMPTS), model.encode_prompts([""] * 2)
+    noise = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(1))
+    sigmas = model.pipeline_sigmas(8)
+    out = model.pipe(prompt_embeds=cond, negative_prompt_embeds=uncond, guidance_scale=4.0, guidance_scale_2=3.0,
+                     num_inference_steps=8, height=16, width=16, num_frames=5, latents=noise.clone(),
+                     output_type="latent").frames
+
+    def ours(guidance):
+        return sample_ode(lambda x, s, c: guided_velocity(model, x, s, c, guidance, model.guidance_rule),
+                          (cond, uncond), noise, sigmas)
+
+    assert torch.allclose(out, ours(ExpertGuidance(high=4.0, low=3.0, switch=model.expert_switch)), atol=1e-5)
+    assert not torch.allclose(out, ours(4.0), atol=1e-3)
+
+
 def test_each_row_runs_and_trains_the_expert_of_its_noise_level(wan22_dir):
     """A pass with a row at sigma 0.95 (t 950: high) and one at 0.5 (low): each row's velocity is its expert's alone,
     and each row's gradient reaches its expert's parameters only."""
@@ -174,7 +195,7 @@ REFUSED = {"step_selection": ("grpo.step_selection", ["grpo.step_selection=rando
            "ref_at": ("grpo.ref_at", ["grpo.ref_at=knots"]),
            "budget": ("jagg.planner", ["jagg.planner=budget", "jagg.window=null"]),
            "nft": ("train.algorithm", ["train.algorithm=nft", "grpo.clip_range=null", "grpo.kl_beta=null",
-                                       "sampling.guidance=1"]),
+                                       "sampling.guidance=1", "sampling.guidance_2=null"]),
            "gcpo": ("train.algorithm", ["train.algorithm=gcpo", "grpo.kl_beta=null", "gcpo.chunks=[2, 2, 3]",
                                         "jagg.window=3"])}
 
@@ -188,7 +209,22 @@ def test_what_two_experts_rule_out_is_refused_by_key(wan22_dir, wan_dir, case):
     key, overrides = REFUSED[case]
     with pytest.raises(ConfigError, match=f"^config key '{key}' .*two experts"):
         load_config(CONFIG, [f"model.pretrained={wan22_dir}", *overrides])
-    load_config(CONFIG, [f"model.pretrained={wan_dir}", *overrides])
+    load_config(CONFIG, [f"model.pretrained={wan_dir}", *overrides, "sampling.guidance_2=null"])  # also the second's
+
+
+def test_a_low_noise_scale_is_refused_by_key_without_a_second_expert(wan22_dir, wan_dir):
+    """sampling.guidance_2 acts on the low-noise expert alone: refused naming it with one transformer (Wan2.1, the
+    built-in DiT) and with CFG off (the pipeline guides neither expert then)."""
+    from jagg_scale.train import ConfigError, load_config
+
+    low = ["sampling.guidance=4", "sampling.guidance_2=3"]
+    assert load_config(CONFIG, [f"model.pretrained={wan22_dir}", *low]).sampling.guidance_2 == 3.0
+    for config, overrides in ((CONFIG, [f"model.pretrained={wan_dir}", *low]),
+                              (ROOT / "configs" / "tiny_cpu.yaml", low),
+                              (CONFIG, [f"model.pretrained={wan22_dir}", "sampling.guidance=1",
+                                        "sampling.guidance_2=3"])):
+        with pytest.raises(ConfigError, match="^config key 'sampling.guidance_2' "):
+            load_config(config, overrides)
 
 
 def test_jagg_train_refuses_at_start_up_in_one_line_exit_2(wan22_dir, tmp_path):
