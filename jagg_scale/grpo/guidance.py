@@ -29,10 +29,7 @@ class ExpertGuidance:
 
     def at(self, sigma: torch.Tensor) -> torch.Tensor:
         """The scale at each element of `sigma` (a step's noise level: 0-d, or one per row)."""
-        sigma = torch.as_tensor(sigma)
-        high = self.switch.high(sigma).to(sigma.device)
-        return torch.where(high, torch.tensor(self.high, device=sigma.device),
-                           torch.tensor(self.low, device=sigma.device))
+        return torch.where(self.switch.high(sigma), self.high, self.low)  # on sigma's device: no host read
 
 
 Guidance = Union[float, ExpertGuidance]  # sampling.guidance alone, or with sampling.guidance_2 on two experts
