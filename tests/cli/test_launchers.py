@@ -5,6 +5,7 @@ test_sbatch.py; the stubs: tests/launch_stubs.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -216,14 +217,26 @@ TINY = ["train.steps=1", "model.dit.hidden_size=32", "model.dit.depth=1", "model
         "sampling.chunk_size=8", "run.checkpoint_every=1", "log.progress=false"]
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """The step the launches train, fitted in one process (train_runs.fit_metrics), once a session."""
+    from once import once
+    from train_runs import fit_metrics
+
+    return once(tmp_path_factory, "launchers_one_process",
+                lambda d: fit_metrics(str(ROOT / CONFIG), TINY, d / "one"))[1][0]
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("script,tool,engine", [("torchrun.sh", "torchrun", ["parallel.engine=fsdp2"]),
                                                 ("mpirun.sh", "mpirun", ["parallel.engine=fsdp2"]),
                                                 ("deepspeed.sh", "deepspeed", [])])
-def test_launcher_trains_a_step_with_real_workers(script, tool, engine, stubs, tmp_path):
+def test_launcher_trains_a_step_with_real_workers(script, tool, engine, stubs, tmp_path, one_process):
     """The real path: each launcher starts two real jagg-train processes (no stub), which find their ranks from the
-    launcher's own variables (DeepSpeed's LOCAL_SIZE), train one step together and save a checkpoint."""
+    launcher's own variables (Open MPI's OMPI_COMM_WORLD_*, DeepSpeed's LOCAL_SIZE), train one step together on the
+    rows one process trains (its rewards and gradient norm, within tests/parallel/test_distributed.py's step-0
+    tolerances) and save a checkpoint."""
     if not (VENV_BIN / tool).exists():
         pytest.skip(f"{tool} is not installed next to {sys.executable}")
     env = _env(stubs, JAGG_TRAIN=str(VENV_BIN / "jagg-train"), OMP_NUM_THREADS="1", MASTER_PORT=free_port())
@@ -231,11 +244,15 @@ def test_launcher_trains_a_step_with_real_workers(script, tool, engine, stubs, t
     out = tmp_path / "run"
     r = _run(LAUNCHERS / script, [str(ROOT / CONFIG), *TINY, *engine, f"run.output_dir={out}"], env, timeout=RUN_S)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    rows = (out / "metrics.jsonl").read_text().splitlines()
-    assert len(rows) == 1 and '"step": 0' in rows[0]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0]
+    assert rows[0]["reward_mean"] == pytest.approx(one_process["reward_mean"], rel=1e-4)
+    assert rows[0]["grad_norm"] == pytest.approx(one_process["grad_norm"], rel=1e-2)
     assert (out / "checkpoints" / "step_00000001" / "COMPLETE").exists()
     ranks = re.findall(r"rank (\d)/2 \(local \d", r.stdout + r.stderr)
     assert sorted(set(ranks)) == ["0", "1"], (r.stdout + r.stderr)[-3000:]
+    if tool == "mpirun":  # found through Open MPI's variables (parallel/ranks.py), not a torchrun's
+        assert "(local 1, mpi)" in r.stdout + r.stderr
 
 
 @pytest.mark.dist
