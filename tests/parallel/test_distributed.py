@@ -181,7 +181,7 @@ def test_dcp_checkpoint_of_two_processes_resumes_on_one(fsdp2_run, tmp_path):
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(ref_out / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref[:2]))
-    rows = run(1, out, "parallel.engine=fsdp2", "train.steps=3", *EMA, "run.resume=auto")
+    rows = reference(out, "parallel.engine=fsdp2", "train.steps=3", *EMA, "run.resume=auto")  # one process: this one
     assert [r["step"] for r in rows] == [0, 1, 2]
     close(rows[2:], ref[2:])  # step 2 trained by one process from the 2-process shards = the 2-process step 2
 
