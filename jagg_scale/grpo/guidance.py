@@ -1,6 +1,7 @@
 """Classifier-free guidance: how a (conditional, unconditional) pair of velocity predictions becomes the one the
 sampler moves along and the GRPO loss scores. One function for rollout, evaluation and training, so the training
-pass rescores exactly what the rollout sampled; a model family names its rule (VelocityModel.guidance_rule)."""
+pass rescores exactly what the rollout sampled; a model family names its rule (VelocityModel.guidance_rule). The
+scale is a float, or one per expert of a two-expert model (ExpertGuidance), read at each step's sigma by both."""
 
 from __future__ import annotations
 
