@@ -20,6 +20,7 @@ import io
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
@@ -80,7 +81,6 @@ IMAGE_THREADS = 8
 def check_images(items: Sequence[tuple[object, str]]) -> list[Exception | None]:
     """check_image over (source, name) pairs in up to IMAGE_THREADS threads: each item's ValueError (OSError for a
     file gone since) or None, in order."""
-    from PIL import Image
 
     def one(item) -> Exception | None:
         try:
@@ -91,8 +91,7 @@ def check_images(items: Sequence[tuple[object, str]]) -> list[Exception | None]:
 
     threads = min(len(items), IMAGE_THREADS, len(os.sched_getaffinity(0)))
     # the threads leave the warning filters alone (catch_warnings is not thread-safe): this thread sets them once
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+    with _no_bomb_warning():
         if threads <= 1:
             return [one(item) for item in items]
         with ThreadPoolExecutor(threads, thread_name_prefix="check_image") as pool:
@@ -117,11 +116,18 @@ def load_rgb(source, size: int, name: str | None = None) -> torch.Tensor:
 def _open(source, name: str | None):
     """`source` decoded to an RGB PIL image: at most MAX_IMAGE_BYTES read, MAX_IMAGE_PIXELS checked from the header
     before anything is decoded; any failure a ValueError (FileNotFoundError for a missing path) naming it."""
+    with _no_bomb_warning():
+        return _decode(source, name)
+
+
+@contextmanager
+def _no_bomb_warning():
+    """PIL's DecompressionBombWarning silenced: the pixel bound (_decode) is the check, and says it in our words."""
     from PIL import Image
 
-    with warnings.catch_warnings():  # PIL's bomb warning: the pixel bound (_decode) is the check
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        return _decode(source, name)
+        yield
 
 
 def _decode(source, name: str | None):
